@@ -1,0 +1,293 @@
+"""Job specification: what the planner needs to know about the model, the cluster and training.
+
+A spec comes from a TOML file (``--job``) or a built-in preset (``--preset``). Every figure is
+validated on load so that a typo fails at once with one sentence naming the key, the value and
+what was expected, instead of surfacing later as a nonsensical plan. Per-layer figures may be a
+scalar (every layer alike) or a list of length ``model.layers`` (a heavier embedding or head).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import asdict, dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any, Mapping
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+__all__ = [
+    "SpecError",
+    "ModelProfile",
+    "ClusterSpec",
+    "TrainingSpec",
+    "PlannerSpec",
+    "JobSpec",
+    "load_job",
+    "preset_names",
+]
+
+
+class SpecError(ValueError):
+    """A job spec that cannot be used; the message names the key and the fix."""
+
+
+PER_LAYER_KEYS = ("forward_s", "backward_s", "param_bytes", "optimizer_bytes", "activation_bytes")
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    """Per-layer cost figures (index = layer). Gradients take ``param_bytes`` per layer."""
+
+    layers: int
+    forward_s: tuple[float, ...]
+    backward_s: tuple[float, ...]
+    param_bytes: tuple[float, ...]
+    optimizer_bytes: tuple[float, ...]
+    activation_bytes: tuple[float, ...]
+
+    def state_bytes(self, layer: int) -> float:
+        """Parameters + gradients + optimizer state of one layer: what a holder keeps resident."""
+        return 2 * self.param_bytes[layer] + self.optimizer_bytes[layer]
+
+    def transfer_bytes(self, layer: int) -> float:
+        """What moves when a device must receive a layer: weights and optimizer state."""
+        return self.param_bytes[layer] + self.optimizer_bytes[layer]
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    devices: int
+    device_memory_bytes: float
+    bandwidth_bytes_per_s: float
+    restart_s: float
+    failure_rate_per_hour: float
+
+    def expected_run_s(self, live_devices: int) -> float:
+        """Expected time to the next failure: 1 / (live devices x per-device rate)."""
+        rate = live_devices * self.failure_rate_per_hour / 3600.0
+        return math.inf if rate <= 0 else 1.0 / rate
+
+
+@dataclass(frozen=True)
+class TrainingSpec:
+    dp: int
+    pp: int
+    global_micro_batches: int
+    micro_batch_size: int = 1
+
+
+@dataclass(frozen=True)
+class PlannerSpec:
+    """Search ranges (the paper's R_dp and R_pp) and the plan-cache depth."""
+
+    dp_radius: int = 2
+    pp_radius: int = 2
+    cache_failures: int = 2
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    model: ModelProfile
+    cluster: ClusterSpec
+    training: TrainingSpec
+    planner: PlannerSpec = field(default_factory=PlannerSpec)
+    name: str = "job"
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], name: str = "job") -> "JobSpec":
+        return _parse(data, name)
+
+    @classmethod
+    def from_toml(cls, path: str | Path) -> "JobSpec":
+        path = Path(path)
+        try:
+            text = path.read_text()
+        except OSError as exc:
+            raise SpecError(
+                f"cannot read job file {str(path)!r} ({exc.strerror}); pass an existing TOML "
+                f"file to --job, or use --preset with one of: {', '.join(preset_names())}."
+            ) from exc
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            raise SpecError(f"job file {str(path)!r} is not valid TOML: {exc}.") from exc
+        return _parse(data, path.stem)
+
+    @classmethod
+    def preset(cls, name: str) -> "JobSpec":
+        names = preset_names()
+        if name not in names:
+            raise SpecError(
+                f"unknown preset {name!r}; choose one of: {', '.join(names)}, "
+                "or describe the job in a TOML file and pass it with --job."
+            )
+        text = resources.files("chameleon_elastic.presets").joinpath(f"{name}.toml").read_text()
+        return _parse(tomllib.loads(text), name)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data; per-layer figures stay lists so the result reloads with from_dict."""
+        out = asdict(self)
+        out["model"] = {k: (list(v) if isinstance(v, tuple) else v) for k, v in out["model"].items()}
+        return out
+
+
+def preset_names() -> list[str]:
+    folder = resources.files("chameleon_elastic.presets")
+    return sorted(p.name[: -len(".toml")] for p in folder.iterdir() if p.name.endswith(".toml"))
+
+
+def load_job(job: str | Path | None, preset: str | None) -> JobSpec:
+    """The one place CLIs turn ``--job`` / ``--preset`` into a spec."""
+    if job is not None and preset is not None:
+        raise SpecError("--job and --preset are mutually exclusive; pass only one of them.")
+    if job is not None:
+        return JobSpec.from_toml(job)
+    if preset is not None:
+        return JobSpec.preset(preset)
+    raise SpecError(
+        f"no job given; pass --job FILE.toml or --preset NAME (one of: {', '.join(preset_names())})."
+    )
+
+
+# --------------------------------------------------------------------------- parsing
+
+
+def _section(data: Mapping[str, Any], name: str, required: bool = True) -> Mapping[str, Any]:
+    value = data.get(name)
+    if value is None and not required:
+        return {}
+    if not isinstance(value, Mapping):
+        raise SpecError(
+            f"section [{name}] is missing or not a table; add a [{name}] table to the job file."
+        )
+    return value
+
+
+def _reject_unknown(section: Mapping[str, Any], name: str, known: tuple[str, ...]) -> None:
+    for key in section:
+        if key not in known:
+            raise SpecError(
+                f"unknown key {name}.{key}; the keys of [{name}] are: {', '.join(known)}."
+            )
+
+
+def _number(section: Mapping[str, Any], name: str, key: str, *, minimum: float = 0.0,
+            strict: bool = False, default: float | None = None) -> float:
+    if key not in section:
+        if default is not None:
+            return default
+        raise SpecError(f"missing key {name}.{key}; add it to the [{name}] table.")
+    value = section[key]
+    bad = isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+    if bad or value < minimum or (strict and value <= minimum):
+        relation = ">" if strict else ">="
+        raise SpecError(
+            f"{name}.{key} = {value!r} is invalid; expected a finite number {relation} {minimum:g}."
+        )
+    return float(value)
+
+
+def _integer(section: Mapping[str, Any], name: str, key: str, *, minimum: int = 1,
+             default: int | None = None) -> int:
+    if key not in section:
+        if default is not None:
+            return default
+        raise SpecError(f"missing key {name}.{key}; add it to the [{name}] table.")
+    value = section[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise SpecError(f"{name}.{key} = {value!r} is invalid; expected an integer >= {minimum}.")
+    return value
+
+
+def _per_layer(section: Mapping[str, Any], key: str, layers: int, *,
+               strict: bool) -> tuple[float, ...]:
+    if key not in section:
+        raise SpecError(f"missing key model.{key}; add it to the [model] table.")
+    value = section[key]
+    relation = "> 0" if strict else ">= 0"
+    expected = f"a finite number {relation} or a list of {layers} such numbers (one per layer)"
+    if isinstance(value, list):
+        if len(value) != layers:
+            raise SpecError(
+                f"model.{key} has {len(value)} entries but model.layers = {layers}; "
+                f"expected {expected}."
+            )
+        items = value
+    else:
+        items = [value] * layers
+    for i, item in enumerate(items):
+        ok = (not isinstance(item, bool) and isinstance(item, (int, float))
+              and math.isfinite(item) and (item > 0 if strict else item >= 0))
+        if not ok:
+            where = f"model.{key}[{i}]" if isinstance(value, list) else f"model.{key}"
+            raise SpecError(f"{where} = {item!r} is invalid; expected {expected}.")
+    return tuple(float(x) for x in items)
+
+
+def _parse(data: Mapping[str, Any], name: str) -> JobSpec:
+    _reject_unknown(data, "job file", ("name", "model", "cluster", "training", "planner"))
+    m = _section(data, "model")
+    _reject_unknown(m, "model", ("layers",) + PER_LAYER_KEYS)
+    layers = _integer(m, "model", "layers")
+    model = ModelProfile(
+        layers=layers,
+        forward_s=_per_layer(m, "forward_s", layers, strict=True),
+        backward_s=_per_layer(m, "backward_s", layers, strict=True),
+        param_bytes=_per_layer(m, "param_bytes", layers, strict=False),
+        optimizer_bytes=_per_layer(m, "optimizer_bytes", layers, strict=False),
+        activation_bytes=_per_layer(m, "activation_bytes", layers, strict=False),
+    )
+
+    c = _section(data, "cluster")
+    keys = ("devices", "device_memory_bytes", "bandwidth_bytes_per_s", "restart_s",
+            "failure_rate_per_hour")
+    _reject_unknown(c, "cluster", keys)
+    cluster = ClusterSpec(
+        devices=_integer(c, "cluster", "devices"),
+        device_memory_bytes=_number(c, "cluster", "device_memory_bytes", strict=True),
+        bandwidth_bytes_per_s=_number(c, "cluster", "bandwidth_bytes_per_s", strict=True),
+        restart_s=_number(c, "cluster", "restart_s"),
+        failure_rate_per_hour=_number(c, "cluster", "failure_rate_per_hour"),
+    )
+
+    t = _section(data, "training")
+    _reject_unknown(t, "training", ("dp", "pp", "global_micro_batches", "micro_batch_size"))
+    training = TrainingSpec(
+        dp=_integer(t, "training", "dp"),
+        pp=_integer(t, "training", "pp"),
+        global_micro_batches=_integer(t, "training", "global_micro_batches"),
+        micro_batch_size=_integer(t, "training", "micro_batch_size", default=1),
+    )
+    if training.dp * training.pp > cluster.devices:
+        raise SpecError(
+            f"training.dp x training.pp = {training.dp} x {training.pp} = "
+            f"{training.dp * training.pp} exceeds cluster.devices = {cluster.devices}; "
+            "lower dp or pp, or add devices."
+        )
+    if training.pp > layers:
+        raise SpecError(
+            f"training.pp = {training.pp} exceeds model.layers = {layers}; "
+            "a stage needs at least one layer, so lower pp."
+        )
+    if training.global_micro_batches < training.dp:
+        raise SpecError(
+            f"training.global_micro_batches = {training.global_micro_batches} is less than "
+            f"training.dp = {training.dp}; every pipeline needs at least one micro-batch."
+        )
+
+    p = _section(data, "planner", required=False)
+    _reject_unknown(p, "planner", ("dp_radius", "pp_radius", "cache_failures"))
+    planner = PlannerSpec(
+        dp_radius=_integer(p, "planner", "dp_radius", minimum=0, default=2),
+        pp_radius=_integer(p, "planner", "pp_radius", minimum=0, default=2),
+        cache_failures=_integer(p, "planner", "cache_failures", minimum=0, default=2),
+    )
+    job_name = data.get("name", name)
+    if not isinstance(job_name, str):
+        raise SpecError(f"name = {job_name!r} is invalid; expected a string.")
+    return JobSpec(model=model, cluster=cluster, training=training, planner=planner, name=job_name)
