@@ -1,0 +1,99 @@
+"""The device back-end interface: what the runtime and the launcher need to know about a device.
+
+A back-end names the torch.distributed backend that fits the device (gloo, nccl, hccl), maps a
+local rank to a ``torch.device`` and reports memory figures. Each back-end lives in its own
+module and imports its framework lazily, inside the methods, so that importing
+``chameleon_elastic.plugins`` costs nothing and never fails on a machine without the device;
+only asking an unavailable back-end for a device raises :class:`PluginError`.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["DeviceBackend", "MemoryStats", "PluginError"]
+
+
+class PluginError(RuntimeError):
+    """A device back-end that cannot be used here; the message names the back-end and the fix."""
+
+
+@dataclass(frozen=True)
+class MemoryStats:
+    """Memory of one device in bytes.
+
+    ``allocated`` is what tensors use now, ``peak`` the most they used since the last reset (or
+    since the process started), ``reserved`` what the caching allocator (or, on CPU, the process)
+    holds, and ``total`` the capacity of the device.
+    """
+
+    device: str
+    allocated: int
+    peak: int
+    reserved: int
+    total: int
+
+    @property
+    def free(self) -> int:
+        return max(self.total - self.reserved, 0)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "device": self.device,
+            "allocated": self.allocated,
+            "peak": self.peak,
+            "reserved": self.reserved,
+            "total": self.total,
+            "free": self.free,
+        }
+
+
+class DeviceBackend(abc.ABC):
+    """One kind of device: cpu, cuda or npu."""
+
+    #: short name used by :func:`chameleon_elastic.plugins.get_backend`
+    name: str = ""
+    #: the torch.distributed backend for this device
+    dist_backend: str = ""
+
+    @abc.abstractmethod
+    def is_available(self) -> bool:
+        """True when the framework is importable and at least one device is visible."""
+
+    @abc.abstractmethod
+    def device_count(self) -> int:
+        """Visible devices of this kind on this host (0 when unavailable)."""
+
+    @abc.abstractmethod
+    def device(self, local_rank: int = 0) -> Any:
+        """The ``torch.device`` a worker with this local rank should use."""
+
+    @abc.abstractmethod
+    def memory_stats(self, local_rank: int = 0) -> MemoryStats:
+        """Memory figures of the device used by ``local_rank``."""
+
+    def reset_peak(self, local_rank: int = 0) -> None:
+        """Start a new peak-memory window (no-op where the device cannot)."""
+
+    def synchronize(self, local_rank: int = 0) -> None:
+        """Wait for queued device work (needed before reading a clock; no-op on CPU)."""
+
+    def _require(self) -> None:
+        if not self.is_available():
+            raise PluginError(
+                f"device back-end {self.name!r} is not available on this host (no visible "
+                f"device or its framework is not installed); use get_backend('cpu') or "
+                f"get_backend(None) to pick the best available back-end."
+            )
+
+    def _check_rank(self, local_rank: int) -> int:
+        count = self.device_count()
+        if local_rank < 0 or (count and local_rank >= count):
+            raise PluginError(
+                f"local rank {local_rank} has no {self.name} device (this host has {count}); "
+                f"start at most {count} workers per node (--nproc-per-node) or set the visible "
+                f"devices accordingly."
+            )
+        return local_rank

@@ -1,0 +1,54 @@
+"""CUDA back-end: nccl, one GPU per local rank, figures from torch's caching allocator."""
+
+from __future__ import annotations
+
+from .base import DeviceBackend, MemoryStats
+
+__all__ = ["CudaBackend"]
+
+
+class CudaBackend(DeviceBackend):
+    name = "cuda"
+    dist_backend = "nccl"
+
+    def is_available(self) -> bool:
+        try:
+            import torch
+        except ImportError:  # pragma: no cover - torch is a dependency
+            return False
+        return bool(torch.cuda.is_available())
+
+    def device_count(self) -> int:
+        if not self.is_available():
+            return 0
+        import torch
+
+        return int(torch.cuda.device_count())
+
+    def device(self, local_rank: int = 0):
+        import torch
+
+        self._require()
+        return torch.device("cuda", self._check_rank(local_rank))
+
+    def memory_stats(self, local_rank: int = 0) -> MemoryStats:
+        import torch
+
+        dev = self.device(local_rank)
+        return MemoryStats(
+            device=str(dev),
+            allocated=int(torch.cuda.memory_allocated(dev)),
+            peak=int(torch.cuda.max_memory_allocated(dev)),
+            reserved=int(torch.cuda.memory_reserved(dev)),
+            total=int(torch.cuda.get_device_properties(dev).total_memory),
+        )
+
+    def reset_peak(self, local_rank: int = 0) -> None:
+        import torch
+
+        torch.cuda.reset_peak_memory_stats(self.device(local_rank))
+
+    def synchronize(self, local_rank: int = 0) -> None:
+        import torch
+
+        torch.cuda.synchronize(self.device(local_rank))
