@@ -230,7 +230,12 @@ def _per_layer(section: Mapping[str, Any], key: str, layers: int, *,
 
 
 def _parse(data: Mapping[str, Any], name: str) -> JobSpec:
-    _reject_unknown(data, "job file", ("name", "model", "cluster", "training", "planner"))
+    for key in data:
+        if key not in ("name", "model", "cluster", "training", "planner"):
+            raise SpecError(
+                f"unknown top-level key {key!r}; a job file has the tables [model], [cluster], "
+                "[training], optionally [planner], and an optional name."
+            )
     m = _section(data, "model")
     _reject_unknown(m, "model", ("layers",) + PER_LAYER_KEYS)
     layers = _integer(m, "model", "layers")

@@ -1,0 +1,104 @@
+"""Job spec: parsing, per-layer figures, presets, and one-sentence errors naming the key."""
+
+from pathlib import Path
+
+import pytest
+
+from chameleon_elastic.spec import JobSpec, SpecError, load_job, preset_names
+
+GOOD = """
+[model]
+layers = 4
+forward_s = 0.01
+backward_s = [0.02, 0.02, 0.02, 0.05]
+param_bytes = 4.0e8
+optimizer_bytes = 1.6e9
+activation_bytes = 2.0e8
+[cluster]
+devices = 8
+device_memory_bytes = 64e9
+bandwidth_bytes_per_s = 25e9
+restart_s = 5.0
+failure_rate_per_hour = 0.1
+[training]
+dp = 4
+pp = 2
+global_micro_batches = 64
+"""
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "job.toml"
+    path.write_text(text)
+    return path
+
+
+def test_scalar_and_list_per_layer_figures(tmp_path):
+    spec = JobSpec.from_toml(write(tmp_path, GOOD))
+    assert spec.model.forward_s == (0.01,) * 4
+    assert spec.model.backward_s == (0.02, 0.02, 0.02, 0.05)
+    assert spec.training.micro_batch_size == 1
+    assert spec.name == "job"
+    assert JobSpec.from_dict(spec.to_dict(), spec.name) == spec
+
+
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        (("layers = 4", "layers = 0"), ["model.layers", "0", "integer >= 1"]),
+        (("forward_s = 0.01", "forward_s = -1"), ["model.forward_s", "-1", "> 0"]),
+        (("backward_s = [0.02, 0.02, 0.02, 0.05]", "backward_s = [0.02]"),
+         ["model.backward_s", "1 entries", "model.layers = 4"]),
+        (("backward_s = [0.02, 0.02, 0.02, 0.05]", "backward_s = [0.02, 0.02, 0.02, \"x\"]"),
+         ["model.backward_s[3]", "'x'"]),
+        (("devices = 8", "devices = 7"), ["exceeds cluster.devices = 7"]),
+        (("dp = 4", "dp = 4\nzz = 1"), ["training.zz", "dp, pp"]),
+        (("restart_s = 5.0\n", ""), ["missing key cluster.restart_s"]),
+        (("dp = 4\npp = 2", "dp = 1\npp = 5"), ["training.pp = 5", "model.layers = 4"]),
+        (("global_micro_batches = 64", "global_micro_batches = 3"), ["less than training.dp"]),
+        (("device_memory_bytes = 64e9", "device_memory_bytes = 'big'"),
+         ["cluster.device_memory_bytes", "'big'", "finite number"]),
+    ],
+)
+def test_bad_values_name_key_value_and_expectation(tmp_path, change, words):
+    old, new = change
+    assert old in GOOD
+    with pytest.raises(SpecError) as info:
+        JobSpec.from_toml(write(tmp_path, GOOD.replace(old, new)))
+    message = str(info.value)
+    for word in words:
+        assert word in message
+    assert "\n" not in message
+
+
+def test_missing_section_and_bad_toml(tmp_path):
+    with pytest.raises(SpecError, match=r"\[cluster\]"):
+        JobSpec.from_toml(write(tmp_path, GOOD.replace("[cluster]", "[clusterx]")))
+    with pytest.raises(SpecError, match="not valid TOML"):
+        JobSpec.from_toml(write(tmp_path, "[model\n"))
+    with pytest.raises(SpecError, match="cannot read job file"):
+        JobSpec.from_toml(tmp_path / "absent.toml")
+
+
+def test_presets_load_and_unknown_preset_lists_choices():
+    names = preset_names()
+    assert "llama2-7b-910b" in names
+    for name in names:
+        spec = JobSpec.preset(name)
+        assert spec.name == name
+        assert spec.training.dp * spec.training.pp <= spec.cluster.devices
+    with pytest.raises(SpecError, match="llama2-7b-910b"):
+        JobSpec.preset("nope")
+
+
+def test_load_job_needs_exactly_one_source(tmp_path):
+    with pytest.raises(SpecError, match="mutually exclusive"):
+        load_job(write(tmp_path, GOOD), "tiny-cpu")
+    with pytest.raises(SpecError, match="--job"):
+        load_job(None, None)
+    assert load_job(None, "tiny-cpu").name == "tiny-cpu"
+
+
+def test_expected_run_time_is_inverse_of_total_failure_rate():
+    spec = JobSpec.preset("llama2-7b-910b")
+    assert spec.cluster.expected_run_s(8) == pytest.approx(3600 / (8 * 0.1))
