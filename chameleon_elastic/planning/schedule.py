@@ -1,0 +1,326 @@
+"""The 1F1B operation order of every working device, written once for the estimator and runtime.
+
+Plain layouts. Pipeline ``p`` with ``N_pp`` stages and a quota of ``N_m`` micro-batches runs the
+classic 1F1B (PipeDream-Flush) order: stage ``i`` first does ``min(N_pp - i - 1, N_m)`` warm-up
+forwards, then alternates one forward and one backward, then drains the remaining backwards.
+Micro-batch numbers are local to the pipeline (``0 .. N_m - 1``). Pipelines never exchange
+activations, so asymmetric layouts (own length, own quota per pipeline) are just several such
+orders side by side; they meet only at the gradient all-reduce, which is not part of the order.
+
+Rerouted layouts. The dead device at stage ``s`` of pipeline ``p`` keeps its place in the
+layout; its work for micro-batch ``m`` is done by ``plan.server(p, s, m)``, a live peer that
+holds the same layers. The peer must interleave these foreign operations with its own. The
+rule depends on the plan only:
+
+1. Give every operation of every pipeline its *nominal start*: its start time when that
+   pipeline runs failure-free 1F1B with one device per stage, a forward taking 1 unit and a
+   backward 2 units (``NOMINAL_FORWARD`` / ``NOMINAL_BACKWARD``).
+2. Each device runs the operations it serves sorted by ``(nominal start, pipeline, stage,
+   micro-batch, kind)``.
+
+A device that serves only its own stage gets exactly its 1F1B order back (nominal starts grow
+along it). Why this cannot deadlock: every data dependency (``F(s-1,m) -> F(s,m)``,
+``F(last,m) -> B(last,m)``, ``B(s+1,m) -> B(s,m)``) goes strictly forward in nominal time,
+because durations are positive, and every device-order edge goes forward or sideways (ties) in
+nominal time. A cycle in the union of both edge sets would have to return to its starting
+nominal time while containing at least one strictly increasing data edge (device orders alone
+are chains, so every cycle has one): impossible. Hence executing the orders with blocking
+receives and non-blocking sends always finishes. Memory stays bounded like 1F1B: each foreign
+stream is a subsequence of the dead stage's own 1F1B order, so a peer holds at most its own
+``min(N_pp - s, N_m)`` in-flight micro-batches plus, per dead stage it serves, no more than that
+stage's 1F1B bound.
+
+Message order. ``link_messages`` lists, per directed device pair, the operations whose outputs
+cross that link, in the sender's order. When pipelines share length and quota (every
+symmetric layout, rerouted or not) the receiver consumes them in the same order, so plain FIFO
+point-to-point matching (NCCL, HCCL) is correct. For rerouted asymmetric layouts the receiver
+may consume them in another order: a runtime then matches by tag (gloo) or posts its receives
+in ``link_messages`` order. ``fifo_violations`` says which links those are.
+
+``simulate`` times fixed orders with the paper's recurrence
+``start(op) = max(end(previous op on the device), end(op it depends on))`` and raises
+``ScheduleError`` on a deadlock instead of looping forever.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Literal
+
+from ..plan import ExecutionPlan
+
+__all__ = [
+    "NOMINAL_BACKWARD",
+    "NOMINAL_FORWARD",
+    "Op",
+    "OpKey",
+    "ScheduleError",
+    "Timeline",
+    "dependency",
+    "device_orders",
+    "fifo_violations",
+    "in_flight_peak",
+    "link_messages",
+    "one_f_one_b",
+    "pipeline_schedule",
+    "simulate",
+]
+
+NOMINAL_FORWARD = 1.0
+NOMINAL_BACKWARD = 2.0
+
+OpKind = Literal["F", "B"]
+OpKey = tuple[str, int, int, int]
+"""``(kind, pipeline, micro_batch, stage)``: identifies an operation whoever runs it."""
+
+
+class ScheduleError(RuntimeError):
+    """A set of device orders that cannot finish (a dependency cycle or a missing operation)."""
+
+
+@dataclass(frozen=True)
+class Op:
+    """Forward or backward of one micro-batch through one stage, as one device runs it."""
+
+    kind: OpKind
+    pipeline: int
+    micro_batch: int
+    stage: int
+    device: int
+    source: int | None  # device the input comes from (F: previous stage, B: next stage)
+    dest: int | None  # device the output goes to; None at the pipeline ends
+
+    @property
+    def key(self) -> OpKey:
+        return (self.kind, self.pipeline, self.micro_batch, self.stage)
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """Start and end of every operation under given durations; ``makespan`` is the last end."""
+
+    start: Mapping[OpKey, float]
+    end: Mapping[OpKey, float]
+    makespan: float
+
+
+# --------------------------------------------------------------------------- one pipeline
+
+
+@lru_cache(maxsize=4096)
+def one_f_one_b(num_stages: int, stage: int, micro_batches: int) -> tuple[tuple[str, int], ...]:
+    """``(kind, micro_batch)`` in the order stage ``stage`` of a plain 1F1B pipeline runs them."""
+    if not 0 <= stage < num_stages or micro_batches < 0:
+        raise ValueError(
+            f"stage {stage} of a {num_stages}-stage pipeline with {micro_batches} micro-batches "
+            "does not exist; use 0 <= stage < num_stages and micro_batches >= 0."
+        )
+    warm = min(num_stages - stage - 1, micro_batches)
+    order: list[tuple[str, int]] = [("F", m) for m in range(warm)]
+    for k in range(micro_batches - warm):
+        order.append(("F", warm + k))
+        order.append(("B", k))
+    order.extend(("B", m) for m in range(micro_batches - warm, micro_batches))
+    return tuple(order)
+
+
+def pipeline_schedule(
+    stage_times: Sequence[tuple[float, float]], micro_batches: int
+) -> tuple[tuple[tuple[float, ...], tuple[float, ...]], ...]:
+    """End times of one failure-free 1F1B pipeline, one device per stage.
+
+    ``stage_times[s] = (T_f, T_b)`` of stage ``s``. Returns, per stage, ``(ends of F by
+    micro-batch, ends of B by micro-batch)``; the makespan is stage 0's last backward end.
+    O(N_pp * N_m): a worklist of stages, each advanced while its next operation's input is ready.
+    """
+    n = len(stage_times)
+    nm = micro_batches
+    if n == 0:
+        raise ValueError("a pipeline needs at least one stage")
+    orders = [one_f_one_b(n, s, nm) for s in range(n)]
+    end_f = [[-1.0] * nm for _ in range(n)]
+    end_b = [[-1.0] * nm for _ in range(n)]
+    pos = [0] * n
+    clock = [0.0] * n
+    pending = list(range(n - 1, -1, -1))
+    while pending:
+        s = pending.pop()
+        order = orders[s]
+        tf, tb = stage_times[s]
+        while pos[s] < len(order):
+            kind, m = order[pos[s]]
+            if kind == "F":
+                ready = 0.0 if s == 0 else end_f[s - 1][m]
+            else:
+                ready = end_f[s][m] if s == n - 1 else end_b[s + 1][m]
+            if ready < 0.0:
+                break
+            start = max(ready, clock[s])
+            if kind == "F":
+                clock[s] = end_f[s][m] = start + tf
+                if s + 1 < n:
+                    pending.append(s + 1)
+            else:
+                clock[s] = end_b[s][m] = start + tb
+                if s > 0:
+                    pending.append(s - 1)
+            pos[s] += 1
+    return tuple((tuple(end_f[s]), tuple(end_b[s])) for s in range(n))
+
+
+@lru_cache(maxsize=1024)
+def _nominal_starts(num_stages: int, micro_batches: int) -> tuple[tuple[tuple[float, ...], ...],
+                                                                  tuple[tuple[float, ...], ...]]:
+    """Nominal start times ``(F[s][m], B[s][m])`` of a failure-free pipeline (unit durations)."""
+    times = ((NOMINAL_FORWARD, NOMINAL_BACKWARD),) * num_stages
+    ends = pipeline_schedule(times, micro_batches)
+    f = tuple(tuple(e - NOMINAL_FORWARD for e in ends[s][0]) for s in range(num_stages))
+    b = tuple(tuple(e - NOMINAL_BACKWARD for e in ends[s][1]) for s in range(num_stages))
+    return f, b
+
+
+# --------------------------------------------------------------------------- a whole plan
+
+
+def device_orders(plan: ExecutionPlan, pipelines: Sequence[int] | None = None
+                  ) -> dict[int, tuple[Op, ...]]:
+    """Per working device, the operations it runs in order (see the module docstring).
+
+    ``pipelines`` restricts the result to the operations of those pipelines (the estimator
+    uses it for the pipelines that rerouting couples); devices then appear only if they serve
+    one of them. By default every working device appears, with an empty order if its quota is 0.
+    """
+    dead = set(plan.failed_devices)
+    reroutes = {r.device: r for r in plan.reroute}
+    chosen = range(len(plan.pipelines)) if pipelines is None else pipelines
+    keyed: dict[int, list[tuple[tuple[float, int, int, int, int], Op]]] = {}
+    if pipelines is None:
+        keyed = {d: [] for d in plan.working_devices}
+    foreign: set[int] = set()
+    for p in chosen:
+        pipe = plan.pipelines[p]
+        n, nm = pipe.num_stages, pipe.micro_batches
+        if any(d in dead for d in pipe.devices):
+            servers = [
+                [reroutes[d].peer_for(m) for m in range(nm)] if d in dead else [d] * nm
+                for d in pipe.devices
+            ]
+            foreign.update(x for s, d in enumerate(pipe.devices) if d in dead
+                           for x in servers[s])
+        else:
+            servers = [[d] * nm for d in pipe.devices]
+        nominal_f, nominal_b = _nominal_starts(n, nm)
+        for s in range(n):
+            for kind, m in one_f_one_b(n, s, nm):
+                device = servers[s][m]
+                if kind == "F":
+                    source = servers[s - 1][m] if s > 0 else None
+                    dest = servers[s + 1][m] if s + 1 < n else None
+                    nominal = nominal_f[s][m]
+                else:
+                    source = servers[s + 1][m] if s + 1 < n else None
+                    dest = servers[s - 1][m] if s > 0 else None
+                    nominal = nominal_b[s][m]
+                op = Op(kind, p, m, s, device, source, dest)
+                keyed.setdefault(device, []).append(
+                    ((nominal, p, s, m, 0 if kind == "F" else 1), op))
+    out: dict[int, tuple[Op, ...]] = {}
+    for device in sorted(keyed):
+        items = keyed[device]
+        if device in foreign:
+            items.sort(key=lambda item: item[0])
+        out[device] = tuple(op for _, op in items)
+    return out
+
+
+def dependency(op: Op) -> OpKey | None:
+    """The operation whose output ``op`` consumes, or None for a forward at stage 0."""
+    if op.kind == "F":
+        return None if op.source is None else ("F", op.pipeline, op.micro_batch, op.stage - 1)
+    if op.source is None:  # last stage: the backward consumes its own forward's output
+        return ("F", op.pipeline, op.micro_batch, op.stage)
+    return ("B", op.pipeline, op.micro_batch, op.stage + 1)
+
+
+def simulate(orders: Mapping[int, Sequence[Op]], duration: Callable[[Op], float]) -> Timeline:
+    """Time fixed device orders: ``start = max(end of previous op on device, end of input op)``.
+
+    Raises ``ScheduleError`` when the orders cannot finish (cyclic waits or an input that no
+    device produces), naming the operations that are stuck.
+    """
+    start: dict[OpKey, float] = {}
+    end: dict[OpKey, float] = {}
+    pos = {d: 0 for d in orders}
+    clock = {d: 0.0 for d in orders}
+    waiting: dict[OpKey, list[int]] = {}
+    pending = list(orders)
+    makespan = 0.0
+    while pending:
+        d = pending.pop()
+        order = orders[d]
+        while pos[d] < len(order):
+            op = order[pos[d]]
+            dep = dependency(op)
+            if dep is not None and dep not in end:
+                waiting.setdefault(dep, []).append(d)
+                break
+            ready = 0.0 if dep is None else end[dep]
+            key = op.key
+            if key in end:
+                raise ScheduleError(f"operation {key} is scheduled twice (again on device {d}).")
+            begin = max(ready, clock[d])
+            finish = begin + duration(op)
+            start[key] = begin
+            end[key] = clock[d] = finish
+            makespan = max(makespan, finish)
+            pos[d] += 1
+            pending.extend(waiting.pop(key, ()))
+    stuck = [orders[d][pos[d]] for d in orders if pos[d] < len(orders[d])]
+    if stuck:
+        shown = "; ".join(f"device {op.device} waits for {dependency(op)} before {op.key}"
+                          for op in stuck[:4])
+        raise ScheduleError(
+            f"the device orders deadlock: {len(stuck)} device(s) are stuck ({shown}); the "
+            "orders must come from device_orders(plan) for a validated plan."
+        )
+    return Timeline(start=start, end=end, makespan=makespan)
+
+
+def in_flight_peak(order: Sequence[Op], weight: Callable[[Op], float] | None = None) -> float:
+    """Most micro-batches (or, with ``weight``, activation bytes) held at once by one order.
+
+    A forward stores its activations until the matching backward of the same stage frees them.
+    """
+    held = peak = 0.0
+    for op in order:
+        w = 1.0 if weight is None else weight(op)
+        held += w if op.kind == "F" else -w
+        peak = max(peak, held)
+    return peak
+
+
+def link_messages(orders: Mapping[int, Sequence[Op]]) -> dict[tuple[int, int], tuple[Op, ...]]:
+    """Per ``(sender, receiver)``, the operations whose outputs cross that link, in send order."""
+    links: dict[tuple[int, int], list[Op]] = {}
+    for d in sorted(orders):
+        for op in orders[d]:
+            if op.dest is not None:
+                links.setdefault((d, op.dest), []).append(op)
+    return {k: tuple(v) for k, v in links.items()}
+
+
+def fifo_violations(orders: Mapping[int, Sequence[Op]]) -> list[tuple[int, int]]:
+    """Links on which the receiver consumes messages in another order than they were sent."""
+    received: dict[tuple[int, int], list[OpKey]] = {}
+    for d in sorted(orders):
+        for op in orders[d]:
+            dep = dependency(op)
+            if op.source is not None and dep is not None:
+                received.setdefault((op.source, d), []).append(dep)
+    bad = []
+    for link, sent in link_messages(orders).items():
+        if [op.key for op in sent] != received.get(link, []):
+            bad.append(link)
+    return bad
