@@ -1,1 +1,59 @@
-"""See DESIGN.md for this layer's role."""
+"""Inside the training process: train under any execution plan, for real.
+
+A script describes its model as an ordered list of layers (:class:`PipelineModel`), joins the
+process group (:func:`init_distributed`) and builds a :class:`PipelineTrainer` from the plan
+the launcher wrote (``CHAMELEON_PLAN_FILE``). The trainer builds only its stage's layers, runs
+the per-device 1F1B order of ``planning/schedule.py`` with point-to-point transfers, sums
+gradients over each layer's holders by the plan's colour rounds and steps the optimizer. The
+loss and the gradients equal those of single-process training on the same global batch,
+whatever the plan (symmetric, asymmetric, rerouted). See docs/runtime.md.
+"""
+
+from __future__ import annotations
+
+from .data import global_micro_batch, sample_ids, step_sample_ids
+from .errors import PipelineRuntimeError
+from .executor import OpTiming, PipelineExecutor, StepOutcome, TensorSpec, boundary_shape
+from .grad_sync import SyncMode, sync_gradients
+from .groups import GroupTable
+from .model import PipelineModel, build_layers, collate
+from .topology import (
+    RankMap,
+    collective_timeout,
+    dense_rank_map,
+    device_from_env,
+    exchange_rank_map,
+    init_distributed,
+    plan_from_env,
+)
+from .trainer import PipelineTrainer, StepResult, data_parallel_plan, layer_holders, plan_rounds
+
+__all__ = [
+    "GroupTable",
+    "OpTiming",
+    "PipelineExecutor",
+    "PipelineModel",
+    "PipelineRuntimeError",
+    "PipelineTrainer",
+    "RankMap",
+    "StepOutcome",
+    "StepResult",
+    "SyncMode",
+    "TensorSpec",
+    "boundary_shape",
+    "build_layers",
+    "collate",
+    "collective_timeout",
+    "data_parallel_plan",
+    "dense_rank_map",
+    "device_from_env",
+    "exchange_rank_map",
+    "global_micro_batch",
+    "init_distributed",
+    "layer_holders",
+    "plan_from_env",
+    "plan_rounds",
+    "sample_ids",
+    "step_sample_ids",
+    "sync_gradients",
+]
