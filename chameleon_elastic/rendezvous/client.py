@@ -1,0 +1,302 @@
+"""One resilient etcd v3 connection shared by the backend, the store and the liveness watcher.
+
+``pyetcd`` (etcd-sdk-python) does one gRPC request per call and never retries. Two of its
+defaults also defeat a restart of etcd: an endpoint that fails once is shunned for 300 s, and an
+auth token obtained at connect time dies with the server's memory. :class:`EtcdClient` fixes
+both and adds the retry policy the rendezvous needs:
+
+- every request goes through :meth:`EtcdClient.call`, which retries *transient* failures (no
+  endpoint reachable, deadline exceeded, leader election) with capped exponential back-off until
+  ``retry_timeout``, then raises :class:`EtcdConnectionError`. gRPC's own reconnect back-off is
+  capped at 1 s so a restarted server is found within about a second;
+- an expired/unknown auth token (``invalid auth token``, e.g. after etcd restarted) rebuilds the
+  underlying client, which authenticates again, and the request is retried;
+- bad credentials and missing permissions are not transient: :class:`EtcdAuthError` at once;
+- endpoints of a cluster fail over in turn (an endpoint that failed is retried after 0.2 s).
+
+The first contact (the constructor, ``verify=True``) only waits ``connect_timeout``, so a wrong
+``--rdzv-endpoint`` or a TLS mismatch is reported in seconds with a message that says what to
+check. A request that is retried after a lost reply may have been applied once already: callers
+use compare-and-set transactions (the backend) or accept at-least-once (``Store.add``).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import grpc
+import pyetcd
+from pyetcd import etcdrpc
+from pyetcd import exceptions as etcd_exceptions
+
+from chameleon_elastic.rendezvous.config import EtcdSettings
+from chameleon_elastic.rendezvous.errors import (
+    EtcdAuthError,
+    EtcdConnectionError,
+    EtcdRendezvousError,
+)
+
+__all__ = ["EtcdClient", "is_transient"]
+
+log = logging.getLogger("chameleon_elastic.rendezvous.connection")
+
+T = TypeVar("T")
+
+_ENDPOINT_RETRY_S = 0.2
+_BACKOFF_START_S = 0.02
+_BACKOFF_MAX_S = 0.5
+_GRPC_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
+_TRANSIENT_CODES = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.INTERNAL,
+}
+_TRANSIENT_PYETCD = (
+    etcd_exceptions.ConnectionFailedError,
+    etcd_exceptions.ConnectionTimeoutError,
+    etcd_exceptions.NoServerAvailableError,
+    etcd_exceptions.InternalServerError,
+    etcd_exceptions.WatchTimedOut,
+)
+_TRANSIENT_DETAILS = ("leader changed", "no leader", "timed out", "too many requests")
+
+
+def _rpc_error(exc: BaseException) -> grpc.RpcError | None:
+    """The gRPC error behind ``exc`` (pyetcd raises its own types inside ``except RpcError``)."""
+    seen: BaseException | None = exc
+    for _ in range(4):
+        if seen is None:
+            return None
+        if isinstance(seen, grpc.RpcError) and hasattr(seen, "code"):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def _details(exc: BaseException) -> str:
+    rpc = _rpc_error(exc)
+    if rpc is not None:
+        try:
+            return f"{rpc.code().name}: {rpc.details()}"  # type: ignore[attr-defined]
+        except (AttributeError, ValueError):  # a half-built RpcError
+            return str(rpc)
+    return str(exc) or type(exc).__name__
+
+
+def is_transient(exc: BaseException) -> bool:
+    """True for failures a retry may cure (no endpoint, deadline, leader change)."""
+    if isinstance(exc, _TRANSIENT_PYETCD):
+        return True
+    if isinstance(exc, ValueError) and "failed node" in str(exc):
+        return True  # pyetcd: "Trying to use a failed node"
+    rpc = _rpc_error(exc)
+    if rpc is None:
+        return False
+    try:
+        code, details = rpc.code(), (rpc.details() or "")  # type: ignore[attr-defined]
+    except (AttributeError, ValueError):
+        return False
+    if code in _TRANSIENT_CODES:
+        return True
+    return code == grpc.StatusCode.UNKNOWN and any(d in details for d in _TRANSIENT_DETAILS)
+
+
+def _is_token_expired(exc: BaseException) -> bool:
+    rpc = _rpc_error(exc)
+    if rpc is None:
+        return False
+    try:
+        return rpc.code() == grpc.StatusCode.UNAUTHENTICATED or "invalid auth token" in (
+            rpc.details() or ""
+        )
+    except (AttributeError, ValueError):
+        return False
+
+
+def _auth_problem(exc: BaseException) -> str | None:
+    rpc = _rpc_error(exc)
+    if rpc is None:
+        return None
+    try:
+        code, details = rpc.code(), (rpc.details() or "")
+    except (AttributeError, ValueError):
+        return None
+    if "authentication failed" in details or "invalid user" in details:
+        return "bad credentials"
+    if code == grpc.StatusCode.PERMISSION_DENIED:
+        return "permission denied"
+    if "authentication is not enabled" in details:
+        return "auth disabled"
+    if "user name is empty" in details or "user name not found" in details:
+        return "no user"
+    return None
+
+
+class EtcdClient:
+    """A thread-safe, self-healing handle on one etcd cluster (see the module docstring)."""
+
+    def __init__(self, settings: EtcdSettings, *, verify: bool = True) -> None:
+        self.settings = settings
+        self._lock = threading.Lock()
+        self._client: pyetcd.MultiEndpointEtcd3Client | None = None
+        self._closed = False
+        if verify:
+            self.call("connect", self._status, timeout=settings.connect_timeout)
+
+    @staticmethod
+    def _status(client: pyetcd.MultiEndpointEtcd3Client) -> Any:
+        return client.maintenancestub.Status(
+            etcdrpc.StatusRequest(),
+            client.timeout,
+            credentials=client.call_credentials,
+            metadata=client.metadata,
+        )
+
+    def _build(self) -> pyetcd.MultiEndpointEtcd3Client:
+        s = self.settings
+        creds = None
+        if s.secure:
+            creds = pyetcd.MultiEndpointEtcd3Client.get_secure_creds(s.cacert, s.key, s.cert)
+        endpoints = [
+            pyetcd.Endpoint(
+                host,
+                port,
+                secure=s.secure,
+                creds=creds,
+                time_retry=_ENDPOINT_RETRY_S,
+                opts=_GRPC_OPTIONS,
+            )
+            for host, port in s.endpoints
+        ]
+        try:
+            return pyetcd.MultiEndpointEtcd3Client(
+                endpoints=endpoints,
+                timeout=s.rpc_timeout,
+                user=s.user,
+                password=s.password,
+                failover=True,
+            )
+        except BaseException:
+            for endpoint in endpoints:
+                endpoint.close()
+            raise
+
+    def client(self) -> pyetcd.MultiEndpointEtcd3Client:
+        """The current pyetcd client (built, and authenticated, on first use)."""
+        with self._lock:
+            if self._closed:
+                raise EtcdRendezvousError(
+                    "This etcd connection was closed; create a new EtcdClient to talk to etcd "
+                    "again."
+                )
+            if self._client is None:
+                self._client = self._build()
+            return self._client
+
+    def _reset(self, stale: pyetcd.MultiEndpointEtcd3Client) -> None:
+        with self._lock:
+            if self._client is stale:
+                self._client = None
+        try:
+            stale.close()
+        except Exception:  # closing a broken channel must not mask the real error
+            log.debug("closing a stale etcd client failed", exc_info=True)
+
+    def call(
+        self,
+        what: str,
+        fn: Callable[[pyetcd.MultiEndpointEtcd3Client], T],
+        *,
+        timeout: float | None = None,
+    ) -> T:
+        """Run ``fn(client)``, retrying transient failures for ``timeout`` (default retry_timeout)."""
+        deadline = time.monotonic() + (self.settings.retry_timeout if timeout is None else timeout)
+        backoff = _BACKOFF_START_S
+        while True:
+            current: pyetcd.MultiEndpointEtcd3Client | None = None
+            try:
+                current = self.client()
+                return fn(current)
+            except EtcdRendezvousError:
+                raise
+            except Exception as exc:
+                problem = _auth_problem(exc)
+                if problem is not None:
+                    raise self._auth_error(problem, what) from exc
+                if _is_token_expired(exc):
+                    if current is not None:
+                        self._reset(current)
+                elif not is_transient(exc):
+                    raise
+                if time.monotonic() >= deadline:
+                    raise self._connection_error(what, exc) from exc
+                log.debug("etcd %s failed (%s); retrying", what, _details(exc))
+            time.sleep(min(backoff, max(0.0, deadline - time.monotonic())) * random.uniform(0.5, 1))
+            backoff = min(backoff * 2, _BACKOFF_MAX_S)
+
+    def _connection_error(self, what: str, exc: BaseException) -> EtcdConnectionError:
+        s = self.settings
+        hint = (
+            " With TLS, also check that cacert is the CA that signed the server's certificate, "
+            "that the certificate names the host you connect to, and that cert/key match."
+            if s.secure
+            else " If the cluster uses TLS (https client URLs), pass cacert=... in --rdzv-conf."
+        )
+        return EtcdConnectionError(
+            f"etcd {what} failed: no endpoint of {s.endpoint_text} answered within the retry "
+            f"deadline (last error: {_details(exc)}). Check --rdzv-endpoint (the host:port of "
+            f"etcd's client URLs, comma-separated) and that etcd is running and reachable.{hint}"
+        )
+
+    def _auth_error(self, problem: str, what: str) -> EtcdAuthError:
+        s = self.settings
+        messages = {
+            "bad credentials": (
+                f"etcd at {s.endpoint_text} rejected user {s.user!r}: the user name or password "
+                "is wrong. Fix user/password in --rdzv-conf (or CHAMELEON_ETCD_USER / "
+                "CHAMELEON_ETCD_PASSWORD)."
+            ),
+            "permission denied": (
+                f"etcd at {s.endpoint_text} denied {what} to user {s.user!r}. Grant the user's "
+                f"role readwrite on the prefix {s.key_prefix}/ (etcdctl role grant-permission "
+                f"ROLE --prefix=true readwrite {s.key_prefix}/)."
+            ),
+            "auth disabled": (
+                f"user/password were given but etcd at {s.endpoint_text} has authentication "
+                "disabled. Drop user/password from --rdzv-conf, or enable auth on the cluster "
+                "(etcdctl auth enable)."
+            ),
+            "no user": (
+                f"etcd at {s.endpoint_text} requires authentication for {what}. Pass "
+                "user=...,password=... in --rdzv-conf."
+            ),
+        }
+        return EtcdAuthError(messages[problem])
+
+    def close(self) -> None:
+        with self._lock:
+            current, self._client, self._closed = self._client, None, True
+        if current is not None:
+            try:
+                current.close()
+            except Exception:
+                log.debug("closing the etcd client failed", exc_info=True)
+
+    def __enter__(self) -> EtcdClient:  # noqa: PYI034
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

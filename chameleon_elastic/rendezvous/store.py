@@ -1,0 +1,301 @@
+"""A c10d ``Store`` on etcd v3, so no key-value store has to live inside a training process.
+
+Keys live under ``<key_prefix>/<run_id>/store/``; values are raw bytes. The operations follow
+``TCPStore``'s semantics:
+
+- ``set``/``multi_set``: one put / one transaction;
+- ``get``/``multi_get``: wait until the keys exist (up to the store timeout), then read;
+- ``add``: integer counter, updated by compare-and-set on the key's mod revision (retried on
+  contention), returns the new value;
+- ``compare_set(key, expected, desired)``: one transaction; writes ``desired`` when the value
+  equals ``expected`` (or the key is absent and ``expected`` is empty) and returns the value
+  now stored, else returns the current value (``expected`` when the key is absent);
+- ``wait``: reads the missing keys at revision R, then watches the first missing key from
+  R + 1, so a put that races with the read is never missed; a broken watch (etcd restart) just
+  re-reads and re-watches. Timeout -> :class:`EtcdStoreTimeoutError` (a ``DistStoreError``);
+- ``check``, ``delete_key``, ``num_keys`` (keys of this store), ``append``.
+
+What torch does with it (torch 2.13): ``DynamicRendezvousHandler`` wraps this store in a
+``PrefixStore("torch.rendezvous.<run_id>.<round>")`` and hands it to the agents, which use it
+for ``RendezvousStoreInfo`` (MASTER_ADDR/MASTER_PORT, written by group rank 0), role/rank
+assignment (``set``/``multi_get``/``multi_set``/``get``) and the exit barrier (``add``/``set``/
+``wait``). Workers do NOT use it: by default (``use_agent_store``) the rank-0 *agent* hosts a
+``TCPStore`` server and workers connect to MASTER_ADDR:MASTER_PORT; with
+``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` the rank-0 *worker* hosts it instead. A worker that
+should bootstrap from etcd builds ``EtcdStore`` itself and passes it to
+``init_process_group(store=...)``.
+
+Limit of torch's Python-store bridge: through a ``PrefixStore``, ``delete_key`` and
+``num_keys`` hit pure-virtual C++ methods (torch's trampoline does not forward them); call them
+on the ``EtcdStore`` directly.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+from pyetcd import transactions
+from pyetcd.utils import prefix_range_end
+
+from chameleon_elastic.rendezvous.client import EtcdClient, is_transient
+from chameleon_elastic.rendezvous.errors import EtcdRendezvousError, EtcdStoreTimeoutError
+
+__all__ = ["EtcdStore"]
+
+log = logging.getLogger("chameleon_elastic.rendezvous.store")
+
+_DEFAULT_TIMEOUT = timedelta(seconds=300)
+
+
+def _to_bytes(value: str | bytes | bytearray | Sequence[int]) -> bytes:
+    if isinstance(value, str):
+        return value.encode("utf-8")
+    return bytes(value)
+
+
+class EtcdStore(dist.Store):
+    """``torch.distributed.Store`` backed by etcd v3 (see the module docstring).
+
+    Args:
+        client: the shared connection.
+        run_prefix: ``<key_prefix>/<run_id>/``.
+        timeout: how long ``get``/``wait`` wait for missing keys (``set_timeout`` changes it).
+    """
+
+    def __init__(
+        self,
+        client: EtcdClient,
+        run_prefix: str,
+        timeout: timedelta = _DEFAULT_TIMEOUT,
+    ) -> None:
+        super().__init__()
+        self._client = client
+        self._prefix = f"{run_prefix}store/"
+        self.set_timeout(timeout)
+
+    @property
+    def prefix(self) -> str:
+        return self._prefix
+
+    def _key(self, key: str) -> str:
+        return self._prefix + key
+
+    def set(self, key: str, value: str | bytes) -> None:
+        data, full = _to_bytes(value), self._key(key)
+        self._client.call("store set", lambda c: c.put(full, data))
+
+    def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
+        if len(keys) != len(values):
+            raise ValueError(
+                f"multi_set got {len(keys)} keys but {len(values)} values; pass one value per key."
+            )
+        puts = [transactions.Put(self._key(k), _to_bytes(v)) for k, v in zip(keys, values)]
+        self._client.call("store multi_set", lambda c: c.transaction([], puts, []))
+
+    def get(self, key: str) -> bytes:
+        return self.multi_get([key])[0]
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        full = [self._key(k) for k in keys]
+        deadline = self._deadline(None)
+        gets = [transactions.Get(k) for k in full]
+        while True:
+            self._wait_full(full, deadline)
+            _, responses = self._client.call(
+                "store get", lambda c: c.transaction([], gets, [])
+            )
+            values = [found[0][0] if found else None for found in responses]
+            if all(v is not None for v in values):
+                return [bytes(v) for v in values]  # type: ignore[arg-type]
+            # A key was deleted between the wait and the read: wait again.
+
+    def add(self, key: str, amount: int) -> int:
+        full = self._key(key)
+
+        def bump(client: Any) -> int | None:
+            value, meta = client.get(full)
+            if value is None:
+                compare = [transactions.Create(full) == 0]
+                new = int(amount)
+            else:
+                try:
+                    current = int(bytes(value))
+                except ValueError as exc:
+                    raise EtcdRendezvousError(
+                        f"store add({key!r}) found a non-integer value {bytes(value)[:40]!r}; "
+                        "add only works on keys written by add (or set to a decimal integer)."
+                    ) from exc
+                compare = [transactions.Mod(full) == meta.mod_revision]
+                new = current + int(amount)
+            ok, _ = client.transaction(compare, [transactions.Put(full, str(new))], [])
+            return new if ok else None
+
+        while True:
+            result = self._client.call("store add", bump)
+            if result is not None:
+                return result
+
+    def append(self, key: str, value: str | bytes) -> None:
+        full, data = self._key(key), _to_bytes(value)
+
+        def extend(client: Any) -> bool:
+            old, meta = client.get(full)
+            if old is None:
+                compare = [transactions.Create(full) == 0]
+                new = data
+            else:
+                compare = [transactions.Mod(full) == meta.mod_revision]
+                new = bytes(old) + data
+            ok, _ = client.transaction(compare, [transactions.Put(full, new)], [])
+            return bool(ok)
+
+        while not self._client.call("store append", extend):
+            pass
+
+    def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
+        full, want, new = self._key(key), _to_bytes(expected), _to_bytes(desired)
+
+        def cas(client: Any) -> bytes | None:
+            ok, responses = client.transaction(
+                [transactions.Value(full) == want],
+                [transactions.Put(full, new)],
+                [transactions.Get(full)],
+            )
+            if ok:
+                return new
+            found = responses[0] if responses else []
+            if found:
+                return bytes(found[0][0])
+            if want:
+                return want  # absent key, non-empty expectation: TCPStore returns expected
+            ok, responses = client.transaction(
+                [transactions.Create(full) == 0],
+                [transactions.Put(full, new)],
+                [transactions.Get(full)],
+            )
+            if ok:
+                return new
+            found = responses[0] if responses else []
+            return bytes(found[0][0]) if found else None  # deleted again: retry
+
+        while True:
+            result = self._client.call("store compare_set", cas)
+            if result is not None:
+                return result
+
+    def check(self, keys: list[str]) -> bool:
+        full = [self._key(k) for k in keys]
+        return not self._missing(full)[0]
+
+    def delete_key(self, key: str) -> bool:
+        full = self._key(key)
+        return bool(self._client.call("store delete", lambda c: c.delete(full)))
+
+    def num_keys(self) -> int:
+        response = self._client.call(
+            "store num_keys", lambda c: c.get_prefix_response(self._prefix, count_only=True)
+        )
+        return int(response.count)
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        self._wait_full([self._key(k) for k in keys], self._deadline(timeout))
+
+    def has_extended_api(self) -> bool:
+        return True
+
+    def delete_all(self) -> int:
+        """Remove every key of this store (not part of c10d's API; for cleanup after a run)."""
+        end = prefix_range_end(self._prefix.encode())
+        response = self._client.call(
+            "store cleanup",
+            lambda c: c.kvstub.DeleteRange(
+                c._build_delete_request(self._prefix, end),
+                c.timeout,
+                credentials=c.call_credentials,
+                metadata=c.metadata,
+            ),
+        )
+        return int(response.deleted)
+
+    # -- waiting --------------------------------------------------------------------------
+
+    def _deadline(self, timeout: timedelta | None) -> float:
+        span = self.timeout if timeout is None else timeout
+        seconds = span.total_seconds()
+        return time.monotonic() + (seconds if seconds > 0 else float("inf"))
+
+    def _missing(self, full: list[str]) -> tuple[list[str], int]:
+        gets = [transactions.Get(k) for k in full]
+
+        def read(client: Any) -> tuple[list[str], int]:
+            # A txn answers all reads at one revision; the count_only trick is not available
+            # per key in a txn, so values come along (store values are small).
+            response = client.kvstub.Txn(
+                _txn_request(client, gets),
+                client.timeout,
+                credentials=client.call_credentials,
+                metadata=client.metadata,
+            )
+            missing = [
+                key
+                for key, answer in zip(full, response.responses)
+                if answer.response_range.count == 0
+            ]
+            return missing, int(response.header.revision)
+
+        return self._client.call("store check", read)
+
+    def _wait_full(self, full: list[str], deadline: float) -> None:
+        while True:
+            missing, revision = self._missing(full)
+            if not missing:
+                return
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise EtcdStoreTimeoutError(
+                    f"Timed out waiting for store key(s) {[k[len(self._prefix):] for k in missing]}"
+                    f" under {self._prefix}: nobody set them before the store timeout "
+                    f"({self.timeout}). A peer is missing or failed; check the other agents' "
+                    "logs, or raise the timeout (--rdzv-conf read_timeout=SECONDS)."
+                )
+            self._watch_once(missing[0], revision + 1, remaining)
+
+    def _watch_once(self, key: str, start_revision: int, seconds: float) -> None:
+        fired = threading.Event()
+
+        def on_event(_response: object) -> None:
+            fired.set()  # an event or an error: either way, read again
+
+        def create(client: Any) -> tuple[Any, int]:
+            return client, client.add_watch_callback(
+                key, on_event, start_revision=start_revision
+            )
+
+        try:
+            client, watch_id = self._client.call("store wait", create)
+        except EtcdRendezvousError:
+            raise
+        except Exception as exc:  # compacted revision or similar: just poll again
+            if not is_transient(exc):
+                time.sleep(min(0.1, seconds))
+                return
+            raise
+        try:
+            fired.wait(seconds)
+        finally:
+            try:
+                client.cancel_watch(watch_id)
+            except Exception:  # the stream may be gone already (etcd restart)
+                log.debug("cancelling a store watch failed", exc_info=True)
+
+
+def _txn_request(client: Any, ops: list[Any]) -> Any:
+    from pyetcd import etcdrpc
+
+    return etcdrpc.TxnRequest(compare=[], success=client._ops_to_requests(ops), failure=[])
