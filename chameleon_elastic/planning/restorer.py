@@ -1,0 +1,368 @@
+"""Restorer: who takes which new slot, who sends which layer, and how gradients are reduced.
+
+A re-plan hands the restorer a *layout* (pipelines whose ``devices`` are slot numbers
+``0 .. n-1``) and the set of live devices. Turning that into a runnable plan takes two decisions,
+both made here, and a third one that every asymmetric plan needs afterwards.
+
+1. **Assignment (Kuhn-Munkres).** What a device holds now is the layer range of its stage in the
+   current plan (spares, rejoined and failed devices hold nothing; dead devices are gone).
+   ``Cost[i][j]`` is the bytes live device ``i`` must receive to hold slot ``j``'s layers
+   (weights + optimizer state of the layers it lacks; surplus layers are dropped for free).
+   With more live devices than slots the matrix is padded with zero-cost spare columns, so the
+   devices left over become spares. ``scipy.optimize.linear_sum_assignment`` gives the least
+   total. Ties are broken deterministically towards keeping a device where it is: a penalty of
+   0 (same pipeline and stage), 1 (same pipeline) or 2 (elsewhere; a spare staying spare is 0)
+   is added, scaled so that the whole penalty of an assignment is below a millionth of the
+   smallest layer. The primary optimum is therefore kept to within that margin, and among
+   (near-)equal optima the one that moves fewest devices wins.
+
+2. **Sources (busiest link).** Every (receiver, layer) pair may be served by any live device
+   that holds the layer *now*, before anyone moves. The paper minimises only the total; we also
+   minimise the makespan, the time of the busiest device, where a device's time is
+   ``max(bytes sent, bytes received)`` over a full-duplex link. The receive side is fixed by the
+   assignment, so only the send side is chosen, and that is a makespan-scheduling problem on
+   the holders of each layer: greedy LPT (largest layers first, each to the holder whose time
+   afterwards is least; ties go to the holder whose time grows least, i.e. one that can send
+   under its own receive volume for free, then the one that has sent least, then the lowest
+   id). Good enough because the
+   makespan can never drop below the largest receive volume, which the assignment fixed, and
+   sends only have to be spread under that floor: with one holder per surviving pipeline there
+   are usually several holders per layer, LPT is within 4/3 of optimal when every holder may
+   serve every item, and in practice it meets the receive floor. A layer that no live device holds cannot be restored from peers: that
+   is a ``RestoreError`` naming the layer (the caller turns it into a checkpoint restart).
+
+3. **All-reduce rounds (graph colouring).** After an asymmetric re-plan a layer lives at
+   different stages of different pipelines, so gradients are reduced per *bucket*: a maximal set
+   of layers held by exactly the same devices. Buckets with a single holder need no reduction.
+   Two buckets that share a device cannot be reduced at the same time, so buckets are the
+   vertices of a conflict graph and a greedy colouring (networkx, ``largest_first``) gives the
+   rounds: same colour, same round, run in parallel. ``largest_first`` (Welsh-Powell) colours
+   the most constrained buckets first and uses at most ``max_i min(deg_i + 1, i)`` colours;
+   all buckets of one device form a clique, so the number of rounds is at least the most
+   buckets any device holds, and on pipeline layouts (contiguous layer ranges) largest-first
+   meets that bound in the cases we test. It is deterministic given the vertex order, which is
+   sorted by layer.
+
+Everything here is a pure function of its arguments: the same inputs give the same placement.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
+import networkx as nx
+import numpy as np
+from scipy.optimize import linear_sum_assignment
+
+from chameleon_elastic.plan import AllReduceGroup, ExecutionPlan, Pipeline, Transfer
+from chameleon_elastic.spec import JobSpec
+
+__all__ = [
+    "Placement",
+    "RestoreError",
+    "allreduce_rounds",
+    "choose_sources",
+    "holder_buckets",
+    "holdings",
+    "place",
+    "transfer_cost_matrix",
+]
+
+#: A range ``[start, end)`` of layers; ``(0, 0)`` holds nothing.
+LayerRange = tuple[int, int]
+
+_NOTHING: LayerRange = (0, 0)
+_SAME_POSITION, _SAME_PIPELINE, _ELSEWHERE = 0, 1, 2
+# The whole tie-break penalty of an assignment stays below this fraction of the smallest layer.
+_TIE_MARGIN = 1e-6
+
+
+class RestoreError(ValueError):
+    """A placement that cannot be made from the given layout and live devices."""
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The layout with real device ids, the devices left over, and the weight moves to make."""
+
+    pipelines: tuple[Pipeline, ...]
+    spare_devices: tuple[int, ...]
+    transfers: tuple[Transfer, ...]
+
+    @property
+    def total_bytes(self) -> float:
+        return float(sum(t.bytes for t in self.transfers))
+
+
+# --------------------------------------------------------------------------- what is held
+
+
+def holdings(current: ExecutionPlan, live: Sequence[int]) -> dict[int, LayerRange]:
+    """Layer range each live device holds now: its stage's range if it works in ``current``."""
+    working = set(current.working_devices)
+    where: dict[int, LayerRange] = {}
+    for p in current.pipelines:
+        for device, layer_range in zip(p.devices, p.layers):
+            if device in working:
+                where[device] = layer_range
+    return {d: where.get(d, _NOTHING) for d in live}
+
+
+def _positions(current: ExecutionPlan) -> dict[int, tuple[int, int]]:
+    working = set(current.working_devices)
+    return {
+        d: (i, s)
+        for i, p in enumerate(current.pipelines)
+        for s, d in enumerate(p.devices)
+        if d in working
+    }
+
+
+def _slot_table(layout: Sequence[Pipeline], num_layers: int) -> list[tuple[int, int, LayerRange]]:
+    """(pipeline, stage, layer range) per slot number, checking the slots are 0 .. n-1."""
+    slots: dict[int, tuple[int, int, LayerRange]] = {}
+    for i, p in enumerate(layout):
+        if len(p.devices) != len(p.layers) or not p.devices:
+            raise RestoreError(
+                f"layout pipeline {i} has {len(p.devices)} slots and {len(p.layers)} layer "
+                "ranges; give every pipeline at least one slot and one range per slot."
+            )
+        for s, (slot, (start, end)) in enumerate(zip(p.devices, p.layers)):
+            if slot in slots:
+                raise RestoreError(
+                    f"slot {slot} appears twice in the layout; number the slots 0 .. n-1, "
+                    "each once."
+                )
+            if not 0 <= start < end <= num_layers:
+                raise RestoreError(
+                    f"layout pipeline {i} stage {s} holds layers [{start}, {end}), which is "
+                    f"not a non-empty range inside [0, {num_layers}); fix the layer split."
+                )
+            slots[slot] = (i, s, (start, end))
+    n = len(slots)
+    if sorted(slots) != list(range(n)):
+        raise RestoreError(
+            f"layout slots {sorted(slots)} are not numbered 0 .. {n - 1}; number the slots "
+            "0 .. n-1, each once."
+        )
+    return [slots[j] for j in range(n)]
+
+
+# --------------------------------------------------------------------------- assignment
+
+
+def _prefix_bytes(spec: JobSpec, num_layers: int) -> np.ndarray:
+    per_layer = [spec.model.transfer_bytes(layer) for layer in range(num_layers)]
+    return np.concatenate(([0.0], np.cumsum(per_layer)))
+
+
+def _check_model(spec: JobSpec, current: ExecutionPlan) -> int:
+    num_layers = current.num_layers
+    if num_layers != spec.model.layers:
+        raise RestoreError(
+            f"the current plan covers {num_layers} layers but the job spec has model.layers = "
+            f"{spec.model.layers}; pass the spec the plan was made for."
+        )
+    return num_layers
+
+
+def transfer_cost_matrix(spec: JobSpec, current: ExecutionPlan, layout: Sequence[Pipeline],
+                         live: Sequence[int]) -> np.ndarray:
+    """``Cost[i][j]``: bytes ``live[i]`` must receive to hold slot ``j``'s layers.
+
+    One row per live device (in the given order), one column per slot; no spare padding.
+    """
+    num_layers = _check_model(spec, current)
+    slots = _slot_table(layout, num_layers)
+    held = holdings(current, live)
+    prefix = _prefix_bytes(spec, num_layers)
+    a = np.array([held[d][0] for d in live], dtype=np.int64)[:, None]
+    b = np.array([held[d][1] for d in live], dtype=np.int64)[:, None]
+    c = np.array([r[0] for _, _, r in slots], dtype=np.int64)[None, :]
+    e = np.array([r[1] for _, _, r in slots], dtype=np.int64)[None, :]
+    lo, hi = np.maximum(a, c), np.minimum(b, e)
+    whole = prefix[e] - prefix[c]
+    # Sum the two uncovered pieces rather than subtracting the overlap: a full overlap is 0.0
+    # exactly, with no rounding residue.
+    missing = (prefix[lo] - prefix[c]) + (prefix[e] - prefix[hi])
+    return np.where(lo < hi, missing, np.broadcast_to(whole, missing.shape))
+
+
+def _tie_penalty(current: ExecutionPlan, live: Sequence[int],
+                 slots: Sequence[tuple[int, int, LayerRange]], spare_columns: int) -> np.ndarray:
+    positions = _positions(current)
+    here = np.array([positions.get(d, (-1, -1)) for d in live], dtype=np.int64).reshape(-1, 2)
+    there = np.array([(p, s) for p, s, _ in slots], dtype=np.int64).reshape(-1, 2)
+    same_pipeline = here[:, None, 0] == there[None, :, 0]
+    same_stage = here[:, None, 1] == there[None, :, 1]
+    penalty = np.where(same_pipeline, np.where(same_stage, _SAME_POSITION, _SAME_PIPELINE),
+                       _ELSEWHERE).astype(np.float64)
+    # A spare (or newcomer) staying spare costs nothing; a working device idling is a move.
+    idle = np.where(here[:, 0] < 0, _SAME_POSITION, _ELSEWHERE).astype(np.float64)
+    return np.hstack([penalty, np.repeat(idle[:, None], spare_columns, axis=1)])
+
+
+def _assign(spec: JobSpec, current: ExecutionPlan, layout: Sequence[Pipeline],
+            live: Sequence[int]) -> list[int | None]:
+    """Slot number taken by each device of ``live`` (``None``: spare)."""
+    slots = _slot_table(layout, current.num_layers)
+    n_live, n_slots = len(live), len(slots)
+    if n_live < n_slots:
+        raise RestoreError(
+            f"the layout has {n_slots} slots but only {n_live} live devices; plan a layout "
+            "with at most as many slots as live devices."
+        )
+    cost = transfer_cost_matrix(spec, current, layout, live)
+    cost = np.hstack([cost, np.zeros((n_live, n_live - n_slots))])
+    sizes = [spec.model.transfer_bytes(layer) for layer in range(current.num_layers)]
+    smallest = min((x for x in sizes if x > 0), default=1.0)
+    penalty = _tie_penalty(current, live, slots, n_live - n_slots)
+    eps = _TIE_MARGIN * smallest / (_ELSEWHERE * n_live + 1)
+    rows, cols = linear_sum_assignment(cost + eps * penalty)
+    taken: list[int | None] = [None] * n_live
+    for r, c in zip(rows, cols):
+        taken[int(r)] = int(c) if c < n_slots else None
+    return taken
+
+
+# --------------------------------------------------------------------------- sources
+
+
+def _orphans(layers: Sequence[int]) -> RestoreError:
+    listed = ", ".join(map(str, layers))
+    if len(layers) == 1:
+        what = f"layer {listed} has no live holder (every device that held it is dead)"
+    else:
+        what = f"layers {listed} have no live holder (every device that held them is dead)"
+    return RestoreError(f"{what}; restoring from peers is impossible, restart from a checkpoint.")
+
+
+def choose_sources(spec: JobSpec, held: dict[int, LayerRange],
+                   needs: dict[int, Sequence[int]]) -> tuple[Transfer, ...]:
+    """Pick a holder for every (receiver, layer) so that the busiest device finishes first.
+
+    ``held``: what every live device holds now; ``needs``: layers each receiver lacks.
+    Returns one ``Transfer`` per (src, dst), sorted by (src, dst), layers sorted.
+    """
+    holders: dict[int, list[int]] = {}
+    for d in sorted(held):
+        start, end = held[d]
+        for layer in range(start, end):
+            holders.setdefault(layer, []).append(d)
+    size = spec.model.transfer_bytes
+    items = sorted(
+        ((dst, layer) for dst, layers in needs.items() for layer in layers),
+        key=lambda item: (-size(item[1]), item[1], item[0]),
+    )
+    received = {d: 0.0 for d in held}
+    for dst, layer in items:
+        received[dst] = received.get(dst, 0.0) + size(layer)
+    sent = {d: 0.0 for d in held}
+    moves: dict[tuple[int, int], list[int]] = {}
+    for dst, layer in items:
+        candidates = holders.get(layer)
+        if not candidates:
+            raise _orphans([layer])
+        b = size(layer)
+        src = min(candidates, key=lambda h: (
+            max(sent[h] + b, received[h]),  # the holder's time afterwards (LPT)
+            max(sent[h] + b, received[h]) - max(sent[h], received[h]),  # how much it grows
+            sent[h],
+            h,
+        ))
+        sent[src] += b
+        moves.setdefault((src, dst), []).append(layer)
+    return tuple(
+        Transfer(src, dst, tuple(sorted(layers)), float(sum(size(x) for x in layers)))
+        for (src, dst), layers in sorted(moves.items())
+    )
+
+
+# --------------------------------------------------------------------------- placement
+
+
+def place(spec: JobSpec, current: ExecutionPlan, layout: Sequence[Pipeline],
+          live: Sequence[int]) -> Placement:
+    """Assign live devices to the layout's slots moving the fewest bytes, then plan the moves.
+
+    ``layout``: pipelines whose ``devices`` are slot numbers ``0 .. n-1``; ``live``: the devices
+    alive now (at least ``n``). Devices left over become spares. Raises ``RestoreError`` (a
+    ``ValueError``) for a malformed layout, too few live devices, or a layer nobody holds.
+    """
+    _check_model(spec, current)
+    live_sorted = sorted(set(live))
+    if len(live_sorted) != len(live):
+        raise RestoreError(f"live devices {list(live)} name a device twice; list each once.")
+    slots = _slot_table(layout, current.num_layers)
+    held = holdings(current, live_sorted)
+    orphans = sorted(set(range(current.num_layers)).difference(
+        *(range(start, end) for start, end in held.values())))
+    if orphans:
+        raise _orphans(orphans)
+    taken = _assign(spec, current, layout, live_sorted)
+    device_of = {slot: d for d, slot in zip(live_sorted, taken) if slot is not None}
+    needs: dict[int, list[int]] = {}
+    for slot, (_, _, (start, end)) in enumerate(slots):
+        d = device_of[slot]
+        have_start, have_end = held[d]
+        lacking = [x for x in range(start, end) if not have_start <= x < have_end]
+        if lacking:
+            needs[d] = lacking
+    pipelines = tuple(
+        Pipeline(tuple(device_of[s] for s in p.devices), tuple(p.layers), p.micro_batches)
+        for p in layout
+    )
+    spares = tuple(d for d, slot in zip(live_sorted, taken) if slot is None)
+    return Placement(pipelines, spares, choose_sources(spec, held, needs))
+
+
+# --------------------------------------------------------------------------- all-reduce
+
+
+def holder_buckets(pipelines: Sequence[Pipeline],
+                   failed: Collection[int] = ()) -> dict[tuple[int, ...], tuple[int, ...]]:
+    """Sorted holder set -> sorted layers it holds exactly; every layer with any live holder."""
+    dead = set(failed)
+    holders: dict[int, list[int]] = {}
+    for p in pipelines:
+        for d, (start, end) in zip(p.devices, p.layers):
+            if d in dead:
+                continue
+            for layer in range(start, end):
+                holders.setdefault(layer, []).append(d)
+    buckets: dict[tuple[int, ...], list[int]] = {}
+    for layer in sorted(holders):
+        buckets.setdefault(tuple(sorted(holders[layer])), []).append(layer)
+    return {devices: tuple(layers) for devices, layers in buckets.items()}
+
+
+def allreduce_rounds(pipelines: Sequence[Pipeline],
+                     failed: Collection[int] = ()) -> tuple[tuple[AllReduceGroup, ...], ...]:
+    """Gradient all-reduce groups by round: no device twice in a round, every bucket once.
+
+    Under reroute the dead devices' data-parallel peers already hold the same layers, so
+    excluding ``failed`` loses nothing. Single-holder buckets need no reduction and are left out.
+    """
+    groups = sorted(
+        (AllReduceGroup(layers=layers, devices=devices)
+         for devices, layers in holder_buckets(pipelines, failed).items() if len(devices) > 1),
+        key=lambda g: (g.layers, g.devices),
+    )
+    if not groups:
+        return ()
+    conflicts = nx.Graph()
+    conflicts.add_nodes_from(range(len(groups)))
+    by_device: dict[int, list[int]] = {}
+    for k, g in enumerate(groups):
+        for d in g.devices:
+            by_device.setdefault(d, []).append(k)
+    for members in by_device.values():
+        conflicts.add_edges_from(
+            (u, v) for i, u in enumerate(members) for v in members[i + 1:]
+        )
+    colour = nx.greedy_color(conflicts, strategy="largest_first")
+    rounds: dict[int, list[AllReduceGroup]] = {}
+    for k, g in enumerate(groups):
+        rounds.setdefault(colour[k], []).append(g)
+    return tuple(tuple(rounds[c]) for c in sorted(rounds))
