@@ -1,0 +1,260 @@
+"""chameleon-run: torchrun's command line, torchrun's launch sequence, our agent.
+
+Compatibility is by construction: the parser IS ``torch.distributed.run.get_args_parser()`` (every
+flag, both spellings, defaults and ``PET_*`` overrides), our flags are added to it with the same
+``env`` action (so ``PET_POLICY`` etc. work too), and the launch configuration comes from torch's
+own ``config_from_args``. What differs is the agent (``ChameleonAgent``) and, for dynamic
+rendezvous backends, faster liveness defaults (``keep_alive_interval=1``,
+``keep_alive_max_attempt=3``, ``last_call_timeout=3``) unless ``--rdzv-conf`` sets them.
+
+Exit codes are torchrun's: 0 on success; 1 when workers fail for good (``ChildFailedError``
+through torch's ``@record``, which also writes the root cause to ``TORCHELASTIC_ERROR_FILE``);
+2 for usage errors (one paragraph, no traceback). A job that no plan can run any more (too few
+devices left) also ends with 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["build_parser", "main"]
+
+OUR_FLAGS = ("--job", "--preset", "--policy", "--plan-cache", "--state-dir", "--event-log",
+             "--health-file", "--profile", "--profile-out", "--no-status")
+
+_DYNAMIC_RDZV_DEFAULTS = {"keep_alive_interval": 1, "keep_alive_max_attempt": 3,
+                          "last_call_timeout": 3}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from torch.distributed.argparse_util import check_env, env
+    from torch.distributed.run import get_args_parser
+
+    from .session import CLI_POLICIES
+
+    parser = get_args_parser()
+    parser.prog = "chameleon-run"
+    parser.description = (
+        "chameleon-run: torchrun with failure-aware elasticity. Every torchrun flag works the "
+        "same; with --job/--preset the launcher plans a pipeline x data parallel layout and, "
+        "when a device is lost, reroutes or re-plans instead of restarting everything."
+    )
+    group = parser.add_argument_group("chameleon (failure-aware elasticity)")
+    group.add_argument("--job", action=env, type=str, default=None,
+                       help="Job file (TOML: model profile, cluster, training). Enables plan "
+                            "injection and failure-aware recovery.")
+    group.add_argument("--preset", action=env, type=str, default=None,
+                       help="A built-in job instead of --job (e.g. tiny-cpu).")
+    group.add_argument("--policy", action=env, type=str, default="auto", choices=CLI_POLICIES,
+                       help="Recovery policy on a lost device: auto (best estimated score), "
+                            "reroute, replan, or restart (torchrun's: same plan, restart all). "
+                            "Default: auto.")
+    group.add_argument("--plan-cache", "--plan_cache", action=env, type=int, default=None,
+                       help="Precompute plans for up to K simultaneous losses in the background "
+                            "(default: the job's planner.cache_failures; 0 disables).")
+    group.add_argument("--state-dir", "--state_dir", action=env, type=str, default=None,
+                       help="Directory for plan files (plan-gen<N>.json), the event log and "
+                            "profiles (default: a new temporary directory with --job).")
+    group.add_argument("--event-log", "--event_log", action=env, type=str, default=None,
+                       help="JSONL event log path (default: <state-dir>/events.jsonl when a "
+                            "state dir is in use).")
+    group.add_argument("--health-file", "--health_file", action=env, type=str, default=None,
+                       help="FAKE device health check for CPU/tests: a file listing device ids "
+                            "marked bad, one per line.")
+    group.add_argument("--profile", action=env, type=str, default=None,
+                       help="Measured profile (from --profile-out) whose per-layer figures "
+                            "replace the job file's guesses.")
+    group.add_argument("--profile-out", "--profile_out", action=env, type=str, default=None,
+                       help="Write the measured profile (step time, memory per device) here.")
+    group.add_argument("--no-status", "--no_status", action=check_env,
+                       help="Do not print the status line.")
+    return parser
+
+
+def _prepare_rendezvous(args: argparse.Namespace) -> None:
+    """torch.distributed.run.run()'s backend selection, unchanged."""
+    from torch.distributed.run import parse_min_max_nnodes
+
+    if args.standalone:
+        args.rdzv_backend = "c10d"
+        args.rdzv_endpoint = "localhost:0"
+        args.rdzv_id = str(uuid.uuid4())
+    elif args.rdzv_backend == "static" and not args.rdzv_endpoint and args.master_port is None:
+        _, max_nodes = parse_min_max_nnodes(args.nnodes)
+        if max_nodes == 1:
+            args.rdzv_backend = "c10d"
+            args.rdzv_endpoint = "localhost:0"
+            args.rdzv_id = str(uuid.uuid4())
+    if args.master_port is None:
+        args.master_port = 29500
+
+
+def _register_backends() -> None:
+    try:
+        from chameleon_elastic.rendezvous.registration import register
+    except ImportError:
+        return
+    register()
+
+
+def _make_session(parser: argparse.ArgumentParser, args: argparse.Namespace, nproc: int,
+                  max_nodes: int, state_dir: Path):
+    from chameleon_elastic.spec import SpecError, load_job
+
+    from .profiler import apply_profile, load_profile
+    from .session import JobSession, LauncherPlanningError
+
+    try:
+        spec = load_job(args.job, args.preset)
+        if args.profile:
+            spec = apply_profile(spec, load_profile(args.profile))
+    except (SpecError, ValueError) as exc:
+        parser.error(str(exc))
+    world = nproc * max_nodes
+    if world != spec.cluster.devices:
+        parser.error(
+            f"job {spec.name!r} describes cluster.devices = {spec.cluster.devices} but this "
+            f"launch starts {max_nodes} node(s) x {nproc} process(es) = {world} devices; make "
+            "--nnodes (max) x --nproc-per-node equal to cluster.devices, or edit the job file."
+        )
+    if args.plan_cache is not None and args.plan_cache < 0:
+        parser.error(f"--plan-cache {args.plan_cache} is invalid; pass an integer >= 0.")
+    try:
+        return JobSession(spec, args.policy, state_dir / "plans", cache_depth=args.plan_cache)
+    except ImportError as exc:
+        parser.error(f"--job needs the planner (chameleon_elastic.planning), which is not "
+                     f"available yet: {exc}. Run without --job to launch like torchrun.")
+    except LauncherPlanningError as exc:
+        parser.error(str(exc))
+
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
+    from torch.distributed.elastic import events as torch_events
+    from torch.distributed.elastic import metrics
+    from torch.distributed.elastic.agent.server.api import WorkerSpec
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous import registry as rdzv_registry
+    from torch.distributed.launcher.api import _get_addr_and_port, _get_entrypoint_name
+    from torch.distributed.run import config_from_args, parse_min_max_nnodes
+
+    from .agent import ChameleonAgent
+    from .health import AlwaysHealthy, FileHealthCheck
+    from .observe import EventLog, StatusLine
+    from .profiler import Profiler
+
+    if args.job is not None and args.preset is not None:
+        parser.error("--job and --preset are mutually exclusive; pass only one of them.")
+    job_mode = args.job is not None or args.preset is not None
+    for flag, value in (("--health-file", args.health_file), ("--profile", args.profile)):
+        if value is not None and not job_mode:
+            parser.error(f"{flag} only applies with --job or --preset; add one, or drop {flag}.")
+
+    _prepare_rendezvous(args)
+    try:
+        config, cmd, cmd_args = config_from_args(args)
+        _, max_nodes = parse_min_max_nnodes(args.nnodes)
+    except (AssertionError, ValueError, RuntimeError) as exc:
+        parser.error(f"invalid launch configuration: {exc}")
+    _register_backends()
+    if config.rdzv_backend not in ("static",):
+        for key, value in _DYNAMIC_RDZV_DEFAULTS.items():
+            config.rdzv_configs.setdefault(key, value)
+
+    state_dir: Path | None = None
+    if args.state_dir is not None:
+        state_dir = Path(args.state_dir)
+        state_dir.mkdir(parents=True, exist_ok=True)
+    elif job_mode or args.profile_out:
+        state_dir = Path(tempfile.mkdtemp(prefix="chameleon-run-"))
+    session = None
+    if job_mode:
+        assert state_dir is not None
+        session = _make_session(parser, args, config.nproc_per_node, max_nodes, state_dir)
+    event_path = args.event_log or (None if state_dir is None else state_dir / "events.jsonl")
+    events = EventLog(event_path)
+    status = StatusLine(enabled=not args.no_status)
+    profiler = None
+    if args.profile_out:
+        assert state_dir is not None
+        profiler = Profiler(state_dir / "profile")
+    if state_dir is not None:
+        sys.stderr.write(f"chameleon-run: plans, events and profiles in {state_dir}\n")
+
+    if not config.run_id:
+        config.run_id = str(uuid.uuid4().int)
+    entrypoint_name = _get_entrypoint_name(cmd, list(cmd_args))
+    params = RendezvousParameters(
+        backend=config.rdzv_backend, endpoint=config.rdzv_endpoint, run_id=config.run_id,
+        min_nodes=config.min_nodes, max_nodes=config.max_nodes, local_addr=config.local_addr,
+        **config.rdzv_configs,
+    )
+    master_addr, master_port = _get_addr_and_port(params)
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
+    spec = WorkerSpec(
+        role=config.role, local_world_size=config.nproc_per_node, entrypoint=cmd,
+        args=tuple(cmd_args), rdzv_handler=rdzv_registry.get_rendezvous_handler(params),
+        max_restarts=config.max_restarts, monitor_interval=config.monitor_interval,
+        master_addr=master_addr, master_port=master_port, local_addr=config.local_addr,
+        event_log_handler=config.event_log_handler, numa_options=config.numa_options,
+        duplicate_stdout_filters=config.duplicate_stdout_filters,
+        duplicate_stderr_filters=config.duplicate_stderr_filters,
+        virtual_local_rank=config.virtual_local_rank,
+    )
+    health = FileHealthCheck(args.health_file) if args.health_file else AlwaysHealthy()
+    agent_kwargs: dict[str, Any] = {}
+    if config.shutdown_timeout is not None:
+        agent_kwargs["shutdown_timeout"] = config.shutdown_timeout
+    agent = ChameleonAgent(
+        spec, config.logs_specs, rdzv_parameters=params, session=session, events=events,
+        status=status, health=health, profiler=profiler, start_method=config.start_method,
+        log_line_prefix_template=config.log_line_prefix_template, **agent_kwargs,
+    )
+    shutdown_rdzv = True
+    try:
+        metrics.initialize_metrics(metrics.MetricsConfig(config.metrics_cfg))
+        result = agent.run()
+        torch_events.record(agent.get_event_succeeded(), config.event_log_handler)
+        if result is None:  # rendezvous closed gracefully
+            return None
+        if result.is_failed():
+            if not result.failures:
+                sys.stderr.write("chameleon-run: the job failed: no execution plan fits the "
+                                 "devices left (see the event log).\n")
+                raise SystemExit(1)
+            raise ChildFailedError(name=entrypoint_name, failures=result.failures)
+        return result.return_values
+    except SignalException:
+        shutdown_rdzv = False
+        raise
+    finally:
+        if shutdown_rdzv:
+            try:
+                spec.rdzv_handler.shutdown()
+            except Exception as exc:  # noqa: BLE001 - the job's outcome is already decided
+                sys.stderr.write(f"chameleon-run: closing the rendezvous failed: {exc}\n")
+        if profiler is not None and args.profile_out:
+            profiler.write(args.profile_out, None if session is None else session.spec,
+                           None if session is None else session.plan)
+        status.close()
+        events.close()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    record(run)(args, parser)
+
+
+if __name__ == "__main__":
+    main()

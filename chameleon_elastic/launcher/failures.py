@@ -1,0 +1,63 @@
+"""Failure classification: did the device die, or did the program crash on a healthy device?
+
+The distinction drives the recovery. A worker killed by a signal that software does not send to
+ask for a clean stop (SIGKILL from the OOM killer or a dead host, SIGSEGV / SIGBUS / SIGILL from
+broken hardware or a driver) is taken as the loss of its device: the device is excluded and the
+planner chooses a layout without it. A Python exception (exit code 1, or any other non-zero
+code) is a crash on a healthy device: the same plan is restarted on the same devices, budgeted
+by ``--max-restarts`` exactly as torchrun does. SIGTERM / SIGINT / SIGHUP mean "someone asked
+the worker to stop" and count as a crash, never as a lost device.
+
+Shells report a signal death as ``128 + signo``; that spelling is recognised as well.
+"""
+
+from __future__ import annotations
+
+import enum
+import signal
+from dataclasses import dataclass
+
+__all__ = ["FailureKind", "WorkerFailure", "classify_exit"]
+
+_POLITE_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT})
+
+
+class FailureKind(str, enum.Enum):
+    DEVICE_LOST = "device_lost"   # the device is presumed gone: exclude it and re-plan
+    CRASH = "crash"               # program error on a healthy device: restart in place
+
+
+@dataclass(frozen=True)
+class WorkerFailure:
+    """One failed worker as the agent saw it."""
+
+    device: int
+    local_rank: int
+    exitcode: int
+    signal: str | None
+    kind: FailureKind
+    reason: str
+
+
+def _signal_of(exitcode: int) -> signal.Signals | None:
+    if exitcode < 0:
+        number = -exitcode
+    elif 128 < exitcode < 128 + 65:
+        number = exitcode - 128
+    else:
+        return None
+    try:
+        return signal.Signals(number)
+    except ValueError:
+        return None
+
+
+def classify_exit(exitcode: int, device: int, local_rank: int) -> WorkerFailure:
+    """Classify a worker's exit code (negative = killed by that signal, Popen convention)."""
+    sig = _signal_of(exitcode)
+    if sig is not None and sig not in _POLITE_SIGNALS:
+        return WorkerFailure(device, local_rank, exitcode, sig.name, FailureKind.DEVICE_LOST,
+                             f"worker killed by {sig.name}")
+    name = sig.name if sig is not None else None
+    reason = f"worker stopped by {name}" if name else f"worker exited with code {exitcode}"
+    return WorkerFailure(device, local_rank, exitcode, name, FailureKind.CRASH, reason)

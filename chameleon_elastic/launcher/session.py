@@ -1,0 +1,146 @@
+"""The plan a job is running under, and how it changes when devices are lost or come back.
+
+A ``JobSession`` exists only with ``--job`` / ``--preset``. It owns the current execution plan,
+the set of excluded devices, and a ``PlanCache`` warmed in a background thread right after every
+plan change, so that at the next failure the decision is a lookup. The decision itself is the
+planner's (``chameleon_elastic.planning``); this module only feeds it the lost / returning
+devices, keeps the plan-file per generation and summarises the decision for the event log.
+
+Every agent of a multi-node job builds its own session from the same spec and applies the same
+(agreed) device sets in the same order; the planner is a pure function, so all agents arrive at
+the same plan without shipping it around.
+
+``policy = "restart"`` is torchrun's behaviour: the plan never changes, the whole group restarts.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Collection
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Literal
+
+from chameleon_elastic.plan import ExecutionPlan
+from chameleon_elastic.spec import JobSpec
+
+from .plan_env import write_plan_file
+
+__all__ = ["CLI_POLICIES", "JobSession", "LauncherPlanningError", "PlanChange"]
+
+CLI_POLICIES: tuple[str, ...] = ("auto", "reroute", "replan", "restart")
+CliPolicy = Literal["auto", "reroute", "replan", "restart"]
+
+
+class LauncherPlanningError(RuntimeError):
+    """No plan can run the job on the devices left (the planner's sentence is included)."""
+
+
+@dataclass(frozen=True)
+class PlanChange:
+    """One decision, summarised for the event log."""
+
+    plan: ExecutionPlan
+    lost: tuple[int, ...]
+    joined: tuple[int, ...]
+    cached: bool
+    decide_s: float
+    candidates: dict[str, dict[str, Any]] = field(default_factory=dict)
+    rejected: dict[str, str] = field(default_factory=dict)
+
+
+def _planning_api() -> SimpleNamespace:
+    """The planner's documented entry points (imported lazily: the launcher runs without it)."""
+    try:
+        from chameleon_elastic.planning import PlanCache, PlanningError, decide, initial_plan
+    except ImportError:  # package __init__ not re-exporting yet: use the documented modules
+        from chameleon_elastic.planning.cache import PlanCache
+        from chameleon_elastic.planning.search import PlanningError, decide, initial_plan
+    return SimpleNamespace(PlanCache=PlanCache, PlanningError=PlanningError, decide=decide,
+                           initial_plan=initial_plan)
+
+
+def _summary(plan: ExecutionPlan) -> dict[str, Any]:
+    est = plan.estimate
+    return {
+        "policy": plan.policy,
+        "pipelines": [len(p.devices) for p in plan.pipelines],
+        "micro_batches": [p.micro_batches for p in plan.pipelines],
+        "step_time_s": None if est is None else est.step_time_s,
+        "transition_time_s": None if est is None else est.transition_time_s,
+        "throughput": None if est is None else est.throughput,
+        "score": None if est is None else est.score,
+    }
+
+
+class JobSession:
+    def __init__(self, spec: JobSpec, policy: CliPolicy, plan_dir: str | Path,
+                 cache_depth: int | None = None, warm_cache: bool = True) -> None:
+        if policy not in CLI_POLICIES:
+            raise ValueError(f"unknown policy {policy!r}; expected one of {CLI_POLICIES}")
+        planning = _planning_api()
+        self._planning = planning
+        self.spec = spec
+        self.policy = policy
+        self.plan_dir = Path(plan_dir)
+        self.cache_depth = spec.planner.cache_failures if cache_depth is None else cache_depth
+        self.warm_cache = warm_cache
+        self.excluded: set[int] = set()
+        try:
+            self.plan: ExecutionPlan = planning.initial_plan(spec)
+        except planning.PlanningError as exc:
+            raise LauncherPlanningError(f"no initial plan for job {spec.name!r}: {exc}") from exc
+        self.plan_file = write_plan_file(self.plan, self.plan_dir)
+        self._cache = None
+        self._refresh_cache()
+
+    @property
+    def devices(self) -> int:
+        return self.spec.cluster.devices
+
+    def _refresh_cache(self) -> None:
+        self._cache = None
+        if self.policy == "restart" or self.cache_depth <= 0:
+            return
+        try:
+            self._cache = self._planning.PlanCache(self.spec, self.plan, depth=self.cache_depth)
+            if self.warm_cache:
+                self._cache.warm_in_background()
+        except Exception:  # noqa: BLE001 - a cache is an optimisation; decide() still works
+            self._cache = None
+
+    def apply(self, lost: Collection[int] = (), joined: Collection[int] = ()) -> PlanChange | None:
+        """Tell the planner about newly lost / returning devices; None when nothing changes."""
+        lost = tuple(sorted(set(lost) - self.excluded))
+        joined = tuple(sorted(set(joined) & self.excluded))
+        if not lost and not joined:
+            return None
+        self.excluded.update(lost)
+        self.excluded.difference_update(joined)
+        if self.policy == "restart":
+            return None
+        policy = self.policy
+        start = time.perf_counter()
+        cached = False
+        try:
+            if self._cache is not None:
+                decision = self._cache.decide(lost, joined, policy=policy)
+                cached = True
+            else:
+                decision = self._planning.decide(self.spec, self.plan, failed=lost, joined=joined,
+                                                 policy=policy)
+        except self._planning.PlanningError as exc:
+            raise LauncherPlanningError(
+                f"cannot continue after losing device(s) {list(lost)} "
+                f"(excluded now: {sorted(self.excluded)}): {exc}"
+            ) from exc
+        elapsed = time.perf_counter() - start
+        self.plan = decision.chosen
+        self.plan_file = write_plan_file(self.plan, self.plan_dir)
+        self._refresh_cache()
+        return PlanChange(
+            plan=self.plan, lost=lost, joined=joined, cached=cached, decide_s=elapsed,
+            candidates={name: _summary(p) for name, p in decision.candidates.items()},
+            rejected=dict(decision.rejected),
+        )
