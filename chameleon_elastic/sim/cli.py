@@ -1,0 +1,217 @@
+"""``chameleon-sim``: replay failure traces against several policies and compare them.
+
+    chameleon-sim --preset llama2-7b-910b-32 --hours 9 --failure-rate 0.1 --seeds 20 \\
+                  --policies chameleon,oobleck,recycle --out sim-out [--json]
+
+One trace per seed (``--trace-model poisson|hourly``, optional ``--mttr-s`` repairs), or one
+given trace (``--trace FILE.csv``). Every policy replays every trace. Prints a summary table
+(or, with ``--json``, a JSON document on stdout); with ``--out`` also writes summary.json,
+runs.csv, the traces as CSV, throughput.png and devices.png. Usage errors exit 2 with one
+sentence and no traceback; nothing is written to ``--out`` unless the whole run succeeded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import sys
+import tempfile
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+
+from ..spec import JobSpec, SpecError, load_job, preset_names
+from .constants import BaselineConstants
+from .experiment import ExperimentResult, run_experiment
+from .policies import POLICY_NAMES, parse_policies
+from .traces import TRACE_MODELS, FailureTrace, TraceError, generate_trace, read_trace, write_trace
+
+__all__ = ["build_parser", "main"]
+
+DEFAULT_POLICIES = "chameleon,oobleck,recycle"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="chameleon-sim",
+        description="Event-driven failure simulator: every policy replays the same traces and "
+                    "is timed by the planner's estimator.",
+    )
+    job = p.add_argument_group("job")
+    job.add_argument("--job", metavar="FILE", help="job spec TOML")
+    job.add_argument("--preset", metavar="NAME",
+                     help=f"built-in job spec: {', '.join(preset_names())}")
+    tr = p.add_argument_group("failures")
+    tr.add_argument("--hours", type=float, default=None,
+                    help="simulated hours (default 9, or the --trace file's horizon)")
+    tr.add_argument("--failure-rate", type=float, default=None, metavar="PER_DEVICE_HOUR",
+                    help="failures per device per hour (default: the job's "
+                         "cluster.failure_rate_per_hour); also what the planner assumes")
+    tr.add_argument("--seeds", type=int, default=20, help="number of traces (default 20)")
+    tr.add_argument("--seed-base", type=int, default=0, help="first seed (default 0)")
+    tr.add_argument("--trace-model", choices=TRACE_MODELS, default="poisson",
+                    help="poisson: exponential time to failure; hourly: Bamboo/Oobleck "
+                         "per-hour Bernoulli at a uniform time (default poisson)")
+    tr.add_argument("--mttr-s", type=float, default=None, metavar="S",
+                    help="mean time to repair; failed devices rejoin (default: never)")
+    tr.add_argument("--trace", metavar="FILE", help="replay this CSV trace instead")
+    pol = p.add_argument_group("policies")
+    pol.add_argument("--policies", default=DEFAULT_POLICIES,
+                     help=f"comma-separated, from {', '.join(POLICY_NAMES)} "
+                          f"(default {DEFAULT_POLICIES})")
+    pol.add_argument("--checkpoint-interval-s", type=float, default=None,
+                     help="checkpoint interval (default: Young's optimum)")
+    pol.add_argument("--storage-bandwidth", type=float, default=2e9, metavar="BYTES_PER_S",
+                     help="checkpoint write/read rate per device (default 2e9)")
+    pol.add_argument("--oobleck-reconfigure-s", type=float, default=None,
+                     help="Oobleck's fixed reconfiguration cost (default cluster.restart_s)")
+    pol.add_argument("--hybrid-interference", type=float, default=0.0,
+                     help="throughput fraction lost while hybrid stages transfers (default 0)")
+    out = p.add_argument_group("output")
+    out.add_argument("--out", metavar="DIR", help="write summary.json, runs.csv, traces, plots")
+    out.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    out.add_argument("--bins", type=int, default=108, help="time bins in the plots")
+    out.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def _traces(args: argparse.Namespace, spec: JobSpec) -> list[tuple[int, FailureTrace]]:
+    if args.trace is not None:
+        horizon = None if args.hours is None else args.hours * 3600.0
+        trace = read_trace(args.trace, devices=spec.cluster.devices, horizon_s=horizon)
+        return [(args.seed_base, trace)]
+    hours = 9.0 if args.hours is None else args.hours
+    rate = spec.cluster.failure_rate_per_hour
+    return [
+        (seed, generate_trace(args.trace_model, spec.cluster.devices, rate, hours, seed,
+                              args.mttr_s))
+        for seed in range(args.seed_base, args.seed_base + args.seeds)
+    ]
+
+
+def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    if args.seeds < 1:
+        parser.error(f"--seeds {args.seeds} is invalid; pass at least 1.")
+    if args.bins < 1:
+        parser.error(f"--bins {args.bins} is invalid; pass at least 1.")
+    if args.failure_rate is not None and not (args.failure_rate >= 0
+                                              and math.isfinite(args.failure_rate)):
+        parser.error(f"--failure-rate {args.failure_rate} is invalid; pass a number >= 0 "
+                     "(0.1 means 10% per device per hour).")
+    if args.hours is not None and not (args.hours > 0 and math.isfinite(args.hours)):
+        parser.error(f"--hours {args.hours} is invalid; pass a positive number.")
+    if args.out is not None and Path(args.out).exists() and not Path(args.out).is_dir():
+        parser.error(f"--out {args.out} exists and is not a directory; pass a directory path.")
+
+
+def _write_outputs(result: ExperimentResult, traces: Sequence[tuple[int, FailureTrace]],
+                   doc_setting: dict, out_dir: Path, bins: int) -> dict:
+    """Everything into a temporary folder first, then moved in: no half-written output."""
+    from .plots import plot_experiment
+    from .report import runs_csv, to_json_dict
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".chameleon-sim-", dir=out_dir.parent))
+    try:
+        (tmp / "traces").mkdir()
+        for seed, trace in traces:
+            write_trace(trace, tmp / "traces" / f"seed-{seed}.csv")
+        plot_experiment(result, tmp, bins)
+        (tmp / "runs.csv").write_text(runs_csv(result))
+        names = ["summary.json", "runs.csv", "throughput.png", "devices.png", "traces"]
+        files = {n: str(out_dir / n) for n in names}
+        doc = to_json_dict(result, doc_setting, files)
+        (tmp / "summary.json").write_text(json.dumps(doc, indent=2) + "\n")
+        out_dir.mkdir(exist_ok=True)
+        for n in names:
+            target = out_dir / n
+            if target.is_dir():
+                shutil.rmtree(target)
+            (tmp / n).replace(target)
+        return doc
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _check(args, parser)
+    try:
+        spec = load_job(args.job, args.preset)
+        if args.failure_rate is not None:
+            spec = replace(spec, cluster=replace(spec.cluster,
+                                                 failure_rate_per_hour=args.failure_rate))
+        policies = parse_policies(args.policies)
+        constants = BaselineConstants(
+            storage_bandwidth_bytes_per_s=args.storage_bandwidth,
+            checkpoint_interval_s=args.checkpoint_interval_s,
+            oobleck_reconfigure_s=args.oobleck_reconfigure_s,
+            hybrid_interference=args.hybrid_interference,
+        )
+        traces = _traces(args, spec)
+    except (SpecError, TraceError, ValueError) as exc:
+        parser.error(str(exc))
+    result = _run(spec, traces, policies, constants, parser, progress=not args.no_progress)
+    setting = {
+        "devices": spec.cluster.devices,
+        "hours": traces[0][1].horizon_s / 3600.0,
+        "failure_rate_per_hour": spec.cluster.failure_rate_per_hour,
+        "trace_model": "file" if args.trace else args.trace_model,
+        "mttr_s": args.mttr_s,
+        "mean_failures": sum(t.failures for _, t in traces) / len(traces),
+        "constants": {
+            "storage_bandwidth_bytes_per_s": constants.storage_bandwidth_bytes_per_s,
+            "checkpoint_interval_s": constants.checkpoint_interval_s,
+            "oobleck_reconfigure_s": constants.reconfigure_s(spec),
+            "restart_s": spec.cluster.restart_s,
+            "hybrid_interference": constants.hybrid_interference,
+        },
+    }
+    from .report import summary_table, to_json_dict
+
+    if args.out is not None:
+        doc = _write_outputs(result, traces, setting, Path(args.out), args.bins)
+    else:
+        doc = to_json_dict(result, setting)
+    if args.json:
+        print(json.dumps(doc, indent=2))
+    else:
+        from rich.console import Console
+
+        Console().print(summary_table(result))
+        if args.out is not None:
+            print(f"wrote {args.out}/summary.json, runs.csv, throughput.png, devices.png, traces/")
+    return 0
+
+
+def _run(spec: JobSpec, traces: Sequence[tuple[int, FailureTrace]], policies: Sequence[str],
+         constants: BaselineConstants, parser: argparse.ArgumentParser,
+         progress: bool) -> ExperimentResult:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from ..planning.search import PlanningError
+
+    bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                   TimeElapsedColumn(), console=Console(stderr=True), transient=True,
+                   disable=not progress)
+    try:
+        with bar:
+            task = bar.add_task("simulating", total=len(traces) * len(policies))
+
+            def advance(name: str, seed: int) -> None:
+                bar.update(task, advance=1, description=f"seed {seed} {name}")
+
+            return run_experiment(spec, traces, policies, constants, on_run=advance)
+    except PlanningError as exc:
+        parser.error(f"the job cannot start: {exc}")
+    except ValueError as exc:
+        parser.error(str(exc))
+    raise AssertionError("unreachable")  # parser.error exits
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,151 @@
+"""The chameleon policy, decided exactly as the launcher decides it, and the hybrid variant.
+
+``chameleon``: at every event, ``PlanCache.decide`` (the launcher's call) prices rerouting and
+re-planning with the estimator and keeps the best score. The job pauses for the chosen plan's
+estimated transition time (0 for a reroute; weight transfer + restart for a re-plan), then runs
+at its estimated step time. The step in flight when a working device dies is lost (the runtime
+resumes at the last committed step). Decision latency is not charged: the launcher computes
+plans for the loss of 1..k devices ahead, during fault-free training; the simulator asks the
+cache on demand, which yields the same plan, and reports how long that took.
+
+``hybrid`` (beyond the paper): reroute at once, build the re-plan and stage its weight
+transfers in the background while the rerouted layout trains, then pause only for the restart
+and switch. It switches when, over the expected time to the next failure, the re-plan's
+throughput after the restart beats staying rerouted. A failure before the switch drops the
+staged plan (the job is still on the reroute layout and decides again from there).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ...plan import ExecutionPlan
+from ...planning import estimator
+from ...planning.cache import PlanCache
+from ...planning.search import PlanningError, initial_plan
+from ...spec import JobSpec
+from ..constants import BaselineConstants
+from ..engine import EventContext, Phase, Reaction
+from .common import STALLED, paused, running
+
+__all__ = ["ChameleonPolicy", "HybridPolicy"]
+
+
+def _unchanged(old: ExecutionPlan, new: ExecutionPlan) -> bool:
+    return old.pipelines == new.pipelines and set(old.failed_devices) == set(new.failed_devices)
+
+
+class ChameleonPolicy:
+    name = "chameleon"
+
+    def __init__(self, spec: JobSpec, constants: BaselineConstants | None = None) -> None:
+        self.spec = spec
+        self.plan: ExecutionPlan | None = None
+        self.cache: PlanCache | None = None
+
+    def _adopt(self, plan: ExecutionPlan | None) -> None:
+        self.plan = plan
+        self.cache = None if plan is None else PlanCache(self.spec, plan)
+
+    def start(self) -> tuple[Phase, ...]:
+        self._adopt(initial_plan(self.spec))
+        assert self.plan is not None
+        return (running(self.spec, self.plan, "run"),)
+
+    def _hit(self, failed: Sequence[int]) -> bool:
+        assert self.plan is not None
+        working = set(self.plan.working_devices)
+        return any(d in working for d in failed)
+
+    def _decide(self, ctx: EventContext, failed: Sequence[int],
+                joined: Sequence[int]) -> tuple[ExecutionPlan | None, dict, Reaction | None]:
+        """The planner's decision, or the reaction when there is nothing to decide."""
+        if self.plan is None or self.cache is None:
+            return None, {}, Reaction((STALLED,), 0.0, "stalled")
+        hit = self._hit(failed)
+        try:
+            decision = self.cache.decide(failed, joined)
+        except PlanningError:
+            self._adopt(None)
+            return None, {}, Reaction((STALLED,), ctx.inflight_samples if hit else 0.0, "stalled")
+        if _unchanged(self.plan, decision.chosen) and not hit:
+            # A spare died or a device came back as a spare: the layout goes on untouched.
+            self._adopt(decision.chosen)
+            return None, {}, Reaction(ctx.remaining, 0.0, "spare")
+        return decision.chosen, decision.candidates, None
+
+    def react(self, ctx: EventContext, failed: Sequence[int],
+              joined: Sequence[int]) -> Reaction:
+        hit = self.plan is not None and self._hit(failed)
+        chosen, _, done = self._decide(ctx, failed, joined)
+        if done is not None:
+            return done
+        assert chosen is not None and chosen.estimate is not None
+        self._adopt(chosen)
+        pause = chosen.estimate.transition_time_s
+        phases = ((paused(pause, "transition"),) if pause > 0 else ()) + (
+            running(self.spec, chosen, chosen.policy),)
+        return Reaction(phases, ctx.inflight_samples if hit else 0.0, chosen.policy)
+
+
+@dataclass(frozen=True)
+class _Staged:
+    plan: ExecutionPlan
+    commit_s: float  # staging done, restart pause begins: from here on the job is on ``plan``
+
+
+class HybridPolicy(ChameleonPolicy):
+    name = "hybrid"
+
+    def __init__(self, spec: JobSpec, constants: BaselineConstants | None = None) -> None:
+        super().__init__(spec)
+        self.constants = constants or BaselineConstants()
+        self.staged: _Staged | None = None
+
+    def react(self, ctx: EventContext, failed: Sequence[int],
+              joined: Sequence[int]) -> Reaction:
+        if self.staged is not None and ctx.now_s >= self.staged.commit_s:
+            self._adopt(self.staged.plan)
+        self.staged = None
+        hit = self.plan is not None and self._hit(failed)
+        lost = ctx.inflight_samples if hit else 0.0
+        chosen, candidates, done = self._decide(ctx, failed, joined)
+        if done is not None:
+            return done
+        assert chosen is not None
+        reroute, replan = candidates.get("reroute"), candidates.get("replan")
+        if reroute is None:
+            # A stage lost every replica: re-plan at once, as chameleon does.
+            assert chosen.estimate is not None
+            self._adopt(chosen)
+            pause = chosen.estimate.transition_time_s
+            return Reaction(((paused(pause, "transition"),) if pause > 0 else ())
+                            + (running(self.spec, chosen, chosen.policy),), lost, chosen.policy)
+        # From here on ``reroute`` is the layout that keeps running (after a join: the old
+        # layout with the newcomers as spares) while the re-plan is staged.
+        self._adopt(reroute)
+        now_running = running(self.spec, reroute, "reroute")
+        if replan is None or replan.estimate is None:
+            return Reaction((now_running,), lost, "reroute")
+        transfer = estimator.transfer_time(self.spec, replan.transfers)
+        restart = max(0.0, replan.estimate.transition_time_s - transfer)
+        keep = 1.0 - self.constants.hybrid_interference
+        thr_r, thr_p = now_running.rate, running(self.spec, replan, "replan").rate
+        t_run = self.spec.cluster.expected_run_s(len(replan.live_devices))
+        if math.isinf(t_run):
+            switch = thr_p > thr_r
+        else:
+            stay = thr_r * t_run
+            move = thr_r * keep * min(transfer, t_run) + thr_p * max(0.0, t_run - transfer - restart)
+            switch = move > stay
+        if not switch:
+            return Reaction((now_running,), lost, "reroute")
+        self.staged = _Staged(replan, ctx.now_s + transfer)
+        phases = (
+            running(self.spec, reroute, "staging", duration_s=transfer, slowdown=1.0 / keep),
+            paused(restart, "transition"),
+            running(self.spec, replan, "replan"),
+        )
+        return Reaction(tuple(p for p in phases if p.duration_s > 0), lost, "reroute+replan")

@@ -1,0 +1,87 @@
+"""Pieces every policy model shares: phases from plans, finished hand-built plans, restarts.
+
+A policy never times anything itself. A running phase takes its step time from the plan's
+estimate, which ``planning.estimator.evaluate`` produced; hand-built baseline plans are
+finished the same way the planner finishes its own (all-reduce rounds from the restorer, then
+the estimator), so every policy is priced by one model.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import replace
+
+from ...plan import ExecutionPlan, Pipeline
+from ...planning import estimator
+from ...planning.restorer import allreduce_rounds
+from ...planning.search import PlanningError, initial_plan
+from ...spec import JobSpec
+from ..engine import Phase
+
+__all__ = [
+    "STALLED",
+    "finish",
+    "fits_memory",
+    "paused",
+    "running",
+    "samples_per_step",
+    "symmetric_plan",
+]
+
+#: No layout is possible (too few live devices): nothing runs until the horizon.
+STALLED = Phase(math.inf, None, 0.0, 0, "stalled")
+
+
+def samples_per_step(spec: JobSpec) -> float:
+    return float(spec.training.global_micro_batches * spec.training.micro_batch_size)
+
+
+def step_time(spec: JobSpec, plan: ExecutionPlan) -> float:
+    if plan.estimate is not None:
+        return plan.estimate.step_time_s
+    return estimator.step_time(spec, plan)
+
+
+def running(spec: JobSpec, plan: ExecutionPlan, label: str, *, duration_s: float = math.inf,
+            slowdown: float = 1.0) -> Phase:
+    """Training under ``plan``; ``slowdown`` > 1 stretches the step (checkpoint stalls, ...)."""
+    return Phase(duration_s, step_time(spec, plan) * slowdown, samples_per_step(spec),
+                 len(plan.working_devices), label)
+
+
+def paused(duration_s: float, label: str) -> Phase:
+    return Phase(duration_s, None, 0.0, 0, label)
+
+
+def finish(spec: JobSpec, plan: ExecutionPlan) -> ExecutionPlan:
+    """All-reduce rounds and the estimate, as the planner attaches them to its own plans."""
+    plan = replace(plan, allreduce_rounds=allreduce_rounds(plan.pipelines, plan.failed_devices))
+    return replace(plan, estimate=estimator.evaluate(spec, plan)).validate()
+
+
+def fits_memory(spec: JobSpec, plan: ExecutionPlan) -> bool:
+    peaks = estimator.peak_memory(spec, plan)
+    return max(peaks.values(), default=0.0) <= spec.cluster.device_memory_bytes
+
+
+def symmetric_plan(spec: JobSpec, devices: Sequence[int], generation: int) -> ExecutionPlan | None:
+    """What a restart from a checkpoint runs: as many full ``training.pp``-stage pipelines as
+    the live devices allow (the job's own layer split), the rest spare. None if not even one
+    pipeline fits."""
+    pp = spec.training.pp
+    dp = min(len(devices) // pp, spec.training.global_micro_batches)
+    if dp == 0:
+        return None
+    shrunk = replace(spec, training=replace(spec.training, dp=dp))
+    try:
+        template = initial_plan(shrunk)
+    except PlanningError:
+        return None
+    ids = sorted(devices)
+    pipelines = tuple(
+        Pipeline(tuple(ids[i * pp + s] for s in range(pp)), p.layers, p.micro_batches)
+        for i, p in enumerate(template.pipelines)
+    )
+    plan = ExecutionPlan("initial", generation, pipelines, spare_devices=tuple(ids[dp * pp:]))
+    return finish(spec, plan)

@@ -1,0 +1,133 @@
+"""Baselines that fall back on checkpoints: ``checkpoint`` (torchrun-like) and ``recycle``.
+
+``checkpoint``: torchrun with a fixed pipeline depth. A synchronous checkpoint every
+``interval`` of training stalls the job for ``save_s`` (shard / storage bandwidth), so its
+fault-free step is stretched by ``(interval + save_s) / interval``. When a working device dies
+every worker restarts: the job pauses ``cluster.restart_s + load_s``, loses all the work since
+the last checkpoint, and resumes with as many full ``training.pp``-stage pipelines as the live
+devices allow (the rest idle). Rejoined devices trigger a restart only when they complete one
+more pipeline (torchrun's scale-up also resumes from the last checkpoint).
+
+``recycle`` (ReCycle-like): the failed device's micro-batches go to its data-parallel peers
+(the planner's ``reroute_plan`` on the job's layout: the same construction the chameleon policy
+prices), at no transition cost. A repaired device takes its own slot back. When a stage has no
+live replica left, it restarts from the last checkpoint like the baseline above and keeps
+rerouting on the new layout. ReCycle's checkpoints are assumed asynchronous (no stall, the
+fault-free phase runs at full speed, as the paper describes), taken at the same interval.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import replace
+
+from ...plan import ExecutionPlan
+from ...planning.search import PlanningError, initial_plan, reroute_plan
+from ...spec import JobSpec
+from ..constants import BaselineConstants
+from ..engine import EventContext, Phase, Reaction
+from .common import STALLED, paused, running, symmetric_plan
+
+__all__ = ["CheckpointPolicy", "RecyclePolicy"]
+
+
+class _Checkpointed:
+    """Checkpoint bookkeeping: when training last resumed, how often it saves."""
+
+    def __init__(self, spec: JobSpec, constants: BaselineConstants | None) -> None:
+        self.spec = spec
+        self.constants = constants or BaselineConstants()
+        self.resumed_s = 0.0
+        self.interval_s = math.inf
+        self.save_s = 0.0
+        self.generation = 0
+
+    def _set_layout(self, plan: ExecutionPlan) -> None:
+        self.interval_s = self.constants.interval_s(self.spec, plan)
+        self.save_s = self.constants.save_s(self.spec, plan)
+
+    def _last_checkpoint_s(self, now_s: float, stalls: bool) -> float:
+        """Wall time of the last state that a restart would load."""
+        if math.isinf(self.interval_s) or now_s <= self.resumed_s:
+            return self.resumed_s
+        period = self.interval_s + (self.save_s if stalls else 0.0)
+        return self.resumed_s + math.floor((now_s - self.resumed_s) / period) * period
+
+    def _restart(self, ctx: EventContext, live: Sequence[int], stalls: bool,
+                 label: str) -> tuple[ExecutionPlan | None, Reaction]:
+        last = self._last_checkpoint_s(ctx.now_s, stalls)
+        lost = max(0.0, ctx.net_since(last)) if ctx.now_s > self.resumed_s else 0.0
+        self.generation += 1
+        plan = symmetric_plan(self.spec, live, self.generation)
+        if plan is None:
+            return None, Reaction((STALLED,), lost, "stalled")
+        self._set_layout(plan)
+        pause = self.spec.cluster.restart_s + self.save_s  # load the shard back: same size
+        self.resumed_s = ctx.now_s + pause
+        slowdown = 1.0
+        if stalls and not math.isinf(self.interval_s):
+            slowdown = (self.interval_s + self.save_s) / self.interval_s
+        phases = (paused(pause, "restart"), running(self.spec, plan, label, slowdown=slowdown))
+        return plan, Reaction(phases, lost, "restart")
+
+
+class CheckpointPolicy(_Checkpointed):
+    name = "checkpoint"
+
+    def start(self) -> tuple[Phase, ...]:
+        self.plan: ExecutionPlan | None = initial_plan(self.spec)
+        self.live = set(self.plan.live_devices)
+        self._set_layout(self.plan)
+        slowdown = 1.0
+        if not math.isinf(self.interval_s):
+            slowdown = (self.interval_s + self.save_s) / self.interval_s
+        return (running(self.spec, self.plan, "run", slowdown=slowdown),)
+
+    def react(self, ctx: EventContext, failed: Sequence[int],
+              joined: Sequence[int]) -> Reaction:
+        working = set(self.plan.working_devices) if self.plan is not None else set()
+        hit = any(d in working for d in failed)
+        self.live = (self.live - set(failed)) | set(joined)
+        pp = self.spec.training.pp
+        now_dp = 0 if self.plan is None else len(self.plan.pipelines)
+        grows = min(len(self.live) // pp, self.spec.training.global_micro_batches) > now_dp
+        if not hit and not grows:
+            return Reaction(ctx.remaining, 0.0, "spare")
+        self.plan, reaction = self._restart(ctx, sorted(self.live), stalls=True, label="run")
+        return reaction
+
+
+class RecyclePolicy(_Checkpointed):
+    name = "recycle"
+
+    def start(self) -> tuple[Phase, ...]:
+        self.base: ExecutionPlan | None = initial_plan(self.spec)
+        self.dead: set[int] = set()
+        self.spares = set(self.base.spare_devices)
+        self._set_layout(self.base)
+        return (running(self.spec, self.base, "run"),)
+
+    def react(self, ctx: EventContext, failed: Sequence[int],
+              joined: Sequence[int]) -> Reaction:
+        if self.base is None:
+            return Reaction((STALLED,), 0.0, "stalled")
+        slots = {d for p in self.base.pipelines for d in p.devices}
+        hit = {d for d in failed if d in slots and d not in self.dead}
+        back = {d for d in joined if d in self.dead}
+        self.spares = (self.spares - set(failed)) | (set(joined) - back)
+        self.dead = (self.dead | hit) - back
+        if not hit and not back:
+            return Reaction(ctx.remaining, 0.0, "spare")
+        lost = ctx.inflight_samples if hit else 0.0
+        base = replace(self.base, spare_devices=tuple(sorted(self.spares)))
+        try:
+            plan = reroute_plan(self.spec, base, sorted(self.dead))
+        except PlanningError:
+            live = sorted((slots - self.dead) | self.spares)
+            self.base, reaction = self._restart(ctx, live, stalls=False, label="run")
+            self.dead = set()
+            self.spares = set() if self.base is None else set(self.base.spare_devices)
+            return reaction
+        return Reaction((running(self.spec, plan, plan.policy),), lost,
+                        "reroute" if hit else "rejoin")
