@@ -41,7 +41,7 @@ from chameleon_elastic.rendezvous.errors import (
     EtcdRendezvousError,
 )
 
-__all__ = ["EtcdClient", "is_transient"]
+__all__ = ["ETCD_FAILURES", "EtcdClient", "is_transient"]
 
 log = logging.getLogger("chameleon_elastic.rendezvous.connection")
 
@@ -70,6 +70,13 @@ _TRANSIENT_PYETCD = (
     etcd_exceptions.NoServerAvailableError,
     etcd_exceptions.InternalServerError,
     etcd_exceptions.WatchTimedOut,
+)
+#: what a call to etcd can raise: our errors, gRPC's, pyetcd's (for ``except`` clauses)
+ETCD_FAILURES: tuple[type[BaseException], ...] = (
+    EtcdRendezvousError,
+    grpc.RpcError,
+    etcd_exceptions.Etcd3Exception,
+    ValueError,
 )
 _TRANSIENT_DETAILS = ("leader changed", "no leader", "timed out", "too many requests")
 

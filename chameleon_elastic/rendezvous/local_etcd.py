@@ -60,6 +60,16 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def _port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
 class LocalEtcd:
     """One etcd member bound to 127.0.0.1; use as a context manager or call start()/stop().
 
@@ -125,6 +135,13 @@ class LocalEtcd:
         """Start the server (no-op if it runs) and wait until it reports healthy."""
         if self.is_running():
             return self
+        for port in (self.client_port, self.peer_port):
+            if not _port_free(port):
+                raise EtcdServerError(
+                    f"Cannot start etcd: port {port} on 127.0.0.1 is already in use (another "
+                    "etcd, or a previous run not yet stopped). Stop that process, or let "
+                    "LocalEtcd pick free ports by not passing client_port/peer_port."
+                )
         self.data_dir.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self._proc = subprocess.Popen(

@@ -1,0 +1,49 @@
+"""The local etcd helper: starts healthy, keeps data across a restart, always reaps the process."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from chameleon_elastic.rendezvous.errors import EtcdServerError
+from chameleon_elastic.rendezvous.local_etcd import LocalEtcd, find_etcd_binary
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_finds_a_binary() -> None:
+    assert os.access(find_etcd_binary(), os.X_OK)
+
+
+def test_restart_on_same_data_dir_keeps_keys(etcd_server, etcd_client) -> None:
+    etcd_client.call("put", lambda c: c.put("/survives", "yes"))
+    old_pid = etcd_server.pid
+    etcd_server.restart()
+    assert etcd_server.pid != old_pid
+    value, _ = etcd_client.call("get", lambda c: c.get("/survives"))
+    assert value == b"yes"
+
+
+def test_stop_reaps_process(tmp_path) -> None:
+    server = LocalEtcd(data_dir=tmp_path / "d").start()
+    pid = server.pid
+    assert pid is not None and server.is_running()
+    server.stop()
+    assert not server.is_running()
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+def test_context_manager_removes_its_temp_dir() -> None:
+    with LocalEtcd() as server:
+        work = server.data_dir.parent
+        assert work.exists()
+    assert not work.exists()
+
+
+def test_port_in_use_is_a_clear_error(etcd_server, tmp_path) -> None:
+    clash = LocalEtcd(data_dir=tmp_path / "other", client_port=etcd_server.client_port)
+    with pytest.raises(EtcdServerError, match="already in use"):
+        clash.start()
+    assert not clash.is_running()

@@ -1,0 +1,148 @@
+"""c10d Store contract of EtcdStore on a real etcd (also through torch's PrefixStore)."""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from chameleon_elastic.rendezvous.client import EtcdClient
+from chameleon_elastic.rendezvous.errors import EtcdStoreTimeoutError
+from chameleon_elastic.rendezvous.store import EtcdStore
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def store(etcd_client, run_prefix) -> EtcdStore:
+    return EtcdStore(etcd_client, run_prefix, timeout=timedelta(seconds=10))
+
+
+def test_set_get_bytes_and_str(store) -> None:
+    store.set("a", "text")
+    store.set("b", b"\x00\xffraw")
+    assert store.get("a") == b"text"
+    assert store.get("b") == b"\x00\xffraw"
+    assert store.multi_get(["a", "b"]) == [b"text", b"\x00\xffraw"]
+
+
+def test_add_counts(store) -> None:
+    assert store.add("n", 5) == 5
+    assert store.add("n", -2) == 3
+    assert store.get("n") == b"3"
+
+
+def test_concurrent_adds_are_exact(etcd_settings, run_prefix) -> None:
+    clients = [EtcdClient(etcd_settings) for _ in range(4)]
+    try:
+        stores = [EtcdStore(c, run_prefix) for c in clients]
+
+        def bump(s: EtcdStore) -> None:
+            for _ in range(10):
+                s.add("counter", 1)
+
+        threads = [threading.Thread(target=bump, args=(s,)) for s in stores]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=40)
+        assert stores[0].get("counter") == b"40"
+    finally:
+        for c in clients:
+            c.close()
+
+
+def test_compare_set_follows_tcpstore(store) -> None:
+    assert store.compare_set("k", "", "first") == b"first"  # absent + empty expectation: set
+    assert store.compare_set("k", "first", "second") == b"second"
+    assert store.compare_set("k", "wrong", "third") == b"second"  # mismatch: current value
+    assert store.get("k") == b"second"
+    assert store.compare_set("absent", "x", "y") == b"x"  # absent + expectation: expected
+    assert not store.check(["absent"])
+
+
+def test_check_delete_num_keys(store) -> None:
+    store.multi_set(["x", "y"], ["1", "2"])
+    assert store.check(["x", "y"]) and not store.check(["x", "z"])
+    assert store.num_keys() == 2
+    assert store.delete_key("x") is True
+    assert store.delete_key("x") is False
+    assert store.num_keys() == 1
+
+
+def test_append(store) -> None:
+    store.append("log", "a")
+    store.append("log", b"b")
+    assert store.get("log") == b"ab"
+
+
+def test_wait_times_out_as_dist_store_error(store) -> None:
+    with pytest.raises(dist.DistStoreError, match="never"):
+        store.wait(["never"], timedelta(milliseconds=300))
+    store.set_timeout(timedelta(milliseconds=300))
+    with pytest.raises(EtcdStoreTimeoutError):
+        store.get("never")
+
+
+def test_wait_wakes_when_another_client_sets(etcd_settings, run_prefix) -> None:
+    with EtcdClient(etcd_settings) as waiter_client, EtcdClient(etcd_settings) as setter_client:
+        waiter = EtcdStore(waiter_client, run_prefix, timeout=timedelta(seconds=20))
+        setter = EtcdStore(setter_client, run_prefix)
+        got: list[bytes] = []
+        thread = threading.Thread(target=lambda: got.append(waiter.get("late")))
+        thread.start()
+        setter.set("other", "noise")
+        setter.set("late", "here")
+        thread.join(timeout=25)
+        assert got == [b"here"]
+
+
+def test_through_prefix_store(store) -> None:
+    prefixed = dist.PrefixStore("torch.rendezvous.run.0", store)
+    prefixed.set("MASTER_ADDR", "127.0.0.1")
+    assert prefixed.get("MASTER_ADDR") == b"127.0.0.1"
+    assert prefixed.add("count", 2) == 2
+    assert prefixed.compare_set("c", "", "v") == b"v"
+    prefixed.wait(["MASTER_ADDR"], timedelta(seconds=1))
+    assert prefixed.check(["MASTER_ADDR"])
+    assert prefixed.multi_get(["MASTER_ADDR", "c"]) == [b"127.0.0.1", b"v"]
+    assert store.get("torch.rendezvous.run.0/MASTER_ADDR") == b"127.0.0.1"
+
+
+def test_torch_elastic_barrier_on_etcd_store(etcd_settings, run_prefix) -> None:
+    from torch.distributed.elastic.utils.store import barrier
+
+    clients = [EtcdClient(etcd_settings) for _ in range(3)]
+    try:
+        stores = [EtcdStore(c, run_prefix, timeout=timedelta(seconds=20)) for c in clients]
+        errors: list[BaseException] = []
+
+        def enter(s: EtcdStore) -> None:
+            try:
+                barrier(s, 3, key_prefix="exit/", barrier_timeout=20)
+            except Exception as exc:  # noqa: BLE001 - surfaced by the assert below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=enter, args=(s,)) for s in stores]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+        assert not errors and not any(t.is_alive() for t in threads)
+    finally:
+        for c in clients:
+            c.close()
+
+
+def test_store_rides_out_etcd_restart(etcd_server, store) -> None:
+    store.set("before", "1")
+    etcd_server.stop()
+    result: list[int] = []
+    thread = threading.Thread(target=lambda: result.append(store.add("during", 1)))
+    thread.start()
+    etcd_server.start()
+    thread.join(timeout=30)
+    assert result == [1]
+    assert store.get("before") == b"1"
