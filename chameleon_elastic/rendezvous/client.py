@@ -189,13 +189,18 @@ class EtcdClient:
             for host, port in s.endpoints
         ]
         try:
-            return pyetcd.MultiEndpointEtcd3Client(
+            client = pyetcd.MultiEndpointEtcd3Client(
                 endpoints=endpoints,
                 timeout=s.rpc_timeout,
                 user=s.user,
                 password=s.password,
                 failover=True,
             )
+            if not s.secure:
+                # gRPC refuses call credentials on a plaintext channel; the auth token also
+                # travels as plain metadata, which etcd accepts.
+                client.call_credentials = None
+            return client
         except BaseException:
             for endpoint in endpoints:
                 endpoint.close()

@@ -18,17 +18,19 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import tempfile
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
 from chameleon_elastic.rendezvous.errors import EtcdServerError
 
-__all__ = ["LocalEtcd", "find_etcd_binary", "free_port"]
+__all__ = ["LocalEtcd", "LocalEtcdTls", "find_etcd_binary", "free_port"]
 
 _HEALTH_POLL_S = 0.05
 _STOP_GRACE_S = 10.0
@@ -60,6 +62,22 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+@dataclass(frozen=True)
+class LocalEtcdTls:
+    """PEM files for serving the client port over TLS.
+
+    ``ca`` is also the CA that client certificates must be signed by when ``client_cert_auth``
+    is on; ``health_cert``/``health_key`` are then the client pair the health probe uses.
+    """
+
+    ca: str
+    server_cert: str
+    server_key: str
+    client_cert_auth: bool = False
+    health_cert: str | None = None
+    health_key: str | None = None
+
+
 def _port_free(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -87,7 +105,9 @@ class LocalEtcd:
         peer_port: int | None = None,
         startup_timeout: float = 30.0,
         binary: str | None = None,
+        tls: LocalEtcdTls | None = None,
     ) -> None:
+        self.tls = tls
         self._own_dir = data_dir is None
         base = Path(tempfile.mkdtemp(prefix="chameleon-etcd-")) if data_dir is None else None
         self.data_dir = Path(data_dir) if data_dir is not None else base / "data"  # type: ignore
@@ -106,7 +126,8 @@ class LocalEtcd:
 
     @property
     def client_url(self) -> str:
-        return f"http://127.0.0.1:{self.client_port}"
+        scheme = "https" if self.tls is not None else "http"
+        return f"{scheme}://127.0.0.1:{self.client_port}"
 
     @property
     def pid(self) -> int | None:
@@ -118,8 +139,14 @@ class LocalEtcd:
     def _command(self) -> list[str]:
         peer_url = f"http://127.0.0.1:{self.peer_port}"
         name = f"chameleon-{self.client_port}"
+        tls: list[str] = []
+        if self.tls is not None:
+            tls = ["--cert-file", self.tls.server_cert, "--key-file", self.tls.server_key]
+            if self.tls.client_cert_auth:
+                tls += ["--client-cert-auth", "--trusted-ca-file", self.tls.ca]
         return [
             self.binary,
+            *tls,
             "--name", name,
             "--data-dir", str(self.data_dir),
             "--listen-client-urls", self.client_url,
@@ -162,6 +189,11 @@ class LocalEtcd:
         deadline = time.monotonic() + self.startup_timeout
         url = f"{self.client_url}/health"
         last_error = "no answer yet"
+        context = None
+        if self.tls is not None:
+            context = ssl.create_default_context(cafile=self.tls.ca)
+            if self.tls.health_cert and self.tls.health_key:
+                context.load_cert_chain(self.tls.health_cert, self.tls.health_key)
         while time.monotonic() < deadline:
             assert self._proc is not None
             if self._proc.poll() is not None:
@@ -170,7 +202,7 @@ class LocalEtcd:
                     f"{self.endpoint}; its log ({self.log_path}) ends with:\n{self.log_tail()}"
                 )
             try:
-                with urllib.request.urlopen(url, timeout=1.0) as answer:
+                with urllib.request.urlopen(url, timeout=1.0, context=context) as answer:
                     if json.loads(answer.read()).get("health") == "true":
                         return
             except (urllib.error.URLError, OSError, ValueError) as exc:
