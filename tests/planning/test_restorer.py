@@ -326,6 +326,25 @@ def test_rounds_asymmetric_pipelines_need_two_rounds():
     check_rounds(pipelines, (), rounds)
 
 
+def test_rounds_meet_the_per_device_lower_bound_where_degree_order_does_not():
+    # Found by random search: colouring by degree (largest_first) needs 6 rounds here, but
+    # some device holds 5 buckets, so 5 is the least possible; DSatur finds 5.
+    splits = [
+        ((0, 1), (1, 7), (7, 17), (17, 18), (18, 20), (20, 25), (25, 26), (26, 28)),
+        ((0, 2), (2, 13), (13, 21), (21, 28)),
+        ((0, 9), (9, 15), (15, 24), (24, 28)),
+    ]
+    pipelines, k = [], 0
+    for split in splits:
+        pipelines.append(Pipeline(tuple(range(k, k + len(split))), split, 1))
+        k += len(split)
+    rounds = allreduce_rounds(pipelines)
+    check_rounds(tuple(pipelines), (), rounds)
+    per_device = Counter(d for rnd in rounds for g in rnd for d in g.devices)
+    assert max(per_device.values()) == 5
+    assert len(rounds) == 5
+
+
 def test_rounds_under_reroute_skip_the_dead_device():
     plan = symmetric(3, ((0, 2), (2, 4)), failed=(1,))
     rounds = allreduce_rounds(plan.pipelines, plan.failed_devices)
