@@ -1,1 +1,11 @@
-"""See DESIGN.md for this layer's role."""
+"""The decision centre: schedule, estimator, search, restorer and plan cache.
+
+Pure Python on numpy/scipy/networkx; never imports torch, so the launcher, the simulator and
+``chameleon-plan`` share one fast-to-import implementation that runs at 2048-device scale.
+"""
+
+from .cache import PlanCache
+from .estimator import evaluate
+from .search import Decision, PlanningError, decide, initial_plan
+
+__all__ = ["Decision", "PlanCache", "PlanningError", "decide", "evaluate", "initial_plan"]

@@ -1,0 +1,186 @@
+"""``chameleon-plan``: the planner on its own. What layout would this job run, and what would
+happen if these devices failed? Same code path as the launcher, no processes, no torch."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from collections.abc import Sequence
+
+from ..plan import ExecutionPlan
+from ..spec import JobSpec, SpecError, load_job, preset_names
+from .search import Decision, PlanningError, decide, initial_plan
+
+__all__ = ["main", "parse_ids"]
+
+EPILOG = """\
+examples:
+  chameleon-plan --preset llama2-7b-910b                      initial layout
+  chameleon-plan --preset llama2-7b-910b --fail 3             device 3 fails: reroute or re-plan?
+  chameleon-plan --job job.toml --fail 3 --fail 5-6 --json    two failures, one after the other
+  chameleon-plan --preset llama2-7b-910b-32 --fail-count 4 --seed 1 --policy replan
+
+Exit status: 0 on success, 2 for a bad request (unknown preset, bad job file, a device that is
+not live, rerouting when a stage lost every replica, a model that fits nowhere)."""
+
+
+def parse_ids(text: str) -> list[int]:
+    """'3', '3,5', '4-7' or '1,4-6' -> sorted unique device ids."""
+    ids: set[int] = set()
+    for part in text.split(","):
+        part = part.strip()
+        try:
+            if "-" in part:
+                lo, hi = (int(x) for x in part.split("-", 1))
+                if hi < lo:
+                    raise ValueError
+                ids.update(range(lo, hi + 1))
+            else:
+                ids.add(int(part))
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not a device list; write ids and ranges like 3 or 1,4-6"
+            ) from None
+    return sorted(ids)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="chameleon-plan",
+        description="Preview the Chameleon planner: the initial pipeline x data parallel layout of "
+                    "a job and, for failures you name, whether it would reroute or re-plan, with "
+                    "the estimated step time, memory, transfers and score of each option.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    job = p.add_mutually_exclusive_group()
+    job.add_argument("--job", metavar="FILE", help="job spec in TOML (model, cluster, training)")
+    job.add_argument("--preset", metavar="NAME",
+                     help=f"built-in job spec, one of: {', '.join(preset_names())}")
+    p.add_argument("--fail", metavar="IDS", type=parse_ids, action="append", default=[],
+                   help="devices that fail together in one event (e.g. 3 or 1,4-6); repeat the "
+                        "flag for failures one after the other, each planned from the last state")
+    p.add_argument("--fail-count", metavar="K", type=int, default=0,
+                   help="one more event in which K live devices, drawn with --seed, fail")
+    p.add_argument("--seed", type=int, default=0, help="seed for --fail-count (default 0)")
+    p.add_argument("--policy", choices=("auto", "reroute", "replan"), default="auto",
+                   help="auto (default) picks the higher score; reroute/replan force one")
+    p.add_argument("--json", action="store_true",
+                   help="print the final plan as JSON, with a 'decisions' list, instead of tables")
+    return p
+
+
+def _events(args: argparse.Namespace, spec: JobSpec) -> list[list[int]]:
+    events = [list(ids) for ids in args.fail]
+    if args.fail_count < 0:
+        raise PlanningError(f"--fail-count {args.fail_count} is negative; pass 0 or more.")
+    if args.fail_count:
+        dead = {d for e in events for d in e}
+        live = [d for d in range(spec.cluster.devices) if d not in dead]
+        if args.fail_count >= len(live):
+            raise PlanningError(
+                f"--fail-count {args.fail_count} would leave no live device of {len(live)}; "
+                "pass a smaller count."
+            )
+        events.append(sorted(random.Random(args.seed).sample(live, args.fail_count)))
+    return events
+
+
+def _decision_record(failed: list[int], d: Decision) -> dict:
+    return {
+        "failed": failed,
+        "chosen": d.chosen.policy,
+        "generation": d.chosen.generation,
+        "scores": {k: p.estimate.score for k, p in d.candidates.items()},
+        "step_time_s": {k: p.estimate.step_time_s for k, p in d.candidates.items()},
+        "transition_time_s": {k: p.estimate.transition_time_s for k, p in d.candidates.items()},
+        "rejected": d.rejected,
+    }
+
+
+def run(args: argparse.Namespace) -> tuple[ExecutionPlan, JobSpec, list[dict]]:
+    spec = load_job(args.job, args.preset)
+    plan = initial_plan(spec)
+    records = []
+    for failed in _events(args, spec):
+        decision = decide(spec, plan, failed, policy=args.policy)
+        records.append(_decision_record(failed, decision))
+        plan = decision.chosen
+    return plan, spec, records
+
+
+def _gb(x: float) -> str:
+    return f"{x / 1e9:.2f} GB"
+
+
+def _render(plan: ExecutionPlan, spec: JobSpec, records: list[dict]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    est = plan.estimate
+    live = len(plan.live_devices)
+    console.print(f"[bold]{spec.name}[/]: generation {plan.generation}, policy [bold]{plan.policy}"
+                  f"[/], {live}/{spec.cluster.devices} devices live, "
+                  f"{plan.global_micro_batches} micro-batches per step")
+    table = Table(title="layout")
+    for col in ("pipeline", "devices (stage order)", "layers per stage", "micro-batches"):
+        table.add_column(col)
+    dead = set(plan.failed_devices)
+    for i, p in enumerate(plan.pipelines):
+        devs = " ".join(f"[red]x{d}[/]" if d in dead else str(d) for d in p.devices)
+        layers = " ".join(f"[{a},{b})" for a, b in p.layers)
+        table.add_row(str(i), devs, layers, str(p.micro_batches))
+    console.print(table)
+    if plan.spare_devices:
+        console.print(f"spare devices: {' '.join(map(str, plan.spare_devices))}")
+    for r in plan.reroute:
+        shares = ", ".join(f"{s.device} takes {s.micro_batches}" for s in r.peers)
+        console.print(f"rerouted: device {r.device} (pipeline {r.pipeline}, stage {r.stage}): "
+                      f"{shares}")
+    if plan.transfers:
+        total = sum(t.bytes for t in plan.transfers)
+        console.print(f"transfers: {len(plan.transfers)} links, {_gb(total)} in all")
+    console.print(f"gradient all-reduce: {len(plan.allreduce_rounds)} round(s), "
+                  f"{sum(len(r) for r in plan.allreduce_rounds)} group(s)")
+    peak = max(est.peak_memory_bytes.values())
+    console.print(
+        f"estimate: step {est.step_time_s:.4f} s, throughput {est.throughput:.2f} samples/s, "
+        f"transition {est.transition_time_s:.2f} s, peak memory {_gb(peak)} of "
+        f"{_gb(spec.cluster.device_memory_bytes)}, score {est.score:.3f}"
+    )
+    for rec in records:
+        scores = ", ".join(f"{k} {v:.3f}" for k, v in rec["scores"].items())
+        line = f"failure of {rec['failed']}: chose [bold]{rec['chosen']}[/] (scores: {scores})"
+        other = [k for k in rec["scores"] if k != rec["chosen"]]
+        for k in other:
+            line += (f"; {rec['chosen']} step {rec['step_time_s'][rec['chosen']]:.4f} s + "
+                     f"{rec['transition_time_s'][rec['chosen']]:.2f} s transition vs {k} step "
+                     f"{rec['step_time_s'][k]:.4f} s + {rec['transition_time_s'][k]:.2f} s")
+        for k, why in rec["rejected"].items():
+            line += f"; {k} impossible: {why}"
+        console.print(line)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        plan, spec, records = run(args)
+    except (SpecError, PlanningError) as exc:
+        print(f"chameleon-plan: error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        out = plan.to_dict()
+        out["decisions"] = records
+        json.dump(out, sys.stdout, indent=2)
+        print()
+    else:
+        _render(plan, spec, records)
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,382 @@
+"""Plan search and policy choice: the decision centre's pure core.
+
+At every failure the job may either *reroute* (keep the layout; each lost device's micro-batches
+go round-robin to the live devices holding the same layers) or *re-plan* (a new layout over the
+live devices, possibly asymmetric). ``decide`` builds both, prices each with the estimator, and
+keeps the one with the best
+
+    score = throughput x t_run / (t_transition + t_run)
+
+where t_run is the expected time to the next failure. Everything here is a pure function of
+(spec, current plan, event): the simulator and the launcher call the same code, and
+``chameleon-plan`` previews it offline.
+
+Re-planning follows the paper's Algorithm 1 with two additions that only ever help:
+- candidates are the balanced partitions of the live devices into dp pipelines for every dp in
+  R_dp (lengths in R_pp), plus the same with the remainder left spare (a symmetric layout can
+  beat an asymmetric one once all-reduce is priced);
+- after the paper's proportional batch distribution, quotas are refined one micro-batch at a
+  time from the slowest pipeline to the one that stays fastest, while the slowest gets faster.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
+from typing import Literal
+
+from ..plan import ExecutionPlan, PeerShare, Pipeline, Reroute
+from ..spec import JobSpec
+from . import estimator
+from .restorer import allreduce_rounds, place
+
+__all__ = [
+    "Decision",
+    "PlanningError",
+    "PolicyChoice",
+    "decide",
+    "distribute_batches",
+    "initial_plan",
+    "replan",
+    "reroute_plan",
+    "split_layers",
+]
+
+PolicyChoice = Literal["auto", "reroute", "replan"]
+
+# C(N_pp, r) layer splits are enumerated exactly up to this many; beyond it (very long
+# pipelines) only a few structured candidates are tried, which is exact for uniform layers.
+MAX_SPLIT_ENUMERATION = 2048
+
+
+class PlanningError(Exception):
+    """An impossible request; the message is one sentence naming the problem and the fix."""
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The chosen plan, every policy that was priced, and why the others were not possible."""
+
+    chosen: ExecutionPlan
+    candidates: dict[str, ExecutionPlan] = field(default_factory=dict)
+    rejected: dict[str, str] = field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------- building blocks
+
+
+def distribute_batches(lengths: Sequence[int], total: int) -> tuple[int, ...]:
+    """The paper's batch distribution: proportional to pipeline length, leftovers one at a time
+    round the pipelines (longest first), then no pipeline left idle."""
+    n_dev = sum(lengths)
+    quotas = [total * n // n_dev for n in lengths]
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    left = total - sum(quotas)
+    for k in range(left):
+        quotas[order[k % len(order)]] += 1
+    while 0 in quotas and total >= len(quotas):
+        idle = quotas.index(0)
+        donor = max(range(len(quotas)), key=lambda i: (quotas[i], -i))
+        quotas[donor] -= 1
+        quotas[idle] += 1
+    return tuple(quotas)
+
+
+def _fits(spec: JobSpec, layers: Sequence[tuple[int, int]], quota: int) -> bool:
+    memory = spec.cluster.device_memory_bytes
+    n = len(layers)
+    return all(
+        estimator.stage_memory(spec, a, b, min(n - i, quota)) <= memory
+        for i, (a, b) in enumerate(layers)
+    )
+
+
+def _ranges(sizes: Iterable[int]) -> tuple[tuple[int, int], ...]:
+    out, start = [], 0
+    for size in sizes:
+        out.append((start, start + size))
+        start += size
+    return tuple(out)
+
+
+def _split_candidates(num_layers: int, stages: int) -> Iterable[tuple[tuple[int, int], ...]]:
+    base, extra = divmod(num_layers, stages)
+    if math.comb(stages, extra) <= MAX_SPLIT_ENUMERATION:
+        choices: Iterable[Collection[int]] = itertools.combinations(range(stages), extra)
+    else:
+        # Extras last (least activation memory), first, or evenly spaced.
+        step = stages / extra
+        choices = [range(stages - extra, stages), range(extra),
+                   sorted({int(i * step) for i in range(extra)})]
+    for chosen in choices:
+        picked = set(chosen)
+        yield _ranges(base + (1 if s in picked else 0) for s in range(stages))
+
+
+@lru_cache(maxsize=4096)
+def _split_layers_cached(spec: JobSpec, stages: int, quota: int):
+    best, best_time = None, math.inf
+    for layers in _split_candidates(spec.model.layers, stages):
+        if not _fits(spec, layers, quota):
+            continue
+        t = estimator.pipeline_time(spec, layers, quota)
+        if t < best_time - 1e-12:
+            best, best_time = layers, t
+    return best
+
+
+def split_layers(spec: JobSpec, stages: int, quota: int) -> tuple[tuple[int, int], ...] | None:
+    """Even split; the r = L mod N_pp leftover layers go to the choice of stages that fits in
+    memory with the least pipeline time; None when no choice fits."""
+    if stages > spec.model.layers or stages < 1:
+        return None
+    return _split_layers_cached(spec, stages, max(quota, 1))
+
+
+def _balanced(devices: int, dp: int) -> tuple[int, ...]:
+    q, r = divmod(devices, dp)
+    return tuple([q + 1] * r + [q] * (dp - r))
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """A candidate layout on slot numbers, before devices are placed."""
+
+    pipelines: tuple[Pipeline, ...]
+    compute_s: float
+
+
+def _layout_for(spec: JobSpec, lengths: tuple[int, ...]) -> _Layout | None:
+    total = spec.training.global_micro_batches
+    if len(lengths) > total:
+        return None
+    quotas = list(distribute_batches(lengths, total))
+    splits: dict[tuple[int, int], tuple[tuple[int, int], ...] | None] = {}
+
+    def split(n: int, q: int):
+        if (n, q) not in splits:
+            splits[(n, q)] = split_layers(spec, n, q)
+        return splits[(n, q)]
+
+    def time_of(i: int, q: int) -> float:
+        layers = split(lengths[i], q)
+        return math.inf if layers is None else estimator.pipeline_time(spec, layers, q)
+
+    times = [time_of(i, q) for i, q in enumerate(quotas)]
+    if math.inf in times:
+        return None
+    # Refinement: move one micro-batch off the slowest pipeline while that lowers the maximum.
+    while True:
+        slow = max(range(len(times)), key=lambda i: times[i])
+        if quotas[slow] <= 1:
+            break
+        best_j, best_t = None, math.inf
+        for j in range(len(quotas)):
+            if j != slow:
+                t = time_of(j, quotas[j] + 1)
+                if t < best_t:
+                    best_j, best_t = j, t
+        new_slow = time_of(slow, quotas[slow] - 1)
+        if best_j is None or max(best_t, new_slow) >= times[slow] - 1e-12:
+            break
+        quotas[slow] -= 1
+        quotas[best_j] += 1
+        times[slow], times[best_j] = new_slow, best_t
+    slots = itertools.count()
+    pipelines = tuple(
+        Pipeline(devices=tuple(next(slots) for _ in range(n)), layers=split(n, q),
+                 micro_batches=q)
+        for n, q in zip(lengths, quotas)
+    )
+    return _Layout(pipelines, max(times))
+
+
+def _candidate_lengths(spec: JobSpec, current: ExecutionPlan, live: int) -> list[tuple[int, ...]]:
+    dp0 = len(current.pipelines)
+    lengths_now = [p.num_stages for p in current.pipelines]
+    lo = max(1, min(lengths_now) - spec.planner.pp_radius)
+    hi = min(spec.model.layers, max(lengths_now) + spec.planner.pp_radius)
+    found: list[tuple[int, ...]] = []
+    for dp in range(max(1, dp0 - spec.planner.dp_radius), dp0 + spec.planner.dp_radius + 1):
+        for used in {live, live - live % dp}:
+            if used < dp:
+                continue
+            lengths = _balanced(used, dp)
+            if lo <= min(lengths) and max(lengths) <= hi and lengths not in found:
+                found.append(lengths)
+    return found
+
+
+def _finish(spec: JobSpec, plan: ExecutionPlan) -> ExecutionPlan:
+    """Attach all-reduce rounds and the estimate: the last step of every plan we emit."""
+    rounds = allreduce_rounds(plan.pipelines, plan.failed_devices)
+    plan = replace(plan, allreduce_rounds=rounds)
+    return replace(plan, estimate=estimator.evaluate(spec, plan)).validate()
+
+
+def _memory_ok(spec: JobSpec, plan: ExecutionPlan) -> tuple[bool, str]:
+    peaks = estimator.peak_memory(spec, plan)
+    limit = spec.cluster.device_memory_bytes
+    device, peak = max(peaks.items(), key=lambda kv: kv[1])
+    if peak > limit:
+        return False, (f"device {device} would need {peak / 1e9:.2f} GB but "
+                       f"cluster.device_memory_bytes is {limit / 1e9:.2f} GB")
+    return True, ""
+
+
+# --------------------------------------------------------------------------- plans
+
+
+def initial_plan(spec: JobSpec) -> ExecutionPlan:
+    """The job's starting layout: training.dp pipelines of training.pp stages, device p*pp+s;
+    devices beyond dp x pp are spare."""
+    dp, pp = spec.training.dp, spec.training.pp
+    lengths = (pp,) * dp
+    layout = _layout_for(spec, lengths)
+    if layout is None:
+        raise PlanningError(
+            f"the model does not fit the initial layout dp={dp} x pp={pp}: some stage exceeds "
+            f"cluster.device_memory_bytes = {spec.cluster.device_memory_bytes:g}; raise "
+            "training.pp (more stages, fewer layers each) or the device memory."
+        )
+    pipelines = tuple(
+        replace(p, devices=tuple(i * pp + s for s in range(pp)))
+        for i, p in enumerate(layout.pipelines)
+    )
+    spare = tuple(range(dp * pp, spec.cluster.devices))
+    return _finish(spec, ExecutionPlan("initial", 0, pipelines, spare_devices=spare))
+
+
+def reroute_plan(spec: JobSpec, current: ExecutionPlan, failed: Collection[int],
+                 joined: Collection[int] = ()) -> ExecutionPlan:
+    """Keep the layout; every dead device's micro-batches go round-robin to its live peers
+    (devices holding exactly its layers in other pipelines). Joined devices become spares."""
+    dead_spares = set(failed) & set(current.spare_devices)
+    dead = tuple(sorted(set(current.failed_devices) | (set(failed) - dead_spares)))
+    dead_set = set(dead)
+    reroutes = []
+    for d in dead:
+        p, s = current.locate(d)
+        held = current.pipelines[p].layers[s]
+        peers = [
+            q.devices[t]
+            for i, q in enumerate(current.pipelines) if i != p
+            for t, rng in enumerate(q.layers)
+            if rng == held and q.devices[t] not in dead_set
+        ]
+        if not peers:
+            raise PlanningError(
+                f"cannot reroute: the stage holding layers [{held[0]}, {held[1]}) lost every "
+                "replica (no live device holds exactly those layers); re-plan instead "
+                "(--policy replan or auto)."
+            )
+        quota = current.pipelines[p].micro_batches
+        n = len(peers)
+        shares = tuple(PeerShare(q, (quota - j + n - 1) // n) for j, q in enumerate(sorted(peers)))
+        reroutes.append(Reroute(device=d, pipeline=p, stage=s, peers=shares))
+    spare = tuple(sorted((set(current.spare_devices) - dead_spares) | set(joined)))
+    policy = "reroute" if dead else current.policy
+    plan = ExecutionPlan(policy, current.generation + 1, current.pipelines, spare_devices=spare,
+                         failed_devices=dead, reroute=tuple(reroutes))
+    plan = _finish(spec, plan)
+    ok, why = _memory_ok(spec, plan)
+    if not ok:
+        raise PlanningError(f"cannot reroute: {why}; re-plan instead.")
+    return plan
+
+
+def replan(spec: JobSpec, current: ExecutionPlan, failed: Collection[int],
+           joined: Collection[int] = ()) -> ExecutionPlan:
+    """Algorithm 1 over the live devices; the best layout by step time is placed on devices
+    with the least data movement (restorer)."""
+    live = sorted((set(current.live_devices) - set(failed)) | set(joined))
+    if not live:
+        raise PlanningError("no live device is left; the job cannot continue.")
+    layouts = []
+    for lengths in _candidate_lengths(spec, current, len(live)):
+        layout = _layout_for(spec, lengths)
+        if layout is None:
+            continue
+        probe = ExecutionPlan("replan", 0, layout.pipelines)
+        step = layout.compute_s + estimator.allreduce_time(
+            spec, replace(probe, allreduce_rounds=allreduce_rounds(probe.pipelines)))
+        layouts.append((step, len(lengths), layout))
+    if not layouts:
+        raise PlanningError(
+            f"no layout of {len(live)} live devices fits in memory (cluster.device_memory_bytes "
+            f"= {spec.cluster.device_memory_bytes:g}) within the search ranges; widen "
+            "planner.pp_radius / planner.dp_radius, add devices, or lower the model footprint."
+        )
+    layouts.sort(key=lambda t: (t[0], -t[1]))
+    best = layouts[0][2]
+    try:
+        placed = place(spec, current, best.pipelines, live)
+    except ValueError as exc:
+        raise PlanningError(f"cannot re-plan: {exc}") from exc
+    plan = ExecutionPlan("replan", current.generation + 1, placed.pipelines,
+                         spare_devices=placed.spare_devices, transfers=placed.transfers)
+    return _finish(spec, plan)
+
+
+def check_event(spec: JobSpec, current: ExecutionPlan, failed: Collection[int],
+                joined: Collection[int]) -> None:
+    """Reject events that do not make sense for ``current``, with the fix in the message."""
+    live = set(current.live_devices)
+    for d in failed:
+        if d not in live:
+            raise PlanningError(
+                f"device {d} cannot fail: it is not live in plan generation {current.generation} "
+                f"(live devices: {_compact(sorted(live))}); name a live device."
+            )
+    if live and set(failed) >= live:
+        raise PlanningError(
+            f"all {len(live)} live devices would fail; at least one must survive to continue."
+        )
+    for d in joined:
+        if d in live or not 0 <= d < spec.cluster.devices:
+            raise PlanningError(
+                f"device {d} cannot join: it is live already or outside 0..{spec.cluster.devices - 1}."
+            )
+
+
+def decide(spec: JobSpec, current: ExecutionPlan, failed: Collection[int] = (),
+           joined: Collection[int] = (), policy: PolicyChoice = "auto",
+           replanned: ExecutionPlan | None = None) -> Decision:
+    """Price rerouting and re-planning for this event and choose by score.
+
+    ``replanned`` lets a cache hand in a re-plan it computed ahead; rerouting is always built
+    fresh because it is cheap (linear in the devices).
+    """
+    check_event(spec, current, failed, joined)
+    candidates: dict[str, ExecutionPlan] = {}
+    rejected: dict[str, str] = {}
+    builders = {
+        "reroute": lambda: reroute_plan(spec, current, failed, joined),
+        "replan": lambda: replanned if replanned is not None else replan(spec, current, failed, joined),
+    }
+    for name, build in builders.items():
+        if policy not in ("auto", name):
+            continue
+        try:
+            candidates[name] = build()
+        except PlanningError as exc:
+            rejected[name] = str(exc)
+    if not candidates:
+        raise PlanningError(" ".join(rejected.values()))
+    chosen = max(candidates.values(), key=lambda p: (p.estimate.score, p.policy == "reroute"))
+    return Decision(chosen=chosen, candidates=candidates, rejected=rejected)
+
+
+def _compact(ids: Sequence[int]) -> str:
+    """'0-3,6,8-9' for a sorted id list: readable in one-sentence errors at 2048 devices."""
+    parts, i = [], 0
+    while i < len(ids):
+        j = i
+        while j + 1 < len(ids) and ids[j + 1] == ids[j] + 1:
+            j += 1
+        parts.append(str(ids[i]) if i == j else f"{ids[i]}-{ids[j]}")
+        i = j + 1
+    return ",".join(parts)
