@@ -24,12 +24,12 @@ both made here, and a third one that every asymmetric plan needs afterwards.
    the holders of each layer: greedy LPT (largest layers first, each to the holder whose time
    afterwards is least; ties go to the holder whose time grows least, i.e. one that can send
    under its own receive volume for free, then the one that has sent least, then the lowest
-   id). Good enough because the
-   makespan can never drop below the largest receive volume, which the assignment fixed, and
-   sends only have to be spread under that floor: with one holder per surviving pipeline there
-   are usually several holders per layer, LPT is within 4/3 of optimal when every holder may
-   serve every item, and in practice it meets the receive floor. A layer that no live device holds cannot be restored from peers: that
-   is a ``RestoreError`` naming the layer (the caller turns it into a checkpoint restart).
+   id). Good enough because the makespan can never drop below the largest receive volume,
+   which the assignment fixed, so sends only have to be spread under that floor; with one
+   holder per surviving pipeline most layers have several holders, LPT is within 4/3 of optimal
+   when every holder may serve every item, and in practice it meets the receive floor. A layer
+   that no live device holds cannot be restored from peers: that is a ``RestoreError`` naming
+   the layer (the caller turns it into a checkpoint restart).
 
 3. **All-reduce rounds (graph colouring).** After an asymmetric re-plan a layer lives at
    different stages of different pipelines, so gradients are reduced per *bucket*: a maximal set
