@@ -3,12 +3,16 @@
 Model (after Jang et al., SOSP 2023, reduced to what a step-time model can express):
 
 * Templates: one pipeline template per size from the memory-bound minimum (the fewest stages
-  whose every stage fits in device memory) up to one layer per stage. A template's layer split
-  is the planner's ``split_layers`` (memory-feasible, least pipeline time), so Oobleck and
-  chameleon never differ by how well a single pipeline is balanced.
-* Instantiation: after every failure the live devices are covered by ``k`` pipelines of near
-  equal size (sizes differ by at most one), for every feasible ``k``; the mix with the best
-  estimated step time wins. Every live device is used; there is no reroute.
+  whose every stage fits in device memory) up to one layer per stage. A template splits the
+  layers evenly and gives the ``L mod n`` leftover layers to the last stages (they keep the
+  fewest activations in flight); with uniform layers every balanced split has the same
+  slowest stage, so this is what Oobleck's stage-partitioning would find.
+* Fault-tolerance threshold: Oobleck keeps at least ``f + 1`` pipelines so that every layer
+  survives ``f`` simultaneous failures; we use its smallest setting, ``f = 1`` (two
+  pipelines). Below that the job stops (``stalled``).
+* Instantiation: after every failure the live devices are covered by ``k >= f + 1`` pipelines
+  of near equal size (sizes differ by at most one), for every feasible ``k``; the mix with the
+  best estimated step time wins. Every live device is used; there is no reroute.
 * Batch: micro-batches are handed out by throughput, one at a time to the pipeline whose
   1F1B time ``(stages + quota) x slowest stage`` stays lowest, at least one each.
 * Placement: surviving devices keep their order (old pipeline, old stage) and fill the new
@@ -27,13 +31,28 @@ from dataclasses import replace
 
 from ...plan import ExecutionPlan, Pipeline, Transfer
 from ...planning import estimator
-from ...planning.search import PlanningError, initial_plan, split_layers
+from ...planning.search import PlanningError, initial_plan
 from ...spec import JobSpec
 from ..constants import BaselineConstants
 from ..engine import EventContext, Phase, Reaction
 from .common import STALLED, finish, fits_memory, paused, running
 
-__all__ = ["OobleckPolicy", "first_holder_transfers", "throughput_quotas"]
+__all__ = ["MIN_PIPELINES", "OobleckPolicy", "first_holder_transfers", "template_layers",
+           "throughput_quotas"]
+
+#: Oobleck's fault-tolerance threshold f = 1: at least two pipelines hold every layer.
+MIN_PIPELINES = 2
+
+
+def template_layers(num_layers: int, stages: int) -> tuple[tuple[int, int], ...]:
+    """Even split, the leftover layers on the last stages."""
+    base, extra = divmod(num_layers, stages)
+    out, start = [], 0
+    for s in range(stages):
+        size = base + (1 if s >= stages - extra else 0)
+        out.append((start, start + size))
+        start += size
+    return tuple(out)
 
 
 def throughput_quotas(stage_costs: Sequence[tuple[int, float]], total: int) -> tuple[int, ...]:
@@ -80,9 +99,13 @@ class OobleckPolicy:
         self.spec = spec
         self.constants = constants or BaselineConstants()
         self.plan: ExecutionPlan | None = None
-        total = spec.training.global_micro_batches
-        self.min_stages = next(
-            (n for n in range(1, spec.model.layers + 1) if split_layers(spec, n, total)), None)
+        self.min_stages = next((n for n in range(1, spec.model.layers + 1)
+                                if self._fits(template_layers(spec.model.layers, n))), None)
+
+    def _fits(self, layers: tuple[tuple[int, int], ...]) -> bool:
+        total = self.spec.training.global_micro_batches
+        probe = ExecutionPlan("replan", 0, (Pipeline(tuple(range(len(layers))), layers, total),))
+        return fits_memory(self.spec, probe)
 
     def start(self) -> tuple[Phase, ...]:
         self.plan = initial_plan(self.spec)
@@ -93,14 +116,12 @@ class OobleckPolicy:
         if self.min_stages is None:
             return None
         best: ExecutionPlan | None = None
-        for k in range(1, min(len(live) // self.min_stages, total) + 1):
+        for k in range(MIN_PIPELINES, min(len(live) // self.min_stages, total) + 1):
             q, r = divmod(len(live), k)
             sizes = [q + 1] * r + [q] * (k - r)
             if sizes[0] > spec.model.layers:
                 continue
-            splits = [split_layers(spec, n, total) for n in sizes]
-            if any(s is None for s in splits):
-                continue
+            splits = [template_layers(spec.model.layers, n) for n in sizes]
             costs = [(n, max(sum(estimator.stage_times(spec, a, b)) for a, b in s))
                      for n, s in zip(sizes, splits)]
             quotas = throughput_quotas(costs, total)
