@@ -1,0 +1,313 @@
+"""Performance model: step time, peak memory, transition time and score of an execution plan.
+
+The planner compares hundreds of candidate plans per failure, up to 2048 devices, so every
+figure here is a pure function of ``(spec, plan)`` built from the job's per-layer profile and
+cheap to compute. Where the paper gives a closed form we use it; elsewhere we time the very
+operation order the runtime executes (``schedule.device_orders``) with the paper's recurrence
+``start(i, j) = max(end(i, j-1), end(f1(i), f2(j)))``.
+
+Step time = pipeline compute + gradient all-reduce.
+
+- Compute, no failure: pipelines meet only at the all-reduce, so the step waits for the slowest
+  pipeline. A pipeline whose stages all take the same ``(T_f, T_b)`` takes
+  ``(N_pp + N_m - 1)(T_f + T_b)`` (1F1B); any other is simulated. ``pipeline_makespan`` memoises
+  both per distinct ``(stage times, quota)``, which is what keeps large searches fast.
+- Compute, rerouted: on a symmetric layout (same layer split and quota in every pipeline) with
+  uniform stages, where every dead device's work is spread over all live holders of its layers,
+  the paper's closed form ``(N_pp + N_m - 1 + sum_g [F_g > 0] N_m F_g / (N_g - F_g))(T_f + T_b)``
+  with ``g`` a group of devices holding an identical layer range, ``N_g`` its size and ``F_g``
+  its dead members; the fractional share is replaced by the busiest peer's whole number of
+  absorbed micro-batches (equal when shares are even). Otherwise the pipelines that rerouting couples (the dead devices' and their
+  peers') are simulated together from their device orders; the others use ``pipeline_time``.
+- All-reduce: the plan's colour rounds run one after another; inside a round, groups run in
+  parallel, so a round costs its slowest group, a ring all-reduce of ``2 (n - 1) / n`` times
+  the group's gradient bytes over the cluster bandwidth. A plan without rounds (hand-built;
+  the search always fills them through the restorer) costs 0 here.
+
+Peak memory of a working device: resident ``2 * param + optimizer`` bytes per held layer, plus
+its layers' activations times the most micro-batches in flight on it: ``min(N_pp - i, N_m)``
+at stage ``i`` under plain 1F1B (the paper's ``(N_pp - i) N_l_i m_a``), and counted from its
+merged order for a peer that also serves a dead device's micro-batches.
+
+Transition: initial and reroute cost nothing (no reconfiguration); a re-plan costs its weight
+transfer (the busiest device's bytes in or out over the bandwidth) plus the cluster's restart
+time. The plan search itself is ~0 because plans are cached ahead of failures.
+
+Score (the paper's objective): ``throughput * t_run / (t_transition + t_run)`` with ``t_run``
+the expected time to the next failure of the live devices.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from functools import lru_cache
+
+from ..plan import AllReduceGroup, Estimate, ExecutionPlan, Pipeline, Transfer
+from ..spec import JobSpec
+from .schedule import Op, device_orders, in_flight_peak, pipeline_schedule, simulate
+
+__all__ = [
+    "EstimatorError",
+    "allreduce_time",
+    "compute_time",
+    "evaluate",
+    "fits_in_memory",
+    "peak_memory",
+    "pipeline_makespan",
+    "pipeline_time",
+    "reroute_closed_form",
+    "score",
+    "stage_memory",
+    "stage_times",
+    "step_time",
+    "transfer_time",
+    "transition_time",
+]
+
+
+class EstimatorError(ValueError):
+    """A plan the estimator cannot price (it does not fit the job spec)."""
+
+
+# --------------------------------------------------------------------------- building blocks
+
+
+def stage_times(spec: JobSpec, start: int, end: int) -> tuple[float, float]:
+    """``(T_f, T_b)`` of one micro-batch through layers ``[start, end)``: per-layer sums."""
+    _check_range(spec, start, end)
+    model = spec.model
+    return math.fsum(model.forward_s[start:end]), math.fsum(model.backward_s[start:end])
+
+
+def stage_memory(spec: JobSpec, start: int, end: int, in_flight: int) -> float:
+    """Peak bytes of a device holding layers ``[start, end)`` with ``in_flight`` micro-batches.
+
+    Layer state ``2 * param + optimizer`` plus the activations of ``in_flight`` micro-batches.
+    Stage ``i`` of a plain 1F1B pipeline has ``min(N_pp - i, N_m)`` in flight, which gives the
+    paper's ``N_l (m_p + m_o + m_g) + (N_pp - i) N_l m_a`` when ``N_m >= N_pp``.
+    """
+    _check_range(spec, start, end)
+    return _resident(spec, start, end) + in_flight * _activation(spec, start, end)
+
+
+def pipeline_time(spec: JobSpec, layers: Sequence[tuple[int, int]], micro_batches: int) -> float:
+    """Makespan of one 1F1B pipeline whose stages hold ``layers`` (one range per stage)."""
+    return pipeline_makespan(tuple(stage_times(spec, a, b) for a, b in layers), micro_batches)
+
+
+@lru_cache(maxsize=1 << 16)
+def pipeline_makespan(stage_times: tuple[tuple[float, float], ...], micro_batches: int) -> float:
+    """Makespan of one 1F1B pipeline: closed form for equal stages, else the DP simulation.
+
+    Pure and memoised per distinct ``(stage times, quota)``: a search prices hundreds of
+    candidate layouts that share a handful of pipeline shapes.
+    """
+    if micro_batches == 0:
+        return 0.0
+    first = stage_times[0]
+    if all(t == first for t in stage_times):
+        return (len(stage_times) + micro_batches - 1) * (first[0] + first[1])
+    ends = pipeline_schedule(stage_times, micro_batches)
+    return max(ends[0][1])
+
+
+def transfer_time(spec: JobSpec, transfers: Iterable[Transfer]) -> float:
+    """Seconds to move weights: the busiest device's bytes received or sent, over the bandwidth."""
+    received: dict[int, float] = {}
+    sent: dict[int, float] = {}
+    for t in transfers:
+        received[t.dst] = received.get(t.dst, 0.0) + t.bytes
+        sent[t.src] = sent.get(t.src, 0.0) + t.bytes
+    busiest = max([*received.values(), *sent.values()], default=0.0)
+    return busiest / spec.cluster.bandwidth_bytes_per_s
+
+
+def score(throughput: float, transition_s: float, run_s: float) -> float:
+    """The paper's objective: throughput discounted by the time spent switching plans."""
+    if throughput < 0 or transition_s < 0 or run_s < 0 or math.isnan(run_s):
+        raise ValueError(
+            f"score needs non-negative figures, got throughput={throughput}, "
+            f"transition_s={transition_s}, run_s={run_s}."
+        )
+    if transition_s == 0 or math.isinf(run_s):
+        return throughput
+    return throughput * run_s / (transition_s + run_s)
+
+
+# --------------------------------------------------------------------------- a whole plan
+
+
+def compute_time(spec: JobSpec, plan: ExecutionPlan) -> float:
+    """Pipeline part of one training step (see the module docstring for which model applies)."""
+    _check_plan(spec, plan)
+    if not plan.reroute:
+        return max(_pipeline_time(spec, pipe) for pipe in plan.pipelines)
+    closed = reroute_closed_form(spec, plan)
+    if closed is not None:
+        return closed
+    coupled = _coupled_pipelines(plan)
+    rest = [_pipeline_time(spec, pipe) for p, pipe in enumerate(plan.pipelines)
+            if p not in coupled]
+    orders = device_orders(plan, pipelines=sorted(coupled))
+    times = {p: _times(spec, plan.pipelines[p]) for p in coupled}
+
+    def duration(op: Op) -> float:
+        return times[op.pipeline][op.stage][0 if op.kind == "F" else 1]
+
+    return max([simulate(orders, duration).makespan, *rest])
+
+
+def reroute_closed_form(spec: JobSpec, plan: ExecutionPlan) -> float | None:
+    """The paper's rerouting step time, or None where its assumptions do not hold.
+
+    Assumptions: every pipeline has the same layer split and quota, every stage takes the same
+    ``(T_f, T_b)``, and each dead device's micro-batches go to all live holders of its layers.
+    The paper's extra term for a group with ``F_g`` of ``N_g`` holders dead is the fractional
+    share ``N_m F_g / (N_g - F_g)``; micro-batches are whole, so we charge the busiest live
+    holder's absorbed count from the plan's reroute shares, which equals the paper's term
+    whenever the shares come out even and is never less.
+    """
+    first = plan.pipelines[0]
+    if any(p.layers != first.layers or p.micro_batches != first.micro_batches
+           for p in plan.pipelines):
+        return None
+    times = _times(spec, first)
+    if any(t != times[0] for t in times):
+        return None
+    holders: dict[tuple[int, int], list[int]] = {}
+    for pipe in plan.pipelines:
+        for s, d in enumerate(pipe.devices):
+            holders.setdefault(pipe.layers[s], []).append(d)
+    dead = set(plan.failed_devices)
+    for r in plan.reroute:
+        live = {d for d in holders[first.layers[r.stage]] if d not in dead}
+        if {share.device for share in r.peers} != live:
+            return None
+    absorbed: dict[int, int] = {}
+    for r in plan.reroute:
+        for share in r.peers:
+            absorbed[share.device] = absorbed.get(share.device, 0) + share.micro_batches
+    extra = 0
+    for group in holders.values():
+        if any(d in dead for d in group):
+            extra += max(absorbed.get(d, 0) for d in group if d not in dead)
+    nm = first.micro_batches
+    tf, tb = times[0]
+    return (first.num_stages + nm - 1 + extra) * (tf + tb)
+
+
+def allreduce_time(spec: JobSpec, plan: ExecutionPlan) -> float:
+    """Gradient sync: colour rounds one after another, each as slow as its slowest ring."""
+    _check_plan(spec, plan)
+    return math.fsum(max((_ring_time(spec, g) for g in rnd), default=0.0)
+                     for rnd in plan.allreduce_rounds)
+
+
+def step_time(spec: JobSpec, plan: ExecutionPlan) -> float:
+    return compute_time(spec, plan) + allreduce_time(spec, plan)
+
+
+def peak_memory(spec: JobSpec, plan: ExecutionPlan) -> dict[int, float]:
+    """Peak bytes per working device (spares and dead devices are absent)."""
+    _check_plan(spec, plan)
+    peers = {share.device for r in plan.reroute for share in r.peers}
+    orders = device_orders(plan, pipelines=sorted(_coupled_pipelines(plan))) if peers else {}
+    dead = set(plan.failed_devices)
+    out: dict[int, float] = {}
+    for p, pipe in enumerate(plan.pipelines):
+        for s, d in enumerate(pipe.devices):
+            if d in dead:
+                continue
+            start, end = pipe.layers[s]
+            if d in peers:
+                activation = _activation(spec, start, end)
+                out[d] = _resident(spec, start, end) + in_flight_peak(orders[d]) * activation
+            else:
+                in_flight = min(pipe.num_stages - s, pipe.micro_batches)
+                out[d] = stage_memory(spec, start, end, in_flight)
+    return dict(sorted(out.items()))
+
+
+def fits_in_memory(spec: JobSpec, plan: ExecutionPlan) -> bool:
+    """True if no working device's estimated peak exceeds the device memory."""
+    limit = spec.cluster.device_memory_bytes
+    return all(m <= limit for m in peak_memory(spec, plan).values())
+
+
+def transition_time(spec: JobSpec, plan: ExecutionPlan) -> float:
+    """Seconds to switch to ``plan``: 0 for initial and reroute, transfer + restart for replan."""
+    if plan.policy == "replan":
+        return transfer_time(spec, plan.transfers) + spec.cluster.restart_s
+    return 0.0
+
+
+def evaluate(spec: JobSpec, plan: ExecutionPlan) -> Estimate:
+    """Everything above for one plan; ``t_run`` is the expected time to the next failure."""
+    step = step_time(spec, plan)
+    if step <= 0:
+        raise EstimatorError(
+            "the plan gives no micro-batch to any pipeline, so it trains nothing; give the "
+            "pipelines quotas summing to the global batch."
+        )
+    throughput = plan.global_micro_batches * spec.training.micro_batch_size / step
+    transition = transition_time(spec, plan)
+    run = spec.cluster.expected_run_s(len(plan.live_devices))
+    return Estimate(
+        step_time_s=step,
+        transition_time_s=transition,
+        peak_memory_bytes=peak_memory(spec, plan),
+        throughput=throughput,
+        score=score(throughput, transition, run),
+    )
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _check_range(spec: JobSpec, start: int, end: int) -> None:
+    if not 0 <= start < end <= spec.model.layers:
+        raise EstimatorError(
+            f"layer range [{start}, {end}) is not a non-empty part of the model's "
+            f"{spec.model.layers} layers; use 0 <= start < end <= {spec.model.layers}."
+        )
+
+
+def _check_plan(spec: JobSpec, plan: ExecutionPlan) -> None:
+    if plan.num_layers != spec.model.layers:
+        raise EstimatorError(
+            f"the plan splits {plan.num_layers} layers but the job's model has "
+            f"{spec.model.layers}; plan with the same job spec you estimate with."
+        )
+
+
+def _times(spec: JobSpec, pipe: Pipeline) -> tuple[tuple[float, float], ...]:
+    return tuple(stage_times(spec, a, b) for a, b in pipe.layers)
+
+
+def _pipeline_time(spec: JobSpec, pipe: Pipeline) -> float:
+    return pipeline_makespan(_times(spec, pipe), pipe.micro_batches)
+
+
+def _resident(spec: JobSpec, start: int, end: int) -> float:
+    return math.fsum(spec.model.state_bytes(layer) for layer in range(start, end))
+
+
+def _activation(spec: JobSpec, start: int, end: int) -> float:
+    return math.fsum(spec.model.activation_bytes[start:end])
+
+
+def _ring_time(spec: JobSpec, group: AllReduceGroup) -> float:
+    n = len(group.devices)
+    if n <= 1:
+        return 0.0
+    grad_bytes = math.fsum(spec.model.param_bytes[layer] for layer in group.layers)
+    return 2.0 * (n - 1) / n * grad_bytes / spec.cluster.bandwidth_bytes_per_s
+
+
+def _coupled_pipelines(plan: ExecutionPlan) -> set[int]:
+    """Pipelines whose operations rerouting mixes: the dead devices' and their peers'."""
+    owner = {d: p for p, pipe in enumerate(plan.pipelines) for d in pipe.devices}
+    coupled = {r.pipeline for r in plan.reroute}
+    coupled.update(owner[share.device] for r in plan.reroute for share in r.peers)
+    return coupled
