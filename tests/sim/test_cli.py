@@ -1,0 +1,100 @@
+"""chameleon-sim end to end: files written, JSON shape, usage errors exit 2 with one sentence."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from chameleon_elastic.sim.cli import main
+from chameleon_elastic.sim.traces import FailureTrace, TraceEvent, read_trace, write_trace
+
+ARGS = ["--preset", "llama2-7b-910b", "--hours", "1", "--failure-rate", "0.5", "--no-progress"]
+
+
+@pytest.mark.timeout(60)
+def test_json_report_files_and_plots(tmp_path, capsys) -> None:
+    out = tmp_path / "out"
+    code = main([*ARGS, "--seeds", "2", "--policies", "chameleon,recycle,checkpoint",
+                 "--out", str(out), "--json"])
+    assert code == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert set(doc["policies"]) == {"chameleon", "recycle", "checkpoint"}
+    for entry in doc["policies"].values():
+        assert entry["avg_throughput"] > 0
+        assert entry["spread"]["avg_throughput"]["n"] == 2
+    assert set(doc["ratios"]) == {"chameleon/recycle", "chameleon/checkpoint"}
+    assert doc["ratios"]["chameleon/recycle"]["paper"] == 1.355
+    assert doc["seeds"] == [0, 1]
+    for name in ("summary.json", "runs.csv", "throughput.png", "devices.png"):
+        assert (out / name).is_file()
+    for name in ("throughput.png", "devices.png"):
+        data = (out / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) < 200_000
+    assert json.loads((out / "summary.json").read_text())["policies"] == doc["policies"]
+    rows = (out / "runs.csv").read_text().splitlines()
+    assert len(rows) == 1 + 3 * 2
+    # The traces written out replay to the same numbers.
+    trace = read_trace(out / "traces" / "seed-1.csv")
+    assert trace.devices == 8 and trace.horizon_s == 3600.0
+    assert not list(tmp_path.glob(".chameleon-sim-*")), "temporary folder left behind"
+
+
+@pytest.mark.timeout(60)
+def test_replaying_a_trace_file(tmp_path, capsys) -> None:
+    path = tmp_path / "t.csv"
+    write_trace(FailureTrace(8, 7200.0, (TraceEvent(300.0, 2, "fail"),)), path)
+    code = main(["--preset", "llama2-7b-910b", "--trace", str(path), "--no-progress",
+                 "--policies", "chameleon,oobleck", "--json"])
+    assert code == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["setting"]["hours"] == 2.0 and doc["setting"]["mean_failures"] == 1
+    assert doc["policies"]["oobleck"]["decisions_total"] == {"replan": 1}
+
+
+@pytest.mark.timeout(60)
+def test_table_output(capsys) -> None:
+    assert main([*ARGS, "--seeds", "1", "--policies", "chameleon,oobleck"]) == 0
+    text = capsys.readouterr().out
+    assert "chameleon" in text and "oobleck" in text and "chameleon/oobleck" in text
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--preset", "llama2-7b-910b", "--policies", "chameleon,bamboo"], "unknown policy 'bamboo'"),
+    (["--preset", "llama2-7b-910b", "--seeds", "0"], "--seeds 0 is invalid"),
+    (["--preset", "nope"], "unknown preset 'nope'"),
+    (["--preset", "llama2-7b-910b", "--job", "x.toml"], "mutually exclusive"),
+    ([], "no job given"),
+    (["--preset", "llama2-7b-910b", "--failure-rate", "-1"], "--failure-rate -1.0 is invalid"),
+    (["--preset", "llama2-7b-910b", "--trace", "/no/such.csv"], "cannot read trace file"),
+    (["--preset", "llama2-7b-910b", "--mttr-s", "0"], "MTTR"),
+])
+def test_usage_errors_exit_2_with_the_fix(argv, message, capsys) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_trace_for_another_job_size_is_a_usage_error(tmp_path, capsys) -> None:
+    path = tmp_path / "t.csv"
+    write_trace(FailureTrace(32, 3600.0, (TraceEvent(10.0, 20, "fail"),)), path)
+    with pytest.raises(SystemExit) as info:
+        main(["--preset", "llama2-7b-910b", "--trace", str(path), "--no-progress"])
+    assert info.value.code == 2
+    assert "outside 0..7" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(60)
+def test_console_script_runs_without_torch() -> None:
+    code = ("import sys; from chameleon_elastic.sim.cli import main; "
+            "rc = main(['--preset', 'llama2-7b-910b', '--hours', '0.5', '--seeds', '1', "
+            "'--no-progress', '--policies', 'recycle', '--json']); "
+            "assert 'torch' not in sys.modules, 'sim imported torch'; sys.exit(rc)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["policies"]["recycle"]["avg_throughput"] > 0
