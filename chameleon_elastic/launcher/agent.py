@@ -63,6 +63,9 @@ __all__ = ["ChameleonAgent"]
 log = logging.getLogger("chameleon_elastic.launcher.agent")
 
 _STORE_FAILOVER_ATTEMPTS = 3
+# What an unreachable rendezvous store raises: torch's wrapped error, or the raw TCPStore one
+# when the store dies between two of the handler's own calls.
+_STORE_LOST = (RendezvousConnectionError, dist.DistNetworkError)
 
 
 class ChameleonAgent(LocalElasticAgent):
@@ -136,7 +139,7 @@ class ChameleonAgent(LocalElasticAgent):
         for attempt in range(_STORE_FAILOVER_ATTEMPTS + 1):
             try:
                 return spec.rdzv_handler.next_rendezvous()
-            except RendezvousConnectionError as exc:
+            except _STORE_LOST as exc:
                 if attempt == _STORE_FAILOVER_ATTEMPTS or spec.rdzv_handler.get_backend() == "static":
                     raise
                 self._failover_rendezvous(spec, exc)
@@ -394,6 +397,8 @@ class ChameleonAgent(LocalElasticAgent):
             if state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
                 detected = time.monotonic()
                 failures = self._classify(result)
+                # torch reports the workers it stopped after the first failure too; keep roots
+                failures = [f for f in failures if not f.stopped_on_request] or failures
                 for f in failures:
                     self._emit("failure_seen", device=f.device, local_rank=f.local_rank,
                                exitcode=f.exitcode, signal=f.signal, kind=f.kind.value,
@@ -433,7 +438,7 @@ class ChameleonAgent(LocalElasticAgent):
                     continue
                 try:
                     waiting = spec.rdzv_handler.num_nodes_waiting()
-                except RendezvousConnectionError as exc:
+                except _STORE_LOST as exc:
                     self._emit("failure_seen", kind="rendezvous_lost",
                                reason=str(exc).splitlines()[0][:300])
                     detected = time.monotonic()

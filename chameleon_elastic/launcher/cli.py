@@ -199,6 +199,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
     )
     master_addr, master_port = _get_addr_and_port(params)
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
+    # Our agent gives workers a fresh store per launch, so torch's shared store is not needed;
+    # and with it a node that joins a running job waits forever for MASTER_ADDR (the rank-0
+    # agent only publishes it in its first round).
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     spec = WorkerSpec(
         role=config.role, local_world_size=config.nproc_per_node, entrypoint=cmd,
         args=tuple(cmd_args), rdzv_handler=rdzv_registry.get_rendezvous_handler(params),

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 __all__ = ["FailureKind", "WorkerFailure", "classify_exit"]
 
 _POLITE_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT})
+_POLITE_NAMES = frozenset(s.name for s in _POLITE_SIGNALS)
 
 
 class FailureKind(str, enum.Enum):
@@ -37,6 +38,11 @@ class WorkerFailure:
     signal: str | None
     kind: FailureKind
     reason: str
+
+    @property
+    def stopped_on_request(self) -> bool:
+        """Ended by a polite signal: usually the agent stopping the rest of a failed group."""
+        return self.signal in _POLITE_NAMES
 
 
 def _signal_of(exitcode: int) -> signal.Signals | None:

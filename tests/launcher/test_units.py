@@ -1,0 +1,164 @@
+"""Launcher pieces that need no processes: classification, plan -> env, health, logs, CLI."""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+import pytest
+
+from chameleon_elastic.launcher.failures import FailureKind, classify_exit
+from chameleon_elastic.launcher.health import FileHealthCheck
+from chameleon_elastic.launcher.observe import EventLog, StatusLine
+from chameleon_elastic.launcher.plan_env import (
+    CHAMELEON_VARS,
+    chameleon_env,
+    local_assignments,
+    write_plan_file,
+)
+from chameleon_elastic.launcher.profiler import apply_profile, per_layer_times
+from chameleon_elastic.plan import ExecutionPlan, PeerShare, Pipeline, Reroute
+from chameleon_elastic.spec import JobSpec
+
+
+def _plan_2x2() -> ExecutionPlan:
+    return ExecutionPlan(
+        policy="initial", generation=0,
+        pipelines=(Pipeline((0, 1), ((0, 4), (4, 8)), 4), Pipeline((2, 3), ((0, 4), (4, 8)), 4)),
+    ).validate()
+
+
+def _rerouted() -> ExecutionPlan:
+    # device 1 (pipeline 0, stage 1) is dead; its 4 micro-batches go to its peer 3
+    return ExecutionPlan(
+        policy="reroute", generation=1,
+        pipelines=_plan_2x2().pipelines, failed_devices=(1,),
+        reroute=(Reroute(device=1, pipeline=0, stage=1, peers=(PeerShare(3, 4),)),),
+    ).validate()
+
+
+@pytest.mark.parametrize("code,kind,sig", [
+    (-signal.SIGKILL, FailureKind.DEVICE_LOST, "SIGKILL"),
+    (-signal.SIGSEGV, FailureKind.DEVICE_LOST, "SIGSEGV"),
+    (128 + signal.SIGKILL, FailureKind.DEVICE_LOST, "SIGKILL"),
+    (1, FailureKind.CRASH, None),
+    (2, FailureKind.CRASH, None),
+    (-signal.SIGTERM, FailureKind.CRASH, "SIGTERM"),
+    (-signal.SIGINT, FailureKind.CRASH, "SIGINT"),
+])
+def test_classify_exit(code, kind, sig):
+    f = classify_exit(code, device=5, local_rank=1)
+    assert (f.kind, f.signal, f.device, f.local_rank) == (kind, sig, 5, 1)
+    assert f.stopped_on_request == (sig in ("SIGTERM", "SIGINT"))
+
+
+def test_assignments_are_dense_and_skip_dead_devices():
+    plan = _rerouted()
+    node0 = local_assignments(plan, node=0, nproc_per_node=2)
+    node1 = local_assignments(plan, node=1, nproc_per_node=2)
+    assert [(a.local_rank, a.device, a.global_rank) for a in node0] == [(0, 0, 0)]
+    assert [(a.local_rank, a.device, a.global_rank) for a in node1] == [(0, 2, 1), (1, 3, 2)]
+    assert {a.world_size for a in node0 + node1} == {3}
+
+
+def test_peer_sees_absorbed_quota_in_env(tmp_path):
+    plan = _rerouted()
+    path = write_plan_file(plan, tmp_path)
+    peer = next(a for a in local_assignments(plan, 1, 2) if a.device == 3)
+    env = chameleon_env(plan, peer.role, path)
+    assert set(env) == set(CHAMELEON_VARS)
+    assert env["CHAMELEON_MICRO_BATCHES"] == "8"          # own 4 + the dead device's 4
+    assert env["CHAMELEON_GLOBAL_MICRO_BATCHES"] == "8"
+    assert (env["CHAMELEON_STAGE"], env["CHAMELEON_NUM_STAGES"]) == ("1", "2")
+    assert (env["CHAMELEON_LAYER_START"], env["CHAMELEON_LAYER_END"]) == ("4", "8")
+    assert env["CHAMELEON_POLICY"] == "reroute"
+    assert ExecutionPlan.from_json(Path(env["CHAMELEON_PLAN_FILE"]).read_text()) == plan
+    assert not list(tmp_path.glob(".plan-*"))            # no half-written temp file left
+
+
+def test_file_health_check(tmp_path):
+    check = FileHealthCheck(tmp_path / "bad")
+    assert check.unhealthy([0, 1, 2]) == frozenset()     # no file: all healthy
+    (tmp_path / "bad").write_text("2\n# comment\n7 # not local\nxx\n")
+    assert check.unhealthy([0, 1, 2]) == frozenset({2})
+
+
+def test_event_log_is_jsonl_and_flushed(tmp_path):
+    log = EventLog(tmp_path / "ev.jsonl")
+    log.emit("failure_seen", device=3, kind="device_lost")
+    lines = (tmp_path / "ev.jsonl").read_text().splitlines()   # readable before close
+    log.close()
+    assert [json.loads(x)["event"] for x in lines] == ["failure_seen"]
+    assert json.loads(lines[0])["device"] == 3
+
+
+def test_status_line_plain_when_not_a_tty(tmp_path):
+    with open(tmp_path / "s", "w") as fh:
+        status = StatusLine(stream=fh)
+        status.update(generation=1, policy="replan", live=3, devices=4, restarts=0,
+                      max_restarts=2, state="running")
+        status.update(generation=1)  # unchanged: no second line
+    text = (tmp_path / "s").read_text()
+    assert text.count("\n") == 1
+    assert "gen 1" in text and "policy replan" in text and "live 3/4" in text
+
+
+def test_profile_round_trip_replaces_guesses():
+    spec = JobSpec.preset("tiny-cpu")
+    plan = _plan_2x2()
+    # 2 stages, 4 micro-batches: 5 slots; 4 layers per stage; measured 0.2 s per step
+    times = per_layer_times(spec, plan, {0: 0.2, 1: 0.2, 2: 0.2, 3: 0.2})
+    assert times is not None
+    f, b = times
+    assert f + b == pytest.approx(0.2 / 5 / 4)
+    assert f / b == pytest.approx(0.002 / 0.004)
+    tuned = apply_profile(spec, {"model": {"forward_s": f, "backward_s": b}})
+    assert tuned.model.forward_s == (pytest.approx(f),) * 8
+    assert tuned.cluster == spec.cluster
+
+
+def _run_cli(argv, capsys, monkeypatch):
+    from chameleon_elastic.launcher.cli import main
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # keeps torch's one-time warning out of stderr
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    return info.value.code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--policy", "sometimes", "x.py"], "--policy"),
+    (["--job", "a.toml", "--preset", "tiny-cpu", "x.py"], "mutually exclusive"),
+    (["--preset", "no-such-job", "x.py"], "unknown preset"),
+    (["--preset", "tiny-cpu", "--nproc-per-node", "3", "x.py"], "cluster.devices"),
+    (["--health-file", "bad", "x.py"], "only applies with --job"),
+    (["--nnodes", "3:1", "x.py"], "invalid launch configuration"),
+])
+def test_usage_errors_exit_2_without_traceback(argv, needle, capsys, monkeypatch):
+    code, err = _run_cli(argv, capsys, monkeypatch)
+    assert code == 2
+    assert needle in err
+    assert "Traceback" not in err
+
+
+def test_help_lists_torchrun_and_our_flags(capsys, monkeypatch):
+    from chameleon_elastic.launcher.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["--help"])
+    assert info.value.code == 0
+    text = capsys.readouterr().out
+    for flag in ("--nproc-per-node", "--nproc_per_node", "--rdzv-backend", "--max-restarts",
+                 "--job", "--preset", "--policy", "--plan-cache"):
+        assert flag in text
+
+
+def test_pet_environment_overrides_our_flags(monkeypatch):
+    monkeypatch.setenv("PET_POLICY", "replan")
+    monkeypatch.setenv("PET_NPROC_PER_NODE", "3")
+    from chameleon_elastic.launcher.cli import build_parser
+
+    args = build_parser().parse_args(["x.py"])
+    assert args.policy == "replan"
+    assert args.nproc_per_node == "3"

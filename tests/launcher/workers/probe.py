@@ -1,0 +1,74 @@
+"""Test worker without torch (starts in milliseconds): records its environment, then acts.
+
+Every launch writes ``<out>/env-<pid>.json`` (the environment plus a few facts) before acting.
+
+Modes:
+  ok                exit 0
+  fail              exit 1 (every rank)
+  hold              wait until ``<out>/release`` exists (60 s deadline), then exit 0
+  crash-once DEV    device DEV (CHAMELEON_DEVICE, else LOCAL_RANK) exits 1 on its first
+                    launch (TORCHELASTIC_RESTART_COUNT == 0); others hold
+  crash-n N         rank 0 exits 1 while TORCHELASTIC_RESTART_COUNT < N; others wait for the
+                    next launch (they are stopped by the agent) or exit 0 on the last one
+"""
+
+import json
+import os
+import socket
+import sys
+import time
+
+
+def store_reachable() -> bool:
+    try:
+        with socket.create_connection((os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])),
+                                      timeout=5):
+            return True
+    except OSError:
+        return False
+
+
+def hold(out: str) -> None:
+    deadline = time.monotonic() + 60
+    while not os.path.exists(os.path.join(out, "release")):
+        if time.monotonic() > deadline:
+            sys.exit(3)
+        time.sleep(0.05)
+
+
+def main() -> None:
+    out, mode = sys.argv[1], sys.argv[2]
+    record = {"pid": os.getpid(), "ppid": os.getppid(), "time": time.time(),
+              "argv": sys.argv[1:], "store_reachable": store_reachable(), "env": dict(os.environ)}
+    tmp = os.path.join(out, f".env-{os.getpid()}.tmp")
+    with open(tmp, "w") as fh:
+        json.dump(record, fh)
+    os.replace(tmp, os.path.join(out, f"env-{os.getpid()}.json"))
+
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    device = int(os.environ.get("CHAMELEON_DEVICE", os.environ["LOCAL_RANK"]))
+    if mode == "ok":
+        return
+    if mode == "fail":
+        sys.exit(1)
+    if mode == "hold":
+        hold(out)
+        return
+    if mode == "crash-once":
+        if device == int(sys.argv[3]) and restart == 0:
+            sys.exit(1)
+        hold(out)
+        return
+    if mode == "crash-n":
+        n = int(sys.argv[3])
+        if restart < n:
+            if os.environ["RANK"] == "0":
+                sys.exit(1)
+            time.sleep(60)  # stopped by the agent when rank 0 fails
+            sys.exit(3)
+        return
+    raise SystemExit(f"unknown mode {mode}")
+
+
+if __name__ == "__main__":
+    main()
