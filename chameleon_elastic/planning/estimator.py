@@ -44,8 +44,15 @@ from collections.abc import Iterable, Sequence
 from functools import lru_cache
 
 from ..plan import AllReduceGroup, Estimate, ExecutionPlan, Pipeline, Transfer
-from ..spec import JobSpec
-from .schedule import Op, device_orders, in_flight_peak, pipeline_schedule, simulate
+from ..spec import JobSpec, ModelProfile
+from .schedule import (
+    Op,
+    device_orders,
+    in_flight_peak,
+    orders_of_devices,
+    pipeline_schedule,
+    simulate,
+)
 
 __all__ = [
     "EstimatorError",
@@ -75,9 +82,8 @@ class EstimatorError(ValueError):
 
 def stage_times(spec: JobSpec, start: int, end: int) -> tuple[float, float]:
     """``(T_f, T_b)`` of one micro-batch through layers ``[start, end)``: per-layer sums."""
-    _check_range(spec, start, end)
-    model = spec.model
-    return math.fsum(model.forward_s[start:end]), math.fsum(model.backward_s[start:end])
+    tf, tb, _, _ = _stage_figures(spec.model, start, end)
+    return tf, tb
 
 
 def stage_memory(spec: JobSpec, start: int, end: int, in_flight: int) -> float:
@@ -87,13 +93,20 @@ def stage_memory(spec: JobSpec, start: int, end: int, in_flight: int) -> float:
     Stage ``i`` of a plain 1F1B pipeline has ``min(N_pp - i, N_m)`` in flight, which gives the
     paper's ``N_l (m_p + m_o + m_g) + (N_pp - i) N_l m_a`` when ``N_m >= N_pp``.
     """
-    _check_range(spec, start, end)
-    return _resident(spec, start, end) + in_flight * _activation(spec, start, end)
+    _, _, resident, activation = _stage_figures(spec.model, start, end)
+    return resident + in_flight * activation
 
 
 def pipeline_time(spec: JobSpec, layers: Sequence[tuple[int, int]], micro_batches: int) -> float:
     """Makespan of one 1F1B pipeline whose stages hold ``layers`` (one range per stage)."""
-    return pipeline_makespan(tuple(stage_times(spec, a, b) for a, b in layers), micro_batches)
+    return _pipeline_time_of(spec.model, tuple((a, b) for a, b in layers), micro_batches)
+
+
+@lru_cache(maxsize=1 << 16)
+def _pipeline_time_of(model: ModelProfile, layers: tuple[tuple[int, int], ...],
+                      micro_batches: int) -> float:
+    times = tuple(_stage_figures(model, a, b)[:2] for a, b in layers)
+    return pipeline_makespan(times, micro_batches)
 
 
 @lru_cache(maxsize=1 << 16)
@@ -211,21 +224,25 @@ def step_time(spec: JobSpec, plan: ExecutionPlan) -> float:
 def peak_memory(spec: JobSpec, plan: ExecutionPlan) -> dict[int, float]:
     """Peak bytes per working device (spares and dead devices are absent)."""
     _check_plan(spec, plan)
-    peers = {share.device for r in plan.reroute for share in r.peers}
-    orders = device_orders(plan, pipelines=sorted(_coupled_pipelines(plan))) if peers else {}
     dead = set(plan.failed_devices)
-    out: dict[int, float] = {}
+    peers = {share.device for r in plan.reroute for share in r.peers}
+    where: dict[int, tuple[int, int]] = {}
     for p, pipe in enumerate(plan.pipelines):
+        for s, d in enumerate(pipe.devices):
+            if d in peers:
+                where[d] = (p, s)
+    orders = orders_of_devices(plan, where)
+    out: dict[int, float] = {}
+    for pipe in plan.pipelines:
         for s, d in enumerate(pipe.devices):
             if d in dead:
                 continue
             start, end = pipe.layers[s]
-            if d in peers:
-                activation = _activation(spec, start, end)
-                out[d] = _resident(spec, start, end) + in_flight_peak(orders[d]) * activation
+            if d in orders:  # foreign activations are of the same layers: count micro-batches
+                in_flight = int(in_flight_peak(orders[d]))
             else:
                 in_flight = min(pipe.num_stages - s, pipe.micro_batches)
-                out[d] = stage_memory(spec, start, end, in_flight)
+            out[d] = stage_memory(spec, start, end, in_flight)
     return dict(sorted(out.items()))
 
 
@@ -265,12 +282,25 @@ def evaluate(spec: JobSpec, plan: ExecutionPlan) -> Estimate:
 # --------------------------------------------------------------------------- helpers
 
 
-def _check_range(spec: JobSpec, start: int, end: int) -> None:
-    if not 0 <= start < end <= spec.model.layers:
+@lru_cache(maxsize=1 << 16)
+def _stage_figures(model: ModelProfile, start: int, end: int) -> tuple[float, float, float, float]:
+    """``(T_f, T_b, resident bytes, activation bytes per micro-batch)`` of layers [start, end).
+
+    Memoised: a search asks for the same few ranges thousands of times. ``math.fsum`` makes
+    equal multisets of layer figures sum to equal floats, so uniform stages compare equal and
+    take the closed forms.
+    """
+    if not 0 <= start < end <= model.layers:
         raise EstimatorError(
             f"layer range [{start}, {end}) is not a non-empty part of the model's "
-            f"{spec.model.layers} layers; use 0 <= start < end <= {spec.model.layers}."
+            f"{model.layers} layers; use 0 <= start < end <= {model.layers}."
         )
+    return (
+        math.fsum(model.forward_s[start:end]),
+        math.fsum(model.backward_s[start:end]),
+        math.fsum(model.state_bytes(layer) for layer in range(start, end)),
+        math.fsum(model.activation_bytes[start:end]),
+    )
 
 
 def _check_plan(spec: JobSpec, plan: ExecutionPlan) -> None:
@@ -286,15 +316,7 @@ def _times(spec: JobSpec, pipe: Pipeline) -> tuple[tuple[float, float], ...]:
 
 
 def _pipeline_time(spec: JobSpec, pipe: Pipeline) -> float:
-    return pipeline_makespan(_times(spec, pipe), pipe.micro_batches)
-
-
-def _resident(spec: JobSpec, start: int, end: int) -> float:
-    return math.fsum(spec.model.state_bytes(layer) for layer in range(start, end))
-
-
-def _activation(spec: JobSpec, start: int, end: int) -> float:
-    return math.fsum(spec.model.activation_bytes[start:end])
+    return _pipeline_time_of(spec.model, pipe.layers, pipe.micro_batches)
 
 
 def _ring_time(spec: JobSpec, group: AllReduceGroup) -> float:

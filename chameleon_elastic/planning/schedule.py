@@ -44,12 +44,12 @@ in ``link_messages`` order. ``fifo_violations`` says which links those are.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Literal
 
-from ..plan import ExecutionPlan
+from ..plan import ExecutionPlan, Reroute
 
 __all__ = [
     "NOMINAL_BACKWARD",
@@ -59,11 +59,13 @@ __all__ = [
     "ScheduleError",
     "Timeline",
     "dependency",
+    "device_order",
     "device_orders",
     "fifo_violations",
     "in_flight_peak",
     "link_messages",
     "one_f_one_b",
+    "orders_of_devices",
     "pipeline_schedule",
     "simulate",
 ]
@@ -184,6 +186,9 @@ def _nominal_starts(num_stages: int, micro_batches: int) -> tuple[tuple[tuple[fl
 # --------------------------------------------------------------------------- a whole plan
 
 
+_SortKey = tuple[float, int, int, int, int]
+
+
 def device_orders(plan: ExecutionPlan, pipelines: Sequence[int] | None = None
                   ) -> dict[int, tuple[Op, ...]]:
     """Per working device, the operations it runs in order (see the module docstring).
@@ -195,44 +200,92 @@ def device_orders(plan: ExecutionPlan, pipelines: Sequence[int] | None = None
     dead = set(plan.failed_devices)
     reroutes = {r.device: r for r in plan.reroute}
     chosen = range(len(plan.pipelines)) if pipelines is None else pipelines
-    keyed: dict[int, list[tuple[tuple[float, int, int, int, int], Op]]] = {}
+    keyed: dict[int, list[tuple[_SortKey, Op]]] = {}
     if pipelines is None:
         keyed = {d: [] for d in plan.working_devices}
-    foreign: set[int] = set()
+    foreign: set[int] = {share.device for r in plan.reroute for share in r.peers}
     for p in chosen:
-        pipe = plan.pipelines[p]
-        n, nm = pipe.num_stages, pipe.micro_batches
-        if any(d in dead for d in pipe.devices):
-            servers = [
-                [reroutes[d].peer_for(m) for m in range(nm)] if d in dead else [d] * nm
-                for d in pipe.devices
-            ]
-            foreign.update(x for s, d in enumerate(pipe.devices) if d in dead
-                           for x in servers[s])
-        else:
-            servers = [[d] * nm for d in pipe.devices]
-        nominal_f, nominal_b = _nominal_starts(n, nm)
-        for s in range(n):
-            for kind, m in one_f_one_b(n, s, nm):
-                device = servers[s][m]
-                if kind == "F":
-                    source = servers[s - 1][m] if s > 0 else None
-                    dest = servers[s + 1][m] if s + 1 < n else None
-                    nominal = nominal_f[s][m]
-                else:
-                    source = servers[s + 1][m] if s + 1 < n else None
-                    dest = servers[s - 1][m] if s > 0 else None
-                    nominal = nominal_b[s][m]
-                op = Op(kind, p, m, s, device, source, dest)
-                keyed.setdefault(device, []).append(
-                    ((nominal, p, s, m, 0 if kind == "F" else 1), op))
+        servers = _servers(plan, p, dead, reroutes)
+        for s in range(plan.pipelines[p].num_stages):
+            for item in _stage_ops(plan, p, s, servers):
+                keyed.setdefault(item[1].device, []).append(item)
+    return {device: _merge(keyed[device], device in foreign) for device in sorted(keyed)}
+
+
+def device_order(plan: ExecutionPlan, device: int) -> tuple[Op, ...]:
+    """``device_orders(plan)[device]`` without building the other devices' orders."""
+    try:
+        p, s = plan.locate(device)
+    except KeyError:
+        p = s = -1
+    if p < 0 or device in plan.failed_devices:
+        raise ValueError(f"device {device} does not work under this plan (dead or spare).")
+    return orders_of_devices(plan, {device: (p, s)})[device]
+
+
+def orders_of_devices(plan: ExecutionPlan, where: Mapping[int, tuple[int, int]]
+                      ) -> dict[int, tuple[Op, ...]]:
+    """The orders of the live devices in ``where`` (device -> its (pipeline, stage)) only.
+
+    Cheaper than ``device_orders`` when few devices serve foreign micro-batches: each order is
+    built from the device's own stage plus the dead stages it serves.
+    """
+    dead = set(plan.failed_devices)
+    reroutes = {r.device: r for r in plan.reroute}
+    served: dict[int, list[Reroute]] = {}
+    for r in plan.reroute:
+        for share in r.peers:
+            served.setdefault(share.device, []).append(r)
+    servers: dict[int, list[list[int]]] = {}
+
+    def servers_of(p: int) -> list[list[int]]:
+        if p not in servers:
+            servers[p] = _servers(plan, p, dead, reroutes)
+        return servers[p]
+
     out: dict[int, tuple[Op, ...]] = {}
-    for device in sorted(keyed):
-        items = keyed[device]
-        if device in foreign:
-            items.sort(key=lambda item: item[0])
-        out[device] = tuple(op for _, op in items)
+    for device, (p, s) in where.items():
+        items = list(_stage_ops(plan, p, s, servers_of(p)))
+        for r in served.get(device, ()):
+            items.extend(item for item in _stage_ops(plan, r.pipeline, r.stage,
+                                                     servers_of(r.pipeline))
+                         if item[1].device == device)
+        out[device] = _merge(items, device in served)
     return out
+
+
+def _servers(plan: ExecutionPlan, p: int, dead: set[int],
+             reroutes: Mapping[int, Reroute]) -> list[list[int]]:
+    """``servers[s][m]``: the device running micro-batch ``m`` of pipeline ``p`` at stage ``s``."""
+    pipe = plan.pipelines[p]
+    nm = pipe.micro_batches
+    return [[reroutes[d].peer_for(m) for m in range(nm)] if d in dead else [d] * nm
+            for d in pipe.devices]
+
+
+def _stage_ops(plan: ExecutionPlan, p: int, s: int,
+               servers: list[list[int]]) -> Iterator[tuple[_SortKey, Op]]:
+    """The 1F1B operations of stage ``s`` of pipeline ``p``, each with its merge key."""
+    pipe = plan.pipelines[p]
+    n, nm = pipe.num_stages, pipe.micro_batches
+    nominal_f, nominal_b = _nominal_starts(n, nm)
+    here = servers[s]
+    before = servers[s - 1] if s > 0 else None
+    after = servers[s + 1] if s + 1 < n else None
+    for kind, m in one_f_one_b(n, s, nm):
+        prev = None if before is None else before[m]
+        nxt = None if after is None else after[m]
+        if kind == "F":
+            yield (nominal_f[s][m], p, s, m, 0), Op("F", p, m, s, here[m], prev, nxt)
+        else:
+            yield (nominal_b[s][m], p, s, m, 1), Op("B", p, m, s, here[m], nxt, prev)
+
+
+def _merge(items: list[tuple[_SortKey, Op]], foreign: bool) -> tuple[Op, ...]:
+    """A device's own 1F1B order as is; with foreign streams, sorted by nominal start."""
+    if foreign:
+        items = sorted(items, key=lambda item: item[0])
+    return tuple(op for _, op in items)
 
 
 def dependency(op: Op) -> OpKey | None:

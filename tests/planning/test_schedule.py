@@ -16,6 +16,7 @@ from chameleon_elastic.planning.schedule import (
     Op,
     ScheduleError,
     dependency,
+    device_order,
     device_orders,
     fifo_violations,
     in_flight_peak,
@@ -222,6 +223,8 @@ def test_orders_are_complete_deadlock_free_and_bounded(plan: ExecutionPlan,
                                                        rnd: random.Random) -> None:
     orders = device_orders(plan)
     assert sorted(orders) == list(plan.working_devices)
+    for device in list(orders)[:3]:
+        assert device_order(plan, device) == orders[device]
 
     seen: dict[tuple, Op] = {}
     for device, order in orders.items():
@@ -285,6 +288,15 @@ def test_symmetric_layouts_keep_fifo_order_on_every_link(dp: int, pp: int, quota
     sent = sum(len(v) for v in link_messages(orders).values())
     assert sent == 2 * dp * quota * (pp - 1)
     assert set(orders) == set(devices) - set(failed)
+
+
+def test_device_order_of_one_device() -> None:
+    plan = symmetric(dp=3, pp=2, quota=5, failed=(1, 4))
+    orders = device_orders(plan)
+    for device in plan.working_devices:
+        assert device_order(plan, device) == orders[device]
+    with pytest.raises(ValueError, match="does not work"):
+        device_order(plan, 1)
 
 
 def test_device_orders_restricted_to_some_pipelines() -> None:
