@@ -61,6 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
     pol.add_argument("--policies", default=DEFAULT_POLICIES,
                      help=f"comma-separated, from {', '.join(POLICY_NAMES)} "
                           f"(default {DEFAULT_POLICIES})")
+    pol.add_argument("--dp-radius", type=int, default=None,
+                     help="override the job's planner.dp_radius (the paper's R_dp)")
+    pol.add_argument("--pp-radius", type=int, default=None,
+                     help="override the job's planner.pp_radius (the paper's R_pp)")
     pol.add_argument("--checkpoint-interval-s", type=float, default=None,
                      help="checkpoint interval (default: Young's optimum)")
     pol.add_argument("--storage-bandwidth", type=float, default=2e9, metavar="BYTES_PER_S",
@@ -144,6 +148,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.failure_rate is not None:
             spec = replace(spec, cluster=replace(spec.cluster,
                                                  failure_rate_per_hour=args.failure_rate))
+        for flag, value in (("--dp-radius", args.dp_radius), ("--pp-radius", args.pp_radius)):
+            if value is not None and value < 0:
+                parser.error(f"{flag} {value} is invalid; pass an integer >= 0.")
+        planner = spec.planner
+        if args.dp_radius is not None:
+            planner = replace(planner, dp_radius=args.dp_radius)
+        if args.pp_radius is not None:
+            planner = replace(planner, pp_radius=args.pp_radius)
+        spec = replace(spec, planner=planner)
         policies = parse_policies(args.policies)
         constants = BaselineConstants(
             storage_bandwidth_bytes_per_s=args.storage_bandwidth,
@@ -162,6 +175,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "trace_model": "file" if args.trace else args.trace_model,
         "mttr_s": args.mttr_s,
         "mean_failures": sum(t.failures for _, t in traces) / len(traces),
+        "planner": {"dp_radius": spec.planner.dp_radius, "pp_radius": spec.planner.pp_radius},
         "constants": {
             "storage_bandwidth_bytes_per_s": constants.storage_bandwidth_bytes_per_s,
             "checkpoint_interval_s": constants.checkpoint_interval_s,

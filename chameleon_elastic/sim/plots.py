@@ -1,8 +1,10 @@
 """Two charts per experiment, every policy on each: throughput and working devices over time.
 
-Curves are the mean over seeds of each policy's timeline averaged in equal time bins, so a bin
-with a restart in half the seeds shows half the throughput: the expected behaviour, not one
-lucky trace. Matplotlib runs on the Agg backend (files only, no display needed).
+Each chart has two panels. The top one replays the first trace exactly (step lines: every
+pause, restart and drop is visible, which is where Oobleck-like reconfiguration shows its
+fluctuations). The bottom one is the mean over all seeds of each policy's timeline averaged in
+equal time bins, so a bin with a restart in half the seeds shows half the throughput: the
+expected behaviour, not one lucky trace. Matplotlib runs on the Agg backend (files only).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from pathlib import Path
 
 from .experiment import ExperimentResult
 
-__all__ = ["mean_curves", "plot_experiment"]
+__all__ = ["mean_curves", "plot_experiment", "trace_curves"]
 
 _STYLE = {
     "chameleon": ("tab:red", "-"),
@@ -37,6 +39,20 @@ def mean_curves(result: ExperimentResult, policy: str,
     return [c / 3600.0 for c in centres], rate, devices
 
 
+def trace_curves(result: ExperimentResult, policy: str,
+                 index: int = 0) -> tuple[list[float], list[float], list[float]]:
+    """(times in hours, samples/s, working devices) of one run, as step-line points."""
+    run = result.runs[policy][index]
+    t: list[float] = []
+    rate: list[float] = []
+    devices: list[float] = []
+    for seg in run.timeline.segments:
+        t += [seg.start_s / 3600.0, seg.end_s / 3600.0]
+        rate += [seg.rate, seg.rate]
+        devices += [seg.working_devices, seg.working_devices]
+    return t, rate, devices
+
+
 def plot_experiment(result: ExperimentResult, out_dir: str | Path,
                     bins: int = 108) -> dict[str, str]:
     """Write throughput.png and devices.png into ``out_dir``; returns {name: path}."""
@@ -52,18 +68,23 @@ def plot_experiment(result: ExperimentResult, out_dir: str | Path,
     paths: dict[str, str] = {}
     for key, index, ylabel in (("throughput", 1, "throughput (samples/s)"),
                                ("devices", 2, "working devices")):
-        fig, ax = plt.subplots(figsize=(7.0, 3.6), dpi=100)
+        fig, (top, bottom) = plt.subplots(2, 1, figsize=(7.0, 5.6), dpi=100, sharex=True)
         for name in result.policies:
-            curves = mean_curves(result, name, bins)
             colour, line = _STYLE.get(name, (None, "-"))
-            ax.plot(curves[0], curves[index], label=name, color=colour, linestyle=line,
-                    linewidth=1.4, drawstyle="steps-mid")
-        ax.set_xlabel("time (hours)")
-        ax.set_ylabel(ylabel)
-        ax.set_title(title, fontsize=10)
-        ax.set_ylim(bottom=0)
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8, ncol=len(result.policies), loc="lower left")
+            one = trace_curves(result, name)
+            top.plot(one[0], one[index], label=name, color=colour, linestyle=line,
+                     linewidth=1.1)
+            curves = mean_curves(result, name, bins)
+            bottom.plot(curves[0], curves[index], label=name, color=colour, linestyle=line,
+                        linewidth=1.4, drawstyle="steps-mid")
+        top.set_title(f"{result.spec.name}, trace of seed {result.seeds[0]}", fontsize=10)
+        bottom.set_title(title, fontsize=10)
+        bottom.set_xlabel("time (hours)")
+        for ax in (top, bottom):
+            ax.set_ylabel(ylabel)
+            ax.set_ylim(bottom=0)
+            ax.grid(True, alpha=0.3)
+        bottom.legend(fontsize=8, ncol=len(result.policies), loc="lower left")
         fig.tight_layout()
         path = out / f"{key}.png"
         fig.savefig(path)
