@@ -35,38 +35,40 @@ class PlanCache:
         self._plans: dict[_Key, ExecutionPlan | PlanningError] = {}
         self._lock = threading.Lock()
         self._classes = _pipeline_classes(current)
+        self._class_order = {cls: i for i, cls in enumerate(self._classes)}
+        self._class_of = {p: cls for cls, members in self._classes.items() for p in members}
+        self._where = {d: (p, s) for p, pipe in enumerate(current.pipelines)
+                       for s, d in enumerate(pipe.devices)}
 
     # ------------------------------------------------------------------ symmetry
 
     def _canonical(self, failed: Collection[int]) -> tuple[_Key, dict[int, int]]:
-        """Class key of a failure set, and the map real device -> representative device."""
-        cur = self.current
+        """Class key of a failure set, and the real -> representative map of the devices that
+        move (the representative puts a class's failures in its first pipelines, ordered by
+        pattern). Only touched pipelines appear in the map, so a lookup costs O(failures)."""
         hit: dict[int, set[int]] = {}
-        spares_hit = 0
+        spares_hit = []
         for d in failed:
-            if d in cur.spare_devices:
-                spares_hit += 1
+            where = self._where.get(d)
+            if where is None:
+                spares_hit.append(d)
             else:
-                p, s = cur.locate(d)
-                hit.setdefault(p, set()).add(s)
+                hit.setdefault(where[0], set()).add(where[1])
+        by_class: dict[tuple, list[int]] = {}
+        for p in hit:
+            by_class.setdefault(self._class_of[p], []).append(p)
+        pipelines = self.current.pipelines
         mapping: dict[int, int] = {}
         key_parts = []
-        for cls, members in self._classes.items():
-            # Pipelines with failures first, by pattern; the representative uses the class's
-            # first pipelines in the same order, so equal patterns get equal keys.
-            ordered = sorted(members, key=lambda p: (tuple(sorted(hit.get(p, ()))) == (),
-                                                     tuple(sorted(hit.get(p, ()))), p))
-            for real, rep in zip(ordered, members):
-                for a, b in zip(cur.pipelines[real].devices, cur.pipelines[rep].devices):
-                    mapping[a] = b
-            key_parts.append((cls, tuple(tuple(sorted(hit.get(p, ()))) for p in ordered
-                                         if p in hit)))
-        spares = list(cur.spare_devices)
-        real_hit = sorted(d for d in failed if d in cur.spare_devices)
-        rest = [d for d in spares if d not in real_hit]
-        for a, b in zip(real_hit + rest, spares):
-            mapping[a] = b
-        return (tuple(key_parts), spares_hit), mapping
+        for cls in sorted(by_class, key=self._class_order.__getitem__):
+            real = sorted(by_class[cls], key=lambda p: (tuple(sorted(hit[p])), p))
+            rep = self._classes[cls][: len(real)]
+            for a, b in _swap(real, rep).items():
+                mapping.update(zip(pipelines[a].devices, pipelines[b].devices))
+            key_parts.append((self._class_order[cls], tuple(tuple(sorted(hit[p])) for p in real)))
+        spares = self.current.spare_devices
+        mapping.update(_swap(sorted(spares_hit), list(spares[: len(spares_hit)])))
+        return (tuple(key_parts), len(spares_hit)), mapping
 
     # ------------------------------------------------------------------ API
 
@@ -79,15 +81,14 @@ class PlanCache:
             return None
         if isinstance(found, PlanningError):
             raise found
-        inverse = {b: a for a, b in mapping.items()}
-        return relabel(found, inverse)
+        return relabel(found, {b: a for a, b in mapping.items()})
 
     def _compute(self, failed: Collection[int]) -> None:
         key, mapping = self._canonical(failed)
         with self._lock:
             if key in self._plans:
                 return
-        rep = [mapping[d] for d in failed]
+        rep = [mapping.get(d, d) for d in failed]
         try:
             result: ExecutionPlan | PlanningError = replan(self.spec, self.current, rep)
         except PlanningError as exc:
@@ -154,28 +155,57 @@ def _representatives(cache: PlanCache, live: list[int], k: int):
     return itertools.combinations(pool, k)
 
 
+def _swap(real: list[int], rep: list[int]) -> dict[int, int]:
+    """A permutation sending ``real[i]`` to ``rep[i]`` that moves nothing else: the items of
+    ``rep`` that are not in ``real`` take the places ``real`` vacates."""
+    perm = dict(zip(real, rep))
+    vacated = sorted(set(real) - set(rep))
+    displaced = sorted(set(rep) - set(real))
+    perm.update(zip(displaced, vacated))
+    return {a: b for a, b in perm.items() if a != b}
+
+
 def relabel(plan: ExecutionPlan, mapping: dict[int, int]) -> ExecutionPlan:
-    """The same plan with every device id passed through ``mapping`` (identity elsewhere)."""
+    """The same plan with every device id passed through ``mapping`` (identity elsewhere).
+
+    Only the parts that name a mapped device are rebuilt, so relabelling a 2048-device plan for
+    one failure touches a few pipelines, not the whole layout.
+    """
+    if not mapping:
+        return plan
+    moved = set(mapping)
 
     def m(d: int) -> int:
         return mapping.get(d, d)
 
+    def ids(devices: tuple[int, ...], keep_order: bool) -> tuple[int, ...]:
+        if moved.isdisjoint(devices):
+            return devices
+        out = map(mapping.get, devices, devices)  # mapping.get(d, d), at C speed
+        return tuple(out) if keep_order else tuple(sorted(out))
+
+    estimate = plan.estimate
+    if estimate is not None:
+        peaks = dict(estimate.peak_memory_bytes)
+        peaks.update({m(d): estimate.peak_memory_bytes[d] for d in moved
+                      if d in estimate.peak_memory_bytes})
+        estimate = replace(estimate, peak_memory_bytes=peaks)
     return replace(
         plan,
-        pipelines=tuple(Pipeline(tuple(m(d) for d in p.devices), p.layers, p.micro_batches)
+        pipelines=tuple(p if moved.isdisjoint(p.devices)
+                        else Pipeline(ids(p.devices, True), p.layers, p.micro_batches)
                         for p in plan.pipelines),
-        spare_devices=tuple(sorted(m(d) for d in plan.spare_devices)),
-        failed_devices=tuple(sorted(m(d) for d in plan.failed_devices)),
+        spare_devices=ids(plan.spare_devices, False),
+        failed_devices=ids(plan.failed_devices, False),
         reroute=tuple(Reroute(m(r.device), r.pipeline, r.stage,
                               tuple(PeerShare(m(s.device), s.micro_batches) for s in r.peers))
                       for r in plan.reroute),
-        transfers=tuple(Transfer(m(t.src), m(t.dst), t.layers, t.bytes) for t in plan.transfers),
+        transfers=tuple(t if t.src not in moved and t.dst not in moved
+                        else Transfer(m(t.src), m(t.dst), t.layers, t.bytes)
+                        for t in plan.transfers),
         allreduce_rounds=tuple(
-            tuple(AllReduceGroup(g.layers, tuple(sorted(m(d) for d in g.devices))) for g in rnd)
+            tuple(AllReduceGroup(g.layers, ids(g.devices, False)) for g in rnd)
             for rnd in plan.allreduce_rounds
         ),
-        estimate=None if plan.estimate is None else replace(
-            plan.estimate,
-            peak_memory_bytes={m(d): v for d, v in plan.estimate.peak_memory_bytes.items()},
-        ),
+        estimate=estimate,
     )

@@ -161,9 +161,14 @@ def _layout_for(spec: JobSpec, lengths: tuple[int, ...]) -> _Layout | None:
             splits[(n, q)] = split_layers(spec, n, q)
         return splits[(n, q)]
 
+    times_memo: dict[tuple[int, int], float] = {}
+
     def time_of(i: int, q: int) -> float:
-        layers = split(lengths[i], q)
-        return math.inf if layers is None else estimator.pipeline_time(spec, layers, q)
+        key = (lengths[i], q)
+        if key not in times_memo:
+            layers = split(*key)
+            times_memo[key] = math.inf if layers is None else estimator.pipeline_time(spec, layers, q)
+        return times_memo[key]
 
     times = [time_of(i, q) for i, q in enumerate(quotas)]
     if math.inf in times:
@@ -295,23 +300,25 @@ def replan(spec: JobSpec, current: ExecutionPlan, failed: Collection[int],
     live = sorted((set(current.live_devices) - set(failed)) | set(joined))
     if not live:
         raise PlanningError("no live device is left; the job cannot continue.")
-    layouts = []
-    for lengths in _candidate_lengths(spec, current, len(live)):
-        layout = _layout_for(spec, lengths)
-        if layout is None:
-            continue
-        probe = ExecutionPlan("replan", 0, layout.pipelines)
-        step = layout.compute_s + estimator.allreduce_time(
-            spec, replace(probe, allreduce_rounds=allreduce_rounds(probe.pipelines)))
-        layouts.append((step, len(lengths), layout))
+    layouts = [layout for lengths in _candidate_lengths(spec, current, len(live))
+               if (layout := _layout_for(spec, lengths)) is not None]
     if not layouts:
         raise PlanningError(
             f"no layout of {len(live)} live devices fits in memory (cluster.device_memory_bytes "
             f"= {spec.cluster.device_memory_bytes:g}) within the search ranges; widen "
             "planner.pp_radius / planner.dp_radius, add devices, or lower the model footprint."
         )
-    layouts.sort(key=lambda t: (t[0], -t[1]))
-    best = layouts[0][2]
+    # All-reduce time is never negative, so candidates are priced in order of compute time and
+    # the rounds (the costly part) are built only while a candidate can still win.
+    best, best_step = None, math.inf
+    for layout in sorted(layouts, key=lambda lay: (lay.compute_s, -len(lay.pipelines))):
+        if layout.compute_s >= best_step:
+            break
+        probe = ExecutionPlan("replan", 0, layout.pipelines)
+        step = layout.compute_s + estimator.allreduce_time(
+            spec, replace(probe, allreduce_rounds=allreduce_rounds(probe.pipelines)))
+        if step < best_step:
+            best, best_step = layout, step
     try:
         placed = place(spec, current, best.pipelines, live)
     except ValueError as exc:
