@@ -72,7 +72,7 @@ def plans(draw: st.DrawFn) -> ExecutionPlan:
     """
     layers = draw(st.integers(2, 9))
     templates = []
-    for _ in range(draw(st.integers(1, 3))):
+    for _ in range(draw(st.integers(1, 2))):
         n = draw(st.integers(1, min(layers, 5)))
         cuts = sorted(draw(st.sets(st.integers(1, layers - 1), min_size=n - 1, max_size=n - 1)))
         bounds = [0, *cuts, layers]
@@ -82,7 +82,7 @@ def plans(draw: st.DrawFn) -> ExecutionPlan:
     pipes = []
     device_ids = draw(st.permutations(range(40)))
     next_id = 0
-    for _ in range(draw(st.integers(1, 5))):
+    for _ in range(draw(st.integers(2, 5))):
         ranges = draw(st.sampled_from(templates))
         quota = quota0 if same_quota else draw(st.integers(0, 7))
         devices = tuple(device_ids[next_id: next_id + len(ranges)])
@@ -93,7 +93,7 @@ def plans(draw: st.DrawFn) -> ExecutionPlan:
         for s, d in enumerate(pipe.devices):
             holders.setdefault(pipe.layers[s], []).append(d)
     failed: list[int] = []
-    if draw(st.booleans()):
+    if draw(st.integers(0, 3)) > 0:  # mostly rerouted: that is where merging can go wrong
         for group in holders.values():
             if len(group) > 1:
                 k = draw(st.integers(0, len(group) - 1))
