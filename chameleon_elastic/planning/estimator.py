@@ -151,12 +151,17 @@ def score(throughput: float, transition_s: float, run_s: float) -> float:
 # --------------------------------------------------------------------------- a whole plan
 
 
-def compute_time(spec: JobSpec, plan: ExecutionPlan) -> float:
-    """Pipeline part of one training step (see the module docstring for which model applies)."""
+def compute_time(spec: JobSpec, plan: ExecutionPlan, *, simulate_reroute: bool = False) -> float:
+    """Pipeline part of one training step (see the module docstring for which model applies).
+
+    ``simulate_reroute=True`` skips the paper's rerouting closed form and times the executed
+    orders instead: slower at scale, closer to what the runtime does when failures hit
+    several layer groups (the closed form adds their penalties; the orders overlap them).
+    """
     _check_plan(spec, plan)
     if not plan.reroute:
         return max(_pipeline_time(spec, pipe) for pipe in plan.pipelines)
-    closed = reroute_closed_form(spec, plan)
+    closed = None if simulate_reroute else reroute_closed_form(spec, plan)
     if closed is not None:
         return closed
     coupled = _coupled_pipelines(plan)
@@ -217,8 +222,9 @@ def allreduce_time(spec: JobSpec, plan: ExecutionPlan) -> float:
                      for rnd in plan.allreduce_rounds)
 
 
-def step_time(spec: JobSpec, plan: ExecutionPlan) -> float:
-    return compute_time(spec, plan) + allreduce_time(spec, plan)
+def step_time(spec: JobSpec, plan: ExecutionPlan, *, simulate_reroute: bool = False) -> float:
+    """Compute plus gradient all-reduce; ``simulate_reroute`` as in ``compute_time``."""
+    return compute_time(spec, plan, simulate_reroute=simulate_reroute) + allreduce_time(spec, plan)
 
 
 def peak_memory(spec: JobSpec, plan: ExecutionPlan) -> dict[int, float]:

@@ -204,6 +204,7 @@ def test_reroute_closed_form_tracks_the_executed_order(dp: int, pp: int, nm: int
     closed = est.compute_time(spec, plan)
     assert closed == est.reroute_closed_form(spec, plan)
     sim = simulated(spec, plan)
+    assert est.compute_time(spec, plan, simulate_reroute=True) == sim
     healthy = est.compute_time(spec, layout(dp, pp, nm, layers=8))
     assert sim >= healthy and closed > healthy
     if len(stages) == 1:
