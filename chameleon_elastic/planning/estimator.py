@@ -17,8 +17,11 @@ Step time = pipeline compute + gradient all-reduce.
   the paper's closed form ``(N_pp + N_m - 1 + sum_g [F_g > 0] N_m F_g / (N_g - F_g))(T_f + T_b)``
   with ``g`` a group of devices holding an identical layer range, ``N_g`` its size and ``F_g``
   its dead members; the fractional share is replaced by the busiest peer's whole number of
-  absorbed micro-batches (equal when shares are even). Otherwise the pipelines that rerouting couples (the dead devices' and their
+  absorbed micro-batches (equal when shares are even). Otherwise, or on request
+  (``simulate_reroute``), the pipelines that rerouting couples (the dead devices' and their
   peers') are simulated together from their device orders; the others use ``pipeline_time``.
+  With several layer groups hit the closed form adds their penalties while the executed order
+  overlaps them, so it is pessimistic there (docs/estimator.md has the numbers).
 - All-reduce: the plan's colour rounds run one after another; inside a round, groups run in
   parallel, so a round costs its slowest group, a ring all-reduce of ``2 (n - 1) / n`` times
   the group's gradient bytes over the cluster bandwidth. A plan without rounds (hand-built;
