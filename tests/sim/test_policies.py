@@ -119,3 +119,15 @@ def test_policy_names_are_validated() -> None:
         parse_policies("chameleon,bamboo")
     with pytest.raises(ValueError, match="no policy named"):
         parse_policies(" , ")
+
+
+@pytest.mark.timeout(60)
+def test_chameleon_restarts_from_a_checkpoint_when_a_layer_loses_every_replica() -> None:
+    spec = JobSpec.preset(SMALL)  # layers [8, 16) live only on devices 1 and 5
+    trace = one_event_trace(spec, (1000.0, 1, "fail"), (1000.0, 5, "fail"), horizon=3000.0)
+    run = simulate(make_policy("chameleon", spec, BaselineConstants()), trace)
+    assert [d.kind for d in run.decisions] == ["restart"]
+    assert run.decisions[0].pause_s > spec.cluster.restart_s  # restart + loading the shard
+    # The work since the last checkpoint is lost, more than the one step in flight.
+    assert run.timeline.lost_samples > spec.training.global_micro_batches
+    assert run.timeline.segments[-1].working_devices == 4  # one full pipeline of 6 live

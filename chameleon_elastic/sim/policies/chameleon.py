@@ -6,7 +6,10 @@ estimated transition time (0 for a reroute; weight transfer + restart for a re-p
 at its estimated step time. The step in flight when a working device dies is lost (the runtime
 resumes at the last committed step). Decision latency is not charged: the launcher computes
 plans for the loss of 1..k devices ahead, during fault-free training; the simulator asks the
-cache on demand, which yields the same plan, and reports how long that took.
+cache on demand, which yields the same plan, and reports how long that took. When the planner
+finds no plan (a layer lost its every replica, or nothing fits), the job restarts from its last
+checkpoint on the live devices, exactly as the recycle baseline does (asynchronous checkpoints,
+``cluster.restart_s`` + shard load, full ``training.pp``-stage pipelines), and plans from there.
 
 ``hybrid`` (beyond the paper): reroute at once, build the re-plan and stage its weight
 transfers in the background while the rerouted layout trains, then pause only for the restart
@@ -29,6 +32,7 @@ from ...spec import JobSpec
 from ..constants import BaselineConstants
 from ..engine import EventContext, Phase, Reaction
 from .common import STALLED, paused, running
+from .restart import CheckpointFallback
 
 __all__ = ["ChameleonPolicy", "HybridPolicy"]
 
@@ -44,6 +48,7 @@ class ChameleonPolicy:
         self.spec = spec
         self.plan: ExecutionPlan | None = None
         self.cache: PlanCache | None = None
+        self.fallback = CheckpointFallback(spec, constants)
 
     def _adopt(self, plan: ExecutionPlan | None) -> None:
         self.plan = plan
@@ -52,6 +57,7 @@ class ChameleonPolicy:
     def start(self) -> tuple[Phase, ...]:
         self._adopt(initial_plan(self.spec))
         assert self.plan is not None
+        self.fallback.set_layout(self.plan)
         return (running(self.spec, self.plan, "run"),)
 
     def _hit(self, failed: Sequence[int]) -> bool:
@@ -68,8 +74,10 @@ class ChameleonPolicy:
         try:
             decision = self.cache.decide(failed, joined)
         except PlanningError:
-            self._adopt(None)
-            return None, {}, Reaction((STALLED,), ctx.inflight_samples if hit else 0.0, "stalled")
+            live = sorted((set(self.plan.live_devices) - set(failed)) | set(joined))
+            plan, reaction = self.fallback.restart(ctx, live, stalls=False, label="run")
+            self._adopt(plan)
+            return None, {}, reaction
         if _unchanged(self.plan, decision.chosen) and not hit:
             # A spare died or a device came back as a spare: the layout goes on untouched.
             self._adopt(decision.chosen)

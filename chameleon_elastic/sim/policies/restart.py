@@ -29,11 +29,12 @@ from ..constants import BaselineConstants
 from ..engine import EventContext, Phase, Reaction
 from .common import STALLED, paused, running, symmetric_plan
 
-__all__ = ["CheckpointPolicy", "RecyclePolicy"]
+__all__ = ["CheckpointFallback", "CheckpointPolicy", "RecyclePolicy"]
 
 
-class _Checkpointed:
-    """Checkpoint bookkeeping: when training last resumed, how often it saves."""
+class CheckpointFallback:
+    """Checkpoint bookkeeping: when training last resumed, how often it saves, and the restart
+    from the last checkpoint onto full ``training.pp``-stage pipelines."""
 
     def __init__(self, spec: JobSpec, constants: BaselineConstants | None) -> None:
         self.spec = spec
@@ -43,7 +44,7 @@ class _Checkpointed:
         self.save_s = 0.0
         self.generation = 0
 
-    def _set_layout(self, plan: ExecutionPlan) -> None:
+    def set_layout(self, plan: ExecutionPlan) -> None:
         self.interval_s = self.constants.interval_s(self.spec, plan)
         self.save_s = self.constants.save_s(self.spec, plan)
 
@@ -54,15 +55,15 @@ class _Checkpointed:
         period = self.interval_s + (self.save_s if stalls else 0.0)
         return self.resumed_s + math.floor((now_s - self.resumed_s) / period) * period
 
-    def _restart(self, ctx: EventContext, live: Sequence[int], stalls: bool,
-                 label: str) -> tuple[ExecutionPlan | None, Reaction]:
+    def restart(self, ctx: EventContext, live: Sequence[int], stalls: bool,
+                label: str) -> tuple[ExecutionPlan | None, Reaction]:
         last = self._last_checkpoint_s(ctx.now_s, stalls)
         lost = max(0.0, ctx.net_since(last)) if ctx.now_s > self.resumed_s else 0.0
         self.generation += 1
         plan = symmetric_plan(self.spec, live, self.generation)
         if plan is None:
             return None, Reaction((STALLED,), lost, "stalled")
-        self._set_layout(plan)
+        self.set_layout(plan)
         pause = self.spec.cluster.restart_s + self.save_s  # load the shard back: same size
         self.resumed_s = ctx.now_s + pause
         slowdown = 1.0
@@ -72,13 +73,13 @@ class _Checkpointed:
         return plan, Reaction(phases, lost, "restart")
 
 
-class CheckpointPolicy(_Checkpointed):
+class CheckpointPolicy(CheckpointFallback):
     name = "checkpoint"
 
     def start(self) -> tuple[Phase, ...]:
         self.plan: ExecutionPlan | None = initial_plan(self.spec)
         self.live = set(self.plan.live_devices)
-        self._set_layout(self.plan)
+        self.set_layout(self.plan)
         slowdown = 1.0
         if not math.isinf(self.interval_s):
             slowdown = (self.interval_s + self.save_s) / self.interval_s
@@ -94,18 +95,18 @@ class CheckpointPolicy(_Checkpointed):
         grows = min(len(self.live) // pp, self.spec.training.global_micro_batches) > now_dp
         if not hit and not grows:
             return Reaction(ctx.remaining, 0.0, "spare")
-        self.plan, reaction = self._restart(ctx, sorted(self.live), stalls=True, label="run")
+        self.plan, reaction = self.restart(ctx, sorted(self.live), stalls=True, label="run")
         return reaction
 
 
-class RecyclePolicy(_Checkpointed):
+class RecyclePolicy(CheckpointFallback):
     name = "recycle"
 
     def start(self) -> tuple[Phase, ...]:
         self.base: ExecutionPlan | None = initial_plan(self.spec)
         self.dead: set[int] = set()
         self.spares = set(self.base.spare_devices)
-        self._set_layout(self.base)
+        self.set_layout(self.base)
         return (running(self.spec, self.base, "run"),)
 
     def react(self, ctx: EventContext, failed: Sequence[int],
@@ -125,7 +126,7 @@ class RecyclePolicy(_Checkpointed):
             plan = reroute_plan(self.spec, base, sorted(self.dead))
         except PlanningError:
             live = sorted((slots - self.dead) | self.spares)
-            self.base, reaction = self._restart(ctx, live, stalls=False, label="run")
+            self.base, reaction = self.restart(ctx, live, stalls=False, label="run")
             self.dead = set()
             self.spares = set() if self.base is None else set(self.base.spare_devices)
             return reaction
