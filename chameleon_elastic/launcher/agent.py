@@ -104,6 +104,8 @@ class ChameleonAgent(LocalElasticAgent):
         self._rejoining: set[int] = set()       # health-excluded devices that pass again
         self._assignments: tuple[LocalAssignment, ...] = ()
         self._pending: dict[str, Any] = {}      # timings of the recovery in progress
+        self._last_info: Any = None             # last RendezvousInfo (reused on one node)
+        self._reused_round = False
 
     # ------------------------------------------------------------------ helpers
 
@@ -131,11 +133,22 @@ class ChameleonAgent(LocalElasticAgent):
     def _key_scope(self) -> str:
         # Dynamic rendezvous stores are already scoped by round; the static one is not.
         backend = self._worker_group.spec.rdzv_handler.get_backend()
-        return f"chameleon/{self._attempt}/" if backend == "static" else "chameleon/"
+        reused = backend == "static" or self._reused_round
+        return f"chameleon/{self._attempt}/" if reused else "chameleon/"
 
     # ------------------------------------------------------------------ rendezvous
 
     def _next_rendezvous(self, spec: WorkerSpec):
+        # One node at most: no other agent can join or leave, so the previous round's result is
+        # still the truth; skipping the store round-trips makes a restart several times faster.
+        if self._rdzv_parameters.max_nodes == 1 and self._last_info is not None:
+            self._reused_round = True
+            return self._last_info
+        self._reused_round = False
+        self._last_info = self._rendezvous_with_failover(spec)
+        return self._last_info
+
+    def _rendezvous_with_failover(self, spec: WorkerSpec):
         for attempt in range(_STORE_FAILOVER_ATTEMPTS + 1):
             try:
                 return spec.rdzv_handler.next_rendezvous()
@@ -157,6 +170,7 @@ class ChameleonAgent(LocalElasticAgent):
                 log.debug("stopping heartbeats to the lost store failed: %s", stop_exc)
         spec.rdzv_handler = rdzv_registry.get_rendezvous_handler(self._rdzv_parameters)
         self._rdzv_handler = spec.rdzv_handler
+        self._last_info = None
         self._emit("rendezvous_failover", error=str(exc).splitlines()[0][:300],
                    duration_s=time.perf_counter() - start)
 

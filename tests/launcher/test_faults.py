@@ -1,0 +1,124 @@
+"""Fault handling with real processes: kill -9, exceptions, repeated crashes, agent death."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+
+from chameleon_elastic.launcher.plan_env import chameleon_env, local_assignments
+from chameleon_elastic.plan import ExecutionPlan
+
+from .conftest import PROBE, pid_alive, read_envs, wait_for
+
+
+def _events(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _gen(records, generation: int) -> list[dict]:
+    return [r for r in records if r["env"].get("CHAMELEON_PLAN_GENERATION") == str(generation)]
+
+
+@pytest.mark.timeout(90)
+def test_kill9_worker_under_job_excludes_device_and_replans(tmp_path, launch):
+    out, state = tmp_path / "out", tmp_path / "state"
+    out.mkdir()
+    run = launch("chameleon", ["--standalone", "--nproc-per-node", "4", "--preset", "tiny-cpu",
+                               "--state-dir", str(state), "--monitor-interval", "0.05",
+                               PROBE, str(out), "hold"])
+    first = wait_for(lambda: len(_gen(read_envs(out), 0)) == 4 and _gen(read_envs(out), 0),
+                     60, "4 workers of plan generation 0")
+    victim = next(r for r in first if r["env"]["CHAMELEON_DEVICE"] == "1")
+    os.kill(victim["pid"], signal.SIGKILL)
+
+    second = wait_for(lambda: len(_gen(read_envs(out), 1)) == 3 and _gen(read_envs(out), 1),
+                      60, "3 workers of plan generation 1")
+    (out / "release").touch()
+    assert run.wait(60) == 0
+
+    plan = ExecutionPlan.from_json((state / "plans" / "plan-gen1.json").read_text())
+    assert 1 not in plan.working_devices
+    assert plan.global_micro_batches == 8
+    devices = sorted(int(r["env"]["CHAMELEON_DEVICE"]) for r in second)
+    assert devices == [0, 2, 3] == list(plan.working_devices)
+    assert sorted(int(r["env"]["RANK"]) for r in second) == [0, 1, 2]
+    assert {r["env"]["WORLD_SIZE"] for r in second} == {"3"}
+    expected = {a.device: chameleon_env(plan, a.role, str(state / "plans" / "plan-gen1.json"))
+                for a in local_assignments(plan, 0, 4)}
+    for r in second:
+        mine = {k: v for k, v in r["env"].items() if k.startswith("CHAMELEON_")}
+        assert mine == expected[int(r["env"]["CHAMELEON_DEVICE"])]
+    assert {r["env"]["MASTER_PORT"] for r in second}.isdisjoint(
+        {r["env"]["MASTER_PORT"] for r in first})
+    assert all(r["store_reachable"] for r in first + second)
+
+    events = _events(state / "events.jsonl")
+    lost = [e for e in events if e["event"] == "failure_seen" and e["kind"] == "device_lost"]
+    assert [e["device"] for e in lost] == [1] and lost[0]["signal"] == "SIGKILL"
+    chosen = [e for e in events if e["event"] == "plan_chosen"]
+    assert len(chosen) == 1 and chosen[0]["lost"] == [1]
+    assert chosen[0]["policy"] in chosen[0]["candidates"]
+    assert all(c["score"] is not None for c in chosen[0]["candidates"].values())
+    recovered = [e for e in events if e["event"] == "recovered"]
+    assert recovered and recovered[0]["restarts_used"] == 0  # a lost device costs no restart
+
+
+@pytest.mark.timeout(90)
+def test_exception_in_worker_restarts_on_the_same_device(tmp_path, launch):
+    out, state = tmp_path / "out", tmp_path / "state"
+    out.mkdir()
+    run = launch("chameleon", ["--standalone", "--nproc-per-node", "4", "--preset", "tiny-cpu",
+                               "--max-restarts", "1", "--state-dir", str(state),
+                               "--monitor-interval", "0.05", PROBE, str(out), "crash-once", "2"])
+    relaunched = wait_for(
+        lambda: [r for r in read_envs(out) if r["env"]["TORCHELASTIC_RESTART_COUNT"] == "1"]
+        if len([r for r in read_envs(out)
+                if r["env"]["TORCHELASTIC_RESTART_COUNT"] == "1"]) == 4 else None,
+        60, "4 workers of the restarted group")
+    (out / "release").touch()
+    assert run.wait(60) == 0
+    by_device = {r["env"]["CHAMELEON_DEVICE"]: r["env"] for r in relaunched}
+    assert sorted(by_device) == ["0", "1", "2", "3"]        # device 2 kept its place
+    assert {e["CHAMELEON_PLAN_GENERATION"] for e in by_device.values()} == {"0"}
+    assert by_device["2"]["RANK"] == "2"
+    events = _events(state / "events.jsonl")
+    crash = [e for e in events if e["event"] == "failure_seen"]
+    assert [(e["device"], e["kind"], e["exitcode"]) for e in crash] == [(2, "crash", 1)]
+    assert not [e for e in events if e["event"] == "plan_chosen"]
+
+
+@pytest.mark.timeout(60)
+def test_fifty_back_to_back_single_crash_recoveries(tmp_path, launch):
+    out = tmp_path / "out"
+    out.mkdir()
+    run = launch("chameleon", ["--standalone", "--nproc-per-node", "2", "--max-restarts", "50",
+                               "--monitor-interval", "0.02", "--no-status",
+                               PROBE, str(out), "crash-n", "50"])
+    assert run.wait(55) == 0
+    records = read_envs(out)
+    # rank 0 records every launch before it crashes; rank 1 may be stopped before it records
+    rank0 = sorted((r for r in records if r["env"]["RANK"] == "0"),
+                   key=lambda r: int(r["env"]["TORCHELASTIC_RESTART_COUNT"]))
+    assert [int(r["env"]["TORCHELASTIC_RESTART_COUNT"]) for r in rank0] == list(range(51))
+    assert len({r["env"]["MASTER_PORT"] for r in rank0}) == 51   # a fresh store every launch
+    assert all(r["store_reachable"] for r in rank0)
+    last = [r for r in records if r["env"]["TORCHELASTIC_RESTART_COUNT"] == "50"]
+    assert sorted(r["env"]["RANK"] for r in last) == ["0", "1"]
+    assert all(r["store_reachable"] for r in last)
+
+
+@pytest.mark.timeout(60)
+def test_killing_the_agent_takes_its_workers_with_it(tmp_path, launch):
+    out = tmp_path / "out"
+    out.mkdir()
+    run = launch("chameleon", ["--standalone", "--nproc-per-node", "2", "--no-status",
+                               PROBE, str(out), "hold"])
+    workers = wait_for(lambda: len(read_envs(out)) == 2 and read_envs(out), 45, "2 workers")
+    pids = [r["pid"] for r in workers]
+    assert all(pid_alive(p) for p in pids)
+    os.kill(run.proc.pid, signal.SIGKILL)     # the agent only, not its process group
+    run.proc.wait(10)
+    wait_for(lambda: not any(pid_alive(p) for p in pids), 10, "workers to die with the agent")
