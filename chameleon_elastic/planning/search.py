@@ -263,6 +263,9 @@ def reroute_plan(spec: JobSpec, current: ExecutionPlan, failed: Collection[int],
     dead = tuple(sorted(set(current.failed_devices) | (set(failed) - dead_spares)))
     dead_set = set(dead)
     reroutes = []
+    # Where the next dead device of a layer group starts its round-robin: the extra
+    # micro-batches of uneven shares then rotate over the peers instead of piling on the first.
+    start_at: dict[tuple[int, int], int] = {}
     for d in dead:
         p, s = current.locate(d)
         held = current.pipelines[p].layers[s]
@@ -280,7 +283,10 @@ def reroute_plan(spec: JobSpec, current: ExecutionPlan, failed: Collection[int],
             )
         quota = current.pipelines[p].micro_batches
         n = len(peers)
-        shares = tuple(PeerShare(q, (quota - j + n - 1) // n) for j, q in enumerate(sorted(peers)))
+        k = start_at.get(held, 0) % n
+        ring = sorted(peers)[k:] + sorted(peers)[:k]
+        start_at[held] = k + quota % n
+        shares = tuple(PeerShare(q, (quota - j + n - 1) // n) for j, q in enumerate(ring))
         reroutes.append(Reroute(device=d, pipeline=p, stage=s, peers=shares))
     spare = tuple(sorted((set(current.spare_devices) - dead_spares) | set(joined)))
     policy = "reroute" if dead else current.policy

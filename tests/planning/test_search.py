@@ -236,3 +236,15 @@ def test_every_single_failure_on_the_paper_setting_is_decidable():
                 decide(spec, plan, [a, b])
         else:
             check_invariants(spec, plan, decide(spec, plan, [a, b]).chosen, (a, b))
+
+
+def test_uneven_reroute_shares_rotate_over_peers():
+    # dp = 4, two dead devices in stage 1, 5 micro-batches each over 2 live peers: the odd
+    # micro-batch of each goes to a different peer, so both peers absorb 5.
+    spec = make_spec(mbs=20, rate=200.0)
+    plan = reroute_plan(spec, initial_plan(spec), [1, 3])
+    absorbed = {}
+    for r in plan.reroute:
+        for share in r.peers:
+            absorbed[share.device] = absorbed.get(share.device, 0) + share.micro_batches
+    assert absorbed == {5: 5, 7: 5}
