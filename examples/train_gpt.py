@@ -1,0 +1,200 @@
+"""Train a small byte-level GPT under whatever plan the launcher chose.
+
+    chameleon-run --standalone --nproc-per-node 4 --preset tiny-cpu examples/train_gpt.py
+    chameleon-run --standalone --nproc-per-node 4 --job job.toml examples/train_gpt.py --steps 50
+    torchrun --standalone --nproc-per-node 2 examples/train_gpt.py   # plain data parallel
+
+The model is a list of layers, which is all the runtime needs to cut it into pipeline stages:
+layer 0 embeds bytes and positions, layers 1..N are pre-norm transformer blocks, the last layer
+is the final norm and the byte head; so ``--blocks N`` gives N + 2 layers (the job's
+``model.layers`` must match; by default N is taken from the plan). The corpus is the Python
+standard library's own source, present on every machine that runs this script; sample ``i``
+is a fixed window of it, so which text a step trains on depends only on the step number, never
+on the plan or the number of workers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import math
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import functional as F
+
+from chameleon_elastic.runtime import (
+    PipelineModel,
+    PipelineRuntimeError,
+    PipelineTrainer,
+    init_distributed,
+    plan_from_env,
+)
+
+VOCAB = 256
+
+
+def stdlib_corpus(max_bytes: int) -> torch.Tensor:
+    """The first ``max_bytes`` of the standard library's .py files, in sorted path order."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    chunks, total = [], 0
+    for path in sorted(root.glob("*.py")):
+        data = path.read_bytes()
+        chunks.append(data)
+        total += len(data)
+        if total >= max_bytes:
+            break
+    blob = b"".join(chunks)[:max_bytes]
+    if len(blob) < 4096:
+        raise SystemExit(f"found only {len(blob)} bytes of Python source under {root}; "
+                         "this example needs the standard library's .py files.")
+    return torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(torch.int64)
+
+
+def window(index: int, corpus: torch.Tensor, context: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample ``index``: a context window at a pseudo-random but fixed offset."""
+    span = corpus.numel() - context - 1
+    start = (index * 1_000_003) % span
+    chunk = corpus[start:start + context + 1]
+    return chunk[:-1], chunk[1:]
+
+
+class Embed(nn.Module):
+    def __init__(self, context: int, width: int) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(VOCAB, width)
+        self.positions = nn.Embedding(context, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(x.shape[1], device=x.device)
+        return self.tokens(x) + self.positions(pos)
+
+
+class Block(nn.Module):
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1 = nn.LayerNorm(width)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+        self.norm2 = nn.LayerNorm(width)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(),
+                                 nn.Linear(4 * width, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.norm1(x)).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
+        return x + self.mlp(self.norm2(x))
+
+
+class Head(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.out = nn.Linear(width, VOCAB)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.norm(x))
+
+
+def build_layer(i: int, blocks: int, context: int, width: int, heads: int) -> nn.Module:
+    if i == 0:
+        return Embed(context, width)
+    if i == blocks + 1:
+        return Head(width)
+    return Block(width, heads)
+
+
+def byte_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+
+
+def adamw(params, lr: float) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+
+
+def gpt_model(blocks: int, context: int, width: int, heads: int, lr: float,
+              corpus: torch.Tensor, seed: int) -> PipelineModel:
+    return PipelineModel(
+        num_layers=blocks + 2,
+        build_layer=functools.partial(build_layer, blocks=blocks, context=context, width=width,
+                                      heads=heads),
+        loss=byte_loss,
+        make_optimizer=functools.partial(adamw, lr=lr),
+        sample=functools.partial(window, corpus=corpus, context=context),
+        seed=seed,
+    )
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description="Byte-level GPT on the Python standard library, "
+                                             "trained under a chameleon-run plan.")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--blocks", type=int, default=None,
+                    help="transformer blocks (layers = blocks + 2); default: from the plan, "
+                         "else 6")
+    ap.add_argument("--width", type=int, default=64)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--context", type=int, default=64)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--micro-batch-size", type=int, default=4)
+    ap.add_argument("--global-micro-batches", type=int, default=8,
+                    help="used only without a plan (plain torchrun data parallelism)")
+    ap.add_argument("--corpus-bytes", type=int, default=2_000_000)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--log-every", type=int, default=5)
+    args = ap.parse_args(argv)
+    for name in ("steps", "width", "heads", "context", "micro_batch_size",
+                 "global_micro_batches", "corpus_bytes", "log_every"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.width % args.heads:
+        ap.error(f"--width {args.width} must be a multiple of --heads {args.heads}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    plan = plan_from_env()
+    blocks = args.blocks if args.blocks is not None else (
+        plan.num_layers - 2 if plan is not None else 6)
+    if blocks < 1:
+        raise SystemExit(f"the plan has {blocks + 2} layers; this GPT needs at least 3 "
+                         "(embedding, one block, head): set model.layers >= 3 in the job.")
+    init_distributed()
+    rank = dist.get_rank()
+    model = gpt_model(blocks, args.context, args.width, args.heads, args.lr,
+                      stdlib_corpus(args.corpus_bytes), args.seed)
+    try:
+        trainer = PipelineTrainer.from_env(model, global_micro_batches=args.global_micro_batches,
+                                           micro_batch_size=args.micro_batch_size)
+    except PipelineRuntimeError as exc:
+        raise SystemExit(str(exc)) from None
+    where = ("spare" if not trainer.working else
+             f"pipeline {trainer.plan.locate(trainer.device)[0]} layers "
+             f"{trainer.layer_ids[0]}-{trainer.layer_ids[-1]}")
+    print(f"[rank {rank}] device {trainer.device}: {where}; plan generation "
+          f"{trainer.plan.generation} ({trainer.plan.policy})", flush=True)
+    started = time.perf_counter()
+    for step in range(args.steps):
+        result = trainer.step(step)
+        if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
+            print(f"step {step:4d}  loss {result.loss:.4f}  (bits/byte "
+                  f"{result.loss / math.log(2):.3f})  {result.step_s * 1e3:.0f} ms", flush=True)
+    if rank == 0:
+        print(f"done: {args.steps} steps in {time.perf_counter() - started:.1f} s", flush=True)
+    trainer.close()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
