@@ -45,19 +45,18 @@ def create_etcd_v3_handler(params: RendezvousParameters) -> RendezvousHandler: .
 def create_etcd_v3_handler(
     params: RendezvousParameters | None = None,
 ) -> RendezvousHandler | Callable[..., RendezvousHandler]:
-    """Build torch's ``DynamicRendezvousHandler`` on etcd v3 for ``params``.
+    """Build the rendezvous handler (torch's dynamic one, see ``handler.py``) for ``params``.
 
     Without ``params`` (torch's entry-point protocol) return this creator itself.
     """
     if params is None:
         return create_etcd_v3_handler
 
-    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
-
     from chameleon_elastic.rendezvous.backend import EtcdV3RendezvousBackend
     from chameleon_elastic.rendezvous.client import EtcdClient
     from chameleon_elastic.rendezvous.config import EtcdSettings
     from chameleon_elastic.rendezvous.errors import EtcdConfigError
+    from chameleon_elastic.rendezvous.handler import build_handler
     from chameleon_elastic.rendezvous.store import EtcdStore
 
     settings = EtcdSettings.from_config(params.endpoint, params.config)
@@ -72,7 +71,7 @@ def create_etcd_v3_handler(
     try:
         backend = EtcdV3RendezvousBackend(client, run_prefix)
         store = EtcdStore(client, run_prefix, timeout=timedelta(seconds=read_timeout))
-        return create_handler(store, backend, params)
+        return build_handler(store, backend, params)
     except BaseException:
         client.close()
         raise
