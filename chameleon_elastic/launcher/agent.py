@@ -228,6 +228,7 @@ class ChameleonAgent(LocalElasticAgent):
         session = self._session
         assert session is not None and self._node is not None and self._initial_nodes is not None
         scope = self._key_scope()
+        self._lost_local -= self._rejoining
         mine = {"node": self._node, "lost": sorted(self._lost_local),
                 "joined": sorted(self._rejoining)}
         store.set(f"{scope}node/{group_rank}", json.dumps(mine))
@@ -408,59 +409,67 @@ class ChameleonAgent(LocalElasticAgent):
                 self._exit_barrier()
                 self._emit("job_finished", state="SUCCEEDED", restarts_used=self._restarts_used())
                 return result
-            if state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
-                detected = time.monotonic()
-                failures = self._classify(result)
-                # torch reports the workers it stopped after the first failure too; keep roots
-                failures = [f for f in failures if not f.stopped_on_request] or failures
-                for f in failures:
-                    self._emit("failure_seen", device=f.device, local_rank=f.local_rank,
-                               exitcode=f.exitcode, signal=f.signal, kind=f.kind.value,
-                               reason=f.reason)
-                for d in sorted(bad):
-                    self._emit("failure_seen", device=d, kind=FailureKind.DEVICE_LOST.value,
-                               reason="device failed its health check", exitcode=None,
-                               signal=None, local_rank=None)
-                planned = self._session is not None and self._session.policy != "restart"
-                lost = {f.device for f in failures if f.kind is FailureKind.DEVICE_LOST}
-                lost = (lost | bad) if planned else set()
-                try:
-                    if lost:
-                        self._lost_local |= lost
-                        self._health_excluded |= bad
-                        self._recover(wg, "device_lost", detected)
-                        continue
-                    if self._remaining_restarts > 0:
-                        self._remaining_restarts -= 1
-                        self._recover(wg, "crash", detected)
-                        continue
-                except LauncherPlanningError:
-                    self._stop_workers(wg)
-                    wg.state = WorkerState.FAILED
-                    self._update_status("failed")
-                    self._emit("job_finished", state="FAILED", reason="no plan fits")
-                    return RunResult(state=WorkerState.FAILED, failures=result.failures)
+            try:
+                outcome = self._react(wg, state, result, bad)
+            except LauncherPlanningError:
                 self._stop_workers(wg)
                 wg.state = WorkerState.FAILED
                 self._update_status("failed")
-                self._emit("job_finished", state="FAILED", reason="max restarts used up",
-                           restarts_used=self._restarts_used())
-                return result
-            if state == WorkerState.HEALTHY:
-                if self._rejoining:
-                    self._recover(wg, "device_rejoined", time.monotonic())
-                    continue
-                try:
-                    waiting = spec.rdzv_handler.num_nodes_waiting()
-                except _STORE_LOST as exc:
-                    self._emit("failure_seen", kind="rendezvous_lost",
-                               reason=str(exc).splitlines()[0][:300])
-                    detected = time.monotonic()
-                    self._failover_rendezvous(spec, exc)
-                    self._recover(wg, "rendezvous_lost", detected)
-                    continue
-                if waiting > 0:
-                    self._emit("membership_change", nodes_waiting=waiting)
-                    self._recover(wg, "membership", time.monotonic())
-                continue
-            raise RuntimeError(f"[{role}] worker group in unexpected state {state.name}")
+                self._emit("job_finished", state="FAILED", reason="no plan fits the devices left")
+                return RunResult(state=WorkerState.FAILED, failures=result.failures)
+            if outcome is not None:
+                return outcome
+
+    def _react(self, wg: WorkerGroup, state: WorkerState, result: RunResult,
+               bad: set[int]) -> RunResult | None:
+        """One monitor tick's reaction; a RunResult ends the run, None keeps monitoring."""
+        spec = wg.spec
+        if state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
+            detected = time.monotonic()
+            failures = self._classify(result)
+            # torch reports the workers it stopped after the first failure too; keep roots
+            failures = [f for f in failures if not f.stopped_on_request] or failures
+            for f in failures:
+                self._emit("failure_seen", device=f.device, local_rank=f.local_rank,
+                           exitcode=f.exitcode, signal=f.signal, kind=f.kind.value,
+                           reason=f.reason)
+            for d in sorted(bad):
+                self._emit("failure_seen", device=d, kind=FailureKind.DEVICE_LOST.value,
+                           reason="device failed its health check", exitcode=None,
+                           signal=None, local_rank=None)
+            planned = self._session is not None and self._session.policy != "restart"
+            lost = {f.device for f in failures if f.kind is FailureKind.DEVICE_LOST}
+            lost = (lost | bad) if planned else set()
+            if lost:
+                self._lost_local |= lost
+                self._health_excluded |= bad
+                self._recover(wg, "device_lost", detected)
+                return None
+            if self._remaining_restarts > 0:
+                self._remaining_restarts -= 1
+                self._recover(wg, "crash", detected)
+                return None
+            self._stop_workers(wg)
+            wg.state = WorkerState.FAILED
+            self._update_status("failed")
+            self._emit("job_finished", state="FAILED", reason="max restarts used up",
+                       restarts_used=self._restarts_used())
+            return result
+        if state == WorkerState.HEALTHY:
+            if self._rejoining:
+                self._recover(wg, "device_rejoined", time.monotonic())
+                return None
+            try:
+                waiting = spec.rdzv_handler.num_nodes_waiting()
+            except _STORE_LOST as exc:
+                self._emit("failure_seen", kind="rendezvous_lost",
+                           reason=str(exc).splitlines()[0][:300])
+                detected = time.monotonic()
+                self._failover_rendezvous(spec, exc)
+                self._recover(wg, "rendezvous_lost", detected)
+                return None
+            if waiting > 0:
+                self._emit("membership_change", nodes_waiting=waiting)
+                self._recover(wg, "membership", time.monotonic())
+            return None
+        raise RuntimeError(f"worker group in unexpected state {state.name}")

@@ -122,3 +122,25 @@ def test_killing_the_agent_takes_its_workers_with_it(tmp_path, launch):
     os.kill(run.proc.pid, signal.SIGKILL)     # the agent only, not its process group
     run.proc.wait(10)
     wait_for(lambda: not any(pid_alive(p) for p in pids), 10, "workers to die with the agent")
+
+
+@pytest.mark.timeout(90)
+def test_failed_health_check_excludes_device_until_it_passes_again(tmp_path, launch):
+    out, state, health = tmp_path / "out", tmp_path / "state", tmp_path / "bad-devices"
+    out.mkdir()
+    run = launch("chameleon", ["--standalone", "--nproc-per-node", "4", "--preset", "tiny-cpu",
+                               "--state-dir", str(state), "--health-file", str(health),
+                               "--monitor-interval", "0.05", PROBE, str(out), "hold"])
+    wait_for(lambda: len(_gen(read_envs(out), 0)) == 4, 60, "4 workers of generation 0")
+    health.write_text("2\n")
+    without = wait_for(lambda: len(_gen(read_envs(out), 1)) == 3 and _gen(read_envs(out), 1),
+                       30, "3 workers of generation 1")
+    health.write_text("")
+    back = wait_for(lambda: len(_gen(read_envs(out), 2)) == 4 and _gen(read_envs(out), 2),
+                    30, "4 workers of generation 2")
+    (out / "release").touch()
+    assert run.wait(60) == 0
+    assert sorted(r["env"]["CHAMELEON_DEVICE"] for r in without) == ["0", "1", "3"]
+    assert sorted(r["env"]["CHAMELEON_DEVICE"] for r in back) == ["0", "1", "2", "3"]
+    chosen = [e for e in _events(state / "events.jsonl") if e["event"] == "plan_chosen"]
+    assert [(e["lost"], e["joined"]) for e in chosen] == [([2], []), ([], [2])]
