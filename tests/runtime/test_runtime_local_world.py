@@ -1,0 +1,91 @@
+"""The local gloo world used by tests and benchmarks reports failures and leaves no orphans;
+the GPT example trains to the same loss under pipeline x data parallelism as under plain data
+parallelism."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+import torch
+import torch.distributed as dist
+
+from chameleon_elastic.plan import ExecutionPlan, Pipeline
+from chameleon_elastic.runtime import PipelineTrainer, data_parallel_plan, dense_rank_map
+from chameleon_elastic.runtime.local_world import LocalWorldError, run_local_world
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_gpt.py"
+
+
+def _raise_on_rank_one(rank: int, world: int) -> int:
+    if rank == 1:
+        raise ValueError("rank one refuses")
+    return os.getpid()
+
+
+def _hang(rank: int, world: int) -> None:
+    buf = torch.zeros(1)
+    dist.recv(buf, src=(rank + 1) % world)  # nobody sends: a deadlock
+
+
+def _workers() -> set[int]:
+    """Our descendants except multiprocessing's long-lived helpers (forkserver, tracker)."""
+    helpers = ("multiprocessing.forkserver", "multiprocessing.resource_tracker")
+    return {p.pid for p in psutil.Process().children(recursive=True)
+            if not any(h in " ".join(p.cmdline()) for h in helpers)}
+
+
+@pytest.mark.timeout(60)
+def test_a_failing_rank_surfaces_its_traceback():
+    with pytest.raises(LocalWorldError, match="rank 1 failed(.|\n)*rank one refuses"):
+        run_local_world(_raise_on_rank_one, 2, timeout_s=50)
+    assert not _workers()
+
+
+@pytest.mark.timeout(60)
+def test_a_deadlock_hits_the_deadline_and_leaves_no_process():
+    run_local_world(_raise_on_rank_one, 1, timeout_s=50)  # warm the forkserver
+    with pytest.raises(LocalWorldError, match="missed its 5 s deadline"):
+        run_local_world(_hang, 2, timeout_s=5, collective_timeout_s=60)
+    assert not _workers()
+
+
+def _gpt_losses(rank: int, world: int, plan_json: str, steps: int) -> list[float]:
+    spec = importlib.util.spec_from_file_location("train_gpt_example", EXAMPLE)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    model = example.gpt_model(blocks=2, context=16, width=32, heads=2, lr=3e-3,
+                              corpus=example.stdlib_corpus(100_000), seed=0)
+    plan = ExecutionPlan.from_json(plan_json)
+    trainer = PipelineTrainer(model, plan, dense_rank_map(plan).device_of_rank[rank],
+                              micro_batch_size=2)
+    losses = [trainer.step(t).loss for t in range(steps)]
+    trainer.close()
+    return losses
+
+
+@pytest.mark.timeout(90)
+def test_gpt_example_same_loss_under_pipelines_and_data_parallel():
+    dp = data_parallel_plan(2, 4, 4)
+    pp = ExecutionPlan("replan", 1, (Pipeline((0, 1), ((0, 2), (2, 4)), 1),
+                                     Pipeline((2, 3, 4), ((0, 1), (1, 3), (3, 4)), 3))).validate()
+    base = run_local_world(_gpt_losses, 2, dp.to_json(), 3, timeout_s=80)[0]
+    piped = run_local_world(_gpt_losses, 5, pp.to_json(), 3, timeout_s=80)[0]
+    assert base[-1] < base[0]
+    # float32 GPT: summation order differs between the layouts
+    np.testing.assert_allclose(piped, base, rtol=2e-5)
+
+
+@pytest.mark.timeout(60)
+def test_gpt_example_usage_error_exits_2_without_traceback():
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, str(EXAMPLE), "--width", "30", "--heads", "4"],
+                          check=False, capture_output=True, text=True, timeout=50)
+    assert proc.returncode == 2
+    assert "must be a multiple of --heads" in proc.stderr and "Traceback" not in proc.stderr
