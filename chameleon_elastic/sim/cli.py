@@ -23,7 +23,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..spec import JobSpec, SpecError, load_job, preset_names
-from .constants import BaselineConstants
+from .constants import REROUTE_TIMINGS, BaselineConstants
 from .experiment import ExperimentResult, run_experiment
 from .policies import POLICY_NAMES, parse_policies
 from .traces import TRACE_MODELS, FailureTrace, TraceError, generate_trace, read_trace, write_trace
@@ -71,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="checkpoint write/read rate per device (default 2e9)")
     pol.add_argument("--oobleck-reconfigure-s", type=float, default=None,
                      help="Oobleck's fixed reconfiguration cost (default cluster.restart_s)")
+    pol.add_argument("--reroute-timing", choices=REROUTE_TIMINGS, default="closed-form",
+                     help="how a rerouted layout's step is timed while it runs: the paper's "
+                          "closed form (default) or the simulated executed schedule")
     pol.add_argument("--hybrid-interference", type=float, default=0.0,
                      help="throughput fraction lost while hybrid stages transfers (default 0)")
     out = p.add_argument_group("output")
@@ -163,6 +166,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             checkpoint_interval_s=args.checkpoint_interval_s,
             oobleck_reconfigure_s=args.oobleck_reconfigure_s,
             hybrid_interference=args.hybrid_interference,
+            reroute_timing=args.reroute_timing,
         )
         traces = _traces(args, spec)
     except (SpecError, TraceError, ValueError) as exc:
@@ -182,6 +186,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "oobleck_reconfigure_s": constants.reconfigure_s(spec),
             "restart_s": spec.cluster.restart_s,
             "hybrid_interference": constants.hybrid_interference,
+            "reroute_timing": constants.reroute_timing,
         },
     }
     from .report import summary_table, to_json_dict

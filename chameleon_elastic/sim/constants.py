@@ -18,17 +18,25 @@ chameleon policy decides with. The figures below are assumptions; docs/sim.md ex
   how much they move, never by a constant we picked.
 * ``hybrid_interference`` (default 0): fraction of throughput the hybrid policy loses while it
   stages weight transfers in the background (0 = transfers fully overlap compute).
+* ``reroute_timing`` (default ``"closed-form"``): how a rerouted layout's step is timed while it
+  runs. ``closed-form`` is the paper's formula, which the planner also decides with; it adds the
+  penalties of every hit layer group. ``schedule`` times the executed 1F1B orders
+  (``estimator.step_time(..., simulate_reroute=True)``), which overlap them. Decisions always
+  use the planner's own estimate; this only changes what the rerouted job then experiences.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 from ..plan import ExecutionPlan
 from ..spec import JobSpec
 
-__all__ = ["BaselineConstants", "checkpoint_shard_bytes", "young_interval_s"]
+__all__ = ["REROUTE_TIMINGS", "BaselineConstants", "checkpoint_shard_bytes", "young_interval_s"]
+
+REROUTE_TIMINGS: tuple[str, ...] = ("closed-form", "schedule")
 
 
 @dataclass(frozen=True)
@@ -37,6 +45,7 @@ class BaselineConstants:
     checkpoint_interval_s: float | None = None
     oobleck_reconfigure_s: float | None = None
     hybrid_interference: float = 0.0
+    reroute_timing: Literal["closed-form", "schedule"] = "closed-form"
 
     def __post_init__(self) -> None:
         if not (self.storage_bandwidth_bytes_per_s > 0):
@@ -53,6 +62,11 @@ class BaselineConstants:
             raise ValueError(
                 f"Oobleck reconfiguration cost {self.oobleck_reconfigure_s!r} s is invalid; "
                 "pass a number >= 0."
+            )
+        if self.reroute_timing not in REROUTE_TIMINGS:
+            raise ValueError(
+                f"reroute timing {self.reroute_timing!r} is invalid; choose one of: "
+                f"{', '.join(REROUTE_TIMINGS)}."
             )
         if not (0.0 <= self.hybrid_interference < 1.0):
             raise ValueError(

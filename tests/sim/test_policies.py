@@ -131,3 +131,18 @@ def test_chameleon_restarts_from_a_checkpoint_when_a_layer_loses_every_replica()
     # The work since the last checkpoint is lost, more than the one step in flight.
     assert run.timeline.lost_samples > spec.training.global_micro_batches
     assert run.timeline.segments[-1].working_devices == 4  # one full pipeline of 6 live
+
+
+@pytest.mark.timeout(60)
+def test_schedule_timing_overlaps_the_penalties_the_closed_form_adds() -> None:
+    spec = JobSpec.preset(PAPER)  # devices 1 and 6 sit at stages 1 and 2 of different pipelines
+    trace = one_event_trace(spec, (100.0, 1, "fail"), (200.0, 6, "fail"), horizon=1000.0)
+    rates = {}
+    for timing in ("closed-form", "schedule"):
+        constants = BaselineConstants(reroute_timing=timing)  # type: ignore[arg-type]
+        run = simulate(make_policy("recycle", spec, constants), trace)
+        rates[timing] = [s.rate for s in run.timeline.segments]
+    assert rates["schedule"][0] == rates["closed-form"][0]  # fault-free: same plan, same time
+    assert rates["schedule"][-1] > rates["closed-form"][-1]
+    with pytest.raises(ValueError, match="reroute timing"):
+        BaselineConstants(reroute_timing="guess")  # type: ignore[arg-type]

@@ -48,6 +48,8 @@ class ChameleonPolicy:
         self.spec = spec
         self.plan: ExecutionPlan | None = None
         self.cache: PlanCache | None = None
+        self.constants = constants or BaselineConstants()
+        self.timing = self.constants.reroute_timing
         self.fallback = CheckpointFallback(spec, constants)
 
     def _adopt(self, plan: ExecutionPlan | None) -> None:
@@ -94,7 +96,7 @@ class ChameleonPolicy:
         self._adopt(chosen)
         pause = chosen.estimate.transition_time_s
         phases = ((paused(pause, "transition"),) if pause > 0 else ()) + (
-            running(self.spec, chosen, chosen.policy),)
+            running(self.spec, chosen, chosen.policy, timing=self.timing),)
         return Reaction(phases, ctx.inflight_samples if hit else 0.0, chosen.policy)
 
 
@@ -108,8 +110,7 @@ class HybridPolicy(ChameleonPolicy):
     name = "hybrid"
 
     def __init__(self, spec: JobSpec, constants: BaselineConstants | None = None) -> None:
-        super().__init__(spec)
-        self.constants = constants or BaselineConstants()
+        super().__init__(spec, constants)
         self.staged: _Staged | None = None
 
     def react(self, ctx: EventContext, failed: Sequence[int],
@@ -130,11 +131,12 @@ class HybridPolicy(ChameleonPolicy):
             self._adopt(chosen)
             pause = chosen.estimate.transition_time_s
             return Reaction(((paused(pause, "transition"),) if pause > 0 else ())
-                            + (running(self.spec, chosen, chosen.policy),), lost, chosen.policy)
+                            + (running(self.spec, chosen, chosen.policy, timing=self.timing),),
+                            lost, chosen.policy)
         # From here on ``reroute`` is the layout that keeps running (after a join: the old
         # layout with the newcomers as spares) while the re-plan is staged.
         self._adopt(reroute)
-        now_running = running(self.spec, reroute, "reroute")
+        now_running = running(self.spec, reroute, "reroute", timing=self.timing)
         if replan is None or replan.estimate is None:
             return Reaction((now_running,), lost, "reroute")
         transfer = estimator.transfer_time(self.spec, replan.transfers)
@@ -152,7 +154,8 @@ class HybridPolicy(ChameleonPolicy):
             return Reaction((now_running,), lost, "reroute")
         self.staged = _Staged(replan, ctx.now_s + transfer)
         phases = (
-            running(self.spec, reroute, "staging", duration_s=transfer, slowdown=1.0 / keep),
+            running(self.spec, reroute, "staging", duration_s=transfer, slowdown=1.0 / keep,
+                    timing=self.timing),
             paused(restart, "transition"),
             running(self.spec, replan, "replan"),
         )

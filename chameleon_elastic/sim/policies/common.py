@@ -37,16 +37,20 @@ def samples_per_step(spec: JobSpec) -> float:
     return float(spec.training.global_micro_batches * spec.training.micro_batch_size)
 
 
-def step_time(spec: JobSpec, plan: ExecutionPlan) -> float:
+def step_time(spec: JobSpec, plan: ExecutionPlan, timing: str = "closed-form") -> float:
+    """The step the job experiences: the plan's estimate, or for a rerouted plan under
+    ``timing="schedule"`` the simulated executed orders (see ``BaselineConstants``)."""
+    if timing == "schedule" and plan.reroute:
+        return estimator.step_time(spec, plan, simulate_reroute=True)
     if plan.estimate is not None:
         return plan.estimate.step_time_s
     return estimator.step_time(spec, plan)
 
 
 def running(spec: JobSpec, plan: ExecutionPlan, label: str, *, duration_s: float = math.inf,
-            slowdown: float = 1.0) -> Phase:
+            slowdown: float = 1.0, timing: str = "closed-form") -> Phase:
     """Training under ``plan``; ``slowdown`` > 1 stretches the step (checkpoint stalls, ...)."""
-    return Phase(duration_s, step_time(spec, plan) * slowdown, samples_per_step(spec),
+    return Phase(duration_s, step_time(spec, plan, timing) * slowdown, samples_per_step(spec),
                  len(plan.working_devices), label)
 
 

@@ -130,5 +130,6 @@ class RecyclePolicy(CheckpointFallback):
             self.dead = set()
             self.spares = set() if self.base is None else set(self.base.spare_devices)
             return reaction
-        return Reaction((running(self.spec, plan, plan.policy),), lost,
+        timing = self.constants.reroute_timing
+        return Reaction((running(self.spec, plan, plan.policy, timing=timing),), lost,
                         "reroute" if hit else "rejoin")
