@@ -86,6 +86,24 @@ def data_parallel_plan(world_size: int, num_layers: int,
     return ExecutionPlan(policy="initial", generation=0, pipelines=pipelines).validate()
 
 
+def _check_message_matching(orders) -> None:
+    """Our transfers are matched by tag, which gloo honours; NCCL/HCCL match point-to-point
+    messages first-in first-out and ignore tags, which is only correct on links where the
+    receiver consumes messages in the sender's order (``schedule.fifo_violations``)."""
+    backend = str(dist.get_backend())
+    if backend == "gloo":
+        return
+    from chameleon_elastic.planning.schedule import fifo_violations
+
+    bad = fifo_violations(orders)
+    if bad:
+        raise PipelineRuntimeError(
+            f"this plan needs tag-matched point-to-point messages on links {bad[:4]}, but "
+            f"backend {backend!r} matches them in FIFO order; run it on gloo, or use a plan "
+            "whose pipelines share length and quota (symmetric layouts are always safe)."
+        )
+
+
 class PipelineTrainer:
     """Train ``model`` on this device's share of ``plan``. Collective constructor."""
 
@@ -139,7 +157,9 @@ class PipelineTrainer:
             self.layer_ids = tuple(range(start, end))
             self.executor = PipelineExecutor(plan, device, model, layers, start,
                                              micro_batch_size, self.ranks, torch_device)
-            self.orders = tuple(device_orders(plan)[device])
+            orders = device_orders(plan)
+            self.orders = tuple(orders[device])
+            _check_message_matching(orders)
             if self.optimizer is None:
                 self.optimizer = model.make_optimizer(layers.parameters())
 
