@@ -11,6 +11,7 @@ whatever the plan (symmetric, asymmetric, rerouted). See docs/runtime.md.
 
 from __future__ import annotations
 
+from .checkpoint import latest_step, load_checkpoint, save_checkpoint
 from .data import global_micro_batch, sample_ids, step_sample_ids
 from .errors import PipelineRuntimeError
 from .executor import OpTiming, PipelineExecutor, StepOutcome, TensorSpec, boundary_shape
@@ -50,10 +51,13 @@ __all__ = [
     "exchange_rank_map",
     "global_micro_batch",
     "init_distributed",
+    "latest_step",
     "layer_holders",
+    "load_checkpoint",
     "plan_from_env",
     "plan_rounds",
     "sample_ids",
+    "save_checkpoint",
     "step_sample_ids",
     "sync_gradients",
 ]

@@ -1,0 +1,109 @@
+"""Layer-wise checkpoints that a different plan can load.
+
+A plan change (re-plan after a failure, restart by the launcher) moves layers between devices,
+so a checkpoint is stored per layer, not per rank: ``step-<N>/layer-<i>.pt`` holds layer
+``i``'s parameters and its optimizer state (one dict per parameter, in ``parameters()``
+order). Every holder of a layer has identical weights after the gradient sync, so only one
+writes it: the lowest device id among its holders.
+
+Commit protocol: each writer saves to a temporary name and renames (a file is whole or absent);
+then all ranks meet at a barrier; then rank 0 atomically replaces ``latest`` with ``N`` and
+deletes older step directories. A crash before ``latest`` moves leaves the previous checkpoint
+in force, so a loader never sees a mix of two steps. Files are read with
+``torch.load(weights_only=True)``: plain tensors and containers, never arbitrary pickles.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from .errors import PipelineRuntimeError
+
+__all__ = ["latest_step", "load_checkpoint", "save_checkpoint"]
+
+
+def _step_dir(directory: Path, step: int) -> Path:
+    return directory / f"step-{step}"
+
+
+def latest_step(directory: str | Path) -> int | None:
+    """The last committed step in ``directory``, or None when there is none."""
+    marker = Path(directory) / "latest"
+    try:
+        return int(marker.read_text().strip())
+    except FileNotFoundError:
+        return None
+    except ValueError as exc:
+        raise PipelineRuntimeError(
+            f"{marker} does not hold a step number; delete the checkpoint directory or fix "
+            "the file."
+        ) from exc
+
+
+def _atomic_write(path: Path, write) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def save_checkpoint(trainer, directory: str | Path, step: int) -> None:
+    """Commit the state after ``step`` completed steps (collective over the world)."""
+    directory = Path(directory)
+    target = _step_dir(directory, step)
+    target.mkdir(parents=True, exist_ok=True)
+    optimizer = trainer.optimizer
+    for layer, module in trainer.layers.items():
+        if min(trainer.holders[layer]) != trainer.device:
+            continue
+        params = list(module.parameters())
+        state = {
+            "layer": layer,
+            "params": {k: v.detach().cpu() for k, v in module.state_dict().items()},
+            "optimizer": [{k: (v.detach().cpu() if isinstance(v, torch.Tensor) else v)
+                           for k, v in optimizer.state.get(p, {}).items()} for p in params],
+        }
+        _atomic_write(target / f"layer-{layer}.pt", lambda tmp, s=state: torch.save(s, tmp))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        _atomic_write(directory / "latest", lambda tmp: Path(tmp).write_text(f"{step}\n"))
+        for old in directory.glob("step-*"):
+            if old != target and old.is_dir():
+                shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+
+
+def load_checkpoint(trainer, directory: str | Path) -> int:
+    """Load this device's layers and optimizer state from the last committed checkpoint;
+    returns the number of completed steps (0 when there is no checkpoint)."""
+    step = latest_step(directory)
+    if step is None:
+        return 0
+    source = _step_dir(Path(directory), step)
+    optimizer = trainer.optimizer
+    for layer, module in trainer.layers.items():
+        path = source / f"layer-{layer}.pt"
+        try:
+            state = torch.load(path, weights_only=True)
+        except FileNotFoundError as exc:
+            raise PipelineRuntimeError(
+                f"checkpoint step {step} has no {path.name}; it was written for a model with "
+                "fewer layers or is damaged: delete the checkpoint directory to start afresh."
+            ) from exc
+        module.load_state_dict(state["params"])
+        for p, saved in zip(module.parameters(), state["optimizer"]):
+            if saved:  # optimizers keep their step counter on the CPU
+                optimizer.state[p] = {
+                    k: (v.to(p.device) if isinstance(v, torch.Tensor) and k != "step" else v)
+                    for k, v in saved.items()}
+    return step
