@@ -4,6 +4,10 @@
     chameleon-run --standalone --nproc-per-node 4 --job job.toml examples/train_gpt.py --steps 50
     torchrun --standalone --nproc-per-node 2 examples/train_gpt.py   # plain data parallel
 
+With ``--checkpoint-dir`` the layers and optimizer state are committed layer by layer every
+``--checkpoint-every`` steps and loaded at start, whatever plan wrote them; so when the launcher
+restarts the workers under a re-plan after a failure, training resumes where it stopped.
+
 The model is a list of layers, which is all the runtime needs to cut it into pipeline stages:
 layer 0 embeds bytes and positions, layers 1..N are pre-norm transformer blocks, the last layer
 is the final norm and the byte head; so ``--blocks N`` gives N + 2 layers (the job's
@@ -33,7 +37,9 @@ from chameleon_elastic.runtime import (
     PipelineRuntimeError,
     PipelineTrainer,
     init_distributed,
+    load_checkpoint,
     plan_from_env,
+    save_checkpoint,
 )
 
 VOCAB = 256
@@ -151,9 +157,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--corpus-bytes", type=int, default=2_000_000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--log-every", type=int, default=5)
+    ap.add_argument("--checkpoint-dir", default=None,
+                    help="commit layer-wise checkpoints here and resume from the last one, so "
+                         "a restart under a new plan (chameleon-run re-plan) goes on training")
+    ap.add_argument("--checkpoint-every", type=int, default=10)
     args = ap.parse_args(argv)
     for name in ("steps", "width", "heads", "context", "micro_batch_size",
-                 "global_micro_batches", "corpus_bytes", "log_every"):
+                 "global_micro_batches", "corpus_bytes", "log_every", "checkpoint_every"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.width % args.heads:
@@ -183,14 +193,21 @@ def main(argv: list[str] | None = None) -> int:
              f"{trainer.layer_ids[0]}-{trainer.layer_ids[-1]}")
     print(f"[rank {rank}] device {trainer.device}: {where}; plan generation "
           f"{trainer.plan.generation} ({trainer.plan.policy})", flush=True)
+    first = load_checkpoint(trainer, args.checkpoint_dir) if args.checkpoint_dir else 0
+    if rank == 0 and first:
+        print(f"resumed from the checkpoint after step {first - 1}", flush=True)
     started = time.perf_counter()
-    for step in range(args.steps):
+    for step in range(first, args.steps):
         result = trainer.step(step)
         if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
             print(f"step {step:4d}  loss {result.loss:.4f}  (bits/byte "
                   f"{result.loss / math.log(2):.3f})  {result.step_s * 1e3:.0f} ms", flush=True)
+        done = step + 1
+        if args.checkpoint_dir and (done % args.checkpoint_every == 0 or done == args.steps):
+            save_checkpoint(trainer, args.checkpoint_dir, done)
     if rank == 0:
-        print(f"done: {args.steps} steps in {time.perf_counter() - started:.1f} s", flush=True)
+        print(f"done: steps {first}..{args.steps - 1} in {time.perf_counter() - started:.1f} s",
+              flush=True)
     trainer.close()
     dist.destroy_process_group()
     return 0
