@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         table.add_row(r["setting"], r["policy"], f"{r['events']}/{r['trace_events']}",
                       f"{r['wall_s']:.2f}", f"{r['ms_per_event']:.1f}",
                       f"{r['decision_ms_mean']:.1f}", f"{r['projected_full_s']:.0f}")
-    Console().print(table)
+    Console(width=120).print(table)
     if profile_text:
         print(profile_text)
     return 0
