@@ -24,9 +24,30 @@ from dataclasses import replace
 from rich.console import Console
 from rich.table import Table
 
-from chameleon_elastic.sim import BaselineConstants, make_policy, simulate
+from chameleon_elastic.planning import initial_plan
+from chameleon_elastic.sim import BaselineConstants, Phase, Reaction, make_policy, simulate
+from chameleon_elastic.sim.engine import EventContext
 from chameleon_elastic.sim.traces import FailureTrace, poisson_trace
 from chameleon_elastic.spec import JobSpec
+
+
+class EventLoopOnly:
+    """Keeps the fault-free schedule at every event: what the simulator costs without a
+    planner (the floor under every policy)."""
+
+    name = "event loop only"
+
+    def __init__(self, spec: JobSpec) -> None:
+        est = initial_plan(spec).estimate
+        assert est is not None
+        self.phase = Phase(float("inf"), est.step_time_s, float(spec.training.global_micro_batches),
+                           spec.cluster.devices, "run")
+
+    def start(self) -> tuple[Phase, ...]:
+        return (self.phase,)
+
+    def react(self, ctx: EventContext, failed, joined) -> Reaction:
+        return Reaction(ctx.remaining, ctx.inflight_samples, "carry-on")
 
 
 def scaled_spec(devices: int, rate: float) -> JobSpec:
@@ -53,7 +74,9 @@ def prefix(trace: FailureTrace, groups: int) -> FailureTrace:
 
 def time_policy(name: str, spec: JobSpec, trace: FailureTrace) -> dict:
     tic = time.perf_counter()
-    run = simulate(make_policy(name, spec, BaselineConstants()), trace)
+    model = EventLoopOnly(spec) if name == EventLoopOnly.name else make_policy(
+        name, spec, BaselineConstants())
+    run = simulate(model, trace)
     wall = time.perf_counter() - tic
     events = len(run.decisions)
     return {"policy": name, "events": events, "wall_s": wall,
@@ -90,6 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     full = poisson_trace(args.devices, args.rate, args.hours, args.seed, args.mttr_s)
     n_groups = len({e.time_s for e in full.events})
     trace = full if args.full else prefix(full, args.events)
+    row = time_policy(EventLoopOnly.name, spec, full)
+    rows.append({"setting": f"{args.devices} devices, full trace", "projected_full_s": row["wall_s"],
+                 "trace_events": n_groups, **row})
     for name in args.policies.split(","):
         row = time_policy(name, spec, trace)
         projected = row["wall_s"] * n_groups / max(row["events"], 1)
