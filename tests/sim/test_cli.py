@@ -98,3 +98,20 @@ def test_console_script_runs_without_torch() -> None:
                           timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["policies"]["recycle"]["avg_throughput"] > 0
+
+
+@pytest.mark.timeout(60)
+def test_hourly_traces_with_repairs(tmp_path, capsys) -> None:
+    out = tmp_path / "o"
+    code = main([*ARGS, "--seeds", "2", "--trace-model", "hourly", "--mttr-s", "600",
+                 "--policies", "chameleon,oobleck,recycle,checkpoint", "--out", str(out),
+                 "--json"])
+    assert code == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["setting"]["trace_model"] == "hourly" and doc["setting"]["mttr_s"] == 600.0
+    traces = [read_trace(out / "traces" / f"seed-{s}.csv") for s in (0, 1)]
+    assert any(e.kind == "join" for t in traces for e in t.events)
+    # A repaired device takes its slot back under recycle; oobleck never scales up.
+    kinds = {name: entry["decisions_total"] for name, entry in doc["policies"].items()}
+    assert kinds["recycle"].get("rejoin", 0) > 0
+    assert set(kinds["oobleck"]) <= {"replan", "spare"} and kinds["oobleck"].get("spare", 0) > 0
