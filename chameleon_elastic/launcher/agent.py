@@ -50,6 +50,8 @@ from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 from torch.distributed.elastic.utils import macros
 
+from chameleon_elastic.plan import ExecutionPlan
+
 from .failures import FailureKind, WorkerFailure, classify_exit
 from .health import AlwaysHealthy, HealthCheck
 from .observe import EventLog, StatusLine
@@ -97,7 +99,6 @@ class ChameleonAgent(LocalElasticAgent):
         self._profiler = profiler
         self._attempt = -1                      # worker-group launches so far, minus one
         self._node: int | None = None           # node id in the initial world (device ids)
-        self._initial_nodes: int | None = None
         self._worker_store: Any = None          # this launch's TCPStore server (rank 0 only)
         self._lost_local: set[int] = set()      # local devices lost (cumulative)
         self._health_excluded: set[int] = set() # local devices out because the check failed
@@ -106,6 +107,7 @@ class ChameleonAgent(LocalElasticAgent):
         self._pending: dict[str, Any] = {}      # timings of the recovery in progress
         self._last_info: Any = None             # last RendezvousInfo (reused on one node)
         self._reused_round = False
+        self._charged_crash = False             # a restart was just charged for a crash
 
     # ------------------------------------------------------------------ helpers
 
@@ -182,7 +184,7 @@ class ChameleonAgent(LocalElasticAgent):
         store, group_rank, group_world = info.store, info.rank, info.world_size
         self._store = store
         if self._node is None:
-            self._node, self._initial_nodes = group_rank, group_world
+            self._node = group_rank
         rdzv_s = time.perf_counter() - start
 
         plan_s = 0.0
@@ -225,27 +227,46 @@ class ChameleonAgent(LocalElasticAgent):
         return str(addr), int(port)
 
     def _agree_on_plan(self, store, group_rank: int, group_world: int, nproc: int) -> None:
+        """Every agent reports its node and lost devices; group rank 0 decides and publishes
+        the plan; the others adopt it (so agents with different histories cannot diverge)."""
         session = self._session
-        assert session is not None and self._node is not None and self._initial_nodes is not None
+        assert session is not None and self._node is not None
         scope = self._key_scope()
         self._lost_local -= self._rejoining
-        mine = {"node": self._node, "lost": sorted(self._lost_local),
-                "joined": sorted(self._rejoining)}
+        before = set(session.excluded)
+        mine = {"node": self._node, "lost": sorted(self._lost_local)}
         store.set(f"{scope}node/{group_rank}", json.dumps(mine))
-        reports = [json.loads(v) for v in
-                   store.multi_get([f"{scope}node/{r}" for r in range(group_world)])]
-        present = {int(r["node"]) for r in reports}
-        lost = {int(d) for r in reports for d in r["lost"]}
-        joined = {int(d) for r in reports for d in r["joined"]}
-        for node in range(self._initial_nodes):
-            if node not in present:
-                lost.update(device_id(node, lr, nproc) for lr in range(nproc))
-        lost &= set(range(session.devices))
         try:
-            change = session.apply(lost=lost, joined=joined - lost)
+            if group_rank == 0:
+                reports = [json.loads(v) for v in
+                           store.multi_get([f"{scope}node/{r}" for r in range(group_world)])]
+                present = {int(r["node"]) for r in reports}
+                reported = {int(d) for r in reports for d in r["lost"]}
+                on_present = {device_id(node, lr, nproc) for node in present
+                              for lr in range(nproc)}
+                everything = set(range(session.devices))
+                lost = (reported | (everything - on_present)) & everything
+                joined = (session.excluded & on_present) - reported
+                change = session.apply(lost=lost, joined=joined)
+                store.set(f"{scope}plan", json.dumps({"plan": session.plan.to_dict(),
+                                                      "excluded": sorted(session.excluded)}))
+            else:
+                published = json.loads(store.get(f"{scope}plan"))
+                if "error" in published:  # rank 0 found no plan
+                    raise LauncherPlanningError(published["error"])
+                change = session.adopt(ExecutionPlan.from_dict(published["plan"]),
+                                       published["excluded"])
         except LauncherPlanningError as exc:
             self._emit("planning_failed", error=str(exc))
+            if group_rank == 0:
+                store.set(f"{scope}plan", json.dumps({"error": str(exc)}))
             raise
+        newly_remote = session.excluded - before - set(self._local_device_ids())
+        if newly_remote and self._charged_crash:
+            # the "crash" was our workers failing because a peer node died: that is a lost
+            # node, which costs no restart (torchrun would have spent one)
+            self._remaining_restarts += 1
+            self._charged_crash = False
         self._health_excluded -= self._rejoining
         self._rejoining.clear()
         if change is not None:
@@ -254,6 +275,7 @@ class ChameleonAgent(LocalElasticAgent):
                        lost=list(change.lost), joined=list(change.joined),
                        via_cache=change.cached, decide_s=change.decide_s,
                        candidates=change.candidates, rejected=change.rejected,
+                       decided_here=group_rank == 0,
                        live_devices=list(change.plan.live_devices),
                        spare_devices=list(change.plan.spare_devices))
 
@@ -328,6 +350,11 @@ class ChameleonAgent(LocalElasticAgent):
         self._pending["launch_s"] = launch_s
         self._update_status("running")
         return pids
+
+    def _local_device_ids(self) -> list[int]:
+        nproc = self._worker_group.spec.local_world_size
+        node = self._node or 0
+        return [device_id(node, lr, nproc) for lr in range(nproc)]
 
     def _local_devices(self) -> list[int]:
         nproc = self._worker_group.spec.local_world_size
@@ -447,7 +474,11 @@ class ChameleonAgent(LocalElasticAgent):
                 return None
             if self._remaining_restarts > 0:
                 self._remaining_restarts -= 1
-                self._recover(wg, "crash", detected)
+                self._charged_crash = True
+                try:
+                    self._recover(wg, "crash", detected)
+                finally:
+                    self._charged_crash = False
                 return None
             self._stop_workers(wg)
             wg.state = WorkerState.FAILED

@@ -110,6 +110,21 @@ class JobSession:
         except Exception:  # noqa: BLE001 - a cache is an optimisation; decide() still works
             self._cache = None
 
+    def adopt(self, plan: ExecutionPlan, excluded: Collection[int]) -> PlanChange | None:
+        """Take the plan another agent decided (multi-node); None when it is the current one."""
+        excluded = set(excluded)
+        if plan == self.plan and plan.generation == self.plan.generation:
+            self.excluded = excluded
+            return None
+        lost = tuple(sorted(excluded - self.excluded))
+        joined = tuple(sorted(self.excluded - excluded))
+        self.excluded = excluded
+        self.plan = plan
+        self.plan_file = write_plan_file(plan, self.plan_dir)
+        self._refresh_cache()
+        return PlanChange(plan=plan, lost=lost, joined=joined, cached=False, decide_s=0.0,
+                          candidates={plan.policy: _summary(plan)}, rejected={})
+
     def apply(self, lost: Collection[int] = (), joined: Collection[int] = ()) -> PlanChange | None:
         """Tell the planner about newly lost / returning devices; None when nothing changes."""
         lost = tuple(sorted(set(lost) - self.excluded))

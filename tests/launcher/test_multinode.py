@@ -47,3 +47,48 @@ def test_survivor_carries_on_when_the_store_host_agent_is_killed(tmp_path, launc
     names = [e["event"] for e in events]
     assert "rendezvous_failover" in names
     assert names[-1] == "job_finished" and events[-1]["state"] == "SUCCEEDED"
+
+
+@pytest.mark.timeout(90)
+def test_lost_node_under_job_is_planned_around_without_spending_a_restart(tmp_path, launch):
+    out = tmp_path / "out"
+    out.mkdir()
+    port = free_port()
+    common = ["--nnodes", "1:2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+              "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "lost-node-test",
+              "--max-restarts", "1", "--monitor-interval", "0.1", "--no-status",
+              "--preset", "tiny-cpu"]
+    first = launch("chameleon", [*common, "--state-dir", str(tmp_path / "a"),
+                                 PROBE, str(out), "hold-peers"], name="a")
+    wait_for(lambda: port_open(port), 45, "the first agent to host the rendezvous store")
+    second = launch("chameleon", [*common, "--state-dir", str(tmp_path / "b"),
+                                  PROBE, str(out), "hold-peers"], name="b")
+
+    def launches() -> list[list[dict]]:
+        by_port: dict[str, list] = {}
+        for r in read_envs(out):
+            by_port.setdefault(r["env"]["MASTER_PORT"], []).append(r)
+        return sorted(by_port.values(), key=lambda rs: rs[0]["time"])
+
+    # the first agent may start alone (devices 2, 3 absent) and re-plan when node 1 joins
+    full = wait_for(lambda: next((rs for rs in launches() if len(rs) == 4), None), 60,
+                    "4 workers on 2 nodes")
+    gen = int(full[0]["env"]["CHAMELEON_PLAN_GENERATION"])
+    node1 = {r["env"]["CHAMELEON_DEVICE"] for r in full if r["ppid"] == second.proc.pid}
+    assert node1 == {"2", "3"}                       # device = node * nproc + local_rank
+    os.kill(second.proc.pid, signal.SIGKILL)          # node 1 dies with its workers
+    second.proc.wait(10)
+    after = wait_for(
+        lambda: next((rs for rs in launches()
+                      if int(rs[0]["env"]["CHAMELEON_PLAN_GENERATION"]) > gen
+                      and len(rs) == 2), None),
+        45, "the surviving node's workers under a new plan")
+    (out / "release").touch()
+    assert first.wait(30) == 0
+    assert sorted(r["env"]["CHAMELEON_DEVICE"] for r in after) == ["0", "1"]
+    assert sorted(r["env"]["RANK"] for r in after) == ["0", "1"]
+    assert {r["env"]["WORLD_SIZE"] for r in after} == {"2"}
+    assert {r["env"]["TORCHELASTIC_RESTART_COUNT"] for r in after} == {"0"}  # not a crash
+    events = [json.loads(x) for x in (tmp_path / "a" / "events.jsonl").read_text().splitlines()]
+    chosen = [e for e in events if e["event"] == "plan_chosen"]
+    assert chosen[-1]["lost"] == [2, 3] and chosen[-1]["decided_here"]

@@ -10,6 +10,8 @@ Modes:
                     launch (TORCHELASTIC_RESTART_COUNT == 0); others hold
   crash-n N         rank 0 exits 1 while TORCHELASTIC_RESTART_COUNT < N; others wait for the
                     next launch (they are stopped by the agent) or exit 0 on the last one
+  hold-peers        like hold, but exit 1 as soon as a peer of the same launch (same
+                    MASTER_PORT) has died: a stand-in for a collective failing on a lost peer
 """
 
 import json
@@ -36,6 +38,26 @@ def hold(out: str) -> None:
         time.sleep(0.05)
 
 
+def peers_alive(out: str) -> bool:
+    for name in os.listdir(out):
+        if not name.startswith("env-"):
+            continue
+        try:
+            with open(os.path.join(out, name)) as fh:
+                peer = json.load(fh)
+        except (OSError, ValueError):
+            continue
+        if peer["env"].get("MASTER_PORT") != os.environ["MASTER_PORT"]:
+            continue
+        try:
+            with open(f"/proc/{peer['pid']}/stat") as fh:
+                if fh.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return False
+        except OSError:
+            return False
+    return True
+
+
 def main() -> None:
     out, mode = sys.argv[1], sys.argv[2]
     record = {"pid": os.getpid(), "ppid": os.getppid(), "time": time.time(),
@@ -53,6 +75,15 @@ def main() -> None:
         sys.exit(1)
     if mode == "hold":
         hold(out)
+        return
+    if mode == "hold-peers":
+        deadline = time.monotonic() + 60
+        while not os.path.exists(os.path.join(out, "release")):
+            if time.monotonic() > deadline:
+                sys.exit(3)
+            if not peers_alive(out):
+                sys.exit(1)
+            time.sleep(0.05)
         return
     if mode == "crash-once":
         if device == int(sys.argv[3]) and restart == 0:
