@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
+from chameleon_elastic.launcher.profiler import record_step
 from chameleon_elastic.runtime import (
     PipelineModel,
     PipelineRuntimeError,
@@ -199,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     for step in range(first, args.steps):
         result = trainer.step(step)
+        record_step(result.step_s)  # feeds chameleon-run --profile-out; no-op elsewhere
         if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
             print(f"step {step:4d}  loss {result.loss:.4f}  (bits/byte "
                   f"{result.loss / math.log(2):.3f})  {result.step_s * 1e3:.0f} ms", flush=True)
