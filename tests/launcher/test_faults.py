@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+from pathlib import Path
 
 import pytest
 
@@ -144,3 +145,20 @@ def test_failed_health_check_excludes_device_until_it_passes_again(tmp_path, lau
     assert sorted(r["env"]["CHAMELEON_DEVICE"] for r in back) == ["0", "1", "2", "3"]
     chosen = [e for e in _events(state / "events.jsonl") if e["event"] == "plan_chosen"]
     assert [(e["lost"], e["joined"]) for e in chosen] == [([2], []), ([], [2])]
+
+
+@pytest.mark.timeout(90)
+def test_real_gloo_group_recovers_from_every_crash(tmp_path, launch):
+    """Real gloo workers: each relaunch joins a fresh store, never the previous attempt's keys."""
+    out = tmp_path / "out"
+    out.mkdir()
+    worker = str(Path(__file__).parent / "workers" / "gloo_crash.py")
+    run = launch("chameleon", ["--standalone", "--nproc-per-node", "2", "--max-restarts", "2",
+                               "--no-status", worker, str(out), "2"])
+    assert run.wait(80) == 0, run.log.read_text()[-2000:]
+    ran = [json.loads(p.read_text()) for p in out.glob("ran-*.json")]
+    # rank 0 ran every launch (a rank 1 may be stopped before it writes); both ran the last
+    assert sorted(r["restart"] for r in ran if r["rank"] == 0) == [0, 1, 2]
+    assert sorted(r["rank"] for r in ran if r["restart"] == 2) == [0, 1]
+    assert all(r["sum"] == [2.0, 2.0] for r in ran)
+    assert len({r["port"] for r in ran}) == 3
