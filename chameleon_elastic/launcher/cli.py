@@ -154,7 +154,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
     if args.job is not None and args.preset is not None:
         parser.error("--job and --preset are mutually exclusive; pass only one of them.")
     job_mode = args.job is not None or args.preset is not None
-    for flag, value in (("--health-file", args.health_file), ("--profile", args.profile)):
+    job_only = (("--health-file", args.health_file), ("--profile", args.profile),
+                ("--plan-cache", args.plan_cache),
+                ("--policy", None if args.policy == "auto" else args.policy))
+    for flag, value in job_only:
         if value is not None and not job_mode:
             parser.error(f"{flag} only applies with --job or --preset; add one, or drop {flag}.")
 

@@ -162,3 +162,26 @@ def test_real_gloo_group_recovers_from_every_crash(tmp_path, launch):
     assert sorted(r["rank"] for r in ran if r["restart"] == 2) == [0, 1]
     assert all(r["sum"] == [2.0, 2.0] for r in ran)
     assert len({r["port"] for r in ran}) == 3
+
+
+@pytest.mark.timeout(90)
+def test_job_ends_with_exit_1_when_no_plan_fits(tmp_path, launch):
+    """--policy reroute: losing both replicas of stage 0 leaves nothing to reroute to."""
+    out, state = tmp_path / "out", tmp_path / "state"
+    out.mkdir()
+    run = launch("chameleon", ["--standalone", "--nproc-per-node", "4", "--preset", "tiny-cpu",
+                               "--policy", "reroute", "--state-dir", str(state),
+                               "--monitor-interval", "0.05", PROBE, str(out), "hold"])
+    first = wait_for(lambda: len(_gen(read_envs(out), 0)) == 4 and _gen(read_envs(out), 0),
+                     60, "4 workers of plan generation 0")
+    os.kill(next(r["pid"] for r in first if r["env"]["CHAMELEON_DEVICE"] == "0"), signal.SIGKILL)
+    second = wait_for(lambda: len(_gen(read_envs(out), 1)) == 3 and _gen(read_envs(out), 1),
+                      60, "3 workers of plan generation 1")
+    assert {r["env"]["CHAMELEON_POLICY"] for r in second} == {"reroute"}
+    os.kill(next(r["pid"] for r in second if r["env"]["CHAMELEON_DEVICE"] == "2"),
+            signal.SIGKILL)
+    assert run.wait(60) == 1
+    events = _events(state / "events.jsonl")
+    assert [e["event"] for e in events][-2:] == ["planning_failed", "job_finished"]
+    assert events[-1]["state"] == "FAILED"
+    assert all(not pid_alive(r["pid"]) for r in second)

@@ -133,6 +133,9 @@ def _run_cli(argv, capsys, monkeypatch):
     (["--preset", "no-such-job", "x.py"], "unknown preset"),
     (["--preset", "tiny-cpu", "--nproc-per-node", "3", "x.py"], "cluster.devices"),
     (["--health-file", "bad", "x.py"], "only applies with --job"),
+    (["--policy", "replan", "x.py"], "--policy only applies with --job"),
+    (["--preset", "tiny-cpu", "--nproc-per-node", "4", "--plan-cache", "-1", "x.py"],
+     "--plan-cache -1 is invalid"),
     (["--nnodes", "3:1", "x.py"], "invalid launch configuration"),
 ])
 def test_usage_errors_exit_2_without_traceback(argv, needle, capsys, monkeypatch):
