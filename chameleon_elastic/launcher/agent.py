@@ -30,6 +30,7 @@ import json
 import logging
 import os
 import signal
+import sys
 import time
 from datetime import timedelta
 from string import Template
@@ -419,7 +420,8 @@ class ChameleonAgent(LocalElasticAgent):
                    plan_file=None if self._session is None else self._session.plan_file)
         try:
             self._initialize_workers(wg)
-        except LauncherPlanningError:
+        except LauncherPlanningError as exc:
+            sys.stderr.write(f"chameleon-run: {exc}\n")
             return RunResult(state=WorkerState.FAILED)
         while True:
             time.sleep(spec.monitor_interval)
@@ -438,7 +440,8 @@ class ChameleonAgent(LocalElasticAgent):
                 return result
             try:
                 outcome = self._react(wg, state, result, bad)
-            except LauncherPlanningError:
+            except LauncherPlanningError as exc:
+                sys.stderr.write(f"chameleon-run: {exc}\n")
                 self._stop_workers(wg)
                 wg.state = WorkerState.FAILED
                 self._update_status("failed")
