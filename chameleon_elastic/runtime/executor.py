@@ -227,7 +227,12 @@ class PipelineExecutor:
                 timings.append(OpTiming(op.kind, op.pipeline, op.micro_batch, began,
                                         time.perf_counter()))
         for work, _ in pending:
-            work.wait()
+            try:
+                work.wait()
+            except RuntimeError as exc:
+                raise PipelineRuntimeError(
+                    f"device {self.device} could not complete a send of step {step}: {exc}"
+                ) from exc
         if stash:
             raise PipelineRuntimeError(
                 f"device {self.device} ran forwards without backwards for {sorted(stash)}; the "

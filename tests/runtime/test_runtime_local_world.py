@@ -17,6 +17,7 @@ import torch.distributed as dist
 from chameleon_elastic.plan import ExecutionPlan, Pipeline
 from chameleon_elastic.runtime import PipelineTrainer, data_parallel_plan, dense_rank_map
 from chameleon_elastic.runtime.local_world import LocalWorldError, run_local_world
+from chameleon_elastic.runtime.toy import mlp_model
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_gpt.py"
 
@@ -89,3 +90,15 @@ def test_gpt_example_usage_error_exits_2_without_traceback():
                           check=False, capture_output=True, text=True, timeout=50)
     assert proc.returncode == 2
     assert "must be a multiple of --heads" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def _join_plan(rank: int, world: int, plan_json: str) -> None:
+    plan = ExecutionPlan.from_json(plan_json)
+    PipelineTrainer(mlp_model(), plan, dense_rank_map(plan).device_of_rank[rank])
+
+
+@pytest.mark.timeout(60)
+def test_a_world_smaller_than_the_plan_fails_with_a_clear_error():
+    plan = data_parallel_plan(3, 7, 6)
+    with pytest.raises(LocalWorldError, match=r"devices \[2\] have work but no process"):
+        run_local_world(_join_plan, 2, plan.to_json(), timeout_s=50)
