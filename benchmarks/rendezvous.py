@@ -64,11 +64,12 @@ def _agent(args: argparse.Namespace) -> int:
         from chameleon_elastic.rendezvous.liveness import NodeLiveness
 
         settings = EtcdSettings.from_config(args.endpoint)
-        live = NodeLiveness(
+        liveness = NodeLiveness(
             EtcdClient(settings), settings.run_prefix(args.run_id), f"a{args.index}",
             ttl=args.timeout,
             on_event=lambda e: left_at.append(time.time()) if e.kind == "left" else None,
-        ).start()
+        )
+        liveness.start()
     (out / f"ready-{args.index}").touch()
     go = out / "go"
     while not go.exists():
