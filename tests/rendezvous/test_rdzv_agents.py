@@ -1,7 +1,8 @@
 """Real torch elastic agents on loopback with --rdzv-backend etcd-v3 (a real etcd, gloo workers).
 
 - plain ``torchrun`` agents form a group of three;
-- a node (agent + worker) is SIGKILLed: its lease key vanishes (what chameleon-run watches),
+- the group-rank-0 node (agent + worker) is SIGKILLed: its lease key vanishes (what
+  chameleon-run watches),
   the survivors' agents re-form a group of two through etcd and training carries on; the node
   is restarted and rejoins (group of three again);
 - etcd is stopped and restarted on the same data dir while training runs: the job carries on
@@ -172,9 +173,9 @@ def test_killed_node_is_seen_by_lease_and_group_carries_on(etcd_server, agents, 
     try:
         procs = {i: node(i) for i in range(3)}
         first = agents.wait_until("a group of three", lambda: live_reports(out, 3, 3), 60)
-        # kill the node whose agent is not group rank 0 (rank 0's agent hosts the workers'
-        # TCPStore in torch's default use_agent_store mode)
-        victim_pid = psutil.Process(max(first, key=lambda r: r["group_rank"])["pid"]).ppid()
+        # kill group rank 0: its agent published the workers' bootstrap address and its worker
+        # hosts the workers' store, the case torch's reused agent store cannot survive
+        victim_pid = psutil.Process(min(first, key=lambda r: r["group_rank"])["pid"]).ppid()
         victim = next(i for i, p in procs.items() if p.pid == victim_pid)
         killed_at = time.monotonic()
         kill_tree(procs[victim])
