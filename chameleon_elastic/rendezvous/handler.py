@@ -4,13 +4,15 @@ Why a subclass: torch 2.13's default (``use_agent_store``) lets the group-rank-0
 one ``TCPStore`` server for the workers, reused across rounds, and publishes its address only in
 the first round it hosts. Workers scope their keys in it by ``TORCHELASTIC_RESTART_COUNT``,
 which each agent counts on its own (a worker failure counts, a membership change does not).
-In elastic runs that breaks in three ways, all seen with real agents on loopback:
+In elastic runs that breaks in three ways:
 
 - a node that joins a running group reads the address from the current round's keys, which
-  rank 0 never wrote again: it waits until the store timeout;
-- the rank-0 agent dies: agents that cached its address hand a dead address to their workers;
+  rank 0 never wrote again: it waits until the store timeout (seen with real agents);
 - a re-joined node has a different restart count from the survivors: its workers read stale
-  gloo addresses of an old attempt from the reused server (``connectFullMesh`` refused).
+  gloo addresses of an old attempt from the reused server (``connectFullMesh ... Connection
+  refused``; seen with real agents once the address was republished);
+- the rank-0 agent dies: agents that cached its address would hand a dead address to their
+  workers (from reading torch's code; the test that kills group rank 0 passes with this class).
 
 This handler uses torch's other, supported mode instead (what
 ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` selects): ``use_agent_store`` is False, group rank 0

@@ -2,9 +2,8 @@
 
 - plain ``torchrun`` agents form a group of three;
 - the group-rank-0 node (agent + worker) is SIGKILLed: its lease key vanishes (what
-  chameleon-run watches),
-  the survivors' agents re-form a group of two through etcd and training carries on; the node
-  is restarted and rejoins (group of three again);
+  chameleon-run watches), the survivors' agents re-form a group of two through etcd and
+  training carries on; the node is restarted and rejoins (group of three again);
 - etcd is stopped and restarted on the same data dir while training runs: the job carries on
   and finishes cleanly (its exit barrier goes through etcd after the restart).
 """
