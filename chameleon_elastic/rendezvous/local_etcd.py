@@ -20,6 +20,7 @@ import signal
 import socket
 import ssl
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.error
@@ -252,3 +253,37 @@ class LocalEtcd:
         tb: TracebackType | None,
     ) -> None:
         self.cleanup()
+
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m chameleon_elastic.rendezvous.local_etcd``: a dev etcd until Ctrl-C."""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m chameleon_elastic.rendezvous.local_etcd",
+        description="Run a single-member etcd on 127.0.0.1 for development; prints the "
+        "--rdzv-endpoint to use and runs until interrupted (Ctrl-C or SIGTERM).",
+    )
+    parser.add_argument("--data-dir", help="keep data here (default: a temporary directory)")
+    parser.add_argument("--port", type=int, help="client port (default: a free one)")
+    args = parser.parse_args(argv)
+    if args.port is not None and not 0 < args.port < 65536:
+        parser.error(f"--port {args.port} is not a TCP port (1..65535)")
+    server = LocalEtcd(data_dir=args.data_dir, client_port=args.port)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        server.start()
+        print(f"etcd ready: --rdzv-endpoint {server.endpoint} (data: {server.data_dir})",
+              flush=True)
+        signal.sigwait({signal.SIGINT, signal.SIGTERM})
+    except EtcdServerError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        server.cleanup()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
