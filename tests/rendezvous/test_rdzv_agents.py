@@ -222,3 +222,21 @@ def test_etcd_restart_mid_run_job_carries_on(etcd_server, agents, tmp_path) -> N
     assert agents.wait_exit(procs, 40) == [0, 0], agents.tails()
     final = progress(out)
     assert {r["pid"] for r in final} == pids  # no worker was restarted
+
+
+@pytest.mark.timeout(90)
+def test_chameleon_run_agents_form_a_group_on_etcd_v3(etcd_server, agents, tmp_path) -> None:
+    pytest.importorskip("chameleon_elastic.launcher.cli")
+    out = tmp_path / "out"
+    out.mkdir()
+    launcher = [sys.executable, "-c",
+                "import sys; from chameleon_elastic.launcher.cli import main; sys.exit(main())"]
+    procs = [
+        agents.start([*launcher, *torchrun_args(etcd_server.endpoint, "cr", "2", out, 5)],
+                     f"chameleon-run{i}")
+        for i in range(2)
+    ]
+    assert agents.wait_exit(procs, 80) == [0, 0], agents.tails()
+    reports = progress(out)
+    assert sorted(r["rank"] for r in reports) == [0, 1]
+    assert all(r["world_size"] == 2 and r["sum"] == 2.0 and r["step"] == 5 for r in reports)
