@@ -12,8 +12,10 @@ Protocol of one recovery (each phase timed into the event log):
               rebuilds its rendezvous handler from the same parameters: torch's c10d backend then
               lets the first survivor on the endpoint's host bind the port again and the others
               connect to it. In the new round every agent publishes its node id and its lost
-              devices; all agents take the union (plus every device of a node that did not come
-              back) and feed it to the planner, a pure function, so all arrive at the same plan.
+              devices; the group-rank-0 agent takes the union (plus every device of a node that
+              is absent; devices of a node that is back rejoin), asks the planner (cached plan
+              first) and publishes the plan in the round's store; the others adopt it, so agents
+              with different histories cannot diverge.
 5. launch   - workers start with the new plan's roles. Every launch gets a FRESH worker store:
               the group-rank-0 agent opens a new TCPStore on an OS-chosen port and publishes it in
               the round's store. torch keeps one shared store and one MASTER_PORT for the whole
