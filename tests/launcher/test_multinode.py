@@ -92,3 +92,24 @@ def test_lost_node_under_job_is_planned_around_without_spending_a_restart(tmp_pa
     events = [json.loads(x) for x in (tmp_path / "a" / "events.jsonl").read_text().splitlines()]
     chosen = [e for e in events if e["event"] == "plan_chosen"]
     assert chosen[-1]["lost"] == [2, 3] and chosen[-1]["decided_here"]
+
+
+@pytest.mark.timeout(90)
+def test_etcd_v3_backend_restarts_through_a_real_etcd(tmp_path, launch):
+    """The rendezvous engineer's etcd-v3 backend, registered by chameleon-run, under our agent."""
+    local_etcd = pytest.importorskip("chameleon_elastic.rendezvous.local_etcd")
+    out = tmp_path / "out"
+    out.mkdir()
+    with local_etcd.LocalEtcd(data_dir=tmp_path / "etcd") as etcd:
+        run = launch("chameleon", ["--nnodes", "1:2", "--nproc-per-node", "2",
+                                   "--rdzv-backend", "etcd-v3", "--rdzv-endpoint", etcd.endpoint,
+                                   "--rdzv-id", "etcd-test", "--rdzv-conf", "last_call_timeout=1",
+                                   "--max-restarts", "1", "--no-status",
+                                   PROBE, str(out), "crash-n", "1"])
+        assert run.wait(60) == 0
+    records = read_envs(out)
+    rank0 = sorted(int(r["env"]["TORCHELASTIC_RESTART_COUNT"]) for r in records
+                   if r["env"]["RANK"] == "0")
+    assert rank0 == [0, 1]
+    assert len({r["env"]["MASTER_PORT"] for r in records}) == 2
+    assert all(r["store_reachable"] for r in records if r["env"]["RANK"] == "0")
