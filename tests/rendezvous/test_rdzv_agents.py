@@ -1,6 +1,6 @@
 """Real torch elastic agents on loopback with --rdzv-backend etcd-v3 (a real etcd, gloo workers).
 
-- plain ``torchrun`` agents form a group of three;
+- plain ``torchrun`` agents form a group of three (and chameleon-run agents a group of two);
 - the group-rank-0 node (agent + worker) is SIGKILLed: its lease key vanishes (what
   chameleon-run watches), the survivors' agents re-form a group of two through etcd and
   training carries on; the node is restarted and rejoins (group of three again);
