@@ -115,3 +115,24 @@ def test_hourly_traces_with_repairs(tmp_path, capsys) -> None:
     kinds = {name: entry["decisions_total"] for name, entry in doc["policies"].items()}
     assert kinds["recycle"].get("rejoin", 0) > 0
     assert set(kinds["oobleck"]) <= {"replan", "spare"} and kinds["oobleck"].get("spare", 0) > 0
+
+
+@pytest.mark.timeout(60)
+def test_job_file(tmp_path, capsys) -> None:
+    job = tmp_path / "job.toml"
+    job.write_text(
+        'name = "six"\n'
+        "[model]\nlayers = 6\nforward_s = 0.01\nbackward_s = 0.02\nparam_bytes = 1e8\n"
+        "optimizer_bytes = 6e8\nactivation_bytes = 1e7\n"
+        "[cluster]\ndevices = 6\ndevice_memory_bytes = 8e9\nbandwidth_bytes_per_s = 1e10\n"
+        "restart_s = 3.0\nfailure_rate_per_hour = 0.5\n"
+        "[training]\ndp = 3\npp = 2\nglobal_micro_batches = 12\n"
+    )
+    code = main(["--job", str(job), "--hours", "2", "--seeds", "2", "--no-progress", "--json",
+                 "--policies", "chameleon,hybrid,oobleck,recycle,checkpoint"])
+    assert code == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["job"] == "six" and doc["setting"]["devices"] == 6
+    ff = doc["fault_free_throughput"]
+    for entry in doc["policies"].values():
+        assert 0 < entry["avg_throughput"] <= ff * (1 + 1e-9)
