@@ -30,8 +30,8 @@ from typing import Protocol
 from .traces import FailureTrace
 
 __all__ = [
-    "Decision",
     "EventContext",
+    "EventRecord",
     "Phase",
     "PolicyModel",
     "PolicyRun",
@@ -159,7 +159,9 @@ class PolicyModel(Protocol):
 
 
 @dataclass(frozen=True)
-class Decision:
+class EventRecord:
+    """What a policy did at one event group (not the planner's Decision)."""
+
     time_s: float
     failed: tuple[int, ...]
     joined: tuple[int, ...]
@@ -174,7 +176,7 @@ class PolicyRun:
     policy: str
     trace: FailureTrace
     timeline: Timeline
-    decisions: tuple[Decision, ...]
+    decisions: tuple[EventRecord, ...]
 
     @property
     def horizon_s(self) -> float:
@@ -208,7 +210,7 @@ def _execute(timeline: Timeline, phases: Sequence[Phase], start_s: float,
 
 def simulate(policy: PolicyModel, trace: FailureTrace) -> PolicyRun:
     timeline = Timeline()
-    decisions: list[Decision] = []
+    decisions: list[EventRecord] = []
     phases = policy.start()
     sched_start = 0.0
     for group in trace.groups():
@@ -227,7 +229,7 @@ def simulate(policy: PolicyModel, trace: FailureTrace) -> PolicyRun:
             if p.step_time_s is not None:
                 break
             pause += p.duration_s
-        decisions.append(Decision(group.time_s, group.failed, group.joined, reaction.kind,
+        decisions.append(EventRecord(group.time_s, group.failed, group.joined, reaction.kind,
                                   reaction.lost_samples, pause, latency))
         phases, sched_start = reaction.phases, group.time_s
     _execute(timeline, phases, sched_start, trace.horizon_s)
