@@ -146,3 +146,20 @@ def test_schedule_timing_overlaps_the_penalties_the_closed_form_adds() -> None:
     assert rates["schedule"][-1] > rates["closed-form"][-1]
     with pytest.raises(ValueError, match="reroute timing"):
         BaselineConstants(reroute_timing="guess")  # type: ignore[arg-type]
+
+
+@pytest.mark.timeout(60)
+def test_hybrid_restages_when_a_spare_dies_during_staging() -> None:
+    base = JobSpec.preset(SMALL)  # 8 devices in dp=2 x pp=4, plus two spares
+    slow = base.cluster.bandwidth_bytes_per_s / 100  # transfers long enough to be interrupted
+    spec = replace(base, cluster=replace(base.cluster, devices=10, bandwidth_bytes_per_s=slow))
+    policy = make_policy("hybrid", spec, BaselineConstants())
+    # Device 2 dies; while the re-plan's weights are being staged, spare 9 dies too.
+    trace = one_event_trace(spec, (100.0, 2, "fail"), (100.5, 9, "fail"), horizon=2000.0)
+    run = simulate(policy, trace)
+    assert run.decisions[0].kind == "reroute+replan"
+    assert run.timeline.segments[1].label == "staging"
+    # Whatever it does next, the job ends on the plan the policy holds, without device 9.
+    final = policy.staged.plan if policy.staged is not None else policy.plan
+    assert final is not None and 9 not in final.live_devices and 2 not in final.live_devices
+    assert run.timeline.segments[-1].working_devices == len(final.working_devices)

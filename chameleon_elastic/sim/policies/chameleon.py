@@ -115,13 +115,19 @@ class HybridPolicy(ChameleonPolicy):
 
     def react(self, ctx: EventContext, failed: Sequence[int],
               joined: Sequence[int]) -> Reaction:
-        if self.staged is not None and ctx.now_s >= self.staged.commit_s:
+        staging = self.staged is not None and ctx.now_s < self.staged.commit_s
+        if self.staged is not None and not staging:
             self._adopt(self.staged.plan)
         self.staged = None
         hit = self.plan is not None and self._hit(failed)
         lost = ctx.inflight_samples if hit else 0.0
         chosen, candidates, done = self._decide(ctx, failed, joined)
         if done is not None:
+            if staging and done.kind == "spare" and self.plan is not None:
+                # The staged re-plan counted on the old set of spares: drop it and carry on
+                # with the layout that is running.
+                return Reaction((running(self.spec, self.plan, "reroute", timing=self.timing),),
+                                0.0, "spare")
             return done
         assert chosen is not None
         reroute, replan = candidates.get("reroute"), candidates.get("replan")
