@@ -289,11 +289,14 @@ class ExecutionPlan:
             if d in seen:
                 raise PlanError(f"spare device {d} is also in a pipeline")
             seen.add(d)
+        where = {d: (i, t) for i, p in enumerate(self.pipelines) for t, d in enumerate(p.devices)}
         for d in self.failed_devices:
-            self.locate(d)
+            if d not in where:
+                raise PlanError(f"failed device {d} is not in any pipeline of this plan")
         rerouted = {r.device for r in self.reroute}
-        if rerouted != set(self.failed_devices):
+        if rerouted != set(self.failed_devices) or len(rerouted) != len(self.reroute):
             raise PlanError("every failed device in the layout needs exactly one reroute entry")
+        dead = set(self.failed_devices)
         for r in self.reroute:
             quota = self.pipelines[r.pipeline].micro_batches
             shares = [s.micro_batches for s in r.peers]
@@ -305,8 +308,8 @@ class ExecutionPlan:
                 )
             own = self.pipelines[r.pipeline].layers[r.stage]
             for share in r.peers:
-                pi, si = self.locate(share.device)
-                if share.device in self.failed_devices or self.pipelines[pi].layers[si] != own:
+                pi, si = where.get(share.device, (None, None))
+                if pi is None or share.device in dead or self.pipelines[pi].layers[si] != own:
                     raise PlanError(
                         f"peer {share.device} of device {r.device} must be live and hold "
                         f"exactly layers {own}"

@@ -223,7 +223,7 @@ def _finish(spec: JobSpec, plan: ExecutionPlan) -> ExecutionPlan:
 
 
 def _memory_ok(spec: JobSpec, plan: ExecutionPlan) -> tuple[bool, str]:
-    peaks = estimator.peak_memory(spec, plan)
+    peaks = plan.estimate.peak_memory_bytes
     limit = spec.cluster.device_memory_bytes
     device, peak = max(peaks.items(), key=lambda kv: kv[1])
     if peak > limit:
@@ -258,23 +258,35 @@ def initial_plan(spec: JobSpec) -> ExecutionPlan:
 def reroute_plan(spec: JobSpec, current: ExecutionPlan, failed: Collection[int],
                  joined: Collection[int] = ()) -> ExecutionPlan:
     """Keep the layout; every dead device's micro-batches go round-robin to its live peers
-    (devices holding exactly its layers in other pipelines). Joined devices become spares."""
+    (devices holding exactly its layers in other pipelines). Joined devices become spares.
+
+    The policy of the result is always ``reroute``: the layout is kept, nothing moves, so the
+    transition costs nothing even when the event only touched spares.
+    """
+    back_in_layout = set(joined) & set(current.failed_devices)
+    if back_in_layout:
+        raise PlanningError(
+            f"cannot reroute: device(s) {_compact(sorted(back_in_layout))} came back but still "
+            "sit dead in the layout without their layers; re-plan to use them."
+        )
     dead_spares = set(failed) & set(current.spare_devices)
     dead = tuple(sorted(set(current.failed_devices) | (set(failed) - dead_spares)))
     dead_set = set(dead)
+    where: dict[int, tuple[int, int]] = {}
+    holders: dict[tuple[int, int], list[int]] = {}
+    for i, pipe in enumerate(current.pipelines):
+        for t, (d, rng) in enumerate(zip(pipe.devices, pipe.layers)):
+            where[d] = (i, t)
+            if d not in dead_set:
+                holders.setdefault(rng, []).append(d)
     reroutes = []
     # Where the next dead device of a layer group starts its round-robin: the extra
     # micro-batches of uneven shares then rotate over the peers instead of piling on the first.
     start_at: dict[tuple[int, int], int] = {}
     for d in dead:
-        p, s = current.locate(d)
+        p, s = where[d]
         held = current.pipelines[p].layers[s]
-        peers = [
-            q.devices[t]
-            for i, q in enumerate(current.pipelines) if i != p
-            for t, rng in enumerate(q.layers)
-            if rng == held and q.devices[t] not in dead_set
-        ]
+        peers = sorted(holders.get(held, ()))
         if not peers:
             raise PlanningError(
                 f"cannot reroute: the stage holding layers [{held[0]}, {held[1]}) lost every "
@@ -284,14 +296,13 @@ def reroute_plan(spec: JobSpec, current: ExecutionPlan, failed: Collection[int],
         quota = current.pipelines[p].micro_batches
         n = len(peers)
         k = start_at.get(held, 0) % n
-        ring = sorted(peers)[k:] + sorted(peers)[:k]
+        ring = peers[k:] + peers[:k]
         start_at[held] = k + quota % n
         shares = tuple(PeerShare(q, (quota - j + n - 1) // n) for j, q in enumerate(ring))
         reroutes.append(Reroute(device=d, pipeline=p, stage=s, peers=shares))
     spare = tuple(sorted((set(current.spare_devices) - dead_spares) | set(joined)))
-    policy = "reroute" if dead else current.policy
-    plan = ExecutionPlan(policy, current.generation + 1, current.pipelines, spare_devices=spare,
-                         failed_devices=dead, reroute=tuple(reroutes))
+    plan = ExecutionPlan("reroute", current.generation + 1, current.pipelines,
+                         spare_devices=spare, failed_devices=dead, reroute=tuple(reroutes))
     plan = _finish(spec, plan)
     ok, why = _memory_ok(spec, plan)
     if not ok:

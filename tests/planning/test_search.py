@@ -248,3 +248,26 @@ def test_uneven_reroute_shares_rotate_over_peers():
         for share in r.peers:
             absorbed[share.device] = absorbed.get(share.device, 0) + share.micro_batches
     assert absorbed == {5: 5, 7: 5}
+
+
+def test_device_back_while_dead_in_a_rerouted_layout_is_replanned_in():
+    spec = make_spec(rate=200.0)
+    rerouted = decide(spec, initial_plan(spec), [5]).chosen
+    assert rerouted.policy == "reroute"
+    decision = decide(spec, rerouted, joined=[5])
+    assert "came back" in decision.rejected["reroute"]
+    assert 5 in decision.chosen.working_devices
+
+
+def test_keeping_the_layout_never_costs_a_transition():
+    # A layout a re-plan produced (here: the initial one relabelled so) loses a spare: the
+    # layout is kept, nothing moves, so no restart may be charged for it.
+    from dataclasses import replace
+
+    spec = make_spec(devices=9)
+    replanned = replace(initial_plan(spec), policy="replan")
+    kept = reroute_plan(spec, replanned, [8])
+    assert kept.policy == "reroute" and kept.pipelines == replanned.pipelines
+    assert kept.spare_devices == ()
+    assert kept.estimate.transition_time_s == 0.0
+    assert decide(spec, replanned, [8]).chosen.estimate.transition_time_s == 0.0
