@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Collection
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import replace
 
 from ..plan import AllReduceGroup, ExecutionPlan, PeerShare, Pipeline, Reroute, Transfer
@@ -32,7 +32,7 @@ class PlanCache:
         self.spec = spec
         self.current = current
         self.depth = spec.planner.cache_failures if depth is None else depth
-        self._plans: dict[_Key, ExecutionPlan | PlanningError] = {}
+        self._plans: dict[_Key, tuple[ExecutionPlan, dict[int, list[int]]] | PlanningError] = {}
         self._lock = threading.Lock()
         self._classes = _pipeline_classes(current)
         self._class_order = {cls: i for i, cls in enumerate(self._classes)}
@@ -81,7 +81,8 @@ class PlanCache:
             return None
         if isinstance(found, PlanningError):
             raise found
-        return relabel(found, {b: a for a, b in mapping.items()})
+        plan, touching = found
+        return relabel(plan, {b: a for a, b in mapping.items()}, touching)
 
     def _compute(self, failed: Collection[int]) -> None:
         key, mapping = self._canonical(failed)
@@ -90,7 +91,9 @@ class PlanCache:
                 return
         rep = [mapping.get(d, d) for d in failed]
         try:
-            result: ExecutionPlan | PlanningError = replan(self.spec, self.current, rep)
+            plan = replan(self.spec, self.current, rep)
+            result: tuple[ExecutionPlan, dict[int, list[int]]] | PlanningError = (
+                plan, transfer_index(plan))
         except PlanningError as exc:
             result = exc
         with self._lock:
@@ -155,6 +158,30 @@ def _representatives(cache: PlanCache, live: list[int], k: int):
     return itertools.combinations(pool, k)
 
 
+def transfer_index(plan: ExecutionPlan) -> dict[int, list[int]]:
+    """Device -> positions in ``plan.transfers`` of the transfers it sends or receives."""
+    index: dict[int, list[int]] = {}
+    for i, t in enumerate(plan.transfers):
+        index.setdefault(t.src, []).append(i)
+        if t.dst != t.src:
+            index.setdefault(t.dst, []).append(i)
+    return index
+
+
+def _relabel_transfers(transfers: tuple[Transfer, ...], mapping: dict[int, int],
+                       touching: Mapping[int, Sequence[int]] | None) -> tuple[Transfer, ...]:
+    if touching is None:
+        hit: Iterable[int] = (i for i, t in enumerate(transfers)
+                              if t.src in mapping or t.dst in mapping)
+    else:
+        hit = sorted({i for d in mapping for i in touching.get(d, ())})
+    out = list(transfers)
+    for i in hit:
+        t = out[i]
+        out[i] = Transfer(mapping.get(t.src, t.src), mapping.get(t.dst, t.dst), t.layers, t.bytes)
+    return tuple(out)
+
+
 def _swap(real: list[int], rep: list[int]) -> dict[int, int]:
     """A permutation sending ``real[i]`` to ``rep[i]`` that moves nothing else: the items of
     ``rep`` that are not in ``real`` take the places ``real`` vacates."""
@@ -165,11 +192,13 @@ def _swap(real: list[int], rep: list[int]) -> dict[int, int]:
     return {a: b for a, b in perm.items() if a != b}
 
 
-def relabel(plan: ExecutionPlan, mapping: dict[int, int]) -> ExecutionPlan:
+def relabel(plan: ExecutionPlan, mapping: dict[int, int],
+            touching: Mapping[int, Sequence[int]] | None = None) -> ExecutionPlan:
     """The same plan with every device id passed through ``mapping`` (identity elsewhere).
 
     Only the parts that name a mapped device are rebuilt, so relabelling a 2048-device plan for
-    one failure touches a few pipelines, not the whole layout.
+    one failure touches a few pipelines, not the whole layout. ``touching`` (from
+    ``transfer_index``) lets the transfers be patched the same way instead of scanned.
     """
     if not mapping:
         return plan
@@ -200,9 +229,7 @@ def relabel(plan: ExecutionPlan, mapping: dict[int, int]) -> ExecutionPlan:
         reroute=tuple(Reroute(m(r.device), r.pipeline, r.stage,
                               tuple(PeerShare(m(s.device), s.micro_batches) for s in r.peers))
                       for r in plan.reroute),
-        transfers=tuple(t if t.src not in moved and t.dst not in moved
-                        else Transfer(m(t.src), m(t.dst), t.layers, t.bytes)
-                        for t in plan.transfers),
+        transfers=_relabel_transfers(plan.transfers, mapping, touching),
         allreduce_rounds=tuple(
             tuple(AllReduceGroup(g.layers, ids(g.devices, False)) for g in rnd)
             for rnd in plan.allreduce_rounds
