@@ -183,7 +183,8 @@ def reroute_closed_form(spec: JobSpec, plan: ExecutionPlan) -> float | None:
     """The paper's rerouting step time, or None where its assumptions do not hold.
 
     Assumptions: every pipeline has the same layer split and quota, every stage takes the same
-    ``(T_f, T_b)``, and each dead device's micro-batches go to all live holders of its layers.
+    ``(T_f, T_b)``, and each dead device's micro-batches go to all live holders of its layers
+    (or, when it has fewer micro-batches than live holders, to as many holders as it has).
     The paper's extra term for a group with ``F_g`` of ``N_g`` holders dead is the fractional
     share ``N_m F_g / (N_g - F_g)``; micro-batches are whole, so we charge the busiest live
     holder's absorbed count from the plan's reroute shares, which equals the paper's term
@@ -203,7 +204,9 @@ def reroute_closed_form(spec: JobSpec, plan: ExecutionPlan) -> float | None:
     dead = set(plan.failed_devices)
     for r in plan.reroute:
         live = {d for d in holders[first.layers[r.stage]] if d not in dead}
-        if {share.device for share in r.peers} != live:
+        served = {share.device for share in r.peers if share.micro_batches}
+        # Spread over every live holder, or over as many as there are micro-batches to spread.
+        if not served <= live or len(served) != min(len(live), max(1, first.micro_batches)):
             return None
     absorbed: dict[int, int] = {}
     for r in plan.reroute:

@@ -377,21 +377,46 @@ def place(spec: JobSpec, current: ExecutionPlan, layout: Sequence[Pipeline],
 # --------------------------------------------------------------------------- all-reduce
 
 
+def _buckets(pipelines: Sequence[Pipeline], failed: Collection[int]
+             ) -> list[tuple[tuple[int, ...], tuple[int, ...], frozenset]]:
+    """(sorted holders, sorted layers, cells) per bucket.
+
+    Pipelines with the same layer split and the same dead stages form a *class*; a *cell* is one
+    stage of one class, and every live device sits in exactly one cell. A layer's holders are
+    the union of the live cells holding it, so two layers share a bucket exactly when they sit
+    in the same live cells, and two buckets share a device exactly when they share a cell. That
+    keeps both bucketing and the conflict graph linear in the devices at 2048 devices, instead
+    of a walk over every device's every layer.
+    """
+    dead = set(failed)
+    classes: dict[tuple, list[Pipeline]] = {}
+    for p in pipelines:
+        classes.setdefault((p.layers, tuple(d in dead for d in p.devices)), []).append(p)
+    num_layers = max(p.layers[-1][1] for p in pipelines)
+    cells_of_layer: list[list[tuple[int, int]]] = [[] for _ in range(num_layers)]
+    cell_devices: dict[tuple[int, int], list[int]] = {}
+    for c, ((layers, dead_mask), members) in enumerate(classes.items()):
+        for s, (start, end) in enumerate(layers):
+            if dead_mask[s]:
+                continue
+            cell_devices[(c, s)] = [p.devices[s] for p in members]
+            for layer in range(start, end):
+                cells_of_layer[layer].append((c, s))
+    by_cells: dict[tuple[tuple[int, int], ...], list[int]] = {}
+    for layer, cells in enumerate(cells_of_layer):
+        if cells:
+            by_cells.setdefault(tuple(cells), []).append(layer)
+    out = []
+    for cells, layers in by_cells.items():
+        devices = sorted(d for cell in cells for d in cell_devices[cell])
+        out.append((tuple(devices), tuple(layers), frozenset(cells)))
+    return out
+
+
 def holder_buckets(pipelines: Sequence[Pipeline],
                    failed: Collection[int] = ()) -> dict[tuple[int, ...], tuple[int, ...]]:
     """Sorted holder set -> sorted layers it holds exactly; every layer with any live holder."""
-    dead = set(failed)
-    holders: dict[int, list[int]] = {}
-    for p in pipelines:
-        for d, (start, end) in zip(p.devices, p.layers):
-            if d in dead:
-                continue
-            for layer in range(start, end):
-                holders.setdefault(layer, []).append(d)
-    buckets: dict[tuple[int, ...], list[int]] = {}
-    for layer in sorted(holders):
-        buckets.setdefault(tuple(sorted(holders[layer])), []).append(layer)
-    return {devices: tuple(layers) for devices, layers in buckets.items()}
+    return {devices: layers for devices, layers, _ in _buckets(pipelines, failed)}
 
 
 def allreduce_rounds(pipelines: Sequence[Pipeline],
@@ -401,23 +426,17 @@ def allreduce_rounds(pipelines: Sequence[Pipeline],
     Under reroute the dead devices' data-parallel peers already hold the same layers, so
     excluding ``failed`` loses nothing. Single-holder buckets need no reduction and are left out.
     """
-    groups = sorted(
-        (AllReduceGroup(layers=layers, devices=devices)
-         for devices, layers in holder_buckets(pipelines, failed).items() if len(devices) > 1),
-        key=lambda g: (g.layers, g.devices),
-    )
-    if not groups:
+    found = sorted((b for b in _buckets(pipelines, failed) if len(b[0]) > 1),
+                   key=lambda b: (b[1], b[0]))
+    if not found:
         return ()
+    groups = [AllReduceGroup(layers=layers, devices=devices) for devices, layers, _ in found]
     conflicts = nx.Graph()
     conflicts.add_nodes_from(range(len(groups)))
-    by_device: dict[int, list[int]] = {}
-    for k, g in enumerate(groups):
-        for d in g.devices:
-            by_device.setdefault(d, []).append(k)
-    for members in by_device.values():
-        conflicts.add_edges_from(
-            (u, v) for i, u in enumerate(members) for v in members[i + 1:]
-        )
+    conflicts.add_edges_from(
+        (u, v) for u in range(len(found)) for v in range(u + 1, len(found))
+        if not found[u][2].isdisjoint(found[v][2])
+    )
     colour = nx.greedy_color(conflicts, strategy="saturation_largest_first")
     rounds: dict[int, list[AllReduceGroup]] = {}
     for k, g in enumerate(groups):

@@ -296,9 +296,11 @@ def reroute_plan(spec: JobSpec, current: ExecutionPlan, failed: Collection[int],
         quota = current.pipelines[p].micro_batches
         n = len(peers)
         k = start_at.get(held, 0) % n
-        ring = peers[k:] + peers[:k]
+        # Peers that would get nothing are left out (a quota smaller than the group).
+        ring = (peers[k:] + peers[:k])[: max(1, min(n, quota))]
         start_at[held] = k + quota % n
-        shares = tuple(PeerShare(q, (quota - j + n - 1) // n) for j, q in enumerate(ring))
+        m = len(ring)
+        shares = tuple(PeerShare(q, (quota - j + m - 1) // m) for j, q in enumerate(ring))
         reroutes.append(Reroute(device=d, pipeline=p, stage=s, peers=shares))
     spare = tuple(sorted((set(current.spare_devices) - dead_spares) | set(joined)))
     plan = ExecutionPlan("reroute", current.generation + 1, current.pipelines,
