@@ -245,6 +245,7 @@ def peak_memory(spec: JobSpec, plan: ExecutionPlan) -> dict[int, float]:
                 where[d] = (p, s)
     orders = orders_of_devices(plan, where)
     out: dict[int, float] = {}
+    memo: dict[tuple[int, int, int], float] = {}  # a few distinct stages, thousands of devices
     for pipe in plan.pipelines:
         for s, d in enumerate(pipe.devices):
             if d in dead:
@@ -254,7 +255,10 @@ def peak_memory(spec: JobSpec, plan: ExecutionPlan) -> dict[int, float]:
                 in_flight = int(in_flight_peak(orders[d]))
             else:
                 in_flight = min(pipe.num_stages - s, pipe.micro_batches)
-            out[d] = stage_memory(spec, start, end, in_flight)
+            key = (start, end, in_flight)
+            if key not in memo:
+                memo[key] = stage_memory(spec, start, end, in_flight)
+            out[d] = memo[key]
     return dict(sorted(out.items()))
 
 
