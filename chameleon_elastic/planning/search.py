@@ -190,11 +190,10 @@ def _layout_for(spec: JobSpec, lengths: tuple[int, ...]) -> _Layout | None:
         quotas[slow] -= 1
         quotas[best_j] += 1
         times[slow], times[best_j] = new_slow, best_t
-    slots = itertools.count()
+    starts = itertools.accumulate(lengths, initial=0)
     pipelines = tuple(
-        Pipeline(devices=tuple(next(slots) for _ in range(n)), layers=split(n, q),
-                 micro_batches=q)
-        for n, q in zip(lengths, quotas)
+        Pipeline(devices=tuple(range(first, first + n)), layers=split(n, q), micro_batches=q)
+        for first, n, q in zip(starts, lengths, quotas)
     )
     return _Layout(pipelines, max(times))
 
