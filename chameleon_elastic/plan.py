@@ -15,21 +15,22 @@ devices that hold exactly the same layers in other pipelines (its data-parallel 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Literal, Mapping
+from typing import Any, Literal
 
 __all__ = [
+    "POLICIES",
+    "AllReduceGroup",
+    "DeviceRole",
+    "Estimate",
+    "ExecutionPlan",
+    "PeerShare",
+    "Pipeline",
     "PlanError",
     "Policy",
-    "POLICIES",
-    "Pipeline",
-    "PeerShare",
     "Reroute",
     "Transfer",
-    "AllReduceGroup",
-    "Estimate",
-    "DeviceRole",
-    "ExecutionPlan",
 ]
 
 Policy = Literal["initial", "reroute", "replan"]
@@ -61,7 +62,7 @@ class Pipeline:
         }
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "Pipeline":
+    def from_dict(cls, d: Mapping[str, Any]) -> Pipeline:
         return cls(
             devices=tuple(int(x) for x in d["devices"]),
             layers=tuple((int(a), int(b)) for a, b in d["layers"]),
@@ -101,7 +102,7 @@ class Reroute:
         }
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "Reroute":
+    def from_dict(cls, d: Mapping[str, Any]) -> Reroute:
         return cls(
             device=int(d["device"]),
             pipeline=int(d["pipeline"]),
@@ -123,7 +124,7 @@ class Transfer:
         return {"src": self.src, "dst": self.dst, "layers": list(self.layers), "bytes": self.bytes}
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "Transfer":
+    def from_dict(cls, d: Mapping[str, Any]) -> Transfer:
         return cls(int(d["src"]), int(d["dst"]), tuple(int(x) for x in d["layers"]),
                    float(d["bytes"]))
 
@@ -139,7 +140,7 @@ class AllReduceGroup:
         return {"layers": list(self.layers), "devices": list(self.devices)}
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "AllReduceGroup":
+    def from_dict(cls, d: Mapping[str, Any]) -> AllReduceGroup:
         return cls(tuple(int(x) for x in d["layers"]), tuple(int(x) for x in d["devices"]))
 
 
@@ -163,7 +164,7 @@ class Estimate:
         }
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "Estimate":
+    def from_dict(cls, d: Mapping[str, Any]) -> Estimate:
         return cls(
             step_time_s=float(d["step_time_s"]),
             transition_time_s=float(d["transition_time_s"]),
@@ -258,7 +259,7 @@ class ExecutionPlan:
 
     # ------------------------------------------------------------------ validation
 
-    def validate(self) -> "ExecutionPlan":
+    def validate(self) -> ExecutionPlan:
         """Check the structural invariants every consumer relies on; returns self."""
         if self.policy not in POLICIES:
             raise PlanError(f"unknown policy {self.policy!r}; expected one of {POLICIES}")
@@ -334,7 +335,7 @@ class ExecutionPlan:
         }
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "ExecutionPlan":
+    def from_dict(cls, d: Mapping[str, Any]) -> ExecutionPlan:
         try:
             plan = cls(
                 policy=d["policy"],
@@ -358,7 +359,7 @@ class ExecutionPlan:
         return json.dumps(self.to_dict(), indent=indent)
 
     @classmethod
-    def from_json(cls, text: str) -> "ExecutionPlan":
+    def from_json(cls, text: str) -> ExecutionPlan:
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -21,12 +22,12 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 __all__ = [
-    "SpecError",
-    "ModelProfile",
     "ClusterSpec",
-    "TrainingSpec",
-    "PlannerSpec",
     "JobSpec",
+    "ModelProfile",
+    "PlannerSpec",
+    "SpecError",
+    "TrainingSpec",
     "load_job",
     "preset_names",
 ]
@@ -99,11 +100,11 @@ class JobSpec:
     name: str = "job"
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any], name: str = "job") -> "JobSpec":
+    def from_dict(cls, data: Mapping[str, Any], name: str = "job") -> JobSpec:
         return _parse(data, name)
 
     @classmethod
-    def from_toml(cls, path: str | Path) -> "JobSpec":
+    def from_toml(cls, path: str | Path) -> JobSpec:
         path = Path(path)
         try:
             text = path.read_text()
@@ -119,7 +120,7 @@ class JobSpec:
         return _parse(data, path.stem)
 
     @classmethod
-    def preset(cls, name: str) -> "JobSpec":
+    def preset(cls, name: str) -> JobSpec:
         names = preset_names()
         if name not in names:
             raise SpecError(
