@@ -308,19 +308,23 @@ def choose_sources(spec: JobSpec, held: dict[int, LayerRange],
         after = max(sent[h] + b, received[h])  # the holder's time afterwards (LPT)
         return (after, after - max(sent[h], received[h]), sent[h], h)
 
-    # One lazy min-heap of holders per layer: keys only grow (sent only grows), so a popped
-    # entry whose key is stale is pushed back with its fresh key; the first fresh one is the
-    # minimum. This keeps the choice identical to a full scan at O(log holders) per move.
-    heaps: dict[int, list] = {}
+    # Lazy min-heaps of holders: keys only grow (sent only grows), so a popped entry whose key
+    # is stale is pushed back with its fresh key; the first fresh one is the minimum, the same
+    # choice as a full scan at O(log holders) per move. Layers with the same holders and size
+    # share one heap (the key depends on nothing else), so a send goes stale in few heaps.
+    heap_of: dict[int, tuple[tuple[int, ...], float]] = {}
+    heaps: dict[tuple[tuple[int, ...], float], list] = {}
     moves: dict[tuple[int, int], list[int]] = {}
     for dst, layer in items:
         b = size(layer)
-        if layer not in heaps:
+        if layer not in heap_of:
             if not holders.get(layer):
                 raise _orphans([layer])
-            heaps[layer] = [(key(h, b), h) for h in holders[layer]]
-            heapq.heapify(heaps[layer])
-        heap = heaps[layer]
+            heap_of[layer] = (tuple(holders[layer]), b)
+        heap = heaps.get(heap_of[layer])
+        if heap is None:
+            heap = heaps[heap_of[layer]] = [(key(h, b), h) for h in holders[layer]]
+            heapq.heapify(heap)
         while True:
             stored, src = heapq.heappop(heap)
             fresh = key(src, b)
