@@ -74,9 +74,6 @@ class DeviceBackend(abc.ABC):
     def memory_stats(self, local_rank: int = 0) -> MemoryStats:
         """Memory figures of the device used by ``local_rank``."""
 
-    def reset_peak(self, local_rank: int = 0) -> None:
-        """Start a new peak-memory window (no-op where the device cannot)."""
-
     def synchronize(self, local_rank: int = 0) -> None:
         """Wait for queued device work (needed before reading a clock; no-op on CPU)."""
 

@@ -43,11 +43,6 @@ class CudaBackend(DeviceBackend):
             total=int(torch.cuda.get_device_properties(dev).total_memory),
         )
 
-    def reset_peak(self, local_rank: int = 0) -> None:
-        import torch
-
-        torch.cuda.reset_peak_memory_stats(self.device(local_rank))
-
     def synchronize(self, local_rank: int = 0) -> None:
         import torch
 

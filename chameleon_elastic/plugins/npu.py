@@ -63,11 +63,6 @@ class NpuBackend(DeviceBackend):
             total=int(npu.get_device_properties(dev).total_memory),
         )
 
-    def reset_peak(self, local_rank: int = 0) -> None:
-        import torch
-
-        torch.npu.reset_peak_memory_stats(self.device(local_rank))
-
     def synchronize(self, local_rank: int = 0) -> None:
         import torch
 

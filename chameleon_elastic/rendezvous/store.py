@@ -41,7 +41,6 @@ from typing import Any
 
 import torch.distributed as dist
 from pyetcd import transactions
-from pyetcd.utils import prefix_range_end
 
 from chameleon_elastic.rendezvous.client import EtcdClient, is_transient
 from chameleon_elastic.rendezvous.errors import EtcdRendezvousError, EtcdStoreTimeoutError
@@ -208,20 +207,6 @@ class EtcdStore(dist.Store):
 
     def has_extended_api(self) -> bool:
         return True
-
-    def delete_all(self) -> int:
-        """Remove every key of this store (not part of c10d's API; for cleanup after a run)."""
-        end = prefix_range_end(self._prefix.encode())
-        response = self._client.call(
-            "store cleanup",
-            lambda c: c.kvstub.DeleteRange(
-                c._build_delete_request(self._prefix, end),
-                c.timeout,
-                credentials=c.call_credentials,
-                metadata=c.metadata,
-            ),
-        )
-        return int(response.deleted)
 
     # -- waiting --------------------------------------------------------------------------
 

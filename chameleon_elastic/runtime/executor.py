@@ -38,7 +38,7 @@ from chameleon_elastic.plan import ExecutionPlan
 
 from .data import sample_ids
 from .errors import PipelineRuntimeError
-from .model import PipelineModel, build_layers, collate
+from .model import PipelineModel, collate
 from .topology import RankMap
 
 __all__ = ["OpTiming", "PipelineExecutor", "StepOutcome", "TensorSpec", "boundary_shape"]
@@ -116,17 +116,6 @@ class PipelineExecutor:
         self._max_stages = max(p.num_stages for p in plan.pipelines)
         self._input_spec = (boundary_shape(model, layer_start, micro_batch_size)
                             if layer_start > 0 else None)
-
-    @classmethod
-    def for_stage(cls, plan: ExecutionPlan, device: int, model: PipelineModel,
-                  micro_batch_size: int, ranks: RankMap,
-                  torch_device: torch.device | None = None) -> PipelineExecutor:
-        pipeline, stage = plan.locate(device)
-        start, end = plan.pipelines[pipeline].layers[stage]
-        layers = build_layers(model, start, end)
-        if torch_device is not None:
-            layers = layers.to(torch_device)
-        return cls(plan, device, model, layers, start, micro_batch_size, ranks, torch_device)
 
     # ------------------------------------------------------------------ helpers
 

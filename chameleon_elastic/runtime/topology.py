@@ -66,10 +66,6 @@ class RankMap:
 
     device_of_rank: tuple[int, ...]
 
-    @property
-    def rank_of_device(self) -> dict[int, int]:
-        return {d: r for r, d in enumerate(self.device_of_rank)}
-
     def rank(self, device: int) -> int:
         try:
             return self.device_of_rank.index(device)
