@@ -67,6 +67,7 @@ __all__ = [
     "pipeline_makespan",
     "pipeline_time",
     "reroute_closed_form",
+    "ring_time",
     "score",
     "stage_memory",
     "stage_times",
@@ -126,6 +127,19 @@ def pipeline_makespan(stage_times: tuple[tuple[float, float], ...], micro_batche
         return (len(stage_times) + micro_batches - 1) * (first[0] + first[1])
     ends = pipeline_schedule(stage_times, micro_batches)
     return max(ends[0][1])
+
+
+def ring_time(spec: JobSpec, layers: Iterable[int], n_devices: int) -> float:
+    """Ring all-reduce of the gradients of ``layers`` over ``n_devices`` devices.
+
+    ``2 (n - 1) / n`` times the layers' gradient bytes over the cluster bandwidth; 0 for a
+    single device (nothing to sync). Public and free of device lists so that other modules can
+    price ``(layers, count)`` groups before they pick devices.
+    """
+    if n_devices <= 1:
+        return 0.0
+    grad_bytes = math.fsum(spec.model.param_bytes[layer] for layer in layers)
+    return 2.0 * (n_devices - 1) / n_devices * grad_bytes / spec.cluster.bandwidth_bytes_per_s
 
 
 def transfer_time(spec: JobSpec, transfers: Iterable[Transfer]) -> float:
@@ -336,11 +350,7 @@ def _pipeline_time(spec: JobSpec, pipe: Pipeline) -> float:
 
 
 def _ring_time(spec: JobSpec, group: AllReduceGroup) -> float:
-    n = len(group.devices)
-    if n <= 1:
-        return 0.0
-    grad_bytes = math.fsum(spec.model.param_bytes[layer] for layer in group.layers)
-    return 2.0 * (n - 1) / n * grad_bytes / spec.cluster.bandwidth_bytes_per_s
+    return ring_time(spec, group.layers, len(group.devices))
 
 
 def _coupled_pipelines(plan: ExecutionPlan) -> set[int]:

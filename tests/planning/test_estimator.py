@@ -242,6 +242,18 @@ def test_allreduce_ring_of_four_and_of_one() -> None:
     assert est.allreduce_time(spec, ExecutionPlan("initial", 0, pipes).validate()) == 0.0
 
 
+def test_ring_time_prices_layers_and_count_without_devices() -> None:
+    spec = job(layers=4, param=[1 * GB, 2 * GB, 3 * GB, 4 * GB], bandwidth=2 * GB)
+    assert est.ring_time(spec, (1, 3), 4) == pytest.approx(2 * 3 / 4 * 6.0 / 2, rel=1e-12)
+    assert est.ring_time(spec, [0], 1) == 0.0
+    assert est.ring_time(spec, (), 8) == 0.0
+    # allreduce_time of a one-group round is exactly that group's ring_time.
+    pipes = tuple(Pipeline((p,), ((0, 4),), 2) for p in range(3))
+    group = AllReduceGroup((0, 1, 2, 3), (0, 1, 2))
+    plan = ExecutionPlan("initial", 0, pipes, allreduce_rounds=((group,),)).validate()
+    assert est.allreduce_time(spec, plan) == est.ring_time(spec, range(4), 3)
+
+
 # --------------------------------------------------------------------------- memory
 
 
