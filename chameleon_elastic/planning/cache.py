@@ -8,7 +8,7 @@ map the representative's plan onto the real devices. On a dp x pp layout that tu
 C(dp*pp, k) failure sets into a handful of classes (pp for one failure).
 
 Thread model: ``warm_in_background`` fills the cache from a daemon thread while training runs;
-``decide`` never waits for it (a miss is computed on the spot and stored).
+``decide`` never waits for it (on a miss, ``planning.decide`` builds the re-plan itself).
 """
 
 from __future__ import annotations
@@ -117,18 +117,20 @@ class PlanCache:
         return thread
 
     def decide(self, failed: Collection[int], joined: Collection[int] = (),
-               policy: PolicyChoice = "auto") -> Decision:
-        """``planning.decide`` with the re-plan taken from the cache when it is there."""
+               policy: PolicyChoice = "auto", *, price_all: bool = False) -> Decision:
+        """``planning.decide`` with the re-plan taken from the cache when it is there.
+
+        A miss is not computed into the cache: ``decide`` builds the re-plan itself, and skips
+        placing it when it cannot beat rerouting, which a cached computation could not know.
+        """
         replanned = None
         if not joined and policy != "reroute" and 0 < len(failed) <= self.depth:
             try:
                 replanned = self.lookup(failed)
-                if replanned is None:
-                    self._compute(failed)
-                    replanned = self.lookup(failed)
             except PlanningError:
                 replanned = None  # decide() rebuilds it and reports why it was impossible
-        return decide(self.spec, self.current, failed, joined, policy, replanned=replanned)
+        return decide(self.spec, self.current, failed, joined, policy, replanned=replanned,
+                      price_all=price_all)
 
     def __len__(self) -> int:
         with self._lock:

@@ -15,15 +15,19 @@ Re-planning follows the paper's Algorithm 1 with two additions that only ever he
 - candidates are the balanced partitions of the live devices into dp pipelines for every dp in
   R_dp (lengths in R_pp), plus the same with the remainder left spare (a symmetric layout can
   beat an asymmetric one once all-reduce is priced);
-- after the paper's proportional batch distribution, quotas are refined one micro-batch at a
-  time from the slowest pipeline to the one that stays fastest, while the slowest gets faster.
+- micro-batch quotas minimise the slowest pipeline's time exactly (greedy marginal
+  allocation, ``_allocate``) instead of the paper's proportional split.
+
+``decide`` prices the re-plan's layout before placing it: the layout fixes its step time, and
+its transition is at least the restart, so when even that bound cannot beat rerouting the
+costly placement (assignment, weight sources) is skipped. The chosen plan is the same.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Literal
@@ -150,52 +154,68 @@ class _Layout:
 
 
 def _layout_for(spec: JobSpec, lengths: tuple[int, ...]) -> _Layout | None:
+    """Pipelines of the given lengths, each with the layer split and micro-batch quota that
+    minimise the slowest pipeline's time; None when the batch or the memory cannot be met."""
     total = spec.training.global_micro_batches
     if len(lengths) > total:
         return None
-    quotas = list(distribute_batches(lengths, total))
-    splits: dict[tuple[int, int], tuple[tuple[int, int], ...] | None] = {}
+    memo: dict[tuple[int, int], float] = {}
 
-    def split(n: int, q: int):
-        if (n, q) not in splits:
-            splits[(n, q)] = split_layers(spec, n, q)
-        return splits[(n, q)]
+    def time_of(n: int, q: int) -> float:
+        if (n, q) not in memo:
+            layers = split_layers(spec, n, q)
+            memo[(n, q)] = math.inf if layers is None else estimator.pipeline_time(spec, layers, q)
+        return memo[(n, q)]
 
-    times_memo: dict[tuple[int, int], float] = {}
-
-    def time_of(i: int, q: int) -> float:
-        key = (lengths[i], q)
-        if key not in times_memo:
-            layers = split(*key)
-            times_memo[key] = math.inf if layers is None else estimator.pipeline_time(spec, layers, q)
-        return times_memo[key]
-
-    times = [time_of(i, q) for i, q in enumerate(quotas)]
-    if math.inf in times:
+    quotas = _allocate(lengths, total, time_of)
+    if quotas is None:
         return None
-    # Refinement: move one micro-batch off the slowest pipeline while that lowers the maximum.
-    while True:
-        slow = max(range(len(times)), key=lambda i: times[i])
-        if quotas[slow] <= 1:
-            break
-        best_j, best_t = None, math.inf
-        for j in range(len(quotas)):
-            if j != slow:
-                t = time_of(j, quotas[j] + 1)
-                if t < best_t:
-                    best_j, best_t = j, t
-        new_slow = time_of(slow, quotas[slow] - 1)
-        if best_j is None or max(best_t, new_slow) >= times[slow] - 1e-12:
-            break
-        quotas[slow] -= 1
-        quotas[best_j] += 1
-        times[slow], times[best_j] = new_slow, best_t
     starts = itertools.accumulate(lengths, initial=0)
     pipelines = tuple(
-        Pipeline(devices=tuple(range(first, first + n)), layers=split(n, q), micro_batches=q)
+        Pipeline(devices=tuple(range(first, first + n)), layers=split_layers(spec, n, q),
+                 micro_batches=q)
         for first, n, q in zip(starts, lengths, quotas)
     )
-    return _Layout(pipelines, max(times))
+    return _Layout(pipelines, max(time_of(n, q) for n, q in zip(lengths, quotas)))
+
+
+def _allocate(lengths: Sequence[int], total: int,
+              time_of: Callable[[int, int], float]) -> list[int] | None:
+    """Micro-batch quotas (at least one each) that minimise the slowest pipeline's time.
+
+    Greedy marginal allocation: every micro-batch beyond the first of each pipeline goes to the
+    pipeline whose time after taking it is least (longer pipelines first on ties). Because a
+    pipeline's time never drops when its quota grows, this reaches the optimal maximum: if
+    a step ever had to exceed the optimum, every pipeline would already hold at least its
+    quota in an optimal allocation, and the batch would be complete. Pipelines of one length
+    are interchangeable, so a whole quota level of a length class is handed out at once, in
+    pipeline order: the loop runs per level, not per micro-batch, which keeps the search
+    fast at thousands of pipelines. This replaces the paper's proportional split (which
+    ``distribute_batches`` keeps) and can only lower the step time.
+    """
+    counts: dict[int, int] = {}
+    for n in lengths:
+        counts[n] = counts.get(n, 0) + 1
+    if any(time_of(n, 1) == math.inf for n in counts):
+        return None
+    base = dict.fromkeys(counts, 1)  # every member of class n has base[n] or base[n] + 1
+    ahead = dict.fromkeys(counts, 0)  # how many (the first in pipeline order) have base + 1
+    left = total - len(lengths)
+    while left > 0:
+        n = min(counts, key=lambda c: (time_of(c, base[c] + 1), -c))
+        if time_of(n, base[n] + 1) == math.inf:
+            return None
+        give = min(counts[n] - ahead[n], left)
+        ahead[n] += give
+        left -= give
+        if ahead[n] == counts[n]:
+            base[n], ahead[n] = base[n] + 1, 0
+    seen = dict.fromkeys(counts, 0)
+    quotas = []
+    for n in lengths:
+        quotas.append(base[n] + (1 if seen[n] < ahead[n] else 0))
+        seen[n] += 1
+    return quotas
 
 
 def _candidate_lengths(spec: JobSpec, current: ExecutionPlan, live: int) -> list[tuple[int, ...]]:
@@ -315,6 +335,13 @@ def replan(spec: JobSpec, current: ExecutionPlan, failed: Collection[int],
            joined: Collection[int] = ()) -> ExecutionPlan:
     """Algorithm 1 over the live devices; the best layout by step time is placed on devices
     with the least data movement (restorer)."""
+    live, layout, _ = _best_layout(spec, current, failed, joined)
+    return _placed(spec, current, layout, live)
+
+
+def _best_layout(spec: JobSpec, current: ExecutionPlan, failed: Collection[int],
+                 joined: Collection[int]) -> tuple[list[int], _Layout, float]:
+    """(live devices, the layout with the least step time, that step time)."""
     live = sorted((set(current.live_devices) - set(failed)) | set(joined))
     if not live:
         raise PlanningError("no live device is left; the job cannot continue.")
@@ -328,7 +355,7 @@ def replan(spec: JobSpec, current: ExecutionPlan, failed: Collection[int],
         )
     # All-reduce time is never negative, so candidates are priced in order of compute time and
     # the rounds (the costly part) are built only while a candidate can still win.
-    best, best_step = None, math.inf
+    best, best_step = layouts[0], math.inf
     for layout in sorted(layouts, key=lambda lay: (lay.compute_s, -len(lay.pipelines))):
         if layout.compute_s >= best_step:
             break
@@ -337,8 +364,13 @@ def replan(spec: JobSpec, current: ExecutionPlan, failed: Collection[int],
             spec, replace(probe, allreduce_rounds=allreduce_rounds(probe.pipelines)))
         if step < best_step:
             best, best_step = layout, step
+    return live, best, best_step
+
+
+def _placed(spec: JobSpec, current: ExecutionPlan, layout: _Layout,
+            live: Sequence[int]) -> ExecutionPlan:
     try:
-        placed = place(spec, current, best.pipelines, live)
+        placed = place(spec, current, layout.pipelines, live)
     except ValueError as exc:
         raise PlanningError(f"cannot re-plan: {exc}") from exc
     plan = ExecutionPlan("replan", current.generation + 1, placed.pipelines,
@@ -369,30 +401,49 @@ def check_event(spec: JobSpec, current: ExecutionPlan, failed: Collection[int],
 
 def decide(spec: JobSpec, current: ExecutionPlan, failed: Collection[int] = (),
            joined: Collection[int] = (), policy: PolicyChoice = "auto",
-           replanned: ExecutionPlan | None = None) -> Decision:
+           replanned: ExecutionPlan | None = None, *, price_all: bool = False) -> Decision:
     """Price rerouting and re-planning for this event and choose by score.
 
     ``replanned`` lets a cache hand in a re-plan it computed ahead; rerouting is always built
-    fresh because it is cheap (linear in the devices).
+    fresh because it is cheap (linear in the devices). Unless ``price_all``, a re-plan whose
+    best possible score (its step time with the restart as the only transition) cannot beat
+    rerouting is not placed; it appears in ``rejected`` with both scores.
     """
     check_event(spec, current, failed, joined)
     candidates: dict[str, ExecutionPlan] = {}
     rejected: dict[str, str] = {}
-    builders = {
-        "reroute": lambda: reroute_plan(spec, current, failed, joined),
-        "replan": lambda: replanned if replanned is not None else replan(spec, current, failed, joined),
-    }
-    for name, build in builders.items():
-        if policy not in ("auto", name):
-            continue
+    if policy in ("auto", "reroute"):
         try:
-            candidates[name] = build()
+            candidates["reroute"] = reroute_plan(spec, current, failed, joined)
         except PlanningError as exc:
-            rejected[name] = str(exc)
+            rejected["reroute"] = str(exc)
+    if policy in ("auto", "replan"):
+        try:
+            candidates["replan"] = replanned if replanned is not None else _replan_to_beat(
+                spec, current, failed, joined,
+                None if price_all else candidates.get("reroute"))
+        except PlanningError as exc:
+            rejected["replan"] = str(exc)
     if not candidates:
         raise PlanningError(" ".join(rejected.values()))
     chosen = max(candidates.values(), key=lambda p: (p.estimate.score, p.policy == "reroute"))
     return Decision(chosen=chosen, candidates=candidates, rejected=rejected)
+
+
+def _replan_to_beat(spec: JobSpec, current: ExecutionPlan, failed: Collection[int],
+                    joined: Collection[int], rival: ExecutionPlan | None) -> ExecutionPlan:
+    """``replan``, or a PlanningError when it cannot outscore ``rival`` (ties go to rival)."""
+    live, layout, step = _best_layout(spec, current, failed, joined)
+    if rival is not None:
+        throughput = spec.training.global_micro_batches * spec.training.micro_batch_size / step
+        bound = estimator.score(throughput, spec.cluster.restart_s,
+                                spec.cluster.expected_run_s(len(live)))
+        if bound <= rival.estimate.score:
+            raise PlanningError(
+                f"not placed: a re-plan scores at most {bound:.4g} (step {step:.4g} s plus a "
+                f"restart), not above rerouting's {rival.estimate.score:.4g}."
+            )
+    return _placed(spec, current, layout, live)
 
 
 def _compact(ids: Sequence[int]) -> str:

@@ -45,14 +45,16 @@ def test_cached_plans_match_fresh_search_for_every_loss_of_one_or_two():
             same_quality(cached, replan(spec, plan, failed))
 
 
-def test_cache_decide_equals_plain_decide_and_misses_are_filled():
+def test_cache_decide_equals_plain_decide_on_hits_and_misses():
     spec = spec8()
     plan = initial_plan(spec)
     cache = PlanCache(spec, plan, depth=2)
-    assert len(cache) == 0
-    got = cache.decide([6])
-    want = decide(spec, plan, [6])
-    assert len(cache) == 1
-    assert got.chosen.policy == want.chosen.policy
-    same_quality(got.candidates["replan"], want.candidates["replan"])
-    assert got.candidates["reroute"] == want.candidates["reroute"]
+    want = decide(spec, plan, [6], price_all=True)
+    miss = cache.decide([6], price_all=True)
+    assert len(cache) == 0  # a miss is decided on the spot, not stored
+    cache.warm()
+    hit = cache.decide([6], price_all=True)
+    for got in (miss, hit):
+        assert got.chosen.policy == want.chosen.policy
+        same_quality(got.candidates["replan"], want.candidates["replan"])
+        assert got.candidates["reroute"] == want.candidates["reroute"]

@@ -12,7 +12,14 @@ from scipy.optimize import linear_sum_assignment
 
 from chameleon_elastic.plan import ExecutionPlan
 from chameleon_elastic.planning import PlanningError, decide, initial_plan
-from chameleon_elastic.planning.search import distribute_batches, replan, reroute_plan
+from chameleon_elastic.planning.estimator import pipeline_time
+from chameleon_elastic.planning.search import (
+    _layout_for,
+    distribute_batches,
+    replan,
+    reroute_plan,
+    split_layers,
+)
 from chameleon_elastic.spec import JobSpec
 
 
@@ -47,6 +54,40 @@ def test_batch_distribution_follows_the_paper():
     # Nobody idle: a pipeline left with none takes one from the largest.
     assert distribute_batches((1, 1, 6), 3) == (1, 1, 1)
     assert sum(distribute_batches((3, 3, 3, 2), 64)) == 64
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(1, 4), min_size=1, max_size=4), st.integers(1, 12),
+       st.sampled_from([0.01, 0.03]), st.sampled_from([1e5, 5e6]))
+def test_quotas_minimise_the_slowest_pipeline(lengths, total, last_fwd, activation):
+    """``_layout_for`` against every quota vector (brute force) on small layouts."""
+    fwd = [0.01] * 7 + [last_fwd]
+    spec = JobSpec.from_dict({
+        "model": {"layers": 8, "forward_s": fwd, "backward_s": [2 * f for f in fwd],
+                  "param_bytes": 1e6, "optimizer_bytes": 2e6, "activation_bytes": activation},
+        "cluster": {"devices": 16, "device_memory_bytes": 2.5e7, "bandwidth_bytes_per_s": 1e9,
+                    "restart_s": 2.0, "failure_rate_per_hour": 0.1},
+        "training": {"dp": 1, "pp": 1, "global_micro_batches": total},
+    })
+    layout = _layout_for(spec, tuple(lengths))
+
+    def slowest(quotas):
+        worst = 0.0
+        for n, q in zip(lengths, quotas):
+            layers = split_layers(spec, n, q)
+            if layers is None:
+                return float("inf")
+            worst = max(worst, pipeline_time(spec, layers, q))
+        return worst
+
+    best = min((slowest(qs) for qs in itertools.product(range(1, total + 1), repeat=len(lengths))
+                if sum(qs) == total), default=float("inf"))
+    if layout is None:
+        assert best == float("inf")
+    else:
+        assert sum(p.micro_batches for p in layout.pipelines) == total
+        assert layout.compute_s == pytest.approx(best, rel=1e-12)
+        assert slowest([p.micro_batches for p in layout.pipelines]) == layout.compute_s
 
 
 def test_dp4_pp2_losing_one_device_replans_to_2_2_3():
@@ -212,6 +253,12 @@ def test_decisions_keep_every_invariant(case):
             break
         check_invariants(spec, plan, decision.chosen, failed)
         assert decision.chosen.generation == plan.generation + 1
+        # Skipping the placement of a re-plan that cannot win never changes the choice.
+        full = decide(spec, plan, failed, policy=policy, price_all=True)
+        assert decision.chosen == full.chosen
+        if "replan" in full.candidates and "replan" not in decision.candidates:
+            assert "not placed" in decision.rejected["replan"]
+            assert full.candidates["replan"].estimate.score <= full.chosen.estimate.score
         plan = decision.chosen
 
 

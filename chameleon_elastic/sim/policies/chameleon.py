@@ -43,6 +43,8 @@ def _unchanged(old: ExecutionPlan, new: ExecutionPlan) -> bool:
 
 class ChameleonPolicy:
     name = "chameleon"
+    # Build the re-plan even when rerouting wins (the launcher does not: hybrid stages it).
+    price_all = False
 
     def __init__(self, spec: JobSpec, constants: BaselineConstants | None = None) -> None:
         self.spec = spec
@@ -74,7 +76,7 @@ class ChameleonPolicy:
             return None, {}, Reaction((STALLED,), 0.0, "stalled")
         hit = self._hit(failed)
         try:
-            decision = self.cache.decide(failed, joined)
+            decision = self.cache.decide(failed, joined, price_all=self.price_all)
         except PlanningError:
             live = sorted((set(self.plan.live_devices) - set(failed)) | set(joined))
             plan, reaction = self.fallback.restart(ctx, live, stalls=False, label="run")
@@ -108,6 +110,7 @@ class _Staged:
 
 class HybridPolicy(ChameleonPolicy):
     name = "hybrid"
+    price_all = True
 
     def __init__(self, spec: JobSpec, constants: BaselineConstants | None = None) -> None:
         super().__init__(spec, constants)
