@@ -44,7 +44,11 @@ both made here, and a third one that every asymmetric plan needs afterwards.
    3,000 random asymmetric pipeline layouts (up to 8 pipelines, 40 layers) it met that lower
    bound every time, while degree order (``largest_first``) needed one extra round in 3 of
    them (one is a test here). Both are O(V^2) at worst, on V = buckets <= a few hundred; the
-   order is deterministic because vertices are inserted sorted by layer.
+   order is deterministic because vertices are inserted sorted by layer. Buckets and conflicts
+   are found between *classes* of pipelines (same layer split, same dead stages), never device
+   by device, and both depend only on the classes, not on how many pipelines each has, so they
+   are cached: a search prices many layouts of the same few classes per event, and
+   ``allreduce_round_sizes`` prices one with device counts instead of device lists.
 
 Everything here is a pure function of its arguments: the same inputs give the same placement.
 """
@@ -52,8 +56,9 @@ Everything here is a pure function of its arguments: the same inputs give the sa
 from __future__ import annotations
 
 import heapq
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 import networkx as nx
 import numpy as np
@@ -64,6 +69,7 @@ from chameleon_elastic.spec import JobSpec
 __all__ = [
     "Placement",
     "RestoreError",
+    "allreduce_round_sizes",
     "allreduce_rounds",
     "choose_sources",
     "holder_buckets",
@@ -282,60 +288,102 @@ def _orphans(layers: Sequence[int]) -> RestoreError:
     return RestoreError(f"{what}; restoring from peers is impossible, restart from a checkpoint.")
 
 
+@dataclass
+class _SourceGroup:
+    """Layers of one size held by the same holders: the busy holders' lazy heap of
+    (key, holder) and the cursor at the lowest-id holder that may still be idle."""
+
+    size: float
+    busy: list[tuple[tuple[float, float, float, int], int]]
+    walk: Iterator[int]
+    idle: int | None
+
+
 def choose_sources(spec: JobSpec, held: dict[int, LayerRange],
                    needs: dict[int, Sequence[int]]) -> tuple[Transfer, ...]:
     """Pick a holder for every (receiver, layer) so that the busiest device finishes first.
 
     ``held``: what every live device holds now; ``needs``: layers each receiver lacks.
     Returns one ``Transfer`` per (src, dst), sorted by (src, dst), layers sorted.
+
+    Each item goes to the holder with the least LPT key (see the module docstring), exactly as
+    a scan over all its holders would choose, but without looking at most of them: at 2048
+    devices a layer has hundreds of holders and only a few of them ever send. A holder that has
+    neither sent nor received anything (*idle*) has the key ``(b, b, 0, id)``, so among idle
+    holders the least is simply the lowest id. Every layer group therefore keeps a lazy
+    min-heap of its *busy* holders only, plus a cursor walking its holders in id order to the
+    first idle one; the choice is the lesser of the two. A holder joins the heaps of its
+    groups when it turns busy (on its first send; receivers are busy from the start).
+    Holders are kept per distinct held range (a handful of classes), never per device x layer.
     """
-    holders: dict[int, list[int]] = {}
-    for d in sorted(held):
-        start, end = held[d]
-        for layer in range(start, end):
-            holders.setdefault(layer, []).append(d)
-    size = spec.model.transfer_bytes
+    size = {layer: spec.model.transfer_bytes(layer) for layers in needs.values()
+            for layer in layers}
     items = sorted(
         ((dst, layer) for dst, layers in needs.items() for layer in layers),
-        key=lambda item: (-size(item[1]), item[1], item[0]),
+        key=lambda item: (-size[item[1]], item[1], item[0]),
     )
-    received = {d: 0.0 for d in held}
+    received: dict[int, float] = {}
     for dst, layer in items:
-        received[dst] = received.get(dst, 0.0) + size(layer)
-    sent = {d: 0.0 for d in held}
+        received[dst] = received.get(dst, 0.0) + size[layer]
+    sent: dict[int, float] = {}
 
     def key(h: int, b: float) -> tuple[float, float, float, int]:
-        after = max(sent[h] + b, received[h])  # the holder's time afterwards (LPT)
-        return (after, after - max(sent[h], received[h]), sent[h], h)
+        s, r = sent.get(h, 0.0), received.get(h, 0.0)
+        after = max(s + b, r)  # the holder's time afterwards (LPT)
+        return (after, after - max(s, r), s, h)
 
-    # Lazy min-heaps of holders: keys only grow (sent only grows), so a popped entry whose key
-    # is stale is pushed back with its fresh key; the first fresh one is the minimum, the same
-    # choice as a full scan at O(log holders) per move. Layers with the same holders and size
-    # share one heap (the key depends on nothing else), so a send goes stale in few heaps.
-    heap_of: dict[int, tuple[tuple[int, ...], float]] = {}
-    heaps: dict[tuple[tuple[int, ...], float], list] = {}
+    members: dict[LayerRange, list[int]] = {}  # devices (ascending) per held range
+    for d in sorted(held):
+        members.setdefault(held[d], []).append(d)
+    busy: dict[LayerRange, list[int]] = {}
+    for d, r in received.items():
+        if r and d in held:
+            busy.setdefault(held[d], []).append(d)
+    # Layers held by the same ranges (the same holders) and of the same size share a group:
+    # the key depends on nothing else, so a send goes stale in few heaps.
+    group_of: dict[int, _SourceGroup] = {}
+    groups: dict[tuple[tuple[LayerRange, ...], float], _SourceGroup] = {}
+    groups_of_range: dict[LayerRange, list[_SourceGroup]] = {}
     moves: dict[tuple[int, int], list[int]] = {}
     for dst, layer in items:
-        b = size(layer)
-        if layer not in heap_of:
-            if not holders.get(layer):
+        b = size[layer]
+        group = group_of.get(layer)
+        if group is None:
+            ranges = tuple(r for r in members if r[0] <= layer < r[1])
+            if not ranges:
                 raise _orphans([layer])
-            heap_of[layer] = (tuple(holders[layer]), b)
-        heap = heaps.get(heap_of[layer])
-        if heap is None:
-            heap = heaps[heap_of[layer]] = [(key(h, b), h) for h in holders[layer]]
-            heapq.heapify(heap)
-        while True:
-            stored, src = heapq.heappop(heap)
-            fresh = key(src, b)
+            group = groups.get((ranges, b))
+            if group is None:
+                heap = [(key(h, b), h) for r in ranges for h in busy.get(r, ())]
+                heapq.heapify(heap)
+                walk = heapq.merge(*(members[r] for r in ranges))
+                group = groups[(ranges, b)] = _SourceGroup(b, heap, walk, next(walk, None))
+                for r in ranges:
+                    groups_of_range.setdefault(r, []).append(group)
+            group_of[layer] = group
+        heap = group.busy
+        while heap:  # lazy heap: keys only grow, so refresh stale tops until one is current
+            stored, h = heap[0]
+            fresh = key(h, b)
             if fresh == stored:
                 break
-            heapq.heappush(heap, (fresh, src))
-        sent[src] += b
-        heapq.heappush(heap, (key(src, b), src))
+            heapq.heapreplace(heap, (fresh, h))
+        while group.idle is not None and (sent.get(group.idle) or received.get(group.idle)):
+            group.idle = next(group.walk, None)  # busy ones are in the heap already
+        if group.idle is not None and (not heap or key(group.idle, b) < heap[0][0]):
+            src = group.idle
+            sent[src] = sent.get(src, 0.0) + b
+            if b:  # now busy: it joins the heap of every group it belongs to
+                busy.setdefault(held[src], []).append(src)
+                for other in groups_of_range[held[src]]:
+                    heapq.heappush(other.busy, (key(src, other.size), src))
+        else:
+            src = heap[0][1]
+            sent[src] = sent.get(src, 0.0) + b
+            heapq.heapreplace(heap, (key(src, b), src))
         moves.setdefault((src, dst), []).append(layer)
     return tuple(
-        Transfer(src, dst, tuple(sorted(layers)), float(sum(size(x) for x in layers)))
+        Transfer(src, dst, tuple(sorted(layers)), float(sum(size[x] for x in layers)))
         for (src, dst), layers in sorted(moves.items())
     )
 
@@ -380,47 +428,93 @@ def place(spec: JobSpec, current: ExecutionPlan, layout: Sequence[Pipeline],
 
 # --------------------------------------------------------------------------- all-reduce
 
+#: One class of pipelines: their layer split and the stages whose device is dead.
+_ClassKey = tuple[tuple[LayerRange, ...], tuple[int, ...]]
+#: One stage of one class: (class index, stage); every live device sits in exactly one cell.
+_Cell = tuple[int, int]
+#: A bucket at class level: the live cells holding its layers, and its layers (sorted).
+_CellBucket = tuple[frozenset[_Cell], tuple[int, ...]]
 
-def _buckets(pipelines: Sequence[Pipeline], failed: Collection[int]
-             ) -> list[tuple[tuple[int, ...], tuple[int, ...], frozenset]]:
-    """(sorted holders, sorted layers, cells) per bucket.
 
-    Pipelines with the same layer split and the same dead stages form a *class*; a *cell* is one
-    stage of one class, and every live device sits in exactly one cell. A layer's holders are
-    the union of the live cells holding it, so two layers share a bucket exactly when they sit
-    in the same live cells, and two buckets share a device exactly when they share a cell. That
-    keeps both bucketing and the conflict graph linear in the devices at 2048 devices, instead
-    of a walk over every device's every layer.
+def _classes(pipelines: Sequence[Pipeline], failed: Collection[int]
+             ) -> dict[_ClassKey, list[Pipeline]]:
+    """Pipelines grouped by layer split and dead stages, classes in order of first appearance.
+
+    A layout of 512 pipelines has a handful of classes; everything after this pass works on
+    the classes (and their sizes), never on the devices.
     """
     dead = set(failed)
-    classes: dict[tuple, list[Pipeline]] = {}
+    classes: dict[_ClassKey, list[Pipeline]] = {}
     for p in pipelines:
-        classes.setdefault((p.layers, tuple(d in dead for d in p.devices)), []).append(p)
-    num_layers = max(p.layers[-1][1] for p in pipelines)
-    cells_of_layer: list[list[tuple[int, int]]] = [[] for _ in range(num_layers)]
-    cell_devices: dict[tuple[int, int], list[int]] = {}
-    for c, ((layers, dead_mask), members) in enumerate(classes.items()):
-        for s, (start, end) in enumerate(layers):
-            if dead_mask[s]:
-                continue
-            cell_devices[(c, s)] = [p.devices[s] for p in members]
-            for layer in range(start, end):
-                cells_of_layer[layer].append((c, s))
-    by_cells: dict[tuple[tuple[int, int], ...], list[int]] = {}
+        dead_stages = tuple(s for s, d in enumerate(p.devices) if d in dead) if dead else ()
+        classes.setdefault((p.layers, dead_stages), []).append(p)
+    return classes
+
+
+@lru_cache(maxsize=128)
+def _cell_buckets(structure: tuple[_ClassKey, ...]) -> tuple[_CellBucket, ...]:
+    """Every bucket of layers with a live holder, ordered by layers.
+
+    A layer's holders are the union of the live cells holding it, so two layers share a bucket
+    exactly when they sit in the same live cells, and two buckets share a device exactly when
+    they share a cell. This depends on the class structure only, not on how many pipelines each
+    class has, and the same structures recur from one re-plan to the next: hence the cache.
+    """
+    num_layers = max(split[-1][1] for split, _ in structure)
+    cells_of_layer: list[list[_Cell]] = [[] for _ in range(num_layers)]
+    for c, (split, dead_stages) in enumerate(structure):
+        for s, (start, end) in enumerate(split):
+            if s not in dead_stages:
+                for layer in range(start, end):
+                    cells_of_layer[layer].append((c, s))
+    by_cells: dict[tuple[_Cell, ...], list[int]] = {}
     for layer, cells in enumerate(cells_of_layer):
         if cells:
             by_cells.setdefault(tuple(cells), []).append(layer)
-    out = []
-    for cells, layers in by_cells.items():
-        devices = sorted(d for cell in cells for d in cell_devices[cell])
-        out.append((tuple(devices), tuple(layers), frozenset(cells)))
-    return out
+    # Layers are visited in order and buckets are disjoint, so this is already layer order.
+    return tuple((frozenset(cells), tuple(layers)) for cells, layers in by_cells.items())
+
+
+@lru_cache(maxsize=256)
+def _colours(cell_sets: tuple[frozenset[_Cell], ...]) -> tuple[int, ...]:
+    """DSatur colour of each bucket, two buckets conflicting when they share a cell.
+
+    Quadratic in the buckets, so cached on the cell structure, which recurs across events.
+    """
+    conflicts = nx.Graph()
+    conflicts.add_nodes_from(range(len(cell_sets)))
+    conflicts.add_edges_from(
+        (u, v) for u in range(len(cell_sets)) for v in range(u + 1, len(cell_sets))
+        if not cell_sets[u].isdisjoint(cell_sets[v])
+    )
+    colour = nx.greedy_color(conflicts, strategy="saturation_largest_first")
+    return tuple(colour[k] for k in range(len(cell_sets)))
+
+
+def _rounds(pipelines: Sequence[Pipeline], failed: Collection[int]
+            ) -> tuple[list[list[Pipeline]], tuple[tuple[_CellBucket, ...], ...]]:
+    """The members of each class, and the buckets needing a reduction by round."""
+    classes = _classes(pipelines, failed)
+    members = list(classes.values())
+    shared = [(cells, layers) for cells, layers in _cell_buckets(tuple(classes))
+              if sum(len(members[c]) for c, _ in cells) > 1]
+    colours = _colours(tuple(cells for cells, _ in shared))
+    rounds: dict[int, list[_CellBucket]] = {}
+    for colour, bucket in zip(colours, shared):
+        rounds.setdefault(colour, []).append(bucket)
+    return members, tuple(tuple(rounds[c]) for c in sorted(rounds))
+
+
+def _devices(members: list[list[Pipeline]], cells: frozenset[_Cell]) -> tuple[int, ...]:
+    return tuple(sorted(p.devices[s] for c, s in cells for p in members[c]))
 
 
 def holder_buckets(pipelines: Sequence[Pipeline],
                    failed: Collection[int] = ()) -> dict[tuple[int, ...], tuple[int, ...]]:
     """Sorted holder set -> sorted layers it holds exactly; every layer with any live holder."""
-    return {devices: layers for devices, layers, _ in _buckets(pipelines, failed)}
+    classes = _classes(pipelines, failed)
+    members = list(classes.values())
+    return {_devices(members, cells): layers for cells, layers in _cell_buckets(tuple(classes))}
 
 
 def allreduce_rounds(pipelines: Sequence[Pipeline],
@@ -429,20 +523,26 @@ def allreduce_rounds(pipelines: Sequence[Pipeline],
 
     Under reroute the dead devices' data-parallel peers already hold the same layers, so
     excluding ``failed`` loses nothing. Single-holder buckets need no reduction and are left out.
+    Groups are ordered by layers within a round.
     """
-    found = sorted((b for b in _buckets(pipelines, failed) if len(b[0]) > 1),
-                   key=lambda b: (b[1], b[0]))
-    if not found:
-        return ()
-    groups = [AllReduceGroup(layers=layers, devices=devices) for devices, layers, _ in found]
-    conflicts = nx.Graph()
-    conflicts.add_nodes_from(range(len(groups)))
-    conflicts.add_edges_from(
-        (u, v) for u in range(len(found)) for v in range(u + 1, len(found))
-        if not found[u][2].isdisjoint(found[v][2])
+    members, rounds = _rounds(pipelines, failed)
+    return tuple(
+        tuple(AllReduceGroup(layers=layers, devices=_devices(members, cells))
+              for cells, layers in rnd)
+        for rnd in rounds
     )
-    colour = nx.greedy_color(conflicts, strategy="saturation_largest_first")
-    rounds: dict[int, list[AllReduceGroup]] = {}
-    for k, g in enumerate(groups):
-        rounds.setdefault(colour[k], []).append(g)
-    return tuple(tuple(rounds[c]) for c in sorted(rounds))
+
+
+def allreduce_round_sizes(pipelines: Sequence[Pipeline], failed: Collection[int] = ()
+                          ) -> tuple[tuple[tuple[tuple[int, ...], int], ...], ...]:
+    """Per round, per group: (layers, number of devices), exactly the rounds
+    ``allreduce_rounds(pipelines, failed)`` returns, without the device lists.
+
+    Pricing a candidate layout needs only these (a ring's time depends on its layers and its
+    size), and a class's devices are counted, never listed: a search prices many layouts.
+    """
+    members, rounds = _rounds(pipelines, failed)
+    return tuple(
+        tuple((layers, sum(len(members[c]) for c, _ in cells)) for cells, layers in rnd)
+        for rnd in rounds
+    )
