@@ -35,7 +35,7 @@ from typing import Literal
 from ..plan import ExecutionPlan, PeerShare, Pipeline, Reroute
 from ..spec import JobSpec
 from . import estimator
-from .restorer import allreduce_rounds, place
+from .restorer import allreduce_round_sizes, allreduce_rounds, place
 
 __all__ = [
     "Decision",
@@ -359,12 +359,17 @@ def _best_layout(spec: JobSpec, current: ExecutionPlan, failed: Collection[int],
     for layout in sorted(layouts, key=lambda lay: (lay.compute_s, -len(lay.pipelines))):
         if layout.compute_s >= best_step:
             break
-        probe = ExecutionPlan("replan", 0, layout.pipelines)
-        step = layout.compute_s + estimator.allreduce_time(
-            spec, replace(probe, allreduce_rounds=allreduce_rounds(probe.pipelines)))
+        step = layout.compute_s + _allreduce_s(spec, layout.pipelines)
         if step < best_step:
             best, best_step = layout, step
     return live, best, best_step
+
+
+def _allreduce_s(spec: JobSpec, pipelines: Sequence[Pipeline]) -> float:
+    """``estimator.allreduce_time`` of the rounds the restorer will build for this layout,
+    priced from group sizes alone (no device lists: a search prices many layouts)."""
+    return math.fsum(max((estimator.ring_time(spec, layers, n) for layers, n in rnd), default=0.0)
+                     for rnd in allreduce_round_sizes(pipelines))
 
 
 def _placed(spec: JobSpec, current: ExecutionPlan, layout: _Layout,
