@@ -19,7 +19,10 @@ Step time = pipeline compute + gradient all-reduce.
   its dead members; the fractional share is replaced by the busiest peer's whole number of
   absorbed micro-batches (equal when shares are even). Otherwise, or on request
   (``simulate_reroute``), the pipelines that rerouting couples (the dead devices' and their
-  peers') are simulated together from their device orders; the others use ``pipeline_time``.
+  peers') are timed in the orders ``device_orders`` gives them, one group of pipelines that
+  share devices at a time (``schedule.coupled_makespan``, memoised per group shape with
+  devices renumbered by position, so recurring groups are timed once); the others use
+  ``pipeline_time``.
   With several layer groups hit the closed form adds their penalties while the executed order
   overlaps them, so it is pessimistic there (docs/estimator.md has the numbers).
 - All-reduce: the plan's colour rounds run one after another; inside a round, groups run in
@@ -30,7 +33,8 @@ Step time = pipeline compute + gradient all-reduce.
 Peak memory of a working device: resident ``2 * param + optimizer`` bytes per held layer, plus
 its layers' activations times the most micro-batches in flight on it: ``min(N_pp - i, N_m)``
 at stage ``i`` under plain 1F1B (the paper's ``(N_pp - i) N_l_i m_a``), and counted from its
-merged order for a peer that also serves a dead device's micro-batches.
+merged order for a peer that also serves a dead device's micro-batches
+(``schedule.streams_in_flight_peak``, memoised per pattern of served streams).
 
 Transition: initial and reroute cost nothing (no reconfiguration); a re-plan costs its weight
 transfer (the busiest device's bytes in or out over the bandwidth) plus the cluster's restart
@@ -49,12 +53,11 @@ from functools import lru_cache
 from ..plan import AllReduceGroup, Estimate, ExecutionPlan, Pipeline, Transfer
 from ..spec import JobSpec, ModelProfile
 from .schedule import (
-    Op,
-    device_orders,
-    in_flight_peak,
-    orders_of_devices,
+    Lane,
+    Stream,
+    coupled_makespan,
     pipeline_schedule,
-    simulate,
+    streams_in_flight_peak,
 )
 
 __all__ = [
@@ -177,20 +180,16 @@ def compute_time(spec: JobSpec, plan: ExecutionPlan, *, simulate_reroute: bool =
     """
     _check_plan(spec, plan)
     if not plan.reroute:
-        return max(_pipeline_time(spec, pipe) for pipe in plan.pipelines)
+        return _slowest_alone(spec, plan.pipelines)
     closed = None if simulate_reroute else reroute_closed_form(spec, plan)
     if closed is not None:
         return closed
-    coupled = _coupled_pipelines(plan)
-    rest = [_pipeline_time(spec, pipe) for p, pipe in enumerate(plan.pipelines)
-            if p not in coupled]
-    orders = device_orders(plan, pipelines=sorted(coupled))
-    times = {p: _times(spec, plan.pipelines[p]) for p in coupled}
-
-    def duration(op: Op) -> float:
-        return times[op.pipeline][op.stage][0 if op.kind == "F" else 1]
-
-    return max([simulate(orders, duration).makespan, *rest])
+    components = _coupled_components(plan)
+    coupled = {p for comp in components for p in comp}
+    rest = [pipe for p, pipe in enumerate(plan.pipelines) if p not in coupled]
+    times: dict[tuple[tuple[int, int], ...], tuple[tuple[float, float], ...]] = {}
+    return max([*(_component_makespan(_lanes(spec, plan, comp, times)) for comp in components),
+                *([_slowest_alone(spec, rest)] if rest else [])])
 
 
 def reroute_closed_form(spec: JobSpec, plan: ExecutionPlan) -> float | None:
@@ -250,30 +249,29 @@ def step_time(spec: JobSpec, plan: ExecutionPlan, *, simulate_reroute: bool = Fa
 def peak_memory(spec: JobSpec, plan: ExecutionPlan) -> dict[int, float]:
     """Peak bytes per working device (spares and dead devices are absent)."""
     _check_plan(spec, plan)
-    dead = set(plan.failed_devices)
-    peers = {share.device for r in plan.reroute for share in r.peers}
-    where: dict[int, tuple[int, int]] = {}
-    for p, pipe in enumerate(plan.pipelines):
-        for s, d in enumerate(pipe.devices):
-            if d in peers:
-                where[d] = (p, s)
-    orders = orders_of_devices(plan, where)
-    out: dict[int, float] = {}
     memo: dict[tuple[int, int, int], float] = {}  # a few distinct stages, thousands of devices
-    for pipe in plan.pipelines:
-        for s, d in enumerate(pipe.devices):
-            if d in dead:
-                continue
-            start, end = pipe.layers[s]
-            if d in orders:  # foreign activations are of the same layers: count micro-batches
-                in_flight = int(in_flight_peak(orders[d]))
-            else:
-                in_flight = min(pipe.num_stages - s, pipe.micro_batches)
-            key = (start, end, in_flight)
-            if key not in memo:
-                memo[key] = stage_memory(spec, start, end, in_flight)
-            out[d] = memo[key]
-    return dict(sorted(out.items()))
+
+    def memory(layers: tuple[int, int], in_flight: int) -> float:
+        key = (*layers, in_flight)
+        if key not in memo:
+            memo[key] = stage_memory(spec, *layers, in_flight)
+        return memo[key]
+
+    plain: dict[tuple[tuple[tuple[int, int], ...], int], list[float]] = {}  # per shape
+    out: dict[int, float] = {}
+    for pipe in plan.pipelines:  # plain 1F1B: min(N_pp - s, N_m) micro-batches in flight
+        shape = (pipe.layers, pipe.micro_batches)
+        if shape not in plain:
+            n = pipe.num_stages
+            plain[shape] = [memory(rng, min(n - s, pipe.micro_batches))
+                            for s, rng in enumerate(pipe.layers)]
+        out.update(zip(pipe.devices, plain[shape]))
+    # A peer's foreign activations are of its own layers: count its micro-batches in flight.
+    for d, (layers, streams) in _served_streams(plan).items():
+        out[d] = memory(layers, streams_in_flight_peak(streams))
+    for d in plan.failed_devices:
+        out.pop(d, None)
+    return {d: out[d] for d in sorted(out)}
 
 
 def fits_in_memory(spec: JobSpec, plan: ExecutionPlan) -> bool:
@@ -345,17 +343,124 @@ def _times(spec: JobSpec, pipe: Pipeline) -> tuple[tuple[float, float], ...]:
     return tuple(stage_times(spec, a, b) for a, b in pipe.layers)
 
 
-def _pipeline_time(spec: JobSpec, pipe: Pipeline) -> float:
-    return _pipeline_time_of(spec.model, pipe.layers, pipe.micro_batches)
+def _slowest_alone(spec: JobSpec, pipelines: Iterable[Pipeline]) -> float:
+    """Makespan of the slowest of pipelines that share no device, each priced once per
+    distinct ``(layers, quota)``: hundreds of pipelines, a handful of shapes, and every memo
+    lookup hashes the whole model profile."""
+    shapes = {(pipe.layers, pipe.micro_batches) for pipe in pipelines}
+    return max(_pipeline_time_of(spec.model, layers, nm) for layers, nm in shapes)
 
 
 def _ring_time(spec: JobSpec, group: AllReduceGroup) -> float:
     return ring_time(spec, group.layers, len(group.devices))
 
 
-def _coupled_pipelines(plan: ExecutionPlan) -> set[int]:
-    """Pipelines whose operations rerouting mixes: the dead devices' and their peers'."""
+def _coupled_components(plan: ExecutionPlan) -> list[list[int]]:
+    """Pipelines that rerouting couples (a dead device's with its peers'), split into groups
+    that share no device, each sorted: the groups time independently, so the step waits for
+    the slowest, and recurring groups hit ``_component_makespan``'s memo."""
     owner = {d: p for p, pipe in enumerate(plan.pipelines) for d in pipe.devices}
+    parent = list(range(len(plan.pipelines)))
+
+    def root(p: int) -> int:
+        while parent[p] != p:
+            parent[p] = parent[parent[p]]
+            p = parent[p]
+        return p
+
     coupled = {r.pipeline for r in plan.reroute}
-    coupled.update(owner[share.device] for r in plan.reroute for share in r.peers)
-    return coupled
+    for r in plan.reroute:
+        for share in r.peers:
+            q = owner[share.device]
+            coupled.add(q)
+            a, b = root(r.pipeline), root(q)
+            if a != b:
+                parent[max(a, b)] = min(a, b)
+    groups: dict[int, list[int]] = {}
+    for p in sorted(coupled):
+        groups.setdefault(root(p), []).append(p)
+    return list(groups.values())
+
+
+def _lanes(spec: JobSpec, plan: ExecutionPlan, component: Sequence[int],
+           times: dict[tuple[tuple[int, int], ...], tuple[tuple[float, float], ...]]
+           ) -> tuple[Lane, ...]:
+    """A component as position-free lanes: devices renumbered by their home (lane, stage), so
+    the same shape anywhere in any plan gives the same key. ``times`` memoises stage times per
+    layer split across the components of one plan."""
+    local: dict[int, int] = {}
+    for p in component:
+        for d in plan.pipelines[p].devices:
+            local[d] = len(local)
+    reroutes = {r.device: r for r in plan.reroute}
+    lanes = []
+    for p in component:
+        pipe = plan.pipelines[p]
+        servers = tuple(tuple(local[share.device] for share in reroutes[d].peers)
+                        if d in reroutes else (local[d],) for d in pipe.devices)
+        if pipe.layers not in times:
+            times[pipe.layers] = _times(spec, pipe)
+        lanes.append((times[pipe.layers], pipe.micro_batches, servers))
+    return tuple(lanes)
+
+
+_MEMO_LANES = 32
+"""Largest group of coupled pipelines worth a memo entry. Small groups recur (the same few
+pipelines coupled the same way at many places and events); a large one is reshuffled by
+nearly every failure, so keeping it would only hold hundreds of kilobytes per entry."""
+
+
+def _component_makespan(lanes: tuple[Lane, ...]) -> float:
+    if len(lanes) > _MEMO_LANES:
+        return coupled_makespan(lanes)
+    return _small_component_makespan(lanes)
+
+
+@lru_cache(maxsize=1 << 12)
+def _small_component_makespan(lanes: tuple[Lane, ...]) -> float:
+    return coupled_makespan(lanes)
+
+
+def _served_streams(plan: ExecutionPlan
+                    ) -> dict[int, tuple[tuple[int, int], tuple[Stream, ...]]]:
+    """Per peer device, its layers and its streams: its own stage plus the parts of the dead
+    stages it serves.
+
+    Pipelines are ranked among those the device touches (ties in nominal start go by pipeline
+    index), which makes equal patterns at different places share ``streams_in_flight_peak``.
+    """
+    parts: dict[int, dict[int, list[int]]] = {}  # peer -> reroute index -> its positions
+    for i, r in enumerate(plan.reroute):
+        for j, share in enumerate(r.peers):
+            parts.setdefault(share.device, {}).setdefault(i, []).append(j)
+    pipes = plan.pipelines
+    dead_stage = [(r.pipeline, (pipes[r.pipeline].num_stages, r.stage,
+                                pipes[r.pipeline].micro_batches, len(r.peers)))
+                  for r in plan.reroute]
+    out: dict[int, tuple[tuple[int, int], tuple[Stream, ...]]] = {}
+    for p, pipe in enumerate(pipes):
+        for s, d in enumerate(pipe.devices):
+            mine = parts.get(d)
+            if mine is None:
+                continue
+            own = (pipe.num_stages, s, pipe.micro_batches, 1, (0,))
+            if len(mine) == 1:  # the usual peer: its own stage and one dead stage
+                ((i, positions),) = mine.items()
+                q, shape = dead_stage[i]
+                other = (*shape, tuple(positions))
+                if p != q:
+                    out[d] = (pipe.layers[s], ((0, *own), (1, *other)) if p < q
+                              else ((0, *other), (1, *own)))
+                    continue
+            found = [(p, *own)]
+            found.extend((dead_stage[i][0], *dead_stage[i][1], tuple(js))
+                         for i, js in mine.items())
+            found.sort()
+            ranked: list[Stream] = []
+            rank, previous = -1, -1
+            for q, *rest in found:  # pipeline index -> rank among the ones found
+                if q != previous:
+                    rank, previous = rank + 1, q
+                ranked.append((rank, *rest))
+            out[d] = (pipe.layers[s], tuple(ranked))
+    return out

@@ -15,6 +15,7 @@ from chameleon_elastic.plan import ExecutionPlan, PeerShare, Pipeline, Reroute
 from chameleon_elastic.planning.schedule import (
     Op,
     ScheduleError,
+    coupled_makespan,
     dependency,
     device_order,
     device_orders,
@@ -24,6 +25,7 @@ from chameleon_elastic.planning.schedule import (
     one_f_one_b,
     pipeline_schedule,
     simulate,
+    streams_in_flight_peak,
 )
 
 # --------------------------------------------------------------------------- plan builders
@@ -305,3 +307,45 @@ def test_device_orders_restricted_to_some_pipelines() -> None:
     assert set(part) == {0, 2, 3, 5}  # device 5 (pipeline 2) serves some of dead device 1's work
     assert {op.pipeline for order in part.values() for op in order} == {0, 1}
     assert all(op.pipeline == 0 for op in part[5])
+
+
+# --------------------------------------------------------------------------- fast paths
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(plans(), st.randoms(use_true_random=False))
+def test_coupled_makespan_and_streams_match_the_built_orders(plan: ExecutionPlan,
+                                                             rnd: random.Random) -> None:
+    """The one-pass timing and the Op-free in-flight count against ``simulate`` and
+    ``in_flight_peak`` of ``device_orders``, with arbitrary per-stage durations."""
+    times = [tuple((rnd.choice([0.25, 0.5, 1.0, 3.0]), rnd.choice([0.5, 1.0, 2.0]))
+                   for _ in pipe.devices) for pipe in plan.pipelines]
+    reroutes = {r.device: r for r in plan.reroute}
+    lanes = [(times[p], pipe.micro_batches,
+              tuple(tuple(sh.device for sh in reroutes[d].peers) if d in reroutes else (d,)
+                    for d in pipe.devices))
+             for p, pipe in enumerate(plan.pipelines)]
+    orders = device_orders(plan)
+    expected = simulate(orders, lambda op: times[op.pipeline][op.stage][op.kind == "B"])
+    assert coupled_makespan(lanes) == expected.makespan
+
+    for d, order in orders.items():
+        p, s = plan.locate(d)
+        found = [(p, s, 1, (0,))]
+        for r in plan.reroute:
+            positions = tuple(j for j, sh in enumerate(r.peers) if sh.device == d)
+            if positions:
+                found.append((r.pipeline, r.stage, len(r.peers), positions))
+        pipes = plan.pipelines
+        streams = tuple((q, pipes[q].num_stages, st_, pipes[q].micro_batches, period, res)
+                        for q, st_, period, res in found)
+        assert streams_in_flight_peak(streams) == in_flight_peak(order)
+
+
+def test_a_repeated_peer_runs_each_operation_once() -> None:
+    pipes = (Pipeline((0, 1), ((0, 1), (1, 2)), 3), Pipeline((2, 3), ((0, 1), (1, 2)), 3))
+    plan = ExecutionPlan("reroute", 1, pipes, failed_devices=(1,), reroute=(
+        Reroute(1, 0, 1, (PeerShare(3, 2), PeerShare(3, 1))),)).validate()
+    order = device_order(plan, 3)
+    assert order == device_orders(plan)[3]
+    assert len(order) == len({op.key for op in order}) == 12
