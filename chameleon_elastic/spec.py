@@ -84,10 +84,12 @@ class TrainingSpec:
 
 @dataclass(frozen=True)
 class PlannerSpec:
-    """Search ranges (the paper's R_dp and R_pp) and the plan-cache depth."""
+    """Search ranges (the paper's R_dp and R_pp), whether pipeline-length templates widen
+    them (``planning.search._candidate_shapes``), and the plan-cache depth."""
 
     dp_radius: int = 2
     pp_radius: int = 2
+    templates: bool = True
     cache_failures: int = 2
 
 
@@ -205,6 +207,13 @@ def _integer(section: Mapping[str, Any], name: str, key: str, *, minimum: int = 
     return value
 
 
+def _boolean(section: Mapping[str, Any], name: str, key: str, *, default: bool) -> bool:
+    value = section.get(key, default)
+    if not isinstance(value, bool):
+        raise SpecError(f"{name}.{key} = {value!r} is invalid; expected true or false.")
+    return value
+
+
 def _per_layer(section: Mapping[str, Any], key: str, layers: int, *,
                strict: bool) -> tuple[float, ...]:
     if key not in section:
@@ -287,10 +296,11 @@ def _parse(data: Mapping[str, Any], name: str) -> JobSpec:
         )
 
     p = _section(data, "planner", required=False)
-    _reject_unknown(p, "planner", ("dp_radius", "pp_radius", "cache_failures"))
+    _reject_unknown(p, "planner", ("dp_radius", "pp_radius", "templates", "cache_failures"))
     planner = PlannerSpec(
         dp_radius=_integer(p, "planner", "dp_radius", minimum=0, default=2),
         pp_radius=_integer(p, "planner", "pp_radius", minimum=0, default=2),
+        templates=_boolean(p, "planner", "templates", default=True),
         cache_failures=_integer(p, "planner", "cache_failures", minimum=0, default=2),
     )
     job_name = data.get("name", name)

@@ -33,6 +33,13 @@ def write(tmp_path: Path, text: str) -> Path:
     return path
 
 
+def test_planner_templates_default_on_and_can_be_turned_off(tmp_path):
+    assert JobSpec.from_toml(write(tmp_path, GOOD)).planner.templates is True
+    off = JobSpec.from_toml(write(tmp_path, GOOD + "[planner]\ntemplates = false\n"))
+    assert off.planner.templates is False
+    assert JobSpec.from_dict(off.to_dict()) == off
+
+
 def test_scalar_and_list_per_layer_figures(tmp_path):
     spec = JobSpec.from_toml(write(tmp_path, GOOD))
     assert spec.model.forward_s == (0.01,) * 4
@@ -58,6 +65,8 @@ def test_scalar_and_list_per_layer_figures(tmp_path):
         (("global_micro_batches = 64", "global_micro_batches = 3"), ["less than training.dp"]),
         (("device_memory_bytes = 64e9", "device_memory_bytes = 'big'"),
          ["cluster.device_memory_bytes", "'big'", "finite number"]),
+        (("global_micro_batches = 64", "global_micro_batches = 64\n[planner]\ntemplates = 1"),
+         ["planner.templates", "1", "true or false"]),
     ],
 )
 def test_bad_values_name_key_value_and_expectation(tmp_path, change, words):

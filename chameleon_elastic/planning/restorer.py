@@ -56,7 +56,7 @@ Everything here is a pure function of its arguments: the same inputs give the sa
 from __future__ import annotations
 
 import heapq
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -69,9 +69,11 @@ from chameleon_elastic.spec import JobSpec
 __all__ = [
     "Placement",
     "RestoreError",
+    "RoundSizes",
     "allreduce_round_sizes",
     "allreduce_rounds",
     "choose_sources",
+    "class_round_sizes",
     "holder_buckets",
     "holdings",
     "place",
@@ -491,18 +493,16 @@ def _colours(cell_sets: tuple[frozenset[_Cell], ...]) -> tuple[int, ...]:
     return tuple(colour[k] for k in range(len(cell_sets)))
 
 
-def _rounds(pipelines: Sequence[Pipeline], failed: Collection[int]
-            ) -> tuple[list[list[Pipeline]], tuple[tuple[_CellBucket, ...], ...]]:
-    """The members of each class, and the buckets needing a reduction by round."""
-    classes = _classes(pipelines, failed)
-    members = list(classes.values())
-    shared = [(cells, layers) for cells, layers in _cell_buckets(tuple(classes))
-              if sum(len(members[c]) for c, _ in cells) > 1]
+def _class_rounds(structure: tuple[_ClassKey, ...], counts: Sequence[int]
+                  ) -> tuple[tuple[_CellBucket, ...], ...]:
+    """The buckets needing a reduction (more than one live holder), by round."""
+    shared = [(cells, layers) for cells, layers in _cell_buckets(structure)
+              if sum(counts[c] for c, _ in cells) > 1]
     colours = _colours(tuple(cells for cells, _ in shared))
     rounds: dict[int, list[_CellBucket]] = {}
     for colour, bucket in zip(colours, shared):
         rounds.setdefault(colour, []).append(bucket)
-    return members, tuple(tuple(rounds[c]) for c in sorted(rounds))
+    return tuple(tuple(rounds[c]) for c in sorted(rounds))
 
 
 def _devices(members: list[list[Pipeline]], cells: frozenset[_Cell]) -> tuple[int, ...]:
@@ -525,7 +525,9 @@ def allreduce_rounds(pipelines: Sequence[Pipeline],
     excluding ``failed`` loses nothing. Single-holder buckets need no reduction and are left out.
     Groups are ordered by layers within a round.
     """
-    members, rounds = _rounds(pipelines, failed)
+    classes = _classes(pipelines, failed)
+    members = list(classes.values())
+    rounds = _class_rounds(tuple(classes), [len(m) for m in members])
     return tuple(
         tuple(AllReduceGroup(layers=layers, devices=_devices(members, cells))
               for cells, layers in rnd)
@@ -533,16 +535,21 @@ def allreduce_rounds(pipelines: Sequence[Pipeline],
     )
 
 
-def allreduce_round_sizes(pipelines: Sequence[Pipeline], failed: Collection[int] = ()
-                          ) -> tuple[tuple[tuple[tuple[int, ...], int], ...], ...]:
-    """Per round, per group: (layers, number of devices), exactly the rounds
-    ``allreduce_rounds(pipelines, failed)`` returns, without the device lists.
+#: Per round, per group: (layers, number of devices).
+RoundSizes = tuple[tuple[tuple[tuple[int, ...], int], ...], ...]
 
-    Pricing a candidate layout needs only these (a ring's time depends on its layers and its
-    size), and a class's devices are counted, never listed: a search prices many layouts.
-    """
-    members, rounds = _rounds(pipelines, failed)
-    return tuple(
-        tuple((layers, sum(len(members[c]) for c, _ in cells)) for cells, layers in rnd)
-        for rnd in rounds
-    )
+
+def allreduce_round_sizes(pipelines: Sequence[Pipeline], failed: Collection[int] = ()
+                          ) -> RoundSizes:
+    """Exactly the rounds ``allreduce_rounds(pipelines, failed)`` returns, as (layers, number
+    of devices) per group, without the device lists: a ring's time needs nothing more."""
+    return class_round_sizes({key: len(m) for key, m in _classes(pipelines, failed).items()})
+
+
+def class_round_sizes(counts: Mapping[_ClassKey, int]) -> RoundSizes:
+    """``allreduce_round_sizes`` of pipelines given as a count per class ((layer split, dead
+    stages) -> how many, in order of first appearance). A search prices candidate layouts of
+    thousands of pipelines this way, from a handful of classes, before building any of them."""
+    structure, n = tuple(counts), tuple(counts.values())
+    return tuple(tuple((layers, sum(n[c] for c, _ in cells)) for cells, layers in rnd)
+                 for rnd in _class_rounds(structure, n))

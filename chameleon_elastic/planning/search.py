@@ -29,13 +29,13 @@ import itertools
 import math
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import Literal
 
 from ..plan import ExecutionPlan, PeerShare, Pipeline, Reroute
-from ..spec import JobSpec
+from ..spec import PER_LAYER_KEYS, JobSpec, ModelProfile
 from . import estimator
-from .restorer import allreduce_round_sizes, allreduce_rounds, place
+from .restorer import allreduce_rounds, class_round_sizes, place
 
 __all__ = [
     "Decision",
@@ -52,7 +52,8 @@ __all__ = [
 PolicyChoice = Literal["auto", "reroute", "replan"]
 
 # C(N_pp, r) layer splits are enumerated exactly up to this many; beyond it (very long
-# pipelines) only a few structured candidates are tried, which is exact for uniform layers.
+# pipelines) only the structured choices are tried (exact for uniform layers, see
+# ``_split_layers_cached``).
 MAX_SPLIT_ENUMERATION = 2048
 
 
@@ -106,30 +107,46 @@ def _ranges(sizes: Iterable[int]) -> tuple[tuple[int, int], ...]:
     return tuple(out)
 
 
-def _split_candidates(num_layers: int, stages: int) -> Iterable[tuple[tuple[int, int], ...]]:
-    base, extra = divmod(num_layers, stages)
-    if math.comb(stages, extra) <= MAX_SPLIT_ENUMERATION:
-        choices: Iterable[Collection[int]] = itertools.combinations(range(stages), extra)
-    else:
-        # Extras last (least activation memory), first, or evenly spaced.
-        step = stages / extra
-        choices = [range(stages - extra, stages), range(extra),
-                   sorted({int(i * step) for i in range(extra)})]
-    for chosen in choices:
-        picked = set(chosen)
-        yield _ranges(base + (1 if s in picked else 0) for s in range(stages))
+def _structured_choices(stages: int, extra: int) -> list[tuple[int, ...]]:
+    """Which stages get a leftover layer: the first ones, evenly spaced, or the last ones
+    (least activation memory), in the order ``itertools.combinations`` would visit them."""
+    step = stages / extra if extra else 1.0
+    return sorted({tuple(range(extra)), tuple(sorted({int(i * step) for i in range(extra)})),
+                   tuple(range(stages - extra, stages))})
+
+
+def _uniform(model: ModelProfile) -> bool:
+    return all(len(set(getattr(model, key))) <= 1 for key in PER_LAYER_KEYS)
 
 
 @lru_cache(maxsize=4096)
 def _split_layers_cached(spec: JobSpec, stages: int, quota: int):
-    best, best_time = None, math.inf
-    for layers in _split_candidates(spec.model.layers, stages):
-        if not _fits(spec, layers, quota):
-            continue
-        t = estimator.pipeline_time(spec, layers, quota)
-        if t < best_time - 1e-12:
-            best, best_time = layers, t
-    return best
+    base, extra = divmod(spec.model.layers, stages)
+
+    def fastest(choices: Iterable[Collection[int]], must_fit: bool = True):
+        """The first split (in the given order) with the least pipeline time."""
+        best, best_time = None, math.inf
+        for chosen in choices:
+            picked = set(chosen)
+            layers = _ranges(base + (1 if s in picked else 0) for s in range(stages))
+            if must_fit and not _fits(spec, layers, quota):
+                continue
+            t = estimator.pipeline_time(spec, layers, quota)
+            if t < best_time - 1e-12:
+                best, best_time = layers, t
+        return best
+
+    structured = _structured_choices(stages, extra)
+    if _uniform(spec.model):
+        # With identical layers the fastest split is always a structured one, and the very one
+        # the enumeration below picks, ties included (tests/planning/test_search.py checks it):
+        # when that split fits, the C(N_pp, r) walk is not needed.
+        best = fastest(structured, must_fit=False)
+        if best is not None and _fits(spec, best, quota):
+            return best
+    if math.comb(stages, extra) <= MAX_SPLIT_ENUMERATION:
+        return fastest(itertools.combinations(range(stages), extra))
+    return fastest(structured)
 
 
 def split_layers(spec: JobSpec, stages: int, quota: int) -> tuple[tuple[int, int], ...] | None:
@@ -140,48 +157,107 @@ def split_layers(spec: JobSpec, stages: int, quota: int) -> tuple[tuple[int, int
     return _split_layers_cached(spec, stages, max(quota, 1))
 
 
-def _balanced(devices: int, dp: int) -> tuple[int, ...]:
+#: Pipeline lengths in slot order as runs: ((length, how many pipelines), ...). Candidate
+#: layouts of thousands of pipelines have one or two runs, so nothing below is per pipeline.
+Shape = tuple[tuple[int, int], ...]
+#: A layer split, one [start, end) per stage.
+Split = tuple[tuple[int, int], ...]
+
+
+def _balanced(devices: int, dp: int) -> Shape:
+    """``dp`` pipelines over ``devices`` devices, lengths differing by at most one, longer
+    first."""
     q, r = divmod(devices, dp)
-    return tuple([q + 1] * r + [q] * (dp - r))
+    return tuple((n, k) for n, k in ((q + 1, r), (q, dp - r)) if k)
 
 
 @dataclass(frozen=True)
 class _Layout:
-    """A candidate layout on slot numbers, before devices are placed."""
+    """A candidate layout on slot numbers, before devices are placed: runs of identical
+    pipelines ``(layer split, quota, how many)`` in slot order, and the slowest one's time."""
 
-    pipelines: tuple[Pipeline, ...]
+    runs: tuple[tuple[Split, int, int], ...]
     compute_s: float
 
+    @property
+    def num_pipelines(self) -> int:
+        return sum(count for _, _, count in self.runs)
 
-def _layout_for(spec: JobSpec, lengths: tuple[int, ...]) -> _Layout | None:
-    """Pipelines of the given lengths, each with the layer split and micro-batch quota that
+    def split_counts(self) -> dict[tuple[Split, tuple[int, ...]], int]:
+        """Pipelines per layer split (no dead stages): the classes all-reduce is priced by."""
+        counts: dict[tuple[Split, tuple[int, ...]], int] = {}
+        for split, _, count in self.runs:
+            counts[(split, ())] = counts.get((split, ()), 0) + count
+        return counts
+
+    @cached_property
+    def pipelines(self) -> tuple[Pipeline, ...]:
+        """The layout spelt out, slots numbered 0 .. n-1 in order: only for the winner."""
+        out: list[Pipeline] = []
+        first = 0
+        for split, quota, count in self.runs:
+            n = len(split)
+            for _ in range(count):
+                out.append(Pipeline(tuple(range(first, first + n)), split, quota))
+                first += n
+        return tuple(out)
+
+
+#: (stages, quota) -> (layer split, pipeline time) of one job.
+_ShapeMemo = dict[tuple[int, int], tuple[Split | None, float]]
+
+
+@lru_cache(maxsize=16)
+def _shape_memo(spec: JobSpec) -> _ShapeMemo:
+    """The (stages, quota) figures of one job, shared by every search on it: they depend on
+    nothing else, and a simulation or a launcher's cache runs hundreds of searches, each
+    pricing a hundred candidate shapes. Entries are only ever added, with the same value."""
+    return {}
+
+
+def _figures(spec: JobSpec, n: int, q: int) -> tuple[Split | None, float]:
+    memo = _shape_memo(spec)
+    found = memo.get((n, q))
+    if found is None:
+        split = split_layers(spec, n, q)
+        found = memo[(n, q)] = (split, math.inf if split is None
+                                else estimator.pipeline_time(spec, split, q))
+    return found
+
+
+def _layout_for(spec: JobSpec, shape: Shape) -> _Layout | None:
+    """Pipelines of the given shape, each with the layer split and micro-batch quota that
     minimise the slowest pipeline's time; None when the batch or the memory cannot be met."""
     total = spec.training.global_micro_batches
-    if len(lengths) > total:
+    if sum(count for _, count in shape) > total:
         return None
-    memo: dict[tuple[int, int], float] = {}
+    memo = _shape_memo(spec)
 
     def time_of(n: int, q: int) -> float:
-        if (n, q) not in memo:
-            layers = split_layers(spec, n, q)
-            memo[(n, q)] = math.inf if layers is None else estimator.pipeline_time(spec, layers, q)
-        return memo[(n, q)]
+        found = memo.get((n, q))
+        return (found if found is not None else _figures(spec, n, q))[1]
 
-    quotas = _allocate(lengths, total, time_of)
-    if quotas is None:
+    runs = _allocate(shape, total, time_of)
+    if runs is None:
         return None
-    starts = itertools.accumulate(lengths, initial=0)
-    pipelines = tuple(
-        Pipeline(devices=tuple(range(first, first + n)), layers=split_layers(spec, n, q),
-                 micro_batches=q)
-        for first, n, q in zip(starts, lengths, quotas)
-    )
-    return _Layout(pipelines, max(time_of(n, q) for n, q in zip(lengths, quotas)))
+    return _Layout(tuple((_figures(spec, n, q)[0], q, count) for n, q, count in runs),
+                   max(time_of(n, q) for n, q, _ in runs))
 
 
-def _allocate(lengths: Sequence[int], total: int,
-              time_of: Callable[[int, int], float]) -> list[int] | None:
-    """Micro-batch quotas (at least one each) that minimise the slowest pipeline's time.
+def _compute_floor(spec: JobSpec, shape: Shape) -> float:
+    """No layout of this shape computes faster: some pipeline takes at least ceil(B / dp)
+    micro-batches, and a pipeline's time never drops as its quota grows."""
+    dp = sum(count for _, count in shape)
+    total = spec.training.global_micro_batches
+    if dp > total:
+        return math.inf
+    return min(_figures(spec, n, -(-total // dp))[1] for n, _ in shape)
+
+
+def _allocate(shape: Shape, total: int, time_of: Callable[[int, int], float]
+              ) -> list[tuple[int, int, int]] | None:
+    """Micro-batch quotas (at least one each) that minimise the slowest pipeline's time, as
+    runs ``(length, quota, how many)`` in slot order.
 
     Greedy marginal allocation: every micro-batch beyond the first of each pipeline goes to the
     pipeline whose time after taking it is least (longer pipelines first on ties). Because a
@@ -189,18 +265,18 @@ def _allocate(lengths: Sequence[int], total: int,
     a step ever had to exceed the optimum, every pipeline would already hold at least its
     quota in an optimal allocation, and the batch would be complete. Pipelines of one length
     are interchangeable, so a whole quota level of a length class is handed out at once, in
-    pipeline order: the loop runs per level, not per micro-batch, which keeps the search
+    slot order: the loop runs per level, not per micro-batch, which keeps the search
     fast at thousands of pipelines. This replaces the paper's proportional split (which
     ``distribute_batches`` keeps) and can only lower the step time.
     """
     counts: dict[int, int] = {}
-    for n in lengths:
-        counts[n] = counts.get(n, 0) + 1
+    for n, k in shape:
+        counts[n] = counts.get(n, 0) + k
     if any(time_of(n, 1) == math.inf for n in counts):
         return None
     base = dict.fromkeys(counts, 1)  # every member of class n has base[n] or base[n] + 1
-    ahead = dict.fromkeys(counts, 0)  # how many (the first in pipeline order) have base + 1
-    left = total - len(lengths)
+    ahead = dict.fromkeys(counts, 0)  # how many (the first in slot order) have base + 1
+    left = total - sum(counts.values())
     while left > 0:
         n = min(counts, key=lambda c: (time_of(c, base[c] + 1), -c))
         if time_of(n, base[n] + 1) == math.inf:
@@ -210,27 +286,48 @@ def _allocate(lengths: Sequence[int], total: int,
         left -= give
         if ahead[n] == counts[n]:
             base[n], ahead[n] = base[n] + 1, 0
-    seen = dict.fromkeys(counts, 0)
-    quotas = []
-    for n in lengths:
-        quotas.append(base[n] + (1 if seen[n] < ahead[n] else 0))
-        seen[n] += 1
-    return quotas
+    runs = []
+    for n, k in shape:
+        plus = min(k, ahead[n])  # the class's first ``ahead`` pipelines take one more
+        ahead[n] -= plus
+        runs.extend((n, q, c) for q, c in ((base[n] + 1, plus), (base[n], k - plus)) if c)
+    return runs
 
 
-def _candidate_lengths(spec: JobSpec, current: ExecutionPlan, live: int) -> list[tuple[int, ...]]:
+def _candidate_shapes(spec: JobSpec, current: ExecutionPlan, live: int) -> list[Shape]:
+    """Algorithm 1's window, then (``planner.templates``) one cover per pipeline length.
+
+    Window (the paper's): dp within R_dp of the current pipeline count, lengths within R_pp of
+    the current ones, the live devices split evenly (or the largest multiple of dp used, the
+    rest spare). Templates (Oobleck's idea): for every pipeline length n, the even covers by
+    floor(live / n) and ceil(live / n) pipelines, and again with the remainder spare, whenever
+    that makes at least two pipelines. The window alone cannot leave the neighbourhood of the
+    first layout, however poor that layout is once all-reduce is priced; templates can, and
+    the floor of two pipelines keeps every layer on two devices, so the next failure can still
+    be rerouted instead of restarting from a checkpoint (a single pipeline is fastest by the
+    estimator, no all-reduce, but loses a layer at any failure).
+    """
     dp0 = len(current.pipelines)
     lengths_now = [p.num_stages for p in current.pipelines]
     lo = max(1, min(lengths_now) - spec.planner.pp_radius)
     hi = min(spec.model.layers, max(lengths_now) + spec.planner.pp_radius)
-    found: list[tuple[int, ...]] = []
-    for dp in range(max(1, dp0 - spec.planner.dp_radius), dp0 + spec.planner.dp_radius + 1):
+    found: list[Shape] = []
+
+    def add(dp: int, lo: int, hi: int) -> None:
         for used in {live, live - live % dp}:
             if used < dp:
                 continue
-            lengths = _balanced(used, dp)
-            if lo <= min(lengths) and max(lengths) <= hi and lengths not in found:
-                found.append(lengths)
+            shape = _balanced(used, dp)
+            if lo <= shape[-1][0] and shape[0][0] <= hi and shape not in found:
+                found.append(shape)
+
+    for dp in range(max(1, dp0 - spec.planner.dp_radius), dp0 + spec.planner.dp_radius + 1):
+        add(dp, lo, hi)
+    if spec.planner.templates:
+        for n in range(1, spec.model.layers + 1):
+            for dp in sorted({live // n, -(-live // n)}):
+                if 2 <= dp <= spec.training.global_micro_batches:
+                    add(dp, 1, spec.model.layers)
     return found
 
 
@@ -258,8 +355,7 @@ def initial_plan(spec: JobSpec) -> ExecutionPlan:
     """The job's starting layout: training.dp pipelines of training.pp stages, device p*pp+s;
     devices beyond dp x pp are spare."""
     dp, pp = spec.training.dp, spec.training.pp
-    lengths = (pp,) * dp
-    layout = _layout_for(spec, lengths)
+    layout = _layout_for(spec, ((pp, dp),))
     if layout is None:
         raise PlanningError(
             f"the model does not fit the initial layout dp={dp} x pp={pp}: some stage exceeds "
@@ -345,31 +441,36 @@ def _best_layout(spec: JobSpec, current: ExecutionPlan, failed: Collection[int],
     live = sorted((set(current.live_devices) - set(failed)) | set(joined))
     if not live:
         raise PlanningError("no live device is left; the job cannot continue.")
-    layouts = [layout for lengths in _candidate_lengths(spec, current, len(live))
-               if (layout := _layout_for(spec, lengths)) is not None]
-    if not layouts:
+    # Branch and bound: shapes in order of their compute floor, each allocated and priced
+    # (compute + all-reduce) only while its floor can still beat the best step found.
+    shapes = _candidate_shapes(spec, current, len(live))
+    priced: list[tuple[float, float, int, int, _Layout]] = []
+    best_step = math.inf
+    for floor, i, shape in sorted((_compute_floor(spec, shape), i, shape)
+                                  for i, shape in enumerate(shapes)):
+        if floor > best_step:
+            break
+        layout = _layout_for(spec, shape)
+        if layout is not None:
+            step = layout.compute_s + _allreduce_s(spec, layout)
+            priced.append((step, layout.compute_s, -layout.num_pipelines, i, layout))
+            best_step = min(best_step, step)
+    if not priced:
         raise PlanningError(
             f"no layout of {len(live)} live devices fits in memory (cluster.device_memory_bytes "
             f"= {spec.cluster.device_memory_bytes:g}) within the search ranges; widen "
             "planner.pp_radius / planner.dp_radius, add devices, or lower the model footprint."
         )
-    # All-reduce time is never negative, so candidates are priced in order of compute time and
-    # the rounds (the costly part) are built only while a candidate can still win.
-    best, best_step = layouts[0], math.inf
-    for layout in sorted(layouts, key=lambda lay: (lay.compute_s, -len(lay.pipelines))):
-        if layout.compute_s >= best_step:
-            break
-        step = layout.compute_s + _allreduce_s(spec, layout.pipelines)
-        if step < best_step:
-            best, best_step = layout, step
-    return live, best, best_step
+    # Least step; ties go to less compute, then more pipelines, then candidate order.
+    step, *_, best = min(priced, key=lambda entry: entry[:4])
+    return live, best, step
 
 
-def _allreduce_s(spec: JobSpec, pipelines: Sequence[Pipeline]) -> float:
+def _allreduce_s(spec: JobSpec, layout: _Layout) -> float:
     """``estimator.allreduce_time`` of the rounds the restorer will build for this layout,
-    priced from group sizes alone (no device lists: a search prices many layouts)."""
+    priced from its classes alone (no pipelines, no device lists: a search prices many)."""
     return math.fsum(max((estimator.ring_time(spec, layers, n) for layers, n in rnd), default=0.0)
-                     for rnd in allreduce_round_sizes(pipelines))
+                     for rnd in class_round_sizes(layout.split_counts()))
 
 
 def _placed(spec: JobSpec, current: ExecutionPlan, layout: _Layout,

@@ -65,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="override the job's planner.dp_radius (the paper's R_dp)")
     pol.add_argument("--pp-radius", type=int, default=None,
                      help="override the job's planner.pp_radius (the paper's R_pp)")
+    pol.add_argument("--no-templates", action="store_true",
+                     help="search only the paper's R_dp x R_pp window (planner.templates = "
+                          "false): no pipeline-length templates")
     pol.add_argument("--checkpoint-interval-s", type=float, default=None,
                      help="checkpoint interval (default: Young's optimum)")
     pol.add_argument("--storage-bandwidth", type=float, default=2e9, metavar="BYTES_PER_S",
@@ -159,6 +162,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             planner = replace(planner, dp_radius=args.dp_radius)
         if args.pp_radius is not None:
             planner = replace(planner, pp_radius=args.pp_radius)
+        if args.no_templates:
+            planner = replace(planner, templates=False)
         spec = replace(spec, planner=planner)
         policies = parse_policies(args.policies)
         constants = BaselineConstants(
@@ -179,7 +184,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "trace_model": "file" if args.trace else args.trace_model,
         "mttr_s": args.mttr_s,
         "mean_failures": sum(t.failures for _, t in traces) / len(traces),
-        "planner": {"dp_radius": spec.planner.dp_radius, "pp_radius": spec.planner.pp_radius},
+        "planner": {"dp_radius": spec.planner.dp_radius, "pp_radius": spec.planner.pp_radius,
+                    "templates": spec.planner.templates},
         "constants": {
             "storage_bandwidth_bytes_per_s": constants.storage_bandwidth_bytes_per_s,
             "checkpoint_interval_s": constants.checkpoint_interval_s,

@@ -136,3 +136,24 @@ def test_job_file(tmp_path, capsys) -> None:
     ff = doc["fault_free_throughput"]
     for entry in doc["policies"].values():
         assert 0 < entry["avg_throughput"] <= ff * (1 + 1e-9)
+
+
+@pytest.mark.timeout(60)
+def test_no_templates_searches_only_the_paper_window(tmp_path, capsys) -> None:
+    # The paper's setting on 10 Gb/s links: the templates escape the all-reduce-bound 8 x 4
+    # layout at the first re-plan, the paper's window cannot.
+    from importlib import resources
+
+    text = resources.files("chameleon_elastic.presets").joinpath(
+        "llama2-7b-910b-32.toml").read_text()
+    job = tmp_path / "slow.toml"
+    job.write_text(text.replace("bandwidth_bytes_per_s = 25e9", "bandwidth_bytes_per_s = 1.25e9"))
+    docs = {}
+    for extra in ([], ["--no-templates"]):
+        assert main(["--job", str(job), "--hours", "2", "--seeds", "1", "--no-progress",
+                     "--json", "--policies", "chameleon", *extra]) == 0
+        docs[bool(extra)] = json.loads(capsys.readouterr().out)
+    assert docs[False]["setting"]["planner"]["templates"] is True
+    assert docs[True]["setting"]["planner"]["templates"] is False
+    wide, window = (docs[k]["policies"]["chameleon"]["avg_throughput"] for k in (False, True))
+    assert wide > 1.05 * window
