@@ -11,12 +11,21 @@ where t_run is the expected time to the next failure. Everything here is a pure 
 (spec, current plan, event): the simulator and the launcher call the same code, and
 ``chameleon-plan`` previews it offline.
 
-Re-planning follows the paper's Algorithm 1 with two additions that only ever help:
+Re-planning follows the paper's Algorithm 1 with three additions that only ever help:
 - candidates are the balanced partitions of the live devices into dp pipelines for every dp in
   R_dp (lengths in R_pp), plus the same with the remainder left spare (a symmetric layout can
   beat an asymmetric one once all-reduce is priced);
+- pipeline-length templates (``planner.templates``, on by default): one balanced cover per
+  pipeline length, at least two pipelines, so a re-plan can leave a poor initial layout behind
+  (``_candidate_shapes`` says why the floor of two);
 - micro-batch quotas minimise the slowest pipeline's time exactly (greedy marginal
   allocation, ``_allocate``) instead of the paper's proportional split.
+
+The wider candidate set stays cheap: a candidate is a few runs of identical pipelines, priced
+per class, never per device; candidates are allocated in order of a compute floor and dropped
+once the floor cannot beat the best step found (branch and bound); with identical layers the
+C(N_pp, r) layer splits shrink to three structured ones. Each shortcut is tested against the
+plain computation it replaces (tests/planning/test_search_candidates.py).
 
 ``decide`` prices the re-plan's layout before placing it: the layout fixes its step time, and
 its transition is at least the restart, so when even that bound cannot beat rerouting the

@@ -15,7 +15,12 @@ checkpoint on the live devices, exactly as the recycle baseline does (asynchrono
 transfers in the background while the rerouted layout trains, then pause only for the restart
 and switch. It switches when, over the expected time to the next failure, the re-plan's
 throughput after the restart beats staying rerouted. A failure before the switch drops the
-staged plan (the job is still on the reroute layout and decides again from there).
+staged plan (the job is still on the reroute layout and decides again from there). Hybrid
+asks the planner exactly as chameleon does: the planner does not place a re-plan that cannot
+beat rerouting even with the restart as its only pause, and such a re-plan cannot win hybrid's
+comparison either (staging gains at most ``max(thr_p (t_run - restart), thr_r t_run)``, never
+more than staying rerouted, ``thr_r t_run``), so no switch is lost and no event pays for a
+placement that could not be used.
 """
 
 from __future__ import annotations
@@ -43,8 +48,6 @@ def _unchanged(old: ExecutionPlan, new: ExecutionPlan) -> bool:
 
 class ChameleonPolicy:
     name = "chameleon"
-    # Build the re-plan even when rerouting wins (the launcher does not: hybrid stages it).
-    price_all = False
 
     def __init__(self, spec: JobSpec, constants: BaselineConstants | None = None) -> None:
         self.spec = spec
@@ -76,7 +79,7 @@ class ChameleonPolicy:
             return None, {}, Reaction((STALLED,), 0.0, "stalled")
         hit = self._hit(failed)
         try:
-            decision = self.cache.decide(failed, joined, price_all=self.price_all)
+            decision = self.cache.decide(failed, joined)
         except PlanningError:
             live = sorted((set(self.plan.live_devices) - set(failed)) | set(joined))
             plan, reaction = self.fallback.restart(ctx, live, stalls=False, label="run")
@@ -110,7 +113,6 @@ class _Staged:
 
 class HybridPolicy(ChameleonPolicy):
     name = "hybrid"
-    price_all = True
 
     def __init__(self, spec: JobSpec, constants: BaselineConstants | None = None) -> None:
         super().__init__(spec, constants)
