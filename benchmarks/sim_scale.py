@@ -26,6 +26,7 @@ from rich.table import Table
 
 from chameleon_elastic.planning import initial_plan
 from chameleon_elastic.sim import BaselineConstants, Phase, Reaction, make_policy, simulate
+from chameleon_elastic.sim.cli import DEFAULT_POLICIES
 from chameleon_elastic.sim.engine import EventContext
 from chameleon_elastic.sim.traces import FailureTrace, poisson_trace
 from chameleon_elastic.spec import JobSpec
@@ -95,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
                          "devices come back; without repair a device fails once: ~1215)")
     ap.add_argument("--events", type=int, default=20, help="event groups replayed at scale")
     ap.add_argument("--full", action="store_true", help="replay the whole large trace")
-    ap.add_argument("--policies", default="chameleon,hybrid,recycle,checkpoint")
+    ap.add_argument("--policies", default="chameleon,oobleck,recycle,hybrid,checkpoint")
     ap.add_argument("--baseline-policies", default="chameleon,oobleck,recycle,checkpoint")
     ap.add_argument("--profile", type=int, default=0, metavar="N")
     ap.add_argument("--json", action="store_true")
@@ -132,9 +133,15 @@ def main(argv: list[str] | None = None) -> int:
         pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(args.profile)
         profile_text = buf.getvalue()
 
+    # What `chameleon-sim` replays by default, one seed at this scale.
+    default_set = [r for r in rows[len(rows) - len(args.policies.split(",")):]
+                   if r["policy"] in DEFAULT_POLICIES.split(",")]
+    default_total = (sum(r["projected_full_s"] for r in default_set)
+                     if len(default_set) == len(DEFAULT_POLICIES.split(",")) else None)
     if args.json:
         print(json.dumps({"devices": args.devices, "hours": args.hours, "rate": args.rate,
                           "failures": full.failures, "rows": rows,
+                          "default_policies_total_s": default_total,
                           "profile": profile_text}, indent=2))
         return 0
     table = Table(title=f"chameleon-sim wall time ({args.hours:g} h at {args.rate:g}/device-h; "
@@ -147,6 +154,10 @@ def main(argv: list[str] | None = None) -> int:
                       f"{r['wall_s']:.2f}", f"{r['ms_per_event']:.1f}",
                       f"{r['decision_ms_mean']:.1f}", f"{r['projected_full_s']:.0f}")
     Console(width=120).print(table)
+    if default_total is not None:
+        print(f"chameleon-sim's default policies ({DEFAULT_POLICIES}) over the whole "
+              f"{args.devices}-device trace, one seed: {default_total:.0f} s"
+              + ("" if args.full else " (projected)"))
     if profile_text:
         print(profile_text)
     return 0

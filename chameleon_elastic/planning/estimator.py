@@ -210,28 +210,32 @@ def reroute_closed_form(spec: JobSpec, plan: ExecutionPlan) -> float | None:
     times = _times(spec, first)
     if any(t != times[0] for t in times):
         return None
-    holders: dict[tuple[int, int], list[int]] = {}
-    for pipe in plan.pipelines:
-        for s, d in enumerate(pipe.devices):
-            holders.setdefault(pipe.layers[s], []).append(d)
+    nm = first.micro_batches
     dead = set(plan.failed_devices)
-    for r in plan.reroute:
-        live = {d for d in holders[first.layers[r.stage]] if d not in dead}
-        served = {share.device for share in r.peers if share.micro_batches}
-        # Spread over every live holder, or over as many as there are micro-batches to spread.
-        if not served <= live or len(served) != min(len(live), max(1, first.micro_batches)):
-            return None
+    group_of: dict[int, tuple[int, int]] = {}  # device -> the layer range its group holds
+    live: dict[tuple[int, int], int] = dict.fromkeys(first.layers, 0)
+    for pipe in plan.pipelines:
+        for rng, d in zip(pipe.layers, pipe.devices):
+            group_of[d] = rng
+            if d not in dead:
+                live[rng] += 1
     absorbed: dict[int, int] = {}
     for r in plan.reroute:
+        rng = first.layers[r.stage]
+        served = {share.device for share in r.peers if share.micro_batches}
+        # Spread over every live holder, or over as many as there are micro-batches to spread.
+        if (len(served) != min(live[rng], max(1, nm))
+                or any(d in dead or group_of.get(d) != rng for d in served)):
+            return None
         for share in r.peers:
             absorbed[share.device] = absorbed.get(share.device, 0) + share.micro_batches
-    extra = 0
-    for group in holders.values():
-        if any(d in dead for d in group):
-            extra += max(absorbed.get(d, 0) for d in group if d not in dead)
-    nm = first.micro_batches
+    hit = {group_of[d] for d in dead if d in group_of}
+    busiest = dict.fromkeys(hit, 0)
+    for d, count in absorbed.items():
+        if group_of[d] in busiest:
+            busiest[group_of[d]] = max(busiest[group_of[d]], count)
     tf, tb = times[0]
-    return (first.num_stages + nm - 1 + extra) * (tf + tb)
+    return (first.num_stages + nm - 1 + sum(busiest.values())) * (tf + tb)
 
 
 def allreduce_time(spec: JobSpec, plan: ExecutionPlan) -> float:

@@ -21,24 +21,32 @@ Model (after Jang et al., SOSP 2023, reduced to what a step-time model can expre
 * Cost: a fixed reconfiguration time (``BaselineConstants.reconfigure_s``) plus the estimator's
   busiest-link transfer time; the step in flight is lost. Repaired devices are not taken back
   (no scale-up).
+
+At 2048 devices "every feasible k" is a thousand mixes per failure, so each mix is priced from
+its two pipeline classes (quotas per class, all-reduce from class counts, the estimator's own
+formulas) and only the winner is built as a plan; mixes are priced in order of a compute floor
+(some pipeline runs at least ceil(B / k) micro-batches) and the rest dropped once the floor
+cannot win. The choice is the one pricing every mix as a full plan makes (tested).
 """
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import replace
 
 from ...plan import ExecutionPlan, Pipeline, Transfer
 from ...planning import estimator
+from ...planning.restorer import class_round_sizes
 from ...planning.search import PlanningError, initial_plan
 from ...spec import JobSpec
 from ..constants import BaselineConstants
 from ..engine import EventContext, Phase, Reaction
 from .common import STALLED, finish, fits_memory, paused, running
 
-__all__ = ["MIN_PIPELINES", "OobleckPolicy", "first_holder_transfers", "template_layers",
-           "throughput_quotas"]
+__all__ = ["MIN_PIPELINES", "OobleckPolicy", "first_holder_transfers", "quotas_by_class",
+           "template_layers", "throughput_quotas"]
 
 #: Oobleck's fault-tolerance threshold f = 1: at least two pipelines hold every layer.
 MIN_PIPELINES = 2
@@ -65,6 +73,30 @@ def throughput_quotas(stage_costs: Sequence[tuple[int, float]], total: int) -> t
     return tuple(quotas)
 
 
+def quotas_by_class(classes: Sequence[tuple[int, float, int]], total: int
+                    ) -> list[tuple[int, int]]:
+    """``throughput_quotas`` for pipelines given as contiguous classes ``(stages, slowest stage
+    F+B seconds, how many)`` in pipeline order: per class ``(quota, how many of its first
+    members take one more)``.
+
+    Members of a class at the same quota have the same key and lower indices than any later
+    class, so once the greedy picks a class it gives the class's whole level before anyone
+    else: one step per level, not per micro-batch.
+    """
+    base = [1] * len(classes)
+    ahead = [0] * len(classes)
+    left = total - sum(count for *_, count in classes)
+    while left > 0:
+        i = min(range(len(classes)),
+                key=lambda c: ((classes[c][0] + base[c]) * classes[c][1], c))
+        give = min(classes[i][2] - ahead[i], left)
+        ahead[i] += give
+        left -= give
+        if ahead[i] == classes[i][2]:
+            base[i], ahead[i] = base[i] + 1, 0
+    return list(zip(base, ahead))
+
+
 def first_holder_transfers(spec: JobSpec, old: ExecutionPlan,
                            new_pipelines: Sequence[Pipeline]) -> tuple[Transfer, ...]:
     """Missing layers of every device, each from the lowest-id live device that held it."""
@@ -74,7 +106,9 @@ def first_holder_transfers(spec: JobSpec, old: ExecutionPlan,
         for d, (a, b) in zip(p.devices, p.layers):
             if d not in dead:
                 held[d] = range(a, b)
-    holders = sorted(held)
+    first: dict[int, int] = {}
+    for h in sorted(held, reverse=True):
+        first.update(dict.fromkeys(held[h], h))
     moves: dict[tuple[int, int], list[int]] = defaultdict(list)
     for p in new_pipelines:
         for d, (a, b) in zip(p.devices, p.layers):
@@ -82,7 +116,7 @@ def first_holder_transfers(spec: JobSpec, old: ExecutionPlan,
             for layer in range(a, b):
                 if layer in mine:
                     continue
-                src = next((h for h in holders if layer in held[h]), None)
+                src = first.get(layer)
                 if src is None:
                     raise PlanningError(f"no live device holds layer {layer}")
                 moves[(src, d)].append(layer)
@@ -92,6 +126,10 @@ def first_holder_transfers(spec: JobSpec, old: ExecutionPlan,
     )
 
 
+#: A priced mix: runs of identical pipelines (layer split, quota, how many) in pipeline order.
+_Runs = tuple[tuple[tuple[tuple[int, int], ...], int, int], ...]
+
+
 class OobleckPolicy:
     name = "oobleck"
 
@@ -99,6 +137,7 @@ class OobleckPolicy:
         self.spec = spec
         self.constants = constants or BaselineConstants()
         self.plan: ExecutionPlan | None = None
+        self._templates: dict[int, tuple[tuple[tuple[int, int], ...], float, float]] = {}
         self.min_stages = next((n for n in range(1, spec.model.layers + 1)
                                 if self._fits(template_layers(spec.model.layers, n))), None)
 
@@ -111,30 +150,79 @@ class OobleckPolicy:
         self.plan = initial_plan(self.spec)
         return (running(self.spec, self.plan, "run"),)
 
+    def _split(self, stages: int) -> tuple[tuple[tuple[int, int], ...], float, float]:
+        """The template of ``stages`` stages, its slowest stage's F+B seconds, and its largest
+        stage's gradient bytes."""
+        if stages not in self._templates:
+            spec = self.spec
+            split = template_layers(spec.model.layers, stages)
+            self._templates[stages] = (
+                split, max(sum(estimator.stage_times(spec, a, b)) for a, b in split),
+                max(math.fsum(spec.model.param_bytes[a:b]) for a, b in split))
+        return self._templates[stages]
+
+    @staticmethod
+    def _classes(live: int, k: int) -> list[tuple[int, int]]:
+        q, r = divmod(live, k)
+        return [(n, c) for n, c in ((q + 1, r), (q, k - r)) if c]
+
+    def _floor(self, live: int, k: int) -> float:
+        """No mix of k pipelines steps faster. Compute: one pipeline runs ceil(B / k)
+        micro-batches. Sync: every pipeline holds the whole model, so each layer has k holders,
+        and the buckets of one device go in distinct rounds; the device with the largest stage
+        spends at least that stage's ring all-reduce in them."""
+        spec = self.spec
+        q = -(-spec.training.global_micro_batches // k)
+        classes = self._classes(live, k)
+        compute = min(estimator.pipeline_time(spec, self._split(n)[0], q) for n, _ in classes)
+        grads = max(self._split(n)[2] for n, _ in classes)
+        return compute + 2.0 * (k - 1) / k * grads / spec.cluster.bandwidth_bytes_per_s
+
+    def _price(self, live: int, k: int) -> tuple[float, _Runs] | None:
+        """Step time of the k-pipeline mix and its runs, or None if it does not fit in memory."""
+        spec = self.spec
+        classes = self._classes(live, k)
+        quotas = quotas_by_class([(n, self._split(n)[1], c) for n, c in classes],
+                                 spec.training.global_micro_batches)
+        runs: _Runs = tuple(
+            (self._split(n)[0], q, count)
+            for (n, c), (base, plus) in zip(classes, quotas)
+            for q, count in ((base + 1, plus), (base, c - plus)) if count
+        )
+        memory = spec.cluster.device_memory_bytes
+        if any(estimator.stage_memory(spec, a, b, min(len(split) - s, q)) > memory
+               for split, q, _ in runs for s, (a, b) in enumerate(split)):
+            return None
+        compute = max(estimator.pipeline_time(spec, split, q) for split, q, _ in runs)
+        counts: dict = {}
+        for split, _, count in runs:
+            counts[(split, ())] = counts.get((split, ()), 0) + count
+        sync = math.fsum(max((estimator.ring_time(spec, layers, n) for layers, n in rnd),
+                             default=0.0) for rnd in class_round_sizes(counts))
+        return compute + sync, runs
+
     def _instantiate(self, live: Sequence[int], generation: int) -> ExecutionPlan | None:
-        spec, total = self.spec, self.spec.training.global_micro_batches
+        """The mix with the least step time (ties: fewer pipelines), built on ``live`` in order."""
+        spec = self.spec
         if self.min_stages is None:
             return None
-        best: ExecutionPlan | None = None
-        for k in range(MIN_PIPELINES, min(len(live) // self.min_stages, total) + 1):
-            q, r = divmod(len(live), k)
-            sizes = [q + 1] * r + [q] * (k - r)
-            if sizes[0] > spec.model.layers:
-                continue
-            splits = [template_layers(spec.model.layers, n) for n in sizes]
-            costs = [(n, max(sum(estimator.stage_times(spec, a, b)) for a, b in s))
-                     for n, s in zip(sizes, splits)]
-            quotas = throughput_quotas(costs, total)
-            it = iter(live)
-            pipelines = tuple(Pipeline(tuple(next(it) for _ in range(n)), s, m)
-                              for n, s, m in zip(sizes, splits, quotas))
-            plan = finish(spec, ExecutionPlan("replan", generation, pipelines))
-            if not fits_memory(spec, plan):
-                continue
-            assert plan.estimate is not None and (best is None or best.estimate is not None)
-            if best is None or plan.estimate.step_time_s < best.estimate.step_time_s - 1e-12:
-                best = plan
-        return best
+        n = len(live)
+        mixes = [k for k in range(MIN_PIPELINES,
+                                  min(n // self.min_stages, spec.training.global_micro_batches) + 1)
+                 if -(-n // k) <= spec.model.layers]
+        best: tuple[float, int, _Runs] | None = None
+        for floor, k in sorted((self._floor(n, k), k) for k in mixes):
+            if best is not None and round(floor, 9) > best[0]:
+                break
+            priced = self._price(n, k)
+            if priced is not None and (best is None or (round(priced[0], 9), k) < best[:2]):
+                best = (round(priced[0], 9), k, priced[1])
+        if best is None:
+            return None
+        it = iter(live)
+        pipelines = tuple(Pipeline(tuple(next(it) for _ in split), split, q)
+                          for split, q, count in best[2] for _ in range(count))
+        return finish(spec, ExecutionPlan("replan", generation, pipelines))
 
     def react(self, ctx: EventContext, failed: Sequence[int],
               joined: Sequence[int]) -> Reaction:
