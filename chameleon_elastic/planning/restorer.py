@@ -48,7 +48,8 @@ both made here, and a third one that every asymmetric plan needs afterwards.
    are found between *classes* of pipelines (same layer split, same dead stages), never device
    by device, and both depend only on the classes, not on how many pipelines each has, so they
    are cached: a search prices many layouts of the same few classes per event, and
-   ``allreduce_round_sizes`` prices one with device counts instead of device lists.
+   ``allreduce_round_sizes`` prices one with device counts instead of device lists
+   (``class_round_sizes`` from a count per class, before any pipeline is built).
 
 Everything here is a pure function of its arguments: the same inputs give the same placement.
 """

@@ -429,7 +429,17 @@ def reroute_plan(spec: JobSpec, current: ExecutionPlan, failed: Collection[int],
     spare = tuple(sorted((set(current.spare_devices) - dead_spares) | set(joined)))
     plan = ExecutionPlan("reroute", current.generation + 1, current.pipelines,
                          spare_devices=spare, failed_devices=dead, reroute=tuple(reroutes))
-    plan = _finish(spec, plan)
+    was = current.estimate
+    if (was is not None and plan.reroute == current.reroute
+            and plan.failed_devices == tuple(sorted(current.failed_devices))):
+        # Only spares changed (one died, or a repaired device came back): the same layout runs
+        # the same reroutes, so step time and memory are the current plan's, and with nothing
+        # to switch the score is the throughput. Repairs make this the commonest event at scale.
+        plan = replace(plan, allreduce_rounds=current.allreduce_rounds, estimate=replace(
+            was, transition_time_s=0.0, score=was.throughput))
+        plan = plan.validate()
+    else:
+        plan = _finish(spec, plan)
     ok, why = _memory_ok(spec, plan)
     if not ok:
         raise PlanningError(f"cannot reroute: {why}; re-plan instead.")

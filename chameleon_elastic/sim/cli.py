@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import shutil
 import sys
 import tempfile
@@ -84,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--json", action="store_true", help="print JSON instead of the table")
     out.add_argument("--bins", type=int, default=108, help="time bins in the plots")
     out.add_argument("--no-progress", action="store_true", help="no progress bar")
+    out.add_argument("--jobs", type=int, default=0, metavar="N",
+                     help="replay policies x seeds in N worker processes (default 0: one per "
+                          "CPU core; 1: in this process)")
     return p
 
 
@@ -106,6 +110,8 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         parser.error(f"--seeds {args.seeds} is invalid; pass at least 1.")
     if args.bins < 1:
         parser.error(f"--bins {args.bins} is invalid; pass at least 1.")
+    if args.jobs < 0:
+        parser.error(f"--jobs {args.jobs} is invalid; pass 0 (one per core) or more.")
     if args.failure_rate is not None and not (args.failure_rate >= 0
                                               and math.isfinite(args.failure_rate)):
         parser.error(f"--failure-rate {args.failure_rate} is invalid; pass a number >= 0 "
@@ -176,7 +182,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         traces = _traces(args, spec)
     except (SpecError, TraceError, ValueError) as exc:
         parser.error(str(exc))
-    result = _run(spec, traces, policies, constants, parser, progress=not args.no_progress)
+    jobs = args.jobs or len(os.sched_getaffinity(0))
+    result = _run(spec, traces, policies, constants, parser, progress=not args.no_progress,
+                  jobs=jobs)
     setting = {
         "devices": spec.cluster.devices,
         "hours": traces[0][1].horizon_s / 3600.0,
@@ -214,7 +222,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run(spec: JobSpec, traces: Sequence[tuple[int, FailureTrace]], policies: Sequence[str],
          constants: BaselineConstants, parser: argparse.ArgumentParser,
-         progress: bool) -> ExperimentResult:
+         progress: bool, jobs: int) -> ExperimentResult:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -230,7 +238,7 @@ def _run(spec: JobSpec, traces: Sequence[tuple[int, FailureTrace]], policies: Se
             def advance(name: str, seed: int) -> None:
                 bar.update(task, advance=1, description=f"seed {seed} {name}")
 
-            return run_experiment(spec, traces, policies, constants, on_run=advance)
+            return run_experiment(spec, traces, policies, constants, on_run=advance, jobs=jobs)
     except PlanningError as exc:
         parser.error(f"the job cannot start: {exc}")
     except ValueError as exc:

@@ -321,3 +321,26 @@ def test_keeping_the_layout_never_costs_a_transition():
     assert kept.spare_devices == ()
     assert kept.estimate.transition_time_s == 0.0
     assert decide(spec, replanned, [8]).chosen.estimate.transition_time_s == 0.0
+
+
+def test_spare_only_events_reuse_the_estimate_a_fresh_evaluation_gives():
+    from dataclasses import replace
+
+    from chameleon_elastic.planning.estimator import evaluate
+
+    spec = make_spec(devices=10, rate=200.0)  # 4 x 2 and spares 8, 9; rerouting wins
+    rerouted = reroute_plan(spec, initial_plan(spec), [3])
+    spare_died = reroute_plan(spec, rerouted, [8])
+    came_back = reroute_plan(spec, spare_died, [], joined=[8])
+    for before, after in ((rerouted, spare_died), (spare_died, came_back)):
+        assert after.reroute == before.reroute and after.failed_devices == (3,)
+        fresh = evaluate(spec, replace(after, estimate=None))
+        assert after.estimate == fresh
+    assert came_back.spare_devices == (8, 9) and spare_died.spare_devices == (9,)
+    # A re-planned layout losing a spare: its estimate carried a transition, the kept layout's
+    # must not.
+    replanned = replace(initial_plan(spec), policy="replan", estimate=None)
+    replanned = replace(replanned, estimate=evaluate(spec, replanned))
+    assert replanned.estimate.transition_time_s > 0
+    kept = reroute_plan(spec, replanned, [9])
+    assert kept.estimate == evaluate(spec, replace(kept, estimate=None))

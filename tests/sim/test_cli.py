@@ -11,7 +11,8 @@ import pytest
 from chameleon_elastic.sim.cli import main
 from chameleon_elastic.sim.traces import FailureTrace, TraceEvent, read_trace, write_trace
 
-ARGS = ["--preset", "llama2-7b-910b", "--hours", "1", "--failure-rate", "0.5", "--no-progress"]
+ARGS = ["--preset", "llama2-7b-910b", "--hours", "1", "--failure-rate", "0.5", "--no-progress",
+        "--jobs", "1"]
 
 
 @pytest.mark.timeout(60)
@@ -157,3 +158,19 @@ def test_no_templates_searches_only_the_paper_window(tmp_path, capsys) -> None:
     assert docs[True]["setting"]["planner"]["templates"] is False
     wide, window = (docs[k]["policies"]["chameleon"]["avg_throughput"] for k in (False, True))
     assert wide > 1.05 * window
+
+
+@pytest.mark.timeout(60)
+def test_worker_processes_give_the_same_report(capsys) -> None:
+    docs = []
+    for jobs in ("1", "2"):
+        assert main([*ARGS[:-2], "--jobs", jobs, "--seeds", "3", "--json",
+                     "--policies", "chameleon,oobleck,recycle"]) == 0
+        docs.append(json.loads(capsys.readouterr().out))
+    for doc in docs:  # measured, so not comparable between runs
+        for entry in doc["policies"].values():
+            for key in [k for k in entry if "latency" in k]:
+                del entry[key]
+            for key in [k for k in entry["spread"] if "latency" in k]:
+                del entry["spread"][key]
+    assert docs[0] == docs[1]
