@@ -67,6 +67,7 @@ __all__ = [
     "evaluate",
     "fits_in_memory",
     "peak_memory",
+    "pipeline_fits",
     "pipeline_makespan",
     "pipeline_time",
     "reroute_closed_form",
@@ -102,6 +103,15 @@ def stage_memory(spec: JobSpec, start: int, end: int, in_flight: int) -> float:
     """
     _, _, resident, activation = _stage_figures(spec.model, start, end)
     return resident + in_flight * activation
+
+
+def pipeline_fits(spec: JobSpec, layers: Sequence[tuple[int, int]], micro_batches: int) -> bool:
+    """True if every stage of a plain 1F1B pipeline holding ``layers`` fits in device memory
+    (stage ``i`` holds ``min(N_pp - i, N_m)`` micro-batches in flight)."""
+    memory = spec.cluster.device_memory_bytes
+    n = len(layers)
+    return all(stage_memory(spec, a, b, min(n - i, micro_batches)) <= memory
+               for i, (a, b) in enumerate(layers))
 
 
 def pipeline_time(spec: JobSpec, layers: Sequence[tuple[int, int]], micro_batches: int) -> float:

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property, lru_cache
 from typing import Literal
@@ -50,6 +50,7 @@ __all__ = [
     "Decision",
     "PlanningError",
     "PolicyChoice",
+    "allreduce_time_by_class",
     "decide",
     "distribute_batches",
     "initial_plan",
@@ -99,15 +100,6 @@ def distribute_batches(lengths: Sequence[int], total: int) -> tuple[int, ...]:
     return tuple(quotas)
 
 
-def _fits(spec: JobSpec, layers: Sequence[tuple[int, int]], quota: int) -> bool:
-    memory = spec.cluster.device_memory_bytes
-    n = len(layers)
-    return all(
-        estimator.stage_memory(spec, a, b, min(n - i, quota)) <= memory
-        for i, (a, b) in enumerate(layers)
-    )
-
-
 def _ranges(sizes: Iterable[int]) -> tuple[tuple[int, int], ...]:
     out, start = [], 0
     for size in sizes:
@@ -138,7 +130,7 @@ def _split_layers_cached(spec: JobSpec, stages: int, quota: int):
         for chosen in choices:
             picked = set(chosen)
             layers = _ranges(base + (1 if s in picked else 0) for s in range(stages))
-            if must_fit and not _fits(spec, layers, quota):
+            if must_fit and not estimator.pipeline_fits(spec, layers, quota):
                 continue
             t = estimator.pipeline_time(spec, layers, quota)
             if t < best_time - 1e-12:
@@ -148,10 +140,10 @@ def _split_layers_cached(spec: JobSpec, stages: int, quota: int):
     structured = _structured_choices(stages, extra)
     if _uniform(spec.model):
         # With identical layers the fastest split is always a structured one, and the very one
-        # the enumeration below picks, ties included (tests/planning/test_search.py checks it):
+        # the enumeration below picks, ties included (test_search_candidates.py checks both):
         # when that split fits, the C(N_pp, r) walk is not needed.
         best = fastest(structured, must_fit=False)
-        if best is not None and _fits(spec, best, quota):
+        if best is not None and estimator.pipeline_fits(spec, best, quota):
             return best
     if math.comb(stages, extra) <= MAX_SPLIT_ENUMERATION:
         return fastest(itertools.combinations(range(stages), extra))
@@ -224,8 +216,9 @@ def _shape_memo(spec: JobSpec) -> _ShapeMemo:
     return {}
 
 
-def _figures(spec: JobSpec, n: int, q: int) -> tuple[Split | None, float]:
-    memo = _shape_memo(spec)
+def _figures(spec: JobSpec, memo: _ShapeMemo, n: int, q: int) -> tuple[Split | None, float]:
+    """(layer split, pipeline time) of ``n`` stages running ``q`` micro-batches, via ``memo``
+    (``_shape_memo(spec)``, fetched once by the caller: hashing the spec costs more than this)."""
     found = memo.get((n, q))
     if found is None:
         split = split_layers(spec, n, q)
@@ -241,16 +234,11 @@ def _layout_for(spec: JobSpec, shape: Shape) -> _Layout | None:
     if sum(count for _, count in shape) > total:
         return None
     memo = _shape_memo(spec)
-
-    def time_of(n: int, q: int) -> float:
-        found = memo.get((n, q))
-        return (found if found is not None else _figures(spec, n, q))[1]
-
-    runs = _allocate(shape, total, time_of)
+    runs = _allocate(shape, total, lambda n, q: _figures(spec, memo, n, q)[1])
     if runs is None:
         return None
-    return _Layout(tuple((_figures(spec, n, q)[0], q, count) for n, q, count in runs),
-                   max(time_of(n, q) for n, q, _ in runs))
+    return _Layout(tuple((_figures(spec, memo, n, q)[0], q, count) for n, q, count in runs),
+                   max(_figures(spec, memo, n, q)[1] for n, q, _ in runs))
 
 
 def _compute_floor(spec: JobSpec, shape: Shape) -> float:
@@ -260,7 +248,8 @@ def _compute_floor(spec: JobSpec, shape: Shape) -> float:
     total = spec.training.global_micro_batches
     if dp > total:
         return math.inf
-    return min(_figures(spec, n, -(-total // dp))[1] for n, _ in shape)
+    memo = _shape_memo(spec)
+    return min(_figures(spec, memo, n, -(-total // dp))[1] for n, _ in shape)
 
 
 def _allocate(shape: Shape, total: int, time_of: Callable[[int, int], float]
@@ -322,12 +311,12 @@ def _candidate_shapes(spec: JobSpec, current: ExecutionPlan, live: int) -> list[
     hi = min(spec.model.layers, max(lengths_now) + spec.planner.pp_radius)
     found: list[Shape] = []
 
-    def add(dp: int, lo: int, hi: int) -> None:
+    def add(dp: int, shortest: int, longest: int) -> None:
         for used in {live, live - live % dp}:
             if used < dp:
                 continue
             shape = _balanced(used, dp)
-            if lo <= shape[-1][0] and shape[0][0] <= hi and shape not in found:
+            if shortest <= shape[-1][0] and shape[0][0] <= longest and shape not in found:
                 found.append(shape)
 
     for dp in range(max(1, dp0 - spec.planner.dp_radius), dp0 + spec.planner.dp_radius + 1):
@@ -478,7 +467,8 @@ def _best_layout(spec: JobSpec, current: ExecutionPlan, failed: Collection[int],
         raise PlanningError(
             f"no layout of {len(live)} live devices fits in memory (cluster.device_memory_bytes "
             f"= {spec.cluster.device_memory_bytes:g}) within the search ranges; widen "
-            "planner.pp_radius / planner.dp_radius, add devices, or lower the model footprint."
+            "planner.pp_radius / planner.dp_radius (or set planner.templates = true), add "
+            "devices, or lower the model footprint."
         )
     # Least step; ties go to less compute, then more pipelines, then candidate order.
     step, *_, best = min(priced, key=lambda entry: entry[:4])
@@ -486,10 +476,16 @@ def _best_layout(spec: JobSpec, current: ExecutionPlan, failed: Collection[int],
 
 
 def _allreduce_s(spec: JobSpec, layout: _Layout) -> float:
-    """``estimator.allreduce_time`` of the rounds the restorer will build for this layout,
-    priced from its classes alone (no pipelines, no device lists: a search prices many)."""
+    return allreduce_time_by_class(spec, layout.split_counts())
+
+
+def allreduce_time_by_class(spec: JobSpec, counts: Mapping[tuple[Split, tuple[int, ...]], int]
+                            ) -> float:
+    """``estimator.allreduce_time`` of the rounds the restorer builds for pipelines given as a
+    count per class ((layer split, dead stages) -> how many): a search prices many layouts of
+    thousands of pipelines before building any (the Oobleck model's search too)."""
     return math.fsum(max((estimator.ring_time(spec, layers, n) for layers, n in rnd), default=0.0)
-                     for rnd in class_round_sizes(layout.split_counts()))
+                     for rnd in class_round_sizes(counts))
 
 
 def _placed(spec: JobSpec, current: ExecutionPlan, layout: _Layout,

@@ -11,13 +11,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from chameleon_elastic.planning import PlanningError, decide, initial_plan
-from chameleon_elastic.planning.estimator import pipeline_time
+from chameleon_elastic.planning.estimator import pipeline_fits, pipeline_time
 from chameleon_elastic.planning.restorer import allreduce_round_sizes, class_round_sizes
 from chameleon_elastic.planning.search import (
     _allreduce_s,
     _best_layout,
     _candidate_shapes,
-    _fits,
     _layout_for,
     _ranges,
     split_layers,
@@ -47,7 +46,7 @@ def enumerated_split(spec: JobSpec, stages: int, quota: int):
     best, best_time = None, math.inf
     for chosen in itertools.combinations(range(stages), extra):
         layers = _ranges(base + (1 if s in chosen else 0) for s in range(stages))
-        if _fits(spec, layers, quota):
+        if pipeline_fits(spec, layers, quota):
             t = pipeline_time(spec, layers, quota)
             if t < best_time - 1e-12:
                 best, best_time = layers, t

@@ -38,8 +38,7 @@ from dataclasses import replace
 
 from ...plan import ExecutionPlan, Pipeline, Transfer
 from ...planning import estimator
-from ...planning.restorer import class_round_sizes
-from ...planning.search import PlanningError, initial_plan
+from ...planning.search import PlanningError, allreduce_time_by_class, initial_plan
 from ...spec import JobSpec
 from ..constants import BaselineConstants
 from ..engine import EventContext, Phase, Reaction
@@ -189,17 +188,13 @@ class OobleckPolicy:
             for (n, c), (base, plus) in zip(classes, quotas)
             for q, count in ((base + 1, plus), (base, c - plus)) if count
         )
-        memory = spec.cluster.device_memory_bytes
-        if any(estimator.stage_memory(spec, a, b, min(len(split) - s, q)) > memory
-               for split, q, _ in runs for s, (a, b) in enumerate(split)):
+        if not all(estimator.pipeline_fits(spec, split, q) for split, q, _ in runs):
             return None
         compute = max(estimator.pipeline_time(spec, split, q) for split, q, _ in runs)
         counts: dict = {}
         for split, _, count in runs:
             counts[(split, ())] = counts.get((split, ()), 0) + count
-        sync = math.fsum(max((estimator.ring_time(spec, layers, n) for layers, n in rnd),
-                             default=0.0) for rnd in class_round_sizes(counts))
-        return compute + sync, runs
+        return compute + allreduce_time_by_class(spec, counts), runs
 
     def _instantiate(self, live: Sequence[int], generation: int) -> ExecutionPlan | None:
         """The mix with the least step time (ties: fewer pipelines), built on ``live`` in order."""
