@@ -51,11 +51,13 @@ __all__ = [
     "PlanningError",
     "PolicyChoice",
     "allreduce_time_by_class",
+    "balanced_shape",
     "decide",
     "distribute_batches",
     "initial_plan",
     "replan",
     "reroute_plan",
+    "split_counts",
     "split_layers",
 ]
 
@@ -165,7 +167,7 @@ Shape = tuple[tuple[int, int], ...]
 Split = tuple[tuple[int, int], ...]
 
 
-def _balanced(devices: int, dp: int) -> Shape:
+def balanced_shape(devices: int, dp: int) -> Shape:
     """``dp`` pipelines over ``devices`` devices, lengths differing by at most one, longer
     first."""
     q, r = divmod(devices, dp)
@@ -183,13 +185,6 @@ class _Layout:
     @property
     def num_pipelines(self) -> int:
         return sum(count for _, _, count in self.runs)
-
-    def split_counts(self) -> dict[tuple[Split, tuple[int, ...]], int]:
-        """Pipelines per layer split (no dead stages): the classes all-reduce is priced by."""
-        counts: dict[tuple[Split, tuple[int, ...]], int] = {}
-        for split, _, count in self.runs:
-            counts[(split, ())] = counts.get((split, ()), 0) + count
-        return counts
 
     @cached_property
     def pipelines(self) -> tuple[Pipeline, ...]:
@@ -315,7 +310,7 @@ def _candidate_shapes(spec: JobSpec, current: ExecutionPlan, live: int) -> list[
         for used in {live, live - live % dp}:
             if used < dp:
                 continue
-            shape = _balanced(used, dp)
+            shape = balanced_shape(used, dp)
             if shortest <= shape[-1][0] and shape[0][0] <= longest and shape not in found:
                 found.append(shape)
 
@@ -476,7 +471,16 @@ def _best_layout(spec: JobSpec, current: ExecutionPlan, failed: Collection[int],
 
 
 def _allreduce_s(spec: JobSpec, layout: _Layout) -> float:
-    return allreduce_time_by_class(spec, layout.split_counts())
+    return allreduce_time_by_class(spec, split_counts(layout.runs))
+
+
+def split_counts(runs: Iterable[tuple[Split, int, int]]) -> dict[tuple[Split, tuple[int, ...]], int]:
+    """Pipelines per layer split (no dead stages) of runs ``(split, quota, how many)``: the
+    classes ``allreduce_time_by_class`` prices."""
+    counts: dict[tuple[Split, tuple[int, ...]], int] = {}
+    for split, _, count in runs:
+        counts[(split, ())] = counts.get((split, ()), 0) + count
+    return counts
 
 
 def allreduce_time_by_class(spec: JobSpec, counts: Mapping[tuple[Split, tuple[int, ...]], int]

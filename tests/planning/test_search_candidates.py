@@ -19,6 +19,7 @@ from chameleon_elastic.planning.search import (
     _candidate_shapes,
     _layout_for,
     _ranges,
+    split_counts,
     split_layers,
 )
 from chameleon_elastic.spec import JobSpec
@@ -118,7 +119,7 @@ def test_layout_classes_price_all_reduce_like_its_pipelines(shape, layers):
     layout = _layout_for(spec, tuple((min(n, layers), k) for n, k in shape))
     if layout is None:
         return
-    assert class_round_sizes(layout.split_counts()) == allreduce_round_sizes(layout.pipelines)
+    assert class_round_sizes(split_counts(layout.runs)) == allreduce_round_sizes(layout.pipelines)
     assert [p.devices for p in layout.pipelines] == [
         tuple(range(a, a + p.num_stages)) for a, p in zip(
             itertools.accumulate((p.num_stages for p in layout.pipelines), initial=0),

@@ -10,15 +10,26 @@ from hypothesis import strategies as st
 
 from chameleon_elastic.plan import ExecutionPlan, Pipeline
 from chameleon_elastic.planning import estimator
-from chameleon_elastic.sim.policies.common import finish, fits_memory
+from chameleon_elastic.sim.policies.common import finish
 from chameleon_elastic.sim.policies.oobleck import (
     MIN_PIPELINES,
     OobleckPolicy,
     quotas_by_class,
     template_layers,
-    throughput_quotas,
 )
 from chameleon_elastic.spec import JobSpec
+
+
+def throughput_quotas(stage_costs, total):
+    """Oobleck's batch rule as defined: one micro-batch at a time (at least one each) to the
+    pipeline whose (stages + quota) x slowest stage is least, ties to the lowest index;
+    ``stage_costs[i]`` = (stages, slowest stage F+B seconds)."""
+    quotas = [1] * len(stage_costs)
+    for _ in range(total - len(stage_costs)):
+        best = min(range(len(quotas)),
+                   key=lambda i: ((stage_costs[i][0] + quotas[i]) * stage_costs[i][1], i))
+        quotas[best] += 1
+    return tuple(quotas)
 
 
 def defined_choice(policy: OobleckPolicy, live: list[int]) -> ExecutionPlan | None:
@@ -38,7 +49,7 @@ def defined_choice(policy: OobleckPolicy, live: list[int]) -> ExecutionPlan | No
         pipelines = tuple(Pipeline(tuple(next(it) for _ in range(n)), s, m)
                           for n, s, m in zip(sizes, splits, quotas))
         plan = finish(spec, ExecutionPlan("replan", 1, pipelines))
-        if fits_memory(spec, plan):
+        if estimator.fits_in_memory(spec, plan):
             key = (round(plan.estimate.step_time_s, 9), k)
             if best is None or key < best[0]:
                 best = (key, plan)

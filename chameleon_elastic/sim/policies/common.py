@@ -22,7 +22,6 @@ from ..engine import Phase
 __all__ = [
     "STALLED",
     "finish",
-    "fits_memory",
     "paused",
     "running",
     "samples_per_step",
@@ -62,11 +61,6 @@ def finish(spec: JobSpec, plan: ExecutionPlan) -> ExecutionPlan:
     """All-reduce rounds and the estimate, as the planner attaches them to its own plans."""
     plan = replace(plan, allreduce_rounds=allreduce_rounds(plan.pipelines, plan.failed_devices))
     return replace(plan, estimate=estimator.evaluate(spec, plan)).validate()
-
-
-def fits_memory(spec: JobSpec, plan: ExecutionPlan) -> bool:
-    peaks = estimator.peak_memory(spec, plan)
-    return max(peaks.values(), default=0.0) <= spec.cluster.device_memory_bytes
 
 
 def symmetric_plan(spec: JobSpec, devices: Sequence[int], generation: int) -> ExecutionPlan | None:

@@ -38,14 +38,20 @@ from dataclasses import replace
 
 from ...plan import ExecutionPlan, Pipeline, Transfer
 from ...planning import estimator
-from ...planning.search import PlanningError, allreduce_time_by_class, initial_plan
+from ...planning.search import (
+    PlanningError,
+    allreduce_time_by_class,
+    balanced_shape,
+    initial_plan,
+    split_counts,
+)
 from ...spec import JobSpec
 from ..constants import BaselineConstants
 from ..engine import EventContext, Phase, Reaction
-from .common import STALLED, finish, fits_memory, paused, running
+from .common import STALLED, finish, paused, running
 
 __all__ = ["MIN_PIPELINES", "OobleckPolicy", "first_holder_transfers", "quotas_by_class",
-           "template_layers", "throughput_quotas"]
+           "template_layers"]
 
 #: Oobleck's fault-tolerance threshold f = 1: at least two pipelines hold every layer.
 MIN_PIPELINES = 2
@@ -62,23 +68,16 @@ def template_layers(num_layers: int, stages: int) -> tuple[tuple[int, int], ...]
     return tuple(out)
 
 
-def throughput_quotas(stage_costs: Sequence[tuple[int, float]], total: int) -> tuple[int, ...]:
-    """Micro-batches per pipeline; ``stage_costs[i]`` = (stages, slowest stage F+B seconds)."""
-    quotas = [1] * len(stage_costs)
-    for _ in range(total - len(stage_costs)):
-        best = min(range(len(quotas)),
-                   key=lambda i: ((stage_costs[i][0] + quotas[i]) * stage_costs[i][1], i))
-        quotas[best] += 1
-    return tuple(quotas)
-
-
 def quotas_by_class(classes: Sequence[tuple[int, float, int]], total: int
                     ) -> list[tuple[int, int]]:
-    """``throughput_quotas`` for pipelines given as contiguous classes ``(stages, slowest stage
-    F+B seconds, how many)`` in pipeline order: per class ``(quota, how many of its first
-    members take one more)``.
+    """Micro-batches by throughput, for pipelines given as contiguous classes ``(stages,
+    slowest stage F+B seconds, how many)`` in pipeline order: per class ``(quota, how many of
+    its first members take one more)``.
 
-    Members of a class at the same quota have the same key and lower indices than any later
+    Oobleck's rule, one micro-batch at a time (at least one each): the next goes to the
+    pipeline whose ``(stages + quota) x slowest stage`` is least, ties to the lowest index
+    (tests/sim/test_oobleck.py keeps that definition and checks this against it). Members of a
+    class at the same quota have the same key and lower indices than any later
     class, so once the greedy picks a class it gives the class's whole level before anyone
     else: one step per level, not per micro-batch.
     """
@@ -137,13 +136,10 @@ class OobleckPolicy:
         self.constants = constants or BaselineConstants()
         self.plan: ExecutionPlan | None = None
         self._templates: dict[int, tuple[tuple[tuple[int, int], ...], float, float]] = {}
-        self.min_stages = next((n for n in range(1, spec.model.layers + 1)
-                                if self._fits(template_layers(spec.model.layers, n))), None)
-
-    def _fits(self, layers: tuple[tuple[int, int], ...]) -> bool:
-        total = self.spec.training.global_micro_batches
-        probe = ExecutionPlan("replan", 0, (Pipeline(tuple(range(len(layers))), layers, total),))
-        return fits_memory(self.spec, probe)
+        self.min_stages = next(
+            (n for n in range(1, spec.model.layers + 1)
+             if estimator.pipeline_fits(spec, template_layers(spec.model.layers, n),
+                                        spec.training.global_micro_batches)), None)
 
     def start(self) -> tuple[Phase, ...]:
         self.plan = initial_plan(self.spec)
@@ -160,11 +156,6 @@ class OobleckPolicy:
                 max(math.fsum(spec.model.param_bytes[a:b]) for a, b in split))
         return self._templates[stages]
 
-    @staticmethod
-    def _classes(live: int, k: int) -> list[tuple[int, int]]:
-        q, r = divmod(live, k)
-        return [(n, c) for n, c in ((q + 1, r), (q, k - r)) if c]
-
     def _floor(self, live: int, k: int) -> float:
         """No mix of k pipelines steps faster. Compute: one pipeline runs ceil(B / k)
         micro-batches. Sync: every pipeline holds the whole model, so each layer has k holders,
@@ -172,7 +163,7 @@ class OobleckPolicy:
         spends at least that stage's ring all-reduce in them."""
         spec = self.spec
         q = -(-spec.training.global_micro_batches // k)
-        classes = self._classes(live, k)
+        classes = balanced_shape(live, k)
         compute = min(estimator.pipeline_time(spec, self._split(n)[0], q) for n, _ in classes)
         grads = max(self._split(n)[2] for n, _ in classes)
         return compute + 2.0 * (k - 1) / k * grads / spec.cluster.bandwidth_bytes_per_s
@@ -180,7 +171,7 @@ class OobleckPolicy:
     def _price(self, live: int, k: int) -> tuple[float, _Runs] | None:
         """Step time of the k-pipeline mix and its runs, or None if it does not fit in memory."""
         spec = self.spec
-        classes = self._classes(live, k)
+        classes = balanced_shape(live, k)
         quotas = quotas_by_class([(n, self._split(n)[1], c) for n, c in classes],
                                  spec.training.global_micro_batches)
         runs: _Runs = tuple(
@@ -191,10 +182,7 @@ class OobleckPolicy:
         if not all(estimator.pipeline_fits(spec, split, q) for split, q, _ in runs):
             return None
         compute = max(estimator.pipeline_time(spec, split, q) for split, q, _ in runs)
-        counts: dict = {}
-        for split, _, count in runs:
-            counts[(split, ())] = counts.get((split, ()), 0) + count
-        return compute + allreduce_time_by_class(spec, counts), runs
+        return compute + allreduce_time_by_class(spec, split_counts(runs)), runs
 
     def _instantiate(self, live: Sequence[int], generation: int) -> ExecutionPlan | None:
         """The mix with the least step time (ties: fewer pipelines), built on ``live`` in order."""
