@@ -15,6 +15,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from chameleon_elastic.channel import CHAMELEON_VARS, chameleon_env
 from chameleon_elastic.plan import DeviceRole, ExecutionPlan
 
 __all__ = [
@@ -25,21 +26,6 @@ __all__ = [
     "local_assignments",
     "write_plan_file",
 ]
-
-CHAMELEON_VARS: tuple[str, ...] = (
-    "CHAMELEON_PLAN_GENERATION",
-    "CHAMELEON_POLICY",
-    "CHAMELEON_PIPELINE",
-    "CHAMELEON_NUM_PIPELINES",
-    "CHAMELEON_STAGE",
-    "CHAMELEON_NUM_STAGES",
-    "CHAMELEON_LAYER_START",
-    "CHAMELEON_LAYER_END",
-    "CHAMELEON_MICRO_BATCHES",
-    "CHAMELEON_GLOBAL_MICRO_BATCHES",
-    "CHAMELEON_PLAN_FILE",
-    "CHAMELEON_DEVICE",
-)
 
 
 @dataclass(frozen=True)
@@ -69,24 +55,6 @@ def local_assignments(plan: ExecutionPlan, node: int,
         if d in roles:
             out.append(LocalAssignment(local_rank, d, rank_of[d], len(working), roles[d]))
     return tuple(out)
-
-
-def chameleon_env(plan: ExecutionPlan, role: DeviceRole, plan_file: str) -> dict[str, str]:
-    """The ``CHAMELEON_*`` variables of one worker (see docs/launcher.md for the table)."""
-    return {
-        "CHAMELEON_PLAN_GENERATION": str(plan.generation),
-        "CHAMELEON_POLICY": plan.policy,
-        "CHAMELEON_PIPELINE": str(role.pipeline),
-        "CHAMELEON_NUM_PIPELINES": str(len(plan.pipelines)),
-        "CHAMELEON_STAGE": str(role.stage),
-        "CHAMELEON_NUM_STAGES": str(role.num_stages),
-        "CHAMELEON_LAYER_START": str(role.layer_start),
-        "CHAMELEON_LAYER_END": str(role.layer_end),
-        "CHAMELEON_MICRO_BATCHES": str(role.micro_batches),
-        "CHAMELEON_GLOBAL_MICRO_BATCHES": str(plan.global_micro_batches),
-        "CHAMELEON_PLAN_FILE": plan_file,
-        "CHAMELEON_DEVICE": str(role.device),
-    }
 
 
 def write_plan_file(plan: ExecutionPlan, directory: str | Path) -> str:

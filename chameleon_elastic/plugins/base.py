@@ -77,6 +77,21 @@ class DeviceBackend(abc.ABC):
     def synchronize(self, local_rank: int = 0) -> None:
         """Wait for queued device work (needed before reading a clock; no-op on CPU)."""
 
+    def abort_process_groups(self) -> None:
+        """Tear down every process group of this process after a peer was lost; never raises.
+
+        Gloo cannot abort a collective, but destroying its groups closes their sockets, so a
+        peer blocked on this process fails at once instead of waiting for its timeout (that is
+        how a failure spreads to every survivor within milliseconds). Back-ends whose collectives
+        can block on a dead peer forever (NCCL, HCCL) abort their communicators first."""
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except (RuntimeError, ValueError):
+                pass
+
     def _require(self) -> None:
         if not self.is_available():
             raise PluginError(

@@ -47,3 +47,18 @@ class CudaBackend(DeviceBackend):
         import torch
 
         torch.cuda.synchronize(self.device(local_rank))
+
+    def abort_process_groups(self) -> None:
+        """``ncclCommAbort`` on every communicator at once (torch's ``_abort_process_group``),
+        so a collective blocked on a dead peer returns; then the groups are destroyed. Not yet
+        exercised on a GPU by the suite (no GPU on CI)."""
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            try:
+                from torch.distributed.distributed_c10d import _abort_process_group
+
+                _abort_process_group()
+            except (ImportError, RuntimeError, ValueError):
+                pass
+        super().abort_process_groups()

@@ -11,49 +11,70 @@ whatever the plan (symmetric, asymmetric, rerouted). See docs/runtime.md.
 
 from __future__ import annotations
 
-from .checkpoint import latest_step, load_checkpoint, save_checkpoint
+from .checkpoint import latest_step, load_checkpoint, load_layers, save_checkpoint
+from .commit import Agreement, ProtocolError, Row, StateLost, agree
 from .data import global_micro_batch, sample_ids, step_sample_ids
-from .errors import PipelineRuntimeError
+from .errors import PeerLost, PipelineRuntimeError
 from .executor import OpTiming, PipelineExecutor, StepOutcome, TensorSpec, boundary_shape
 from .grad_sync import SyncMode, sync_gradients
 from .groups import GroupTable
+from .layer_state import LayerState, export_layer, import_layer
 from .model import PipelineModel, build_layers, collate
+from .recovery import Recovery, WorkerLink
 from .topology import (
     RankMap,
-    collective_timeout,
+    check_world,
     dense_rank_map,
     device_from_env,
-    exchange_rank_map,
     init_distributed,
     plan_from_env,
 )
-from .trainer import PipelineTrainer, StepResult, data_parallel_plan, layer_holders, plan_rounds
+from .trainer import (
+    Entry,
+    PipelineTrainer,
+    StepResult,
+    data_parallel_plan,
+    layer_holders,
+    plan_rounds,
+)
 
 __all__ = [
+    "Agreement",
+    "Entry",
     "GroupTable",
+    "LayerState",
     "OpTiming",
+    "PeerLost",
     "PipelineExecutor",
     "PipelineModel",
     "PipelineRuntimeError",
     "PipelineTrainer",
+    "ProtocolError",
     "RankMap",
+    "Recovery",
+    "Row",
+    "StateLost",
     "StepOutcome",
     "StepResult",
     "SyncMode",
     "TensorSpec",
+    "WorkerLink",
+    "agree",
     "boundary_shape",
     "build_layers",
+    "check_world",
     "collate",
-    "collective_timeout",
     "data_parallel_plan",
     "dense_rank_map",
     "device_from_env",
-    "exchange_rank_map",
+    "export_layer",
     "global_micro_batch",
+    "import_layer",
     "init_distributed",
     "latest_step",
     "layer_holders",
     "load_checkpoint",
+    "load_layers",
     "plan_from_env",
     "plan_rounds",
     "sample_ids",

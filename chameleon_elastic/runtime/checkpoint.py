@@ -18,14 +18,16 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from .errors import PipelineRuntimeError
+from .errors import PeerLost, PipelineRuntimeError
+from .layer_state import LayerState, export_layer, import_layer
 
-__all__ = ["latest_step", "load_checkpoint", "save_checkpoint"]
+__all__ = ["latest_step", "load_checkpoint", "load_layers", "save_checkpoint"]
 
 
 def _step_dir(directory: Path, step: int) -> Path:
@@ -58,52 +60,57 @@ def _atomic_write(path: Path, write) -> None:
 
 
 def save_checkpoint(trainer, directory: str | Path, step: int) -> None:
-    """Commit the state after ``step`` completed steps (collective over the world)."""
+    """Commit the state after ``step`` completed steps (collective over the world). A peer lost
+    meanwhile raises :class:`~.errors.PeerLost`; the previous checkpoint then stays in force."""
     directory = Path(directory)
     target = _step_dir(directory, step)
     target.mkdir(parents=True, exist_ok=True)
-    optimizer = trainer.optimizer
     for layer, module in trainer.layers.items():
         if min(trainer.holders[layer]) != trainer.device:
             continue
-        params = list(module.parameters())
-        state = {
-            "layer": layer,
-            "params": {k: v.detach().cpu() for k, v in module.state_dict().items()},
-            "optimizer": [{k: (v.detach().cpu() if isinstance(v, torch.Tensor) else v)
-                           for k, v in optimizer.state.get(p, {}).items()} for p in params],
-        }
+        state = export_layer(layer, module, trainer.optimizer).to_dict()
         _atomic_write(target / f"layer-{layer}.pt", lambda tmp, s=state: torch.save(s, tmp))
-    dist.barrier()
+    _barrier(trainer.device)
     if dist.get_rank() == 0:
         _atomic_write(directory / "latest", lambda tmp: Path(tmp).write_text(f"{step}\n"))
         for old in directory.glob("step-*"):
             if old != target and old.is_dir():
                 shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
+    _barrier(trainer.device)
 
 
-def load_checkpoint(trainer, directory: str | Path) -> int:
-    """Load this device's layers and optimizer state from the last committed checkpoint;
-    returns the number of completed steps (0 when there is no checkpoint)."""
-    step = latest_step(directory)
-    if step is None:
-        return 0
+def _barrier(device: int) -> None:
+    try:
+        dist.barrier()
+    except RuntimeError as exc:
+        raise PeerLost(f"device {device} lost a peer while committing a checkpoint: "
+                       f"{exc}") from exc
+
+
+def load_layers(directory: str | Path, step: int, layers: Iterable[int]) -> dict[int, LayerState]:
+    """The states of ``layers`` in checkpoint ``step`` (weights_only: plain tensors)."""
     source = _step_dir(Path(directory), step)
-    optimizer = trainer.optimizer
-    for layer, module in trainer.layers.items():
+    out = {}
+    for layer in layers:
         path = source / f"layer-{layer}.pt"
         try:
-            state = torch.load(path, weights_only=True)
+            out[layer] = LayerState.from_dict(torch.load(path, weights_only=True))
         except FileNotFoundError as exc:
             raise PipelineRuntimeError(
                 f"checkpoint step {step} has no {path.name}; it was written for a model with "
                 "fewer layers or is damaged: delete the checkpoint directory to start afresh."
             ) from exc
-        module.load_state_dict(state["params"])
-        for p, saved in zip(module.parameters(), state["optimizer"]):
-            if saved:  # optimizers keep their step counter on the CPU
-                optimizer.state[p] = {
-                    k: (v.to(p.device) if isinstance(v, torch.Tensor) and k != "step" else v)
-                    for k, v in saved.items()}
+    return out
+
+
+def load_checkpoint(trainer, directory: str | Path) -> int:
+    """Load this device's layers and optimizer state from the last committed checkpoint;
+    returns the number of completed steps (0 when there is no checkpoint). Every rank must call
+    it, on a trainer that has not trained yet (trainer.run resumes from checkpoints itself)."""
+    step = latest_step(directory)
+    if step is None:
+        return 0
+    for layer, state in load_layers(directory, step, trainer.layers).items():
+        import_layer(state, trainer.layers[layer], trainer.optimizer)
+    trainer.committed = step
     return step

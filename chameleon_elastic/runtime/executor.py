@@ -27,7 +27,7 @@ gradients, from the output this device produced.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -37,7 +37,7 @@ from torch import nn
 from chameleon_elastic.plan import ExecutionPlan
 
 from .data import sample_ids
-from .errors import PipelineRuntimeError
+from .errors import PeerLost, PipelineRuntimeError
 from .model import PipelineModel, collate
 from .topology import RankMap
 
@@ -133,15 +133,16 @@ class PipelineExecutor:
         try:
             dist.recv(buf, src=self.ranks.rank(device), tag=tag)
         except RuntimeError as exc:
-            raise PipelineRuntimeError(
-                f"device {self.device} timed out or failed receiving from device {device} "
-                f"(tag {tag}): {exc}"
-            ) from exc
+            raise PeerLost(f"device {self.device} timed out or failed receiving from device "
+                           f"{device} (tag {tag}): {exc}") from exc
         return buf
 
     def _send(self, tensor: torch.Tensor, device: int, tag: int, pending: list) -> None:
         tensor = tensor.detach().contiguous()
-        work = dist.isend(tensor, dst=self.ranks.rank(device), tag=tag)
+        try:
+            work = dist.isend(tensor, dst=self.ranks.rank(device), tag=tag)
+        except RuntimeError as exc:
+            raise PeerLost(f"device {self.device} could not send to device {device}: {exc}") from exc
         pending.append((work, tensor))
 
     def _batch(self, step: int, pipeline: int, micro_batch: int):
@@ -151,14 +152,21 @@ class PipelineExecutor:
 
     # ------------------------------------------------------------------ one step
 
-    def run(self, step: int, ops: Sequence, record: bool = False) -> StepOutcome:
-        """Execute ``ops`` (this device's order) for ``step``; gradients accumulate in place."""
+    def run(self, step: int, ops: Sequence, record: bool = False,
+            on_phase: Callable[[int, str], None] | None = None) -> StepOutcome:
+        """Execute ``ops`` (this device's order) for ``step``; gradients accumulate in place.
+        ``on_phase(step, "forward" | "backward")`` runs before the first operation of each kind
+        (the trainer's fault-injection hook)."""
         scale = 1.0 / self.plan.global_micro_batches
         stash: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         pending: list = []
         timings: list[OpTiming] = []
         loss_sum = 0.0
+        entered: set[str] = set()
         for op in ops:
+            if on_phase is not None and op.kind not in entered:
+                entered.add(op.kind)
+                on_phase(step, "forward" if op.kind == "F" else "backward")
             if op.device != self.device:
                 raise PipelineRuntimeError(
                     f"operation {op} belongs to device {op.device}, not {self.device}; pass "
@@ -219,9 +227,8 @@ class PipelineExecutor:
             try:
                 work.wait()
             except RuntimeError as exc:
-                raise PipelineRuntimeError(
-                    f"device {self.device} could not complete a send of step {step}: {exc}"
-                ) from exc
+                raise PeerLost(f"device {self.device} could not complete a send of step "
+                               f"{step}: {exc}") from exc
         if stash:
             raise PipelineRuntimeError(
                 f"device {self.device} ran forwards without backwards for {sorted(stash)}; the "

@@ -27,6 +27,7 @@ from torch import nn
 
 from chameleon_elastic.plan import AllReduceGroup
 
+from .errors import PeerLost
 from .groups import GroupTable
 from .topology import RankMap
 
@@ -57,12 +58,18 @@ def _grads(layers: Mapping[int, nn.Module], layer_ids: Sequence[int]) -> list[to
 
 def _start(grads: list[torch.Tensor], group) -> tuple[object, torch.Tensor, list[torch.Tensor]]:
     flat = torch.cat([g.reshape(-1) for g in grads]) if len(grads) > 1 else grads[0].reshape(-1)
-    work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    try:
+        work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    except RuntimeError as exc:
+        raise PeerLost(f"a gradient all-reduce could not start: {exc}") from exc
     return work, flat, grads
 
 
 def _finish(work, flat: torch.Tensor, grads: list[torch.Tensor]) -> None:
-    work.wait()
+    try:
+        work.wait()
+    except RuntimeError as exc:
+        raise PeerLost(f"a gradient all-reduce broke: {exc}") from exc
     offset = 0
     for g in grads:
         n = g.numel()

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 
 import torch.distributed as dist
 
-from .errors import PipelineRuntimeError
+from .errors import PeerLost, PipelineRuntimeError
 
 __all__ = ["GroupTable"]
 
@@ -32,7 +32,7 @@ class GroupTable:
             try:
                 group = dist.new_group(list(ranks), timeout=timeout)
             except RuntimeError as exc:
-                raise PipelineRuntimeError(
+                raise PeerLost(
                     f"cannot create the process group for ranks {list(ranks)}: {exc}"
                 ) from exc
             if self._rank in ranks:
@@ -52,7 +52,11 @@ class GroupTable:
             ) from None
 
     def destroy(self) -> None:
+        """Release the groups; never raises (after a failure a group may be half broken)."""
         for group in self._groups.values():
             if group is not dist.group.WORLD:
-                dist.destroy_process_group(group)
+                try:
+                    dist.destroy_process_group(group)
+                except (RuntimeError, ValueError):
+                    pass
         self._groups.clear()

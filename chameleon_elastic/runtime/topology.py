@@ -2,14 +2,13 @@
 
 Ranks and device ids differ once devices fail. The launcher numbers ranks densely: the rank of a
 device is its index in ``plan.working_devices`` (sorted), then spare devices, if they run at
-all, after them. The runtime does not rely on that convention silently: :func:`exchange_rank_map`
-all-gathers every rank's device id once per plan, so whatever ``RANK`` the launcher chose, each
-rank knows which device every other rank is, and a world that does not match the plan fails at
-once with a clear error instead of hanging in a collective.
+all, after them. The runtime does not rely on that convention silently: entering a plan
+all-gathers every rank's device id (with its state, see ``commit.Row``), so whatever ``RANK``
+the launcher chose, each rank knows which device every other rank is, and :func:`check_world`
+fails at once with a clear error when the world does not match the plan.
 
-Timeouts for every collective and point-to-point transfer are resolved in one place,
-:func:`collective_timeout`: environment variable ``CHAMELEON_COLLECTIVE_TIMEOUT_S`` > argument >
-default (120 s).
+Timeouts come from :class:`chameleon_elastic.timeouts.Timeouts` (environment > argument >
+default), the one place both the launcher and the runtime resolve them.
 """
 
 from __future__ import annotations
@@ -17,48 +16,23 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 from chameleon_elastic.plan import ExecutionPlan, PlanError
+from chameleon_elastic.timeouts import Timeouts
 
 from .errors import PipelineRuntimeError
 
 __all__ = [
-    "DEFAULT_TIMEOUT_S",
     "RankMap",
-    "collective_timeout",
+    "check_world",
     "dense_rank_map",
     "device_from_env",
-    "exchange_rank_map",
     "init_distributed",
     "plan_from_env",
 ]
-
-DEFAULT_TIMEOUT_S = 120.0
-TIMEOUT_ENV = "CHAMELEON_COLLECTIVE_TIMEOUT_S"
-
-
-def collective_timeout(timeout_s: float | None = None,
-                       env: Mapping[str, str] | None = None) -> timedelta:
-    env = os.environ if env is None else env
-    raw = env.get(TIMEOUT_ENV)
-    if raw is not None:
-        try:
-            value = float(raw)
-        except ValueError as exc:
-            raise PipelineRuntimeError(
-                f"{TIMEOUT_ENV}={raw!r} is not a number; set it to a timeout in seconds."
-            ) from exc
-    else:
-        value = DEFAULT_TIMEOUT_S if timeout_s is None else float(timeout_s)
-    if value <= 0:
-        raise PipelineRuntimeError(f"collective timeout {value} s must be positive.")
-    return timedelta(seconds=value)
-
 
 @dataclass(frozen=True)
 class RankMap:
@@ -84,13 +58,9 @@ def dense_rank_map(plan: ExecutionPlan) -> RankMap:
     return RankMap(tuple(plan.working_devices) + tuple(sorted(plan.spare_devices)))
 
 
-def exchange_rank_map(plan: ExecutionPlan, device: int, group=None) -> RankMap:
-    """All-gather each rank's device id (collective) and check it against the plan."""
-    world = dist.get_world_size(group)
-    mine = torch.tensor([device], dtype=torch.int64)
-    gathered = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-    dist.all_gather(gathered, mine, group=group)
-    devices = tuple(int(t.item()) for t in gathered)
+def check_world(plan: ExecutionPlan, devices: tuple[int, ...]) -> None:
+    """The world's devices (one per rank, all-gathered) must run every working device of the
+    plan and nothing outside it (spares may keep a process)."""
     if len(set(devices)) != len(devices):
         raise PipelineRuntimeError(
             f"two ranks claim the same device (ranks -> devices {list(devices)}); give every "
@@ -105,7 +75,6 @@ def exchange_rank_map(plan: ExecutionPlan, device: int, group=None) -> RankMap:
             f"{missing} have work but no process, devices {extra} run but are not in the plan; "
             "start exactly one worker per working (or spare) device of the plan."
         )
-    return RankMap(devices)
 
 
 def plan_from_env(env: Mapping[str, str] | None = None) -> ExecutionPlan | None:
@@ -151,15 +120,25 @@ def device_from_env(plan: ExecutionPlan, env: Mapping[str, str] | None = None) -
 
 
 def init_distributed(backend: str | None = None, timeout_s: float | None = None) -> None:
-    """``init_process_group`` from torchrun's environment, with the back-end of the device
-    plugin (gloo on CPU) and the resolved collective timeout. No-op when already initialised."""
+    """Join the job's process group with the back-end of the device plugin (gloo on CPU) and the
+    resolved collective timeout. Under ``chameleon-run --job`` the group is the newest plan
+    generation's, taken from this node's agent (so a process started to join a running job
+    meets the survivors); otherwise ``init_process_group`` from torchrun's environment. No-op
+    when already initialised."""
     if dist.is_initialized():
         return
     from chameleon_elastic.plugins import get_backend
 
+    from .recovery import WorkerLink, join_generation
+
+    timeouts = Timeouts.resolve(collective_s=timeout_s)
     name = backend or get_backend(os.environ.get("CHAMELEON_BACKEND")).dist_backend
+    link = WorkerLink.from_env(timeouts)
     try:
-        dist.init_process_group(backend=name, timeout=collective_timeout(timeout_s))
+        if link is not None:
+            join_generation(link.current(), link.device, name, timeouts)
+        else:
+            dist.init_process_group(backend=name, timeout=timeouts.delta("collective_s"))
     except (RuntimeError, ValueError) as exc:
         raise PipelineRuntimeError(
             f"cannot join the process group with backend {name!r}: {exc}; start the script "

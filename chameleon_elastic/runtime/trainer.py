@@ -1,41 +1,60 @@
-"""One device's training under one plan: layers, optimizer, schedule, gradient sync.
+"""One device's training under a plan, and under every plan that follows a failure.
 
-Setup is collective and happens once per plan (``PipelineTrainer(...)``): every rank
-all-gathers its device id (:func:`~.topology.exchange_rank_map`) and creates the bucket process
-groups in the same order (:class:`~.groups.GroupTable`). A training step is then
+Entering a plan (:meth:`PipelineTrainer.enter`, collective over the plan's world) is one chain
+for every case: a fresh start, a resume from a checkpoint, a process that joins a running job,
+and a survivor after a failure. Every rank all-gathers what it holds and has committed
+(:mod:`.commit`), the ranks that are one step behind roll forward, missing layers arrive from
+peers with their optimizer state (:mod:`.migrate`; from the checkpoint only when no live process
+holds some layer; built from the seed at step 0), and the bucket groups and the 1F1B executor
+are rebuilt for the plan. A training step is then
 
-1. zero gradients;
-2. run this device's 1F1B order (:mod:`.executor`), accumulating gradients of the global-batch
-   mean loss;
-3. sum gradients over each bucket's holders by colour rounds (:mod:`.grad_sync`);
-4. optimizer step; all-reduce the loss over the world for reporting.
+1. zero gradients; run this device's 1F1B order (:mod:`.executor`);
+2. sum gradients over each bucket's holders by colour rounds (:mod:`.grad_sync`);
+3. vote: all-reduce the loss over the world (the commit point, see :mod:`.commit`);
+4. apply: optimizer step; the step is committed.
 
-Everything plan-dependent lives on the trainer object, nothing at module level, so after a
-failure the same process can ``close()`` it and build a new one for the next plan
-(in-place recovery keeps the layers it already holds via ``layers=``).
-Spare devices take part in setup and in the loss all-reduce, and do nothing else.
+:meth:`PipelineTrainer.run` is the fault-tolerant loop: under ``chameleon-run --job`` a broken
+transfer or collective (:class:`~.errors.PeerLost`) never reaches the caller; the trainer
+recovers in place (:mod:`.recovery`) and goes on at the first step that was not committed
+everywhere, reporting every committed step exactly once. Spare devices take part in the vote and
+in recoveries and do nothing else.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from chameleon_elastic.plan import AllReduceGroup, ExecutionPlan, Pipeline
+from chameleon_elastic.timeouts import Timeouts
 
-from .errors import PipelineRuntimeError
+from .checkpoint import latest_step, load_layers, save_checkpoint
+from .commit import Row, StateLost, agree
+from .errors import PeerLost, PipelineRuntimeError
 from .executor import OpTiming, PipelineExecutor
 from .grad_sync import SyncMode, bucket_rank_sets, layer_holder_rank_sets, sync_gradients
 from .groups import GroupTable
+from .layer_state import export_layer, import_layer
+from .migrate import move_layers, plan_moves, stage_layers
 from .model import PipelineModel, build_layers
-from .topology import RankMap, collective_timeout, device_from_env, exchange_rank_map, plan_from_env
+from .recovery import Recovery, WorkerLink
+from .topology import RankMap, check_world, device_from_env, plan_from_env
 
-__all__ = ["PipelineTrainer", "StepResult", "data_parallel_plan", "layer_holders", "plan_rounds"]
+__all__ = ["Entry", "PipelineTrainer", "StepResult", "data_parallel_plan", "layer_holders",
+           "plan_rounds"]
+
+Phase = Literal["forward", "backward", "sync", "vote", "apply", "applied"]
+PhaseHook = Callable[[int, str], None]
+Report = Callable[["StepResult"], None]
 
 
 @dataclass(frozen=True)
@@ -47,6 +66,21 @@ class StepResult:
     step_s: float
     allreduces: int
     timings: tuple[OpTiming, ...] = ()
+    redone: bool = False  # the step is trained again after a rollback to a checkpoint
+
+
+@dataclass(frozen=True)
+class Entry:
+    """How the trainer entered a plan: where state came from and what moved."""
+
+    resume: int
+    source: str            # "peers", "none" (nothing to move), "checkpoint" or "init"
+    rolled_forward: bool
+    moved_layers: int
+    moved_bytes: float
+    planned_moves: bool    # the plan's own transfers were used (not a recomputed choice)
+    transfer_s: float
+    redone_steps: int
 
 
 def layer_holders(plan: ExecutionPlan) -> dict[int, tuple[int, ...]]:
@@ -104,70 +138,76 @@ def _check_message_matching(orders) -> None:
         )
 
 
+def _ranges(layers: tuple[int, ...]) -> str:
+    return f"{layers[0]}-{layers[-1]}" if len(layers) > 1 else str(layers[0])
+
+
 class PipelineTrainer:
-    """Train ``model`` on this device's share of ``plan``. Collective constructor."""
+    """Train ``model`` on this device's share of ``plan``. Collective constructor.
+
+    ``checkpoint_dir``: where :meth:`run` commits checkpoints, and where state comes from when a
+    fresh world starts or when no live process holds some layer. ``link``: the agent channel
+    (``chameleon-run --job``), which makes recovery in place possible. ``on_phase(step, phase)``
+    is a fault-injection hook for tests, called before each phase of a step (``forward``,
+    ``backward``, ``sync``, ``vote``, ``apply``) and after ``apply`` (``applied``).
+    """
 
     def __init__(self, model: PipelineModel, plan: ExecutionPlan, device: int, *,
                  micro_batch_size: int = 1, sync_mode: SyncMode = "rounds",
-                 torch_device: torch.device | None = None,
-                 layers: nn.ModuleList | None = None,
-                 optimizer: torch.optim.Optimizer | None = None,
-                 timeout_s: float | None = None) -> None:
+                 torch_device: torch.device | None = None, timeouts: Timeouts | None = None,
+                 checkpoint_dir: str | Path | None = None, link: WorkerLink | None = None,
+                 on_phase: PhaseHook | None = None) -> None:
         if not dist.is_initialized():
             raise PipelineRuntimeError(
                 "torch.distributed is not initialised; call "
                 "chameleon_elastic.runtime.init_distributed() (or init_process_group) first."
             )
-        plan.validate()
-        if plan.num_layers != model.num_layers:
-            raise PipelineRuntimeError(
-                f"plan generation {plan.generation} splits {plan.num_layers} layers but the "
-                f"model has {model.num_layers}; make the job's model.layers match the model."
-            )
         self.model = model
-        self.plan = plan
         self.device = device
         self.micro_batch_size = micro_batch_size
         self.sync_mode = sync_mode
-        self.ranks: RankMap = exchange_rank_map(plan, device)
-        self.rounds = plan_rounds(plan)
-        self.holders = layer_holders(plan)
-        rank_sets = (bucket_rank_sets(self.rounds, self.ranks) if sync_mode == "rounds"
-                     else layer_holder_rank_sets(self.holders, self.ranks))
-        self.groups = GroupTable(rank_sets, timeout=collective_timeout(timeout_s))
-        self.working = device in plan.working_devices
+        self.torch_device = torch_device
+        self.timeouts = timeouts or Timeouts.resolve()
+        self.checkpoint_dir = None if checkpoint_dir is None else Path(checkpoint_dir)
+        self.on_phase = on_phase
+        # training state: survives plan changes
+        self.layers: dict[int, nn.Module] = {}
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.committed: int | None = None   # steps applied here; None: no state yet
+        self.synced: int | None = None      # the step whose summed gradients sit in .grad
+        self.results: dict[int, StepResult] = {}
+        self.reported = -1                  # last step handed to a report callback (job-wide)
+        self.redo_below = 0                 # steps below this are trained again (rollback)
+        # plan-dependent: rebuilt by enter()
+        self.plan = plan
+        self.ranks: RankMap = RankMap(())
+        self.groups: GroupTable | None = None
         self.executor: PipelineExecutor | None = None
         self.orders: tuple = ()
-        self.layer_ids: tuple[int, ...] = ()
-        self.optimizer = optimizer
-        if self.working:
-            from chameleon_elastic.planning.schedule import device_orders
+        self.rounds: tuple[tuple[AllReduceGroup, ...], ...] = ()
+        self.holders: dict[int, tuple[int, ...]] = {}
+        self.recovery: Recovery | None = None
+        if link is not None:
+            from chameleon_elastic.plugins import get_backend
 
-            pipeline, stage = plan.locate(device)
-            start, end = plan.pipelines[pipeline].layers[stage]
-            if layers is None:
-                layers = build_layers(model, start, end)
-            if len(layers) != end - start:
-                raise PipelineRuntimeError(
-                    f"device {device} was given {len(layers)} layers but its stage holds "
-                    f"layers [{start}, {end})."
-                )
-            if torch_device is not None:
-                layers = layers.to(torch_device)
-            self.layer_ids = tuple(range(start, end))
-            self.executor = PipelineExecutor(plan, device, model, layers, start,
-                                             micro_batch_size, self.ranks, torch_device)
-            orders = device_orders(plan)
-            self.orders = tuple(orders[device])
-            _check_message_matching(orders)
-            if self.optimizer is None:
-                self.optimizer = model.make_optimizer(layers.parameters())
+            backend = get_backend(os.environ.get("CHAMELEON_BACKEND") or dist.get_backend())
+            self.recovery = Recovery(self, link, backend)
+        try:
+            entry = self.enter(plan, None if link is None else link.current().reported)
+        except PeerLost as cause:
+            if self.recovery is None:
+                raise
+            self.recovery.recover(cause)
+        else:
+            if self.recovery is not None:
+                self.recovery.started(entry, regroup_s=0.0, noticed_at=None)
 
     @classmethod
     def from_env(cls, model: PipelineModel, *, global_micro_batches: int | None = None,
                  micro_batch_size: int | None = None, **kwargs) -> PipelineTrainer:
         """Plan from ``CHAMELEON_PLAN_FILE`` (chameleon-run); without it, plain data parallelism
-        over ``WORLD_SIZE`` with ``global_micro_batches`` (torchrun)."""
+        over ``WORLD_SIZE`` with ``global_micro_batches`` (torchrun). Under ``chameleon-run
+        --job`` the trainer is linked to its agent and recovers in place."""
         plan = plan_from_env()
         if plan is None:
             if global_micro_batches is None:
@@ -178,43 +218,277 @@ class PipelineTrainer:
             plan = data_parallel_plan(dist.get_world_size(), model.num_layers,
                                       global_micro_batches)
         mbs = micro_batch_size or int(os.environ.get("CHAMELEON_MICRO_BATCH_SIZE", "1"))
+        kwargs.setdefault("link", WorkerLink.from_env(kwargs.get("timeouts")))
         return cls(model, plan, device_from_env(plan), micro_batch_size=mbs, **kwargs)
 
+    # ------------------------------------------------------------------ views
+
     @property
-    def layers(self) -> dict[int, nn.Module]:
-        if self.executor is None:
-            return {}
-        return dict(zip(self.layer_ids, self.executor.layers))
+    def working(self) -> bool:
+        return self.device in self.plan.working_devices
+
+    @property
+    def layer_ids(self) -> tuple[int, ...]:
+        return tuple(sorted(self.layers))
+
+    @property
+    def is_reporter(self) -> bool:
+        """The lowest rank reports for the job: the lowest working device, under any plan."""
+        return bool(self.ranks.device_of_rank) and self.ranks.device_of_rank[0] == self.device
+
+    def state(self) -> dict[int, dict[str, torch.Tensor]]:
+        """Layer -> its parameters (detached copies), for checks and transfers."""
+        return {i: {k: v.detach().clone() for k, v in m.state_dict().items()}
+                for i, m in sorted(self.layers.items())}
+
+    # ------------------------------------------------------------------ entering a plan
+
+    def enter(self, plan: ExecutionPlan, reported: int | None) -> Entry:
+        """Agree, restore, move and rebuild for ``plan`` (collective over its world)."""
+        plan.validate()
+        if plan.num_layers != self.model.num_layers:
+            raise PipelineRuntimeError(
+                f"plan generation {plan.generation} splits {plan.num_layers} layers but the "
+                f"model has {self.model.num_layers}; make the job's model.layers match the model."
+            )
+        rows = self._gather(self._row())
+        ranks = RankMap(tuple(r.device for r in rows))
+        check_world(plan, ranks.device_of_rank)
+        agreement = agree(rows)
+        rolled = self.device in agreement.roll_forward
+        if rolled:
+            self._apply()
+            self.results[self.committed - 1] = StepResult(self.committed - 1,
+                                                          agreement.last_loss, 0.0, 0.0, 0.0, 0)
+        wanted = stage_layers(plan, self.device)
+        previous = agreement.resume
+        began = time.perf_counter()
+        moved_layers, moved_bytes, planned = 0, 0.0, True
+        orphans = ([] if agreement.resume is None else agreement.orphans(plan.num_layers))
+        if agreement.resume is not None and not orphans:
+            held = {r.device: r.held for r in rows if r.committed is not None}
+            moves, planned = plan_moves(plan, agreement, held)
+            received = move_layers(moves, self.device, ranks, self._export,
+                                   self.torch_device or torch.device("cpu"))
+            self._install(wanted, received)
+            moved_layers = sum(len(m.layers) for m in moves)
+            moved_bytes = float(sum(s.nbytes for s in received.values()))
+            source = "peers" if moves else "none"
+        elif agreement.checkpoint is not None and self.checkpoint_dir is not None:
+            self._install(wanted, load_layers(self.checkpoint_dir, agreement.checkpoint,
+                                              wanted), fresh=True)
+            self.committed = agreement.checkpoint
+            source = "checkpoint"
+        elif not agreement.resume:   # None (nobody holds state) or 0: the seeded start
+            self._install(wanted, {}, fresh=True)
+            self.committed = 0
+            source = "init"
+        else:
+            raise StateLost(
+                f"layers {_ranges(tuple(orphans))} were lost with every process that held "
+                f"them and there is no checkpoint to restore them from (step {previous} was "
+                "committed); pass a checkpoint directory to keep such a job alive."
+            )
+        transfer_s = time.perf_counter() - began
+        if source in ("peers", "none"):
+            self.committed = previous
+        self.synced = None
+        start = self.committed
+        known = max(agreement.reported, self.reported, -1 if reported is None else reported)
+        redone = 0
+        if source in ("checkpoint", "init"):
+            # a fresh world or a rollback: what came before `start` was reported, if at all,
+            # before this state existed; steps reported already are trained (and said) again
+            if start <= known:
+                redone, self.redo_below = known + 1 - start, known + 1
+            self.reported = start - 1
+        else:
+            if reported is None and agreement.reported < 0:
+                known = max(known, start - 2)  # a lost reporter had reported up to R - 2
+            self.reported = min(known, start - 1)
+        self._build(plan, ranks)
+        return Entry(self.committed, source, rolled, moved_layers, moved_bytes, planned,
+                     transfer_s, redone)
+
+    def _row(self) -> Row:
+        held = (min(self.layers), max(self.layers) + 1) if self.layers else (0, 0)
+        last = self.results.get(self.committed - 1) if self.committed else None
+        return Row(self.device, self.committed, self.synced, held,
+                   math.nan if last is None else last.loss, self.reported,
+                   None if self.checkpoint_dir is None else latest_step(self.checkpoint_dir))
+
+    def _gather(self, row: Row) -> list[Row]:
+        mine = row.to_tensor()
+        out = [torch.zeros(Row.width(), dtype=torch.float64)
+               for _ in range(dist.get_world_size())]
+        try:
+            dist.all_gather(out, mine)
+        except RuntimeError as exc:
+            raise PeerLost(f"device {self.device} lost a peer while agreeing on the resume "
+                           f"step: {exc}") from exc
+        return [Row.from_tensor(t) for t in out]
+
+    def _export(self, layer: int):
+        return export_layer(layer, self.layers[layer], self.optimizer)
+
+    def _install(self, wanted: tuple[int, ...], received: dict, fresh: bool = False) -> None:
+        """Hold exactly ``wanted``: keep what is held, add what arrived, drop the rest; one new
+        optimizer over them that keeps every kept parameter's state. ``fresh``: start from
+        nothing held (layers not received are built from their seed: the state of step 0)."""
+        if fresh:
+            self.layers, self.optimizer = {}, None
+        old = self.optimizer
+        modules: dict[int, nn.Module] = {}
+        for layer in wanted:
+            if layer in self.layers and layer not in received:
+                modules[layer] = self.layers[layer]
+            else:
+                if not fresh and layer not in received:
+                    raise PipelineRuntimeError(
+                        f"internal: device {self.device} needs layer {layer}, holds it not and "
+                        "was sent nothing")
+                module = build_layers(self.model, layer, layer + 1)[0]
+                if self.torch_device is not None:
+                    module = module.to(self.torch_device)
+                modules[layer] = module
+        optimizer = (self.model.make_optimizer([p for x in wanted for p in modules[x].parameters()])
+                     if wanted else None)
+        for layer, module in modules.items():
+            if layer in received:
+                import_layer(received[layer], module, optimizer)
+            elif old is not None and optimizer is not None:
+                for p in module.parameters():
+                    if p in old.state:
+                        optimizer.state[p] = old.state[p]
+        self.layers, self.optimizer = modules, optimizer
+
+    def _build(self, plan: ExecutionPlan, ranks: RankMap) -> None:
+        from chameleon_elastic.planning.schedule import device_orders
+
+        self.plan, self.ranks = plan, ranks
+        self.rounds = plan_rounds(plan)
+        self.holders = layer_holders(plan)
+        rank_sets = (bucket_rank_sets(self.rounds, ranks) if self.sync_mode == "rounds"
+                     else layer_holder_rank_sets(self.holders, ranks))
+        self.groups = GroupTable(rank_sets, timeout=self.timeouts.delta("collective_s"))
+        self.executor, self.orders = None, ()
+        if self.working:
+            pipeline, stage = plan.locate(self.device)
+            start = plan.pipelines[pipeline].layers[stage][0]
+            stack = nn.ModuleList([self.layers[x] for x in self.layer_ids])
+            self.executor = PipelineExecutor(plan, self.device, self.model, stack, start,
+                                             self.micro_batch_size, ranks, self.torch_device)
+            orders = device_orders(plan)
+            self.orders = tuple(orders[self.device])
+            _check_message_matching(orders)
+
+    def release_groups(self) -> None:
+        """Drop this plan's bucket groups (the default group stays; see recovery.abort)."""
+        if self.groups is not None:
+            self.groups.destroy()
+
+    # ------------------------------------------------------------------ one step
+
+    def _phase(self, step: int, phase: Phase) -> None:
+        if self.on_phase is not None:
+            self.on_phase(step, phase)
+
+    def _apply(self) -> None:
+        if self.committed is None or self.synced != self.committed:
+            raise PipelineRuntimeError("internal: apply without the step's summed gradients")
+        if self.optimizer is not None:
+            self.optimizer.step()
+        self.committed += 1
+        self.synced = None
 
     def step(self, step: int, record: bool = False) -> StepResult:
-        """One optimizer step for global step ``step`` (collective)."""
+        """Train global step ``step``, which must be the next one (collective). A broken
+        transfer or collective raises :class:`~.errors.PeerLost`; use :meth:`run` for a loop
+        that recovers instead."""
+        if step != self.committed:
+            raise PipelineRuntimeError(
+                f"step {step} is not the next step: {self.committed} steps are committed, so "
+                f"the next one is step {self.committed}."
+            )
         began = time.perf_counter()
         loss_sum = 0.0
         timings: tuple[OpTiming, ...] = ()
         issued = 0
         compute_done = began
         if self.executor is not None:
-            assert self.optimizer is not None
+            assert self.optimizer is not None and self.groups is not None
             self.optimizer.zero_grad(set_to_none=False)
-            outcome = self.executor.run(step, self.orders, record=record)
+            outcome = self.executor.run(step, self.orders, record=record,
+                                        on_phase=self.on_phase)
             loss_sum, timings = outcome.loss_sum, outcome.timings
             compute_done = time.perf_counter()
+            self._phase(step, "sync")
             issued = sync_gradients(self.layers, self.device, self.ranks, self.groups,
                                     rounds=self.rounds, holders=self.holders,
                                     mode=self.sync_mode)
-            self.optimizer.step()
+        self.synced = step
         synced = time.perf_counter()
+        self._phase(step, "vote")
         total = torch.tensor([loss_sum], dtype=torch.float64)
-        dist.all_reduce(total)
-        return StepResult(step, float(total.item()), compute_done - began, synced - compute_done,
-                          time.perf_counter() - began, issued, timings)
+        try:
+            dist.all_reduce(total)
+        except RuntimeError as exc:
+            raise PeerLost(f"device {self.device} lost a peer in step {step}'s vote: "
+                           f"{exc}") from exc
+        self._phase(step, "apply")
+        self._apply()
+        result = StepResult(step, float(total.item()), compute_done - began, synced - compute_done,
+                            time.perf_counter() - began, issued, timings,
+                            redone=step < self.redo_below)
+        self.results[step] = result
+        self.results.pop(step - 8, None)
+        self._phase(step, "applied")
+        return result
 
-    def state(self) -> dict[int, dict[str, torch.Tensor]]:
-        """Layer -> its parameters (detached copies), for checks and transfers."""
-        return {i: {k: v.detach().clone() for k, v in m.state_dict().items()}
-                for i, m in self.layers.items()}
+    # ------------------------------------------------------------------ the loop
+
+    def run(self, steps: int, report: Report | None = None, *,
+            checkpoint_every: int = 0) -> None:
+        """Train until ``steps`` steps are committed, recovering in place from lost peers.
+
+        ``report(result)`` is called exactly once per committed step, in the process that
+        reports for the job (the lowest working device; after a failure another process takes
+        over and goes on where the previous one stopped). A step trained again after a rollback
+        to a checkpoint comes with ``result.redone``. With ``checkpoint_every`` and a
+        ``checkpoint_dir``, a checkpoint is committed after every that many steps and after the
+        last one.
+        """
+        self._report(report)
+        while self.committed < steps:
+            try:
+                if self.recovery is not None and self.recovery.announced():
+                    raise PeerLost("the agent announced a new plan generation")
+                result = self.step(self.committed)
+                if self.recovery is not None:
+                    self.recovery.step_committed(result)
+                done = self.committed
+                if (self.checkpoint_dir is not None and checkpoint_every
+                        and (done % checkpoint_every == 0 or done == steps)):
+                    save_checkpoint(self, self.checkpoint_dir, done)
+                    if self.recovery is not None:
+                        self.recovery.link.checkpointed(done)
+            except PeerLost as cause:
+                if self.recovery is None:
+                    raise
+                self.recovery.recover(cause)
+            self._report(report)
+
+    def _report(self, report: Report | None) -> None:
+        if report is None or not self.is_reporter:
+            return
+        for step in range(self.reported + 1, self.committed):
+            result = self.results.get(step)
+            if result is not None:
+                report(result)
+            self.reported = step
+            if self.recovery is not None:
+                self.recovery.link.reported(step)
 
     def close(self) -> None:
         """Release this plan's process groups (the default group stays)."""
-        self.groups.destroy()
-
+        self.release_groups()

@@ -19,7 +19,6 @@ from chameleon_elastic.runtime import (
     RankMap,
     boundary_shape,
     build_layers,
-    collective_timeout,
     data_parallel_plan,
     dense_rank_map,
     device_from_env,
@@ -103,15 +102,6 @@ def test_plan_and_device_come_from_the_environment(tmp_path):
         plan_from_env({"CHAMELEON_PLAN_FILE": str(path)})
     with pytest.raises(PipelineRuntimeError, match="only 7 devices"):
         device_from_env(plan, {"RANK": "7"})
-
-
-def test_collective_timeout_resolution_env_over_argument_over_default():
-    assert collective_timeout(None, {}).total_seconds() == 120
-    assert collective_timeout(7, {}).total_seconds() == 7
-    env = {"CHAMELEON_COLLECTIVE_TIMEOUT_S": "3.5"}
-    assert collective_timeout(7, env).total_seconds() == 3.5
-    with pytest.raises(PipelineRuntimeError, match="not a number"):
-        collective_timeout(None, {"CHAMELEON_COLLECTIVE_TIMEOUT_S": "soon"})
 
 
 def test_dense_ranks_skip_dead_devices_and_put_spares_last():

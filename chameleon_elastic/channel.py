@@ -1,0 +1,196 @@
+"""The agent <-> worker channel: a small store on each node, hosted by that node's agent.
+
+Who talks to whom. With ``--job``, every ``chameleon-run`` agent hosts a TCPStore on loopback and
+names it to its workers in ``CHAMELEON_AGENT_STORE=host:port``. A worker talks to its own agent
+only; agents talk to each other through the rendezvous. The store outlives any worker, and a
+worker never outlives its agent (``orphan_guard``), so neither side can be left talking to a
+store that is gone.
+
+Keys (values are JSON; nothing is unpickled):
+
+====================  =======  ===================================================================
+key                   writer   meaning
+====================  =======  ===================================================================
+``gen/<N>``           agent    :class:`Generation` N: where its world meets and who has which rank
+``gen``               agent    N of the newest ``gen/<N>``; written after it, so a reader that
+                               sees N can read ``gen/<N>``
+``worker/<device>``   worker   :class:`Registration`: this worker runs on the runtime, so it can
+                               recover in place (unregistered scripts are relaunched)
+``resumed/<N>/<d>``   worker   :class:`Resumed`: how device d entered generation N (timings)
+``reported``          worker   last step the job's reporter handed to the user's callback
+``checkpoint``        worker   last step a committed checkpoint holds (none: no checkpoint)
+====================  =======  ===================================================================
+
+A generation's process groups meet on the worker store named in its record, under the key
+prefix ``chameleon/gen/<N>/``: keys of an older generation can never be read by a newer one.
+
+Everything here is plain data plus three tiny functions over any object with torch's ``Store``
+methods (``set``, ``get``, ``check``, ``wait``), so the protocol is tested on a ``HashStore``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from chameleon_elastic.plan import DeviceRole, ExecutionPlan
+
+__all__ = [
+    "AGENT_STORE_ENV",
+    "CHAMELEON_VARS",
+    "Generation",
+    "Registration",
+    "Resumed",
+    "chameleon_env",
+    "generation_key",
+    "read",
+    "read_int",
+    "resumed_key",
+    "worker_key",
+    "write",
+]
+
+AGENT_STORE_ENV = "CHAMELEON_AGENT_STORE"
+NEWEST = "gen"
+REPORTED = "reported"
+CHECKPOINT = "checkpoint"
+
+CHAMELEON_VARS: tuple[str, ...] = (
+    "CHAMELEON_PLAN_GENERATION",
+    "CHAMELEON_POLICY",
+    "CHAMELEON_PIPELINE",
+    "CHAMELEON_NUM_PIPELINES",
+    "CHAMELEON_STAGE",
+    "CHAMELEON_NUM_STAGES",
+    "CHAMELEON_LAYER_START",
+    "CHAMELEON_LAYER_END",
+    "CHAMELEON_MICRO_BATCHES",
+    "CHAMELEON_GLOBAL_MICRO_BATCHES",
+    "CHAMELEON_PLAN_FILE",
+    "CHAMELEON_DEVICE",
+)
+
+
+def chameleon_env(plan: ExecutionPlan, role: DeviceRole, plan_file: str) -> dict[str, str]:
+    """The ``CHAMELEON_*`` variables of one worker (see docs/launcher.md for the table)."""
+    return {
+        "CHAMELEON_PLAN_GENERATION": str(plan.generation),
+        "CHAMELEON_POLICY": plan.policy,
+        "CHAMELEON_PIPELINE": str(role.pipeline),
+        "CHAMELEON_NUM_PIPELINES": str(len(plan.pipelines)),
+        "CHAMELEON_STAGE": str(role.stage),
+        "CHAMELEON_NUM_STAGES": str(role.num_stages),
+        "CHAMELEON_LAYER_START": str(role.layer_start),
+        "CHAMELEON_LAYER_END": str(role.layer_end),
+        "CHAMELEON_MICRO_BATCHES": str(role.micro_batches),
+        "CHAMELEON_GLOBAL_MICRO_BATCHES": str(plan.global_micro_batches),
+        "CHAMELEON_PLAN_FILE": plan_file,
+        "CHAMELEON_DEVICE": str(role.device),
+    }
+
+
+def generation_key(generation: int) -> str:
+    return f"gen/{generation}"
+
+
+def worker_key(device: int) -> str:
+    return f"worker/{device}"
+
+
+def resumed_key(generation: int, device: int) -> str:
+    return f"resumed/{generation}/{device}"
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One plan generation as its workers need it.
+
+    ``world`` lists the devices of the generation's process group in rank order: working devices
+    (sorted), then spare devices that keep a live worker. ``reported`` is the last step the job
+    reported as far as the agents know (None: unknown), so a new reporter neither skips nor
+    repeats a step. ``inplace`` is False when the agents relaunch every worker.
+    """
+
+    generation: int
+    plan_file: str
+    master_addr: str
+    master_port: int
+    world: tuple[int, ...]
+    reported: int | None = None
+    inplace: bool = True
+
+    @property
+    def prefix(self) -> str:
+        return f"chameleon/gen/{self.generation}/"
+
+    def rank(self, device: int) -> int:
+        return self.world.index(device)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Generation:
+        return cls(int(d["generation"]), str(d["plan_file"]), str(d["master_addr"]),
+                   int(d["master_port"]), tuple(int(x) for x in d["world"]),
+                   None if d.get("reported") is None else int(d["reported"]),
+                   bool(d.get("inplace", True)))
+
+
+@dataclass(frozen=True)
+class Registration:
+    """A worker whose trainer is set up: it will recover in place when a peer is lost."""
+
+    device: int
+    pid: int
+    generation: int
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Registration:
+        return cls(int(d["device"]), int(d["pid"]), int(d["generation"]))
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """How one worker entered a generation, for the agent's recovery line and event.
+
+    Wall-clock times (``noticed_at``, ``committed_at``) are Unix seconds on the worker's node,
+    compared only with its own agent's clock. ``moved_layers`` and ``moved_bytes`` count the
+    whole job's transfers (every worker computes the same numbers)."""
+
+    device: int
+    generation: int
+    resumed_step: int
+    source: str                   # "peers", "checkpoint", "init" (step 0) or "none" (kept all)
+    regroup_s: float
+    transfer_s: float
+    first_step_s: float
+    moved_layers: int
+    moved_bytes: float
+    rolled_forward: bool
+    redone_steps: int
+    noticed_at: float | None = None
+    committed_at: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Resumed:
+        known = {f for f in cls.__dataclass_fields__}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
+def write(store: Any, key: str, record: Any) -> None:
+    """Store a record (a dataclass above) or a plain JSON value under ``key``."""
+    value = asdict(record) if hasattr(record, "__dataclass_fields__") else record
+    store.set(key, json.dumps(value))
+
+
+def read(store: Any, key: str) -> Any | None:
+    """The JSON value under ``key``, or None when it is not there yet (never blocks)."""
+    if not store.check([key]):
+        return None
+    return json.loads(store.get(key))
+
+
+def read_int(store: Any, key: str) -> int | None:
+    value = read(store, key)
+    return None if value is None else int(value)

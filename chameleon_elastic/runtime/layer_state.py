@@ -1,0 +1,150 @@
+"""One layer's training state (weights and optimizer state), as checkpoints and transfers move it.
+
+A plan change moves layers between devices, so state travels per layer, never per rank. A
+layer's state is its ``state_dict`` plus, for each parameter in ``parameters()`` order, the
+optimizer's per-parameter state (Adam's moments and step count, SGD's momentum, ...). The same
+value is written to checkpoints (``torch.save``, read back with ``weights_only=True``) and sent
+between live processes.
+
+On the wire a layer is a few messages: the length of a JSON header, the header (names, shapes,
+dtypes, plain scalars) and one flat buffer per dtype holding every tensor of that dtype end to
+end. No pickle crosses the network, and a layer costs three or four messages however many
+tensors it has. Buffers live on the trainer's device (so NCCL/HCCL can carry them); a tensor that the
+optimizer keeps on the CPU (Adam's ``step``) goes back to the CPU on arrival.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["LayerState", "export_layer", "import_layer", "recv_layer", "send_layer"]
+
+OptimizerState = list[dict[str, Any]]
+_TAGS = 16  # tags per layer: header length, header, then one per dtype buffer
+
+
+@dataclass
+class LayerState:
+    """Detached copies of one layer's tensors (``params`` by state-dict name)."""
+
+    layer: int
+    params: dict[str, torch.Tensor]
+    optimizer: OptimizerState
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [*self.params.values(),
+                   *(v for entry in self.optimizer for v in entry.values()
+                     if isinstance(v, torch.Tensor))]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"layer": self.layer, "params": self.params, "optimizer": self.optimizer}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> LayerState:
+        return cls(int(d["layer"]), dict(d["params"]), list(d["optimizer"]))
+
+
+def export_layer(layer: int, module: nn.Module,
+                 optimizer: torch.optim.Optimizer | None) -> LayerState:
+    opt_state = [] if optimizer is None else [
+        {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v)
+         for k, v in optimizer.state.get(p, {}).items()}
+        for p in module.parameters()
+    ]
+    return LayerState(layer, {k: v.detach().clone() for k, v in module.state_dict().items()},
+                      opt_state)
+
+
+def import_layer(state: LayerState, module: nn.Module,
+                 optimizer: torch.optim.Optimizer | None) -> None:
+    """Load ``state`` into ``module`` and, per parameter, into ``optimizer``'s state."""
+    module.load_state_dict(state.params)
+    if optimizer is None:
+        return
+    for p, saved in zip(module.parameters(), state.optimizer):
+        if saved:
+            # optimizers keep their step counter where they made it (the CPU, for Adam)
+            optimizer.state[p] = {
+                k: (v.to(p.device) if isinstance(v, torch.Tensor) and k != "step" else v)
+                for k, v in saved.items()}
+
+
+# --------------------------------------------------------------------------- the wire
+
+
+def _flatten(state: LayerState, device: torch.device) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    """(header, one flat buffer per dtype in header order)."""
+    groups: dict[str, list[torch.Tensor]] = {}
+
+    def slot(t: torch.Tensor) -> list[Any]:
+        key = str(t.dtype).removeprefix("torch.")
+        members = groups.setdefault(key, [])
+        members.append(t.reshape(-1))
+        return ["t", key, list(t.shape), t.device.type == "cpu"]
+
+    header = {
+        "layer": state.layer,
+        "params": [[name, *slot(t)] for name, t in state.params.items()],
+        "optimizer": [{k: (slot(v) if isinstance(v, torch.Tensor) else ["v", v])
+                       for k, v in entry.items()} for entry in state.optimizer],
+    }
+    header["buffers"] = [[key, sum(t.numel() for t in ts)] for key, ts in groups.items()]
+    buffers = [torch.cat(ts).to(device) if ts else torch.empty(0, device=device)
+               for ts in groups.values()]
+    return header, buffers
+
+
+def _unflatten(header: dict[str, Any], buffers: list[torch.Tensor],
+               device: torch.device) -> LayerState:
+    cursors = {key: [buf, 0] for (key, _), buf in zip(header["buffers"], buffers)}
+
+    def take(spec: list[Any]) -> Any:
+        if spec[0] == "v":
+            return spec[1]
+        _, key, shape, on_cpu = spec
+        buf, offset = cursors[key]
+        n = 1
+        for s in shape:
+            n *= s
+        cursors[key][1] = offset + n
+        t = buf[offset:offset + n].view(shape).clone()
+        return t.cpu() if on_cpu and device.type != "cpu" else t
+
+    params = {name: take(spec) for name, *spec in header["params"]}
+    optimizer = [{k: take(spec) for k, spec in entry.items()} for entry in header["optimizer"]]
+    return LayerState(int(header["layer"]), params, optimizer)
+
+
+def send_layer(state: LayerState, dst: int, tag: int, device: torch.device,
+               isend: Callable[..., Any]) -> list[tuple[Any, torch.Tensor]]:
+    """Post the three messages of one layer; returns (work, tensor) pairs to wait on."""
+    header, buffers = _flatten(state, device)
+    raw = torch.frombuffer(bytearray(json.dumps(header).encode()), dtype=torch.uint8).to(device)
+    length = torch.tensor([raw.numel()], dtype=torch.int64, device=device)
+    pending = []
+    for part, tensor in enumerate((length, raw, *buffers)):
+        pending.append((isend(tensor, dst=dst, tag=tag * _TAGS + part), tensor))
+    return pending
+
+
+def recv_layer(src: int, tag: int, device: torch.device,
+               recv: Callable[..., Any]) -> LayerState:
+    length = torch.zeros(1, dtype=torch.int64, device=device)
+    recv(length, src=src, tag=tag * _TAGS)
+    raw = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
+    recv(raw, src=src, tag=tag * _TAGS + 1)
+    header = json.loads(bytes(raw.cpu().numpy()).decode())
+    buffers = []
+    for part, (key, numel) in enumerate(header["buffers"], start=2):
+        buf = torch.empty(numel, dtype=getattr(torch, key), device=device)
+        recv(buf, src=src, tag=tag * _TAGS + part)
+        buffers.append(buf)
+    return _unflatten(header, buffers, device)

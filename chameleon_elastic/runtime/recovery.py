@@ -1,0 +1,223 @@
+"""In-place recovery, worker side: only the training loop restarts, in the surviving process.
+
+Who talks to whom. A worker talks to its own agent through the node's channel
+(:mod:`chameleon_elastic.channel`): it registers once its trainer is set up, learns of each new
+plan generation there, and reports how it resumed. The agents decide the plan among themselves.
+The workers of a generation then talk to each other only through that generation's process
+group, which meets on the worker store under the prefix ``chameleon/gen/<N>/``.
+
+The chain, run by :meth:`Recovery.recover` when a transfer or collective of the training loop
+fails (:class:`~.errors.PeerLost`), or when the agent announces a new generation at a step
+boundary. Costs are for the tiny GPT on 2 CPU cores (benchmarks/recovery.py):
+
+========  =====================================================  ============  ==================
+step      what                                                   cost          bounded by
+========  =====================================================  ============  ==================
+notice    a peer's death resets its sockets; a survivor that     < 10 ms       collective_s
+          tears its groups down resets them for the next one,
+          so every survivor's pending transfer fails at once
+abort     destroy (gloo) or abort (nccl/hccl, plugins) every     ~ 10 ms       (never blocks)
+          process group of the abandoned step
+wait      for the agents' next generation on the channel         ~ 0.1 s       generation_s
+regroup   ``init_process_group`` on ``chameleon/gen/<N>/``       ~ 50 ms       store_s
+agree     all-gather of one :class:`~.commit.Row` per rank:      ~ 1 ms        collective_s
+          resume step, roll forward (commit.py)
+migrate   layers + optimizer state, point to point along the     bytes / link  collective_s
+          planner's transfers (migrate.py); or the checkpoint
+rebuild   bucket groups, executor, 1F1B orders for the plan      ~ 20 ms       collective_s
+resume    the loop goes on at the first step not committed
+          everywhere
+========  =====================================================  ============  ==================
+
+A failure inside the chain (a second device lost while regrouping) aborts again and waits for
+the generation after: the chain is idempotent because it starts from what every process holds
+and has committed, never from what the previous attempt assumed. Without an agent (plain
+torchrun, tests) :class:`~.errors.PeerLost` reaches the caller unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
+
+from chameleon_elastic import channel
+from chameleon_elastic.channel import Generation, Registration, Resumed
+from chameleon_elastic.plan import ExecutionPlan
+from chameleon_elastic.timeouts import Timeouts
+
+from .errors import PeerLost, PipelineRuntimeError
+
+if TYPE_CHECKING:
+    from .trainer import Entry, PipelineTrainer, StepResult
+
+__all__ = ["Recovery", "WorkerLink", "join_generation"]
+
+log = logging.getLogger("chameleon_elastic.runtime.recovery")
+
+
+class WorkerLink:
+    """A worker's end of its agent's channel (a TCPStore client on loopback)."""
+
+    def __init__(self, store: Any, device: int, timeouts: Timeouts) -> None:
+        self.store = store
+        self.device = device
+        self.timeouts = timeouts
+
+    @classmethod
+    def from_env(cls, timeouts: Timeouts | None = None,
+                 env: Mapping[str, str] | None = None) -> WorkerLink | None:
+        """The channel named by ``CHAMELEON_AGENT_STORE``; None outside ``chameleon-run --job``."""
+        env = os.environ if env is None else env
+        address = env.get(channel.AGENT_STORE_ENV)
+        if not address:
+            return None
+        timeouts = timeouts or Timeouts.resolve(env=env)
+        host, _, port = address.rpartition(":")
+        try:
+            device = int(env["CHAMELEON_DEVICE"])
+            store = dist.TCPStore(host, int(port), is_master=False,
+                                  timeout=timeouts.delta("store_s"))
+        except (KeyError, ValueError, RuntimeError) as exc:
+            raise PipelineRuntimeError(
+                f"cannot reach this node's chameleon-run agent at {address} ({exc}); the "
+                "agent is gone or the variables were copied from another run: start the script "
+                f"with chameleon-run, or unset {channel.AGENT_STORE_ENV}."
+            ) from exc
+        return cls(store, device, timeouts)
+
+    def newest(self) -> int:
+        value = channel.read_int(self.store, channel.NEWEST)
+        return -1 if value is None else value
+
+    def generation(self, number: int) -> Generation:
+        return Generation.from_dict(channel.read(self.store, channel.generation_key(number)))
+
+    def current(self) -> Generation:
+        return self.generation(self.newest())
+
+    def wait_newer(self, than: int) -> Generation:
+        """The newest generation after ``than``, waiting up to ``generation_s`` for one."""
+        try:
+            self.store.wait([channel.generation_key(than + 1)],
+                            self.timeouts.delta("generation_s"))
+        except RuntimeError as exc:
+            raise PipelineRuntimeError(
+                f"device {self.device} lost a peer at plan generation {than} but its agent "
+                f"published no new plan within {self.timeouts.generation_s:g} s "
+                f"(CHAMELEON_GENERATION_TIMEOUT_S); no agent saw a device fail, so a peer may "
+                "be hung rather than dead."
+            ) from exc
+        return self.current()
+
+    def register(self, generation: int) -> None:
+        channel.write(self.store, channel.worker_key(self.device),
+                      Registration(self.device, os.getpid(), generation))
+
+    def resumed(self, record: Resumed) -> None:
+        channel.write(self.store, channel.resumed_key(record.generation, self.device), record)
+
+    def reported(self, step: int) -> None:
+        channel.write(self.store, channel.REPORTED, step)
+
+    def checkpointed(self, step: int) -> None:
+        channel.write(self.store, channel.CHECKPOINT, step)
+
+
+def join_generation(gen: Generation, device: int, backend: str, timeouts: Timeouts) -> None:
+    """Make ``gen``'s world the default process group, on a store prefix of its own, and make
+    this process's environment describe it (RANK, WORLD_SIZE, MASTER_*, CHAMELEON_*)."""
+    store = dist.TCPStore(gen.master_addr, gen.master_port, is_master=False,
+                          timeout=timeouts.delta("store_s"))
+    try:
+        dist.init_process_group(backend, store=dist.PrefixStore(gen.prefix, store),
+                                rank=gen.rank(device), world_size=len(gen.world),
+                                timeout=timeouts.delta("collective_s"))
+    except RuntimeError as exc:
+        raise PeerLost(f"device {device} could not join generation {gen.generation}: "
+                       f"{exc}") from exc
+    plan = read_plan(gen.plan_file)
+    env = {"RANK": str(gen.rank(device)), "WORLD_SIZE": str(len(gen.world)),
+           "MASTER_ADDR": gen.master_addr, "MASTER_PORT": str(gen.master_port)}
+    roles = {r.device: r for r in plan.roles()}
+    if device in roles:
+        env.update(channel.chameleon_env(plan, roles[device], gen.plan_file))
+    else:  # a spare keeps its worker: only the generation-wide variables change
+        env.update(CHAMELEON_PLAN_GENERATION=str(plan.generation),
+                   CHAMELEON_POLICY=plan.policy, CHAMELEON_PLAN_FILE=gen.plan_file)
+    os.environ.update(env)
+
+
+def read_plan(path: str) -> ExecutionPlan:
+    try:
+        return ExecutionPlan.from_json(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise PipelineRuntimeError(f"cannot read the plan file {path!r}: {exc}") from exc
+
+
+class Recovery:
+    """Runs the recovery chain for one trainer and reports each recovery to the agent."""
+
+    def __init__(self, trainer: PipelineTrainer, link: WorkerLink, backend: Any) -> None:
+        self.trainer = trainer
+        self.link = link
+        self.backend = backend   # a chameleon_elastic.plugins DeviceBackend
+        self._pending: Resumed | None = None
+        self._resumed_at = 0.0
+
+    def announced(self) -> bool:
+        """True when the agent has published a newer generation (checked at step starts)."""
+        return self.link.newest() > self.trainer.plan.generation
+
+    def abort(self) -> None:
+        self.trainer.release_groups()
+        self.backend.abort_process_groups()
+
+    def recover(self, cause: BaseException) -> None:
+        """notice -> abort -> wait -> regroup -> agree -> migrate -> rebuild; returns when the
+        trainer runs the new generation and ``trainer.committed`` is the step to resume at."""
+        noticed_at = time.time()
+        log.info("device %d: recovering (%s)", self.link.device, str(cause).splitlines()[0])
+        self.abort()
+        after = self.trainer.plan.generation
+        while True:
+            gen = self.link.wait_newer(after)
+            began = time.perf_counter()
+            try:
+                join_generation(gen, self.link.device, self.backend.dist_backend,
+                                self.link.timeouts)
+                entry = self.trainer.enter(read_plan(gen.plan_file), gen.reported)
+            except PeerLost as again:
+                log.info("device %d: generation %d failed too (%s)", self.link.device,
+                         gen.generation, str(again).splitlines()[0])
+                self.abort()
+                after = gen.generation
+                continue
+            break
+        self.started(entry, regroup_s=time.perf_counter() - began - entry.transfer_s,
+                     noticed_at=noticed_at)
+
+    def started(self, entry: Entry, regroup_s: float, noticed_at: float | None) -> None:
+        """Remember how this generation was entered; reported after its first step commits."""
+        self._pending = Resumed(
+            device=self.link.device, generation=self.trainer.plan.generation,
+            resumed_step=entry.resume, source=entry.source, regroup_s=regroup_s,
+            transfer_s=entry.transfer_s, first_step_s=0.0, moved_layers=entry.moved_layers,
+            moved_bytes=entry.moved_bytes, rolled_forward=entry.rolled_forward,
+            redone_steps=entry.redone_steps, noticed_at=noticed_at)
+        self._resumed_at = time.perf_counter()
+        self.link.register(self.trainer.plan.generation)
+
+    def step_committed(self, result: StepResult) -> None:
+        if self._pending is None:
+            return
+        self.link.resumed(replace(self._pending,
+                                  first_step_s=time.perf_counter() - self._resumed_at,
+                                  committed_at=time.time()))
+        self._pending = None
