@@ -19,6 +19,8 @@ key                   writer   meaning
 ``resumed/<N>/<d>``   worker   :class:`Resumed`: how device d entered generation N (timings)
 ``reported``          worker   last step the job's reporter handed to the user's callback
 ``checkpoint``        worker   last step a committed checkpoint holds (none: no checkpoint)
+``trouble``           worker   a plan generation in which a worker lost a peer (so the agent
+                               learns of peers on other nodes that it does not run)
 ====================  =======  ===================================================================
 
 A generation's process groups meet on the worker store named in its record, under the key
@@ -56,6 +58,7 @@ AGENT_STORE_ENV = "CHAMELEON_AGENT_STORE"
 NEWEST = "gen"
 REPORTED = "reported"
 CHECKPOINT = "checkpoint"
+TROUBLE = "trouble"
 
 CHAMELEON_VARS: tuple[str, ...] = (
     "CHAMELEON_PLAN_GENERATION",
@@ -158,6 +161,7 @@ class Resumed:
     whole job's transfers (every worker computes the same numbers)."""
 
     device: int
+    pid: int
     generation: int
     resumed_step: int
     source: str                   # "peers", "checkpoint", "init" (step 0) or "none" (kept all)

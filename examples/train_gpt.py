@@ -4,9 +4,12 @@
     chameleon-run --standalone --nproc-per-node 4 --job job.toml examples/train_gpt.py --steps 50
     torchrun --standalone --nproc-per-node 2 examples/train_gpt.py   # plain data parallel
 
-With ``--checkpoint-dir`` the layers and optimizer state are committed layer by layer every
-``--checkpoint-every`` steps and loaded at start, whatever plan wrote them; so when the launcher
-restarts the workers under a re-plan after a failure, training resumes where it stopped.
+Under ``chameleon-run --job`` a lost device costs no progress: the surviving processes regroup
+in place under the new plan, take the layers they lack (weights and optimizer state) from their
+peers and go on at the first step that was not committed everywhere; every step is printed once.
+With ``--checkpoint-dir`` the layers and optimizer state are also committed layer by layer every
+``--checkpoint-every`` steps and loaded at start, whatever plan wrote them; they are used when no
+live process holds some layer any more, or when the workers are relaunched.
 
 The model is a list of layers, which is all the runtime needs to cut it into pipeline stages:
 layer 0 embeds bytes and positions, layers 1..N are pre-norm transformer blocks, the last layer
@@ -37,10 +40,9 @@ from chameleon_elastic.runtime import (
     PipelineModel,
     PipelineRuntimeError,
     PipelineTrainer,
+    StepResult,
     init_distributed,
-    load_checkpoint,
     plan_from_env,
-    save_checkpoint,
 )
 
 VOCAB = 256
@@ -181,35 +183,44 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"the plan has {blocks + 2} layers; this GPT needs at least 3 "
                          "(embedding, one block, head): set model.layers >= 3 in the job.")
     init_distributed()
-    rank = dist.get_rank()
     model = gpt_model(blocks, args.context, args.width, args.heads, args.lr,
                       stdlib_corpus(args.corpus_bytes), args.seed)
     try:
         trainer = PipelineTrainer.from_env(model, global_micro_batches=args.global_micro_batches,
-                                           micro_batch_size=args.micro_batch_size)
+                                           micro_batch_size=args.micro_batch_size,
+                                           checkpoint_dir=args.checkpoint_dir)
     except PipelineRuntimeError as exc:
         raise SystemExit(str(exc)) from None
     where = ("spare" if not trainer.working else
              f"pipeline {trainer.plan.locate(trainer.device)[0]} layers "
              f"{trainer.layer_ids[0]}-{trainer.layer_ids[-1]}")
-    print(f"[rank {rank}] device {trainer.device}: {where}; plan generation "
+    print(f"[rank {dist.get_rank()}] device {trainer.device}: {where}; plan generation "
           f"{trainer.plan.generation} ({trainer.plan.policy})", flush=True)
-    first = load_checkpoint(trainer, args.checkpoint_dir) if args.checkpoint_dir else 0
-    if rank == 0 and first:
+    first = trainer.committed
+    if trainer.is_reporter and first:
         print(f"resumed from the checkpoint after step {first - 1}", flush=True)
     started = time.perf_counter()
-    for step in range(first, args.steps):
-        result = trainer.step(step)
+
+    def report(result: StepResult) -> None:
         record_step(result.step_s)  # feeds chameleon-run --profile-out; no-op elsewhere
-        if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
+        step = result.step
+        if step % args.log_every == 0 or step == args.steps - 1 or result.redone:
+            again = "  (trained again after restoring the checkpoint)" if result.redone else ""
             print(f"step {step:4d}  loss {result.loss:.4f}  (bits/byte "
-                  f"{result.loss / math.log(2):.3f})  {result.step_s * 1e3:.0f} ms", flush=True)
-        done = step + 1
-        if args.checkpoint_dir and (done % args.checkpoint_every == 0 or done == args.steps):
-            save_checkpoint(trainer, args.checkpoint_dir, done)
-    if rank == 0:
-        print(f"done: steps {first}..{args.steps - 1} in {time.perf_counter() - started:.1f} s",
-              flush=True)
+                  f"{result.loss / math.log(2):.3f})  {result.step_s * 1e3:.0f} ms{again}",
+                  flush=True)
+
+    try:
+        trainer.run(args.steps, report, checkpoint_every=args.checkpoint_every)
+    except PipelineRuntimeError as exc:
+        raise SystemExit(f"rank {dist.get_rank()}: {exc}") from None
+    if trainer.is_reporter:
+        if first >= args.steps:
+            print(f"nothing to train: the checkpoint in {args.checkpoint_dir} already holds "
+                  f"all {args.steps} steps", flush=True)
+        else:
+            print(f"done: steps {first}..{args.steps - 1} in "
+                  f"{time.perf_counter() - started:.1f} s", flush=True)
     trainer.close()
     dist.destroy_process_group()
     return 0

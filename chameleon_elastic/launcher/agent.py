@@ -1,29 +1,35 @@
-"""ChameleonAgent: torch's LocalElasticAgent, made failure-aware and plan-aware.
+"""ChameleonAgent: torch's LocalElasticAgent, made failure-aware, plan-aware and able to recover
+in place.
 
-Protocol of one recovery (each phase timed into the event log):
+One recovery, each phase timed into the event log:
 
-1. detect   - the monitor loop sees a worker exit (exit code / signal), a device failing its
-              health check, or the rendezvous store becoming unreachable.
-2. classify - signal death or failed health check = the device is lost (excluded; no restart
-              budget spent); any other exit = crash on a healthy device (same plan, restart
-              budget spent, exactly like torchrun); without ``--job`` every failure is a crash.
-3. stop     - the local workers are stopped (SIGTERM, then SIGKILL after the shutdown timeout).
-4. agree    - next rendezvous round. If the store is gone (its hosting agent died) the agent
-              rebuilds its rendezvous handler from the same parameters: torch's c10d backend then
-              lets the first survivor on the endpoint's host bind the port again and the others
-              connect to it. In the new round every agent publishes its node id and its lost
-              devices; the group-rank-0 agent takes the union (plus every device of a node that
-              is absent; devices of a node that is back rejoin), asks the planner (cached plan
-              first) and publishes the plan in the round's store; the others adopt it, so agents
-              with different histories cannot diverge.
-5. launch   - workers start with the new plan's roles. Every launch gets a FRESH worker store:
-              the group-rank-0 agent opens a new TCPStore on an OS-chosen port and publishes it in
-              the round's store. torch keeps one shared store and one MASTER_PORT for the whole
-              job, so a restarted worker can read the previous attempt's gloo addresses and hang
-              or fail with "connectFullMesh ... Connection refused"; a new store cannot hold them.
+1. detect   - the monitor loop polls every worker process on its own (a death stops nobody
+              else), checks the device health hook, the rendezvous for waiting agents, and the
+              agent channel for workers that lost a peer this node does not run.
+2. classify - once, into a :class:`~.failures.FailureEvent`: a signal death or a failed health
+              check is a lost device (excluded, no restart budget spent); any other exit is a
+              crash on a healthy device (same plan, budget spent, as torchrun); without
+              ``--job`` every failure is a crash.
+3. agree    - a rendezvous round (reused on one node): every agent reports its node, its lost
+              devices, its live workers and whether they run on the runtime; the group-rank-0
+              agent asks the planner (cached plan first) and publishes one decision: the plan,
+              the world in rank order, in place or relaunch (:mod:`.coordination`).
+4. apply    - IN PLACE (every live worker registered with the runtime, ``--recovery inplace``):
+              nobody is stopped; the new generation is published on the node's channel with a
+              fresh worker store, and workers start only for devices without a live one (a
+              device that came back). The survivors regroup, take state from their peers and go
+              on at the first step not committed everywhere (runtime/recovery.py).
+              RELAUNCH (unmodified scripts, a crash, ``--recovery relaunch``): every local worker
+              is stopped (SIGTERM, then SIGKILL after the shutdown timeout) and all start again.
+5. report   - when the workers have committed their first step in the new generation, one
+              ``recovered`` event and one plain line for people.
 
-The worker store lives in the agent, never in a worker, so a crashing rank 0 takes no store with
-it. Workers are started through ``orphan_guard`` so that they die with the agent, even on SIGKILL.
+Every generation gets a FRESH worker store: the group-rank-0 agent opens a new TCPStore on an
+OS-chosen port. torch keeps one shared store and one MASTER_PORT for the whole job, so a
+restarted worker can read the previous attempt's gloo addresses and hang or fail with
+"connectFullMesh ... Connection refused"; a new store cannot hold them. The store lives in the
+agent, never in a worker, so a crashing rank 0 takes no store with it. Workers are started
+through ``orphan_guard`` so that they die with the agent, even on SIGKILL.
 """
 
 from __future__ import annotations
@@ -32,11 +38,10 @@ import json
 import logging
 import os
 import signal
-import sys
 import time
-from datetime import timedelta
+from dataclasses import dataclass
 from string import Template
-from typing import Any
+from typing import Any, Literal
 
 import torch.distributed as dist
 from torch.distributed.elastic.agent.server.api import (
@@ -53,24 +58,58 @@ from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 from torch.distributed.elastic.utils import macros
 
-from chameleon_elastic.plan import ExecutionPlan
+from chameleon_elastic import channel
+from chameleon_elastic.channel import Generation, Registration, Resumed
+from chameleon_elastic.timeouts import Timeouts
 
-from .failures import FailureKind, WorkerFailure, classify_exit
+from . import coordination
+from .coordination import Decision, NodeReport
+from .failures import FailureEvent, FailureKind, Trigger, WorkerFailure, classify_exit
 from .health import AlwaysHealthy, HealthCheck
-from .observe import EventLog, StatusLine
+from .observe import Event, EventLog, StatusLine, recovery_line
 from .orphan_guard import guarded_command
-from .plan_env import LocalAssignment, chameleon_env, device_id, local_assignments
+from .plan_env import LocalAssignment, device_id, local_assignments
 from .profiler import Profiler
-from .session import JobSession, LauncherPlanningError
+from .session import JobSession, LauncherPlanningError, PlanChange
+from .workers import WorkerProcesses
 
-__all__ = ["ChameleonAgent"]
+__all__ = ["ChameleonAgent", "RecoveryMode"]
 
 log = logging.getLogger("chameleon_elastic.launcher.agent")
 
+RecoveryMode = Literal["inplace", "relaunch"]
 _STORE_FAILOVER_ATTEMPTS = 3
 # What an unreachable rendezvous store raises: torch's wrapped error, or the raw TCPStore one
 # when the store dies between two of the handler's own calls.
 _STORE_LOST = (RendezvousConnectionError, dist.DistNetworkError)
+
+
+@dataclass
+class _DeviceBook:
+    """This node's devices out of the plan, and why: one home for what used to be four flags."""
+
+    lost: set[int]          # lost to a signal (for good) or to the health check
+    unhealthy: set[int]     # the part of ``lost`` that the health check excluded
+    rejoining: set[int]     # unhealthy devices that pass the check again
+
+    def settle(self) -> None:
+        """The rejoining devices are back in: the next report no longer calls them lost."""
+        self.lost -= self.rejoining
+        self.unhealthy -= self.rejoining
+        self.rejoining.clear()
+
+
+@dataclass
+class _Pending:
+    """A recovery whose workers have not yet committed their first step."""
+
+    event: FailureEvent
+    decision: Decision
+    change: PlanChange | None
+    kept: tuple[int, ...]
+    started: tuple[int, ...]
+    waiting: frozenset[int]      # local devices whose Resumed record is awaited
+    phases: dict[str, float]
 
 
 class ChameleonAgent(LocalElasticAgent):
@@ -85,36 +124,47 @@ class ChameleonAgent(LocalElasticAgent):
         status: StatusLine | None = None,
         health: HealthCheck | None = None,
         profiler: Profiler | None = None,
+        recovery: RecoveryMode = "inplace",
+        timeouts: Timeouts | None = None,
         start_method: str = "spawn",
         exit_barrier_timeout: float = 300,
         log_line_prefix_template: str | None = None,
-        shutdown_timeout: int = 30,
     ) -> None:
+        self._timeouts = timeouts or Timeouts.resolve()
         super().__init__(spec, logs_specs, start_method=start_method,
                          exit_barrier_timeout=exit_barrier_timeout,
                          log_line_prefix_template=log_line_prefix_template,
-                         shutdown_timeout=shutdown_timeout)
+                         shutdown_timeout=int(self._timeouts.shutdown_s))
         self._rdzv_parameters = rdzv_parameters
         self._session = session
         self._events = events if events is not None else EventLog(None)
         self._status = status if status is not None else StatusLine(enabled=False)
         self._health = health if health is not None else AlwaysHealthy()
         self._profiler = profiler
-        self._attempt = -1                      # worker-group launches so far, minus one
+        self._recovery = recovery
+        self._attempt = -1                      # rendezvous rounds so far, minus one
         self._node: int | None = None           # node id in the initial world (device ids)
-        self._worker_store: Any = None          # this launch's TCPStore server (rank 0 only)
-        self._lost_local: set[int] = set()      # local devices lost (cumulative)
-        self._health_excluded: set[int] = set() # local devices out because the check failed
-        self._rejoining: set[int] = set()       # health-excluded devices that pass again
-        self._assignments: tuple[LocalAssignment, ...] = ()
-        self._pending: dict[str, Any] = {}      # timings of the recovery in progress
+        self._worker_store: Any = None          # this generation's TCPStore (group rank 0 only)
+        self._procs = WorkerProcesses()
+        self._book = _DeviceBook(set(), set(), set())
         self._last_info: Any = None             # last RendezvousInfo (reused on one node)
         self._reused_round = False
         self._charged_crash = False             # a restart was just charged for a crash
+        self._pending: _Pending | None = None
+        self._last_change: PlanChange | None = None
+        self._exits: dict[int, Any] = {}        # global rank -> Exit, of the last poll
+        self._trouble_since: float | None = None
+        self._channel: Any = None               # this node's agent <-> worker store
+        self._channel_address = ""
+        if session is not None:
+            self._channel = dist.TCPStore("127.0.0.1", 0, is_master=True,
+                                          wait_for_workers=False,
+                                          timeout=self._timeouts.delta("store_s"))
+            self._channel_address = f"127.0.0.1:{self._channel.port}"
 
     # ------------------------------------------------------------------ helpers
 
-    def _emit(self, event: str, **fields: Any) -> None:
+    def _emit(self, event: Event, **fields: Any) -> None:
         gen = self._session.plan.generation if self._session is not None else 0
         self._events.emit(event, attempt=max(self._attempt, 0), generation=gen, **fields)
 
@@ -141,6 +191,28 @@ class ChameleonAgent(LocalElasticAgent):
         reused = backend == "static" or self._reused_round
         return f"chameleon/{self._attempt}/" if reused else "chameleon/"
 
+    def _nproc(self) -> int:
+        return self._worker_group.spec.local_world_size
+
+    def _local_device_ids(self) -> list[int]:
+        node = self._node or 0
+        return [device_id(node, lr, self._nproc()) for lr in range(self._nproc())]
+
+    @property
+    def _inplace_wanted(self) -> bool:
+        return (self._session is not None and self._session.policy != "restart"
+                and self._recovery == "inplace")
+
+    def _registered(self, devices: set[int]) -> bool:
+        """Every worker of ``devices`` has told the channel it runs on the runtime."""
+        if self._channel is None or not devices:
+            return False
+        for device in devices:
+            record = channel.read(self._channel, channel.worker_key(device))
+            if record is None or Registration.from_dict(record).pid != self._procs.pid(device):
+                return False
+        return True
+
     # ------------------------------------------------------------------ rendezvous
 
     def _next_rendezvous(self, spec: WorkerSpec):
@@ -154,11 +226,13 @@ class ChameleonAgent(LocalElasticAgent):
         return self._last_info
 
     def _rendezvous_with_failover(self, spec: WorkerSpec):
+        deadline = time.monotonic() + self._timeouts.failover_s
         for attempt in range(_STORE_FAILOVER_ATTEMPTS + 1):
             try:
                 return spec.rdzv_handler.next_rendezvous()
             except _STORE_LOST as exc:
-                if attempt == _STORE_FAILOVER_ATTEMPTS or spec.rdzv_handler.get_backend() == "static":
+                if (attempt == _STORE_FAILOVER_ATTEMPTS or time.monotonic() > deadline
+                        or spec.rdzv_handler.get_backend() == "static"):
                     raise
                 self._failover_rendezvous(spec, exc)
         raise AssertionError("unreachable")
@@ -176,93 +250,106 @@ class ChameleonAgent(LocalElasticAgent):
         spec.rdzv_handler = rdzv_registry.get_rendezvous_handler(self._rdzv_parameters)
         self._rdzv_handler = spec.rdzv_handler
         self._last_info = None
-        self._emit("rendezvous_failover", error=str(exc).splitlines()[0][:300],
+        self._emit(Event.RENDEZVOUS_FAILOVER, error=str(exc).splitlines()[0][:300],
                    duration_s=time.perf_counter() - start)
 
-    def _rendezvous(self, worker_group: WorkerGroup) -> None:
-        spec = worker_group.spec
-        self._attempt += 1
-        start = time.perf_counter()
-        info = self._next_rendezvous(spec)
-        store, group_rank, group_world = info.store, info.rank, info.world_size
-        self._store = store
-        if self._node is None:
-            self._node = group_rank
-        rdzv_s = time.perf_counter() - start
-
-        plan_s = 0.0
-        if self._session is not None:
-            t = time.perf_counter()
-            self._agree_on_plan(store, group_rank, group_world, spec.local_world_size)
-            plan_s = time.perf_counter() - t
-            self._assignments = local_assignments(self._session.plan, self._node,
-                                                  spec.local_world_size)
-            workers = [Worker(local_rank=a.local_rank, global_rank=a.global_rank,
-                              role_rank=a.global_rank, world_size=a.world_size,
-                              role_world_size=a.world_size) for a in self._assignments]
-        else:
-            workers = self._assign_worker_ranks(store, group_rank, group_world, spec)
-            self._assignments = ()
-
-        addr, port = self._open_worker_store(store, group_rank, spec, info)
-        worker_group.workers = workers
-        worker_group.store = store
-        worker_group.group_rank = group_rank
-        worker_group.group_world_size = group_world
-        worker_group.master_addr = addr
-        worker_group.master_port = port
-        self._pending.update(rendezvous_s=rdzv_s, plan_s=plan_s)
-        self._emit("rendezvous", group_rank=group_rank, group_world_size=group_world,
-                   node=self._node, master_addr=addr, master_port=port, duration_s=rdzv_s)
-
-    def _open_worker_store(self, store, group_rank: int, spec: WorkerSpec, info) -> tuple[str, int]:
-        """A fresh TCPStore per launch, hosted by the group-rank-0 agent; (addr, port)."""
+    def _open_worker_store(self, store, group_rank: int, info) -> tuple[str, int]:
+        """A fresh TCPStore per generation, hosted by the group-rank-0 agent; (addr, port)."""
+        spec = self._worker_group.spec
         key = self._key_scope() + "worker_store"
-        self._worker_store = None  # drop the previous launch's server first
+        self._worker_store = None  # drop the previous generation's server first
         if group_rank == 0:
             addr = spec.master_addr or info.bootstrap_store_info.master_addr
             server = dist.TCPStore(host_name=addr, port=0, is_master=True,
                                    wait_for_workers=False, multi_tenant=False,
-                                   timeout=timedelta(seconds=60))
+                                   timeout=self._timeouts.delta("store_s"))
             self._worker_store = server
             store.set(key, json.dumps([addr, server.port]))
         addr, port = json.loads(store.get(key))
         return str(addr), int(port)
 
-    def _agree_on_plan(self, store, group_rank: int, group_world: int, nproc: int) -> None:
-        """Every agent reports its node and lost devices; group rank 0 decides and publishes
-        the plan; the others adopt it (so agents with different histories cannot diverge)."""
+    # ------------------------------------------------------------------ one transition
+
+    def _initialize_workers(self, worker_group: WorkerGroup) -> None:
+        """The first launch: agree, then start every local worker."""
+        self._transition(None, inplace_wanted=False, expect_reports=False)
+
+    def _transition(self, event: FailureEvent | None, inplace_wanted: bool,
+                    expect_reports: bool) -> None:
+        """One rendezvous round and what follows it. ``expect_reports``: the workers run on
+        the runtime, so the recovery is reported once they have committed a step."""
+        wg = self._worker_group
+        spec = wg.spec
+        self._attempt += 1
+        began = time.perf_counter()
+        info = self._next_rendezvous(spec)
+        store, group_rank, group_world = info.store, info.rank, info.world_size
+        self._store = store
+        if self._node is None:
+            self._node = group_rank
+        rdzv_s = time.perf_counter() - began
+        plan_s = 0.0
+        decision = None
+        if self._session is not None:
+            t = time.perf_counter()
+            decision = self._agree(store, group_rank, group_world, inplace_wanted)
+            plan_s = time.perf_counter() - t
+        stop_s = 0.0
+        if decision is None or not decision.inplace:
+            t = time.perf_counter()
+            self._procs.close(timeout=self._timeouts.shutdown_s)
+            stop_s = time.perf_counter() - t
+        addr, port = self._open_worker_store(store, group_rank, info)
+        wg.store, wg.group_rank, wg.group_world_size = store, group_rank, group_world
+        wg.master_addr, wg.master_port = addr, port
+        self._emit(Event.RENDEZVOUS, group_rank=group_rank, group_world_size=group_world,
+                   node=self._node, master_addr=addr, master_port=port, duration_s=rdzv_s)
+        t = time.perf_counter()
+        started = self._start(decision, store, group_rank, group_world)
+        wg.state = WorkerState.HEALTHY
+        phases = {"rendezvous_s": rdzv_s, "plan_s": plan_s, "stop_s": stop_s,
+                  "launch_s": time.perf_counter() - t}
+        if event is not None and decision is not None:
+            kept = tuple(sorted(self._procs.devices - set(started)))
+            waiting = frozenset(self._procs.devices if expect_reports else ())
+            self._pending = _Pending(event, decision, self._last_change, kept, started,
+                                     waiting, phases)
+            if not waiting:
+                self._finish_recovery({})
+
+    def _agree(self, store, group_rank: int, group_world: int, inplace_wanted: bool) -> Decision:
+        """Report, decide (group rank 0) or adopt; see coordination.py."""
         session = self._session
         assert session is not None and self._node is not None
         scope = self._key_scope()
-        self._lost_local -= self._rejoining
+        live = self._procs.devices
         before = set(session.excluded)
-        mine = {"node": self._node, "lost": sorted(self._lost_local)}
-        store.set(f"{scope}node/{group_rank}", json.dumps(mine))
+        coordination.report(store, scope, group_rank, NodeReport(
+            node=self._node, lost=tuple(sorted(self._book.lost - self._book.rejoining)),
+            live=tuple(sorted(live)), ready=not live or self._registered(live),
+            reported=channel.read_int(self._channel, channel.REPORTED),
+            checkpoint=channel.read_int(self._channel, channel.CHECKPOINT)))
+        change: PlanChange | None
         try:
             if group_rank == 0:
-                reports = [json.loads(v) for v in
-                           store.multi_get([f"{scope}node/{r}" for r in range(group_world)])]
-                present = {int(r["node"]) for r in reports}
-                reported = {int(d) for r in reports for d in r["lost"]}
-                on_present = {device_id(node, lr, nproc) for node in present
-                              for lr in range(nproc)}
-                everything = set(range(session.devices))
-                lost = (reported | (everything - on_present)) & everything
-                joined = (session.excluded & on_present) - reported
+                reports = coordination.collect(store, scope, group_world)
+                lost, joined = coordination.losses(reports, session.excluded, session.devices,
+                                                   self._nproc())
                 change = session.apply(lost=lost, joined=joined)
-                store.set(f"{scope}plan", json.dumps({"plan": session.plan.to_dict(),
-                                                      "excluded": sorted(session.excluded)}))
+                decision = coordination.decide(session.plan, session.excluded, reports,
+                                               change is not None, inplace_wanted)
+                coordination.publish(store, scope, decision)
             else:
-                published = json.loads(store.get(f"{scope}plan"))
-                if "error" in published:  # rank 0 found no plan
-                    raise LauncherPlanningError(published["error"])
-                change = session.adopt(ExecutionPlan.from_dict(published["plan"]),
-                                       published["excluded"])
+                decision = coordination.adopt(store, scope, self._timeouts.store_s)
+                if decision.error or decision.plan is None:
+                    raise LauncherPlanningError(decision.error or "no plan was published")
+                change = session.adopt(decision.plan, decision.excluded)
+            if decision.error:
+                raise LauncherPlanningError(decision.error)
         except LauncherPlanningError as exc:
-            self._emit("planning_failed", error=str(exc))
+            self._emit(Event.PLANNING_FAILED, error=str(exc))
             if group_rank == 0:
-                store.set(f"{scope}plan", json.dumps({"error": str(exc)}))
+                coordination.publish(store, scope, Decision(None, (), (), False, None, str(exc)))
             raise
         newly_remote = session.excluded - before - set(self._local_device_ids())
         if newly_remote and self._charged_crash:
@@ -270,54 +357,95 @@ class ChameleonAgent(LocalElasticAgent):
             # node, which costs no restart (torchrun would have spent one)
             self._remaining_restarts += 1
             self._charged_crash = False
-        self._health_excluded -= self._rejoining
-        self._rejoining.clear()
+        self._book.settle()
         if change is not None:
-            self._pending["plan_s"] = change.decide_s
-            self._emit("plan_chosen", policy=change.plan.policy, plan_file=session.plan_file,
-                       lost=list(change.lost), joined=list(change.joined),
-                       via_cache=change.cached, decide_s=change.decide_s,
-                       candidates=change.candidates, rejected=change.rejected,
-                       decided_here=group_rank == 0,
-                       live_devices=list(change.plan.live_devices),
+            self._emit(Event.PLAN_CHOSEN, policy=change.plan.policy,
+                       plan_file=session.plan_file, lost=list(change.lost),
+                       joined=list(change.joined), via_cache=change.cached,
+                       decide_s=change.decide_s, candidates=change.candidates,
+                       rejected=change.rejected, decided_here=group_rank == 0,
+                       inplace=decision.inplace, live_devices=list(change.plan.live_devices),
                        spare_devices=list(change.plan.spare_devices))
+        self._last_change = change
+        return decision
 
     # ------------------------------------------------------------------ workers
 
-    def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
-        spec = worker_group.spec
+    def _start(self, decision: Decision | None, store, group_rank: int,
+               group_world: int) -> tuple[int, ...]:
+        """Publish the generation on the channel; start workers for the local devices of its
+        world that have none (all of them after a relaunch). Returns the devices started."""
+        wg = self._worker_group
+        spec = wg.spec
+        session = self._session
+        if decision is None:  # plain torchrun: torch's rank assignment, every local worker
+            todo = [(w, None) for w in self._assign_worker_ranks(store, group_rank, group_world,
+                                                                 spec)]
+        else:
+            assert session is not None
+            plan = session.plan
+            channel.write(self._channel, channel.generation_key(plan.generation), Generation(
+                plan.generation, session.plan_file, str(wg.master_addr), int(wg.master_port),
+                decision.world, decision.reported))
+            channel.write(self._channel, channel.NEWEST, plan.generation)
+            assigned = local_assignments(plan, self._node or 0, spec.local_world_size,
+                                         decision.world)
+            for device in self._procs.devices:   # kept workers: their ranks in the new world
+                self._procs.set_worker(device, self._worker_of(device, decision))
+            todo = [(Worker(local_rank=a.local_rank, global_rank=a.global_rank,
+                            role_rank=a.global_rank, world_size=a.world_size,
+                            role_world_size=a.world_size), a)
+                    for a in assigned if a.device not in self._procs.devices]
+        started = self._launch(todo)
+        wg.workers = self._procs.workers()
+        self._update_status("running")
+        return started
+
+    def _worker_of(self, device: int, decision: Decision) -> Worker:
+        rank = decision.world.index(device)
+        worker = Worker(local_rank=device - (self._node or 0) * self._nproc(), global_rank=rank,
+                        role_rank=rank, world_size=len(decision.world),
+                        role_world_size=len(decision.world))
+        worker.id = self._procs.pid(device)
+        return worker
+
+    def _launch(self, todo: list[tuple[Worker, LocalAssignment | None]]) -> tuple[int, ...]:
+        if not todo:
+            return ()
+        wg = self._worker_group
+        spec = wg.spec
         start = time.perf_counter()
-        restart_count = self._restarts_used()
-        use_agent_store = True  # workers are clients of the agent-hosted, per-launch store
         args: dict[int, tuple] = {}
         envs: dict[int, dict[str, str]] = {}
         prefixes: dict[int, str] | None = {} if self._log_line_prefix_template else None
         session = self._session
-        for index, worker in enumerate(worker_group.workers):
+        node = self._node or 0
+        for index, (worker, assignment) in enumerate(todo):
             env: dict[str, str] = {
                 "RANK": str(worker.global_rank),
-                "GROUP_RANK": str(worker_group.group_rank),
+                "GROUP_RANK": str(wg.group_rank),
                 "ROLE_RANK": str(worker.role_rank),
                 "ROLE_NAME": spec.role,
                 "LOCAL_WORLD_SIZE": str(spec.local_world_size),
                 "WORLD_SIZE": str(worker.world_size),
-                "GROUP_WORLD_SIZE": str(worker_group.group_world_size),
+                "GROUP_WORLD_SIZE": str(wg.group_world_size),
                 "ROLE_WORLD_SIZE": str(worker.role_world_size),
-                "MASTER_ADDR": str(worker_group.master_addr),
-                "MASTER_PORT": str(worker_group.master_port),
-                "TORCHELASTIC_RESTART_COUNT": str(restart_count),
+                "MASTER_ADDR": str(wg.master_addr),
+                "MASTER_PORT": str(wg.master_port),
+                "TORCHELASTIC_RESTART_COUNT": str(self._restarts_used()),
                 "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
                 "TORCHELASTIC_RUN_ID": spec.rdzv_handler.get_run_id(),
-                "TORCHELASTIC_USE_AGENT_STORE": str(use_agent_store),
+                "TORCHELASTIC_USE_AGENT_STORE": str(True),
                 "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.getenv(
                     "TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
             }
             self._set_local_rank_env(env, worker.local_rank, spec)
             if "OMP_NUM_THREADS" in os.environ:
                 env["OMP_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"]
-            if session is not None:
-                env.update(chameleon_env(session.plan, self._assignments[index].role,
-                                         session.plan_file))
+            if session is not None and assignment is not None:
+                env.update(channel.chameleon_env(session.plan, assignment.role,
+                                                 session.plan_file))
+                env[channel.AGENT_STORE_ENV] = self._channel_address
             if self._profiler is not None:
                 env.update(self._profiler.worker_env())
             if prefixes is not None:
@@ -333,97 +461,166 @@ class ChameleonAgent(LocalElasticAgent):
             wrapped = {i: guarded_command(entrypoint, a) for i, a in args.items()}
             entrypoint = next(iter(wrapped.values()))[0] if wrapped else entrypoint
             args = {i: w[1] for i, w in wrapped.items()}
-        self._pcontext = start_processes(
+        context = start_processes(
             name=spec.role, entrypoint=entrypoint, args=args, envs=envs,
             logs_specs=self._logs_specs, log_line_prefixes=prefixes,
             start_method=self._start_method, numa_options=spec.numa_options,
             duplicate_stdout_filters=spec.duplicate_stdout_filters,
             duplicate_stderr_filters=spec.duplicate_stderr_filters,
         )
-        pids = self._pcontext.pids()
+        pids = context.pids()
+        devices = []
+        for index, (worker, _) in enumerate(todo):
+            worker.id = pids[index]
+            devices.append(device_id(node, worker.local_rank, spec.local_world_size))
+        self._procs.add(context, {i: (devices[i], w) for i, (w, _) in enumerate(todo)})
         if self._profiler is not None:
-            self._profiler.track({w.local_rank: pids[i] for i, w in
-                                  enumerate(worker_group.workers)}, self._local_devices())
-        launch_s = time.perf_counter() - start
-        self._emit("workers_started", local_ranks=[w.local_rank for w in worker_group.workers],
-                   devices=self._local_devices(), ranks=[w.global_rank for w in
-                                                         worker_group.workers],
-                   world_size=worker_group.workers[0].world_size if worker_group.workers else 0,
-                   master_port=worker_group.master_port, duration_s=launch_s)
-        self._pending["launch_s"] = launch_s
-        self._update_status("running")
-        return pids
-
-    def _local_device_ids(self) -> list[int]:
-        nproc = self._worker_group.spec.local_world_size
-        node = self._node or 0
-        return [device_id(node, lr, nproc) for lr in range(nproc)]
-
-    def _local_devices(self) -> list[int]:
-        nproc = self._worker_group.spec.local_world_size
-        node = self._node or 0
-        return [device_id(node, w.local_rank, nproc) for w in self._worker_group.workers]
+            self._profiler.track(self._procs.pids())
+        self._emit(Event.WORKERS_STARTED, local_ranks=[w.local_rank for w, _ in todo],
+                   devices=devices, ranks=[w.global_rank for w, _ in todo],
+                   world_size=todo[0][0].world_size, master_port=wg.master_port,
+                   duration_s=time.perf_counter() - start)
+        return tuple(devices)
 
     def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
         super()._shutdown(death_sig, timeout)
+        self._procs.close(death_sig, timeout)
         self._worker_store = None
+
+    def _stop_workers(self, worker_group: WorkerGroup) -> None:
+        self._procs.close(timeout=self._timeouts.shutdown_s)
 
     # ------------------------------------------------------------------ monitoring
 
+    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        """Every worker polled on its own: a failure stops nobody (torch's context would)."""
+        exits = [e for e in self._procs.poll() if e.failure is not None]
+        self._exits = {e.worker.global_rank: e for e in exits}
+        if exits:
+            return RunResult(state=WorkerState.FAILED,
+                             failures={e.worker.global_rank: e.failure for e in exits})
+        if not self._procs.devices:
+            return RunResult(state=WorkerState.SUCCEEDED,
+                             return_values=dict.fromkeys(
+                                 range(len(self._procs.succeeded))))
+        return RunResult(state=WorkerState.HEALTHY)
+
     def _classify(self, result: RunResult) -> list[WorkerFailure]:
-        nproc = self._worker_group.spec.local_world_size
-        node = self._node or 0
-        by_rank = {w.global_rank: w for w in self._worker_group.workers}
-        found = []
-        for rank, failure in sorted(result.failures.items()):
-            worker = by_rank.get(rank)
-            local_rank = worker.local_rank if worker is not None else failure.local_rank
-            found.append(classify_exit(failure.exitcode, device_id(node, local_rank, nproc),
-                                       local_rank))
-        return found
+        return [classify_exit(e.exitcode, e.device, e.local_rank)
+                for _, e in sorted(self._exits.items())]
 
     def _health_tick(self) -> set[int]:
         """Local working devices failing the health check now (only with --job)."""
         if self._session is None:
             return set()
-        devices = set(self._local_devices())
-        bad = set(self._health.unhealthy(devices))
-        nproc = self._worker_group.spec.local_world_size
-        node = self._node or 0
-        excluded = self._health_excluded
-        if excluded:
-            all_local = {device_id(node, lr, nproc) for lr in range(nproc)}
-            still_bad = set(self._health.unhealthy(all_local))
-            back = excluded - still_bad
-            if back - self._rejoining:
-                self._rejoining |= back
+        bad = set(self._health.unhealthy(self._procs.devices))
+        if self._book.unhealthy:
+            still_bad = set(self._health.unhealthy(set(self._local_device_ids())))
+            self._book.rejoining |= self._book.unhealthy - still_bad
         return bad
 
-    def _recover(self, worker_group: WorkerGroup, reason: str, detected_at: float) -> None:
-        self._update_status(f"recovering ({reason})")
-        start = time.perf_counter()
-        self._stop_workers(worker_group)
-        worker_group.state = WorkerState.STOPPED
-        stop_s = time.perf_counter() - start
-        self._pending = {"stop_s": stop_s}
-        self._initialize_workers(worker_group)
+    def _trouble(self) -> bool:
+        """A local worker lost a peer in the current generation and no agent has acted for a
+        grace period: a peer this node does not run is gone (another node)."""
+        if self._channel is None or self._session is None:
+            return False
+        seen = channel.read_int(self._channel, channel.TROUBLE)
+        if seen is None or seen < self._session.plan.generation:
+            self._trouble_since = None
+            return False
+        now = time.monotonic()
+        if self._trouble_since is None:
+            self._trouble_since = now
+        grace = max(1.0, 4 * self._worker_group.spec.monitor_interval)
+        return now - self._trouble_since >= grace
+
+    def _poll_pending(self) -> None:
         p = self._pending
-        self._emit("recovered", reason=reason, stop_s=stop_s,
-                   rendezvous_s=p.get("rendezvous_s"), plan_s=p.get("plan_s"),
-                   launch_s=p.get("launch_s"),
-                   total_s=time.monotonic() - detected_at, restarts_used=self._restarts_used())
+        if p is None or self._session is None:
+            return
+        gen = self._session.plan.generation
+        records = {}
+        for device in p.waiting:
+            if device not in self._procs.devices:
+                continue  # died meanwhile: the next recovery reports
+            value = channel.read(self._channel, channel.resumed_key(gen, device))
+            if value is None or Resumed.from_dict(value).pid != self._procs.pid(device):
+                return
+            records[device] = Resumed.from_dict(value)
+        self._finish_recovery(records)
+
+    def _finish_recovery(self, records: dict[int, Resumed]) -> None:
+        p = self._pending
+        assert p is not None and self._session is not None
+        self._pending = None
+        self._trouble_since = None
+        first = min((r.noticed_at for r in records.values() if r.noticed_at), default=None)
+        failed_at = min(p.event.wall, first) if first else p.event.wall
+        resumed_at = max((r.committed_at - r.first_step_s for r in records.values()
+                          if r.committed_at), default=None)
+        worst = max(records.values(), key=lambda r: r.regroup_s + r.transfer_s, default=None)
+        resumed_step = worst.resumed_step if worst else None
+        fields = dict(
+            reason=p.event.reason, mode="inplace" if p.decision.inplace else "relaunch",
+            kept_devices=list(p.kept), started_devices=list(p.started),
+            resumed_step=resumed_step,
+            transfer_bytes=sum(r.moved_bytes for r in records.values()),
+            moved_layers=worst.moved_layers if worst else 0,
+            source=worst.source if worst else None,
+            rolled_forward=sorted(d for d, r in records.items() if r.rolled_forward),
+            redone_steps=worst.redone_steps if worst else 0,
+            detect_s=max(0.0, p.event.wall - failed_at),
+            regroup_s=worst.regroup_s if worst else None,
+            transfer_s=worst.transfer_s if worst else None,
+            first_step_s=max((r.first_step_s for r in records.values()), default=None),
+            total_s=None if resumed_at is None else resumed_at - failed_at,
+            restarts_used=self._restarts_used(), **p.phases)
+        self._emit(Event.RECOVERED, **fields)
+        if self._profiler is not None and p.decision.inplace and worst is not None:
+            self._profiler.note_regroup(worst.regroup_s)
+        what = self._describe(p.event)
+        line = recovery_line(what, self._session.plan, inplace=p.decision.inplace,
+                             started=len(p.started), moved_layers=fields["moved_layers"],
+                             moved_bytes=fields["transfer_bytes"],
+                             source=fields["source"] or "", resumed_step=resumed_step,
+                             redone=fields["redone_steps"], seconds=fields["total_s"])
+        self._status.say(f"chameleon-run: {line}")
+        total = fields["total_s"]
+        self._update_status("running" if total is None else
+                            f"running (recovered {fields['mode']} in {total:.2f} s)")
+
+    def _describe(self, event: FailureEvent) -> str:
+        lost = sorted(self._session.excluded) if event.trigger in (
+            Trigger.PEER_LOST, Trigger.MEMBERSHIP, Trigger.RENDEZVOUS_LOST) else sorted(event.lost)
+        signals = sorted({f.signal for f in event.failures if f.signal})
+        if event.trigger is Trigger.REJOINED:
+            return f"device{'s' if len(event.joined) > 1 else ''} " \
+                   f"{', '.join(map(str, sorted(event.joined)))} back"
+        if not lost:
+            return f"membership changed ({event.reason})"
+        why = ", ".join(signals) if signals else (
+            "health check" if event.trigger is Trigger.DEVICE_LOST else "node gone")
+        return f"device{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} lost ({why})"
+
+    @property
+    def _runtime(self) -> bool:
+        """The live workers run on the runtime (they report how they resume)."""
+        return self._registered(self._procs.devices)
+
+    # ------------------------------------------------------------------ the loop
 
     def _invoke_run(self, role: str = "default") -> RunResult:
         spec = self._worker_group.spec
         wg = self._worker_group
-        self._emit("agent_started", entrypoint=spec.get_entrypoint_name(),
+        self._emit(Event.AGENT_STARTED, entrypoint=spec.get_entrypoint_name(),
                    nproc_per_node=spec.local_world_size, max_restarts=spec.max_restarts,
                    policy=None if self._session is None else self._session.policy,
+                   recovery=self._recovery if self._session is not None else None,
                    plan_file=None if self._session is None else self._session.plan_file)
         try:
             self._initialize_workers(wg)
         except LauncherPlanningError as exc:
-            sys.stderr.write(f"chameleon-run: {exc}\n")
+            self._status.say(f"chameleon-run: {exc}")
             return RunResult(state=WorkerState.FAILED)
         while True:
             time.sleep(spec.monitor_interval)
@@ -438,74 +635,94 @@ class ChameleonAgent(LocalElasticAgent):
             if state == WorkerState.SUCCEEDED:
                 self._update_status("succeeded")
                 self._exit_barrier()
-                self._emit("job_finished", state="SUCCEEDED", restarts_used=self._restarts_used())
+                self._emit(Event.JOB_FINISHED, state="SUCCEEDED",
+                           restarts_used=self._restarts_used())
                 return result
             try:
+                self._poll_pending()
                 outcome = self._react(wg, state, result, bad)
             except LauncherPlanningError as exc:
-                sys.stderr.write(f"chameleon-run: {exc}\n")
-                self._stop_workers(wg)
+                self._status.say(f"chameleon-run: {exc}")
+                self._procs.close(timeout=self._timeouts.shutdown_s)
                 wg.state = WorkerState.FAILED
                 self._update_status("failed")
-                self._emit("job_finished", state="FAILED", reason="no plan fits the devices left")
+                self._emit(Event.JOB_FINISHED, state="FAILED",
+                           reason="no plan fits the devices left")
                 return RunResult(state=WorkerState.FAILED, failures=result.failures)
             if outcome is not None:
                 return outcome
+
+    def _event(self, trigger: Trigger, **fields: Any) -> FailureEvent:
+        gen = self._session.plan.generation if self._session is not None else 0
+        return FailureEvent(trigger, gen, detected_at=time.monotonic(), wall=time.time(),
+                            **fields)
 
     def _react(self, wg: WorkerGroup, state: WorkerState, result: RunResult,
                bad: set[int]) -> RunResult | None:
         """One monitor tick's reaction; a RunResult ends the run, None keeps monitoring."""
         spec = wg.spec
         if state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
-            detected = time.monotonic()
             failures = self._classify(result)
-            # torch reports the workers it stopped after the first failure too; keep roots
-            failures = [f for f in failures if not f.stopped_on_request] or failures
             for f in failures:
-                self._emit("failure_seen", device=f.device, local_rank=f.local_rank,
+                self._emit(Event.FAILURE_SEEN, device=f.device, local_rank=f.local_rank,
                            exitcode=f.exitcode, signal=f.signal, kind=f.kind.value,
                            reason=f.reason)
             for d in sorted(bad):
-                self._emit("failure_seen", device=d, kind=FailureKind.DEVICE_LOST.value,
+                self._emit(Event.FAILURE_SEEN, device=d, kind=FailureKind.DEVICE_LOST.value,
                            reason="device failed its health check", exitcode=None,
                            signal=None, local_rank=None)
             planned = self._session is not None and self._session.policy != "restart"
-            lost = {f.device for f in failures if f.kind is FailureKind.DEVICE_LOST}
-            lost = (lost | bad) if planned else set()
-            if lost:
-                self._lost_local |= lost
-                self._health_excluded |= bad
-                self._recover(wg, "device_lost", detected)
+            lost = {f.device for f in failures if f.kind is FailureKind.DEVICE_LOST} | bad
+            crashed = any(f.kind is FailureKind.CRASH for f in failures)
+            if planned and lost:
+                event = self._event(Trigger.DEVICE_LOST, lost=frozenset(lost),
+                                    failures=tuple(failures))
+                self._book.lost |= lost
+                self._book.unhealthy |= bad
+                self._procs.kill(bad)
+                inplace = (self._inplace_wanted and not crashed and not self._procs.succeeded
+                           and self._runtime)
+                self._recover(event, inplace)
                 return None
             if self._remaining_restarts > 0:
                 self._remaining_restarts -= 1
                 self._charged_crash = True
                 try:
-                    self._recover(wg, "crash", detected)
+                    self._recover(self._event(Trigger.CRASH, failures=tuple(failures)), False)
                 finally:
                     self._charged_crash = False
                 return None
-            self._stop_workers(wg)
+            self._procs.close(timeout=self._timeouts.shutdown_s)
             wg.state = WorkerState.FAILED
             self._update_status("failed")
-            self._emit("job_finished", state="FAILED", reason="max restarts used up",
+            self._emit(Event.JOB_FINISHED, state="FAILED", reason="max restarts used up",
                        restarts_used=self._restarts_used())
             return result
         if state == WorkerState.HEALTHY:
-            if self._rejoining:
-                self._recover(wg, "device_rejoined", time.monotonic())
+            inplace = self._inplace_wanted and self._runtime
+            if self._book.rejoining:
+                self._recover(self._event(Trigger.REJOINED,
+                                          joined=frozenset(self._book.rejoining)), inplace)
                 return None
             try:
                 waiting = spec.rdzv_handler.num_nodes_waiting()
             except _STORE_LOST as exc:
-                self._emit("failure_seen", kind="rendezvous_lost",
+                self._emit(Event.FAILURE_SEEN, kind="rendezvous_lost",
                            reason=str(exc).splitlines()[0][:300])
-                detected = time.monotonic()
+                event = self._event(Trigger.RENDEZVOUS_LOST)
                 self._failover_rendezvous(spec, exc)
-                self._recover(wg, "rendezvous_lost", detected)
+                self._recover(event, inplace)
                 return None
             if waiting > 0:
-                self._emit("membership_change", nodes_waiting=waiting)
-                self._recover(wg, "membership", time.monotonic())
+                self._emit(Event.MEMBERSHIP_CHANGE, nodes_waiting=waiting)
+                self._recover(self._event(Trigger.MEMBERSHIP), inplace)
+                return None
+            if self._trouble():
+                self._recover(self._event(Trigger.PEER_LOST), inplace)
             return None
         raise RuntimeError(f"worker group in unexpected state {state.name}")
+
+    def _recover(self, event: FailureEvent, inplace: bool) -> None:
+        mode = "in place" if inplace else "relaunch"
+        self._update_status(f"recovering {mode} ({event.reason})")
+        self._transition(event, inplace_wanted=inplace, expect_reports=self._runtime)

@@ -26,8 +26,9 @@ from typing import Any
 
 __all__ = ["build_parser", "main"]
 
-OUR_FLAGS = ("--job", "--preset", "--policy", "--plan-cache", "--state-dir", "--event-log",
-             "--health-file", "--profile", "--profile-out", "--no-status")
+OUR_FLAGS = ("--job", "--preset", "--policy", "--recovery", "--plan-cache", "--state-dir",
+             "--event-log", "--health-file", "--profile", "--profile-out", "--no-status")
+RECOVERY_MODES = ("inplace", "relaunch")
 
 _DYNAMIC_RDZV_DEFAULTS = {"keep_alive_interval": 1, "keep_alive_max_attempt": 3,
                           "last_call_timeout": 3}
@@ -56,6 +57,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="Recovery policy on a lost device: auto (best estimated score), "
                             "reroute, replan, or restart (torchrun's: same plan, restart all). "
                             "Default: auto.")
+    group.add_argument("--recovery", action=env, type=str, default=None, choices=RECOVERY_MODES,
+                       help="How workers that run on chameleon_elastic.runtime survive a lost "
+                            "device: inplace (default; survivors keep their processes, regroup "
+                            "and take state from peers) or relaunch (stop and restart every "
+                            "worker). Scripts that do not use the runtime are always relaunched. "
+                            "Default: the job's cluster.recovery.")
     group.add_argument("--plan-cache", "--plan_cache", action=env, type=int, default=None,
                        help="Precompute plans for up to K simultaneous losses in the background "
                             "(default: the job's planner.cache_failures; 0 disables).")
@@ -115,6 +122,7 @@ def _make_session(parser: argparse.ArgumentParser, args: argparse.Namespace, npr
         spec = load_job(args.job, args.preset)
         if args.profile:
             spec = apply_profile(spec, load_profile(args.profile))
+        spec = spec.with_recovery(args.recovery)  # the flag wins, for the planner too
     except (SpecError, ValueError) as exc:
         parser.error(str(exc))
     world = nproc * max_nodes
@@ -146,6 +154,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
     from torch.distributed.launcher.api import _get_addr_and_port, _get_entrypoint_name
     from torch.distributed.run import config_from_args, parse_min_max_nnodes
 
+    from chameleon_elastic.timeouts import Timeouts, TimeoutSettingError
+
     from .agent import ChameleonAgent
     from .health import AlwaysHealthy, FileHealthCheck
     from .observe import EventLog, StatusLine
@@ -155,7 +165,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
         parser.error("--job and --preset are mutually exclusive; pass only one of them.")
     job_mode = args.job is not None or args.preset is not None
     job_only = (("--health-file", args.health_file), ("--profile", args.profile),
-                ("--plan-cache", args.plan_cache),
+                ("--plan-cache", args.plan_cache), ("--recovery", args.recovery),
                 ("--policy", None if args.policy == "auto" else args.policy))
     for flag, value in job_only:
         if value is not None and not job_mode:
@@ -167,6 +177,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
         _, max_nodes = parse_min_max_nnodes(args.nnodes)
     except (AssertionError, ValueError, RuntimeError) as exc:
         parser.error(f"invalid launch configuration: {exc}")
+    try:
+        timeouts = Timeouts.resolve(shutdown_s=config.shutdown_timeout)
+    except TimeoutSettingError as exc:
+        parser.error(str(exc))
     _register_backends()
     if config.rdzv_backend not in ("static",):
         for key, value in _DYNAMIC_RDZV_DEFAULTS.items():
@@ -217,13 +231,12 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
         virtual_local_rank=config.virtual_local_rank,
     )
     health = FileHealthCheck(args.health_file) if args.health_file else AlwaysHealthy()
-    agent_kwargs: dict[str, Any] = {}
-    if config.shutdown_timeout is not None:
-        agent_kwargs["shutdown_timeout"] = config.shutdown_timeout
     agent = ChameleonAgent(
         spec, config.logs_specs, rdzv_parameters=params, session=session, events=events,
-        status=status, health=health, profiler=profiler, start_method=config.start_method,
-        log_line_prefix_template=config.log_line_prefix_template, **agent_kwargs,
+        status=status, health=health, profiler=profiler, timeouts=timeouts,
+        recovery="relaunch" if session is None else session.spec.cluster.recovery,
+        start_method=config.start_method,
+        log_line_prefix_template=config.log_line_prefix_template,
     )
     shutdown_rdzv = True
     try:

@@ -17,7 +17,7 @@ import enum
 import signal
 from dataclasses import dataclass
 
-__all__ = ["FailureKind", "WorkerFailure", "classify_exit"]
+__all__ = ["FailureEvent", "FailureKind", "Trigger", "WorkerFailure", "classify_exit"]
 
 _POLITE_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT})
 _POLITE_NAMES = frozenset(s.name for s in _POLITE_SIGNALS)
@@ -67,3 +67,32 @@ def classify_exit(exitcode: int, device: int, local_rank: int) -> WorkerFailure:
     name = sig.name if sig is not None else None
     reason = f"worker stopped by {name}" if name else f"worker exited with code {exitcode}"
     return WorkerFailure(device, local_rank, exitcode, name, FailureKind.CRASH, reason)
+
+
+class Trigger(str, enum.Enum):
+    """Why the agents form a new plan generation."""
+
+    DEVICE_LOST = "device_lost"          # a worker died by signal, or failed its health check
+    CRASH = "crash"                      # a worker raised: same plan, restart budget
+    PEER_LOST = "peer_lost"              # our workers lost a peer we do not run (another node)
+    MEMBERSHIP = "membership"            # another agent waits in the rendezvous
+    RENDEZVOUS_LOST = "rendezvous_lost"  # the rendezvous store's host is gone
+    REJOINED = "device_rejoined"         # a device passes its health check again
+
+
+@dataclass(frozen=True)
+class FailureEvent:
+    """One event, classified once: what happened, which local devices are lost or back, and
+    the plan generation it happened in. Times: ``detected_at`` (monotonic) and ``wall``."""
+
+    trigger: Trigger
+    generation: int
+    lost: frozenset[int] = frozenset()
+    joined: frozenset[int] = frozenset()
+    failures: tuple[WorkerFailure, ...] = ()
+    detected_at: float = 0.0
+    wall: float = 0.0
+
+    @property
+    def reason(self) -> str:
+        return self.trigger.value

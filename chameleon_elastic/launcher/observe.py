@@ -12,6 +12,7 @@ tests, ``2> file``) a plain line is written each time the status changes, never 
 
 from __future__ import annotations
 
+import enum
 import json
 import sys
 import threading
@@ -19,7 +20,22 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
-__all__ = ["EventLog", "StatusLine"]
+__all__ = ["Event", "EventLog", "StatusLine"]
+
+
+class Event(str, enum.Enum):
+    """Event log record names (docs/launcher.md lists their fields)."""
+
+    AGENT_STARTED = "agent_started"
+    RENDEZVOUS = "rendezvous"
+    RENDEZVOUS_FAILOVER = "rendezvous_failover"
+    FAILURE_SEEN = "failure_seen"
+    PLAN_CHOSEN = "plan_chosen"
+    PLANNING_FAILED = "planning_failed"
+    WORKERS_STARTED = "workers_started"
+    RECOVERED = "recovered"
+    MEMBERSHIP_CHANGE = "membership_change"
+    JOB_FINISHED = "job_finished"
 
 
 class EventLog:
@@ -34,8 +50,8 @@ class EventLog:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._fh = open(self.path, "a", buffering=1)  # noqa: SIM115 - closed in close()
 
-    def emit(self, event: str, **fields: Any) -> dict[str, Any]:
-        record = {"ts": round(time.time(), 6), "event": event, **fields}
+    def emit(self, event: Event, **fields: Any) -> dict[str, Any]:
+        record = {"ts": round(time.time(), 6), "event": Event(event).value, **fields}
         line = json.dumps(record, default=str, sort_keys=False)
         with self._lock:
             self.records.append(record)
@@ -97,7 +113,60 @@ class StatusLine:
             self.stream.write(f"[{text}]\n")
             self.stream.flush()
 
+    def say(self, text: str) -> None:
+        """One line for people (a recovery, a fatal error), kept apart from the status line."""
+        if self._live is not None:
+            self._live.console.print(text, markup=False, highlight=False)
+        else:
+            self.stream.write(text + "\n")
+            self.stream.flush()
+
     def close(self) -> None:
         if self._live is not None:
             self._live.stop()
             self._live = None
+
+
+def layout(plan: Any) -> str:
+    """``2 pipelines [0 1 | 2]``: devices in stage order, pipelines apart."""
+    pipes = " | ".join(" ".join(str(d) for d in p.devices) for p in plan.pipelines)
+    n = len(plan.pipelines)
+    return f"{n} pipeline{'s' if n != 1 else ''} [{pipes}]"
+
+
+def _megabytes(n: float) -> str:
+    return f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n / 1e3:.0f} kB"
+
+
+def recovery_line(what: str, plan: Any, *, inplace: bool, started: int, moved_layers: int,
+                  moved_bytes: float, source: str, resumed_step: int | None, redone: int,
+                  seconds: float | None) -> str:
+    """The one plain line a person reads per recovery, e.g. ``device 3 lost (SIGKILL) at step
+    8; re-planned to 2 pipelines [0 1 | 2]; moved 3 layers (1.2 MB) from peers; resumed at step
+    8 in 0.41 s``."""
+    parts = [what if resumed_step is None else f"{what} at step {resumed_step + redone}"]
+    if plan.policy == "reroute":
+        peers = sorted({s.device for r in plan.reroute for s in r.peers})
+        parts.append("rerouted to data-parallel peers " + ", ".join(map(str, peers)))
+    else:
+        parts.append(f"re-planned to {layout(plan)}")
+    if not inplace:
+        parts.append(f"relaunched {started} worker{'s' if started != 1 else ''}")
+    elif started:
+        parts.append(f"started {started} worker{'s' if started != 1 else ''} for returning "
+                     "devices")
+    if source == "peers":
+        parts.append(f"moved {moved_layers} layer{'s' if moved_layers != 1 else ''} "
+                     f"({_megabytes(moved_bytes)}) from peers")
+    elif source == "checkpoint" and resumed_step is not None:
+        parts.append(f"restored from the checkpoint of step {resumed_step}")
+    elif source == "init" and redone:
+        parts.append("no state survived and there is no checkpoint: training starts over")
+    if redone and resumed_step is not None:
+        last = resumed_step + redone - 1
+        span = f"step {resumed_step}" if redone == 1 else f"steps {resumed_step}-{last}"
+        parts.append(f"{span} will be trained again")
+    if resumed_step is not None:
+        tail = f"resumed at step {resumed_step}"
+        parts.append(tail if seconds is None else f"{tail} in {seconds:.2f} s")
+    return "; ".join(parts)

@@ -43,17 +43,19 @@ def device_id(node: int, local_rank: int, nproc_per_node: int) -> int:
     return node * nproc_per_node + local_rank
 
 
-def local_assignments(plan: ExecutionPlan, node: int,
-                      nproc_per_node: int) -> tuple[LocalAssignment, ...]:
-    """Workers of ``node`` under ``plan``, in local-rank order (spare / dead slots skipped)."""
+def local_assignments(plan: ExecutionPlan, node: int, nproc_per_node: int,
+                      world: tuple[int, ...] | None = None) -> tuple[LocalAssignment, ...]:
+    """Working devices of ``node`` under ``plan``, in local-rank order (spare / dead slots
+    skipped), ranked by their place in ``world`` (default: the working devices, sorted; an
+    in-place generation appends the spares that keep a live worker)."""
     roles = {r.device: r for r in plan.roles()}
-    working = sorted(roles)
-    rank_of = {d: i for i, d in enumerate(working)}
+    world = tuple(sorted(roles)) if world is None else world
+    rank_of = {d: i for i, d in enumerate(world)}
     out = []
     for local_rank in range(nproc_per_node):
         d = device_id(node, local_rank, nproc_per_node)
         if d in roles:
-            out.append(LocalAssignment(local_rank, d, rank_of[d], len(working), roles[d]))
+            out.append(LocalAssignment(local_rank, d, rank_of[d], len(world), roles[d]))
     return tuple(out)
 
 

@@ -12,7 +12,8 @@ Who writes what:
   memory and the median step time, plus per-layer forward / backward seconds derived from the
   step times and the plan in force (1F1B: t_step = (N_pp + N_m - 1) (T_f + T_b), with the job
   file's forward:backward ratio). ``--profile FILE`` feeds such a file back: its per-layer times
-  replace the job file's guesses before the first plan is made.
+  replace the job file's guesses before the first plan is made, and the measured cost of an
+  in-place recovery (median regroup time, transfers excluded) replaces ``cluster.regroup_s``.
 """
 
 from __future__ import annotations
@@ -95,6 +96,9 @@ def apply_profile(spec: JobSpec, profile: Mapping[str, Any]) -> JobSpec:
         value = measured.get(key)
         if value is not None:
             data["model"][key] = value
+    regroup = profile.get("cluster", {}).get("regroup_s")
+    if regroup is not None:
+        data["cluster"]["regroup_s"] = regroup
     data["name"] = spec.name
     return JobSpec.from_dict(data, name=spec.name)
 
@@ -109,14 +113,18 @@ class Profiler:
         self._pids: dict[int, int] = {}          # device -> pid
         self._rss_peak: dict[int, int] = {}
         self._device_peak: dict[int, int] = {}
+        self._regroups: list[float] = []
         self._last_sample = 0.0
 
     def worker_env(self) -> dict[str, str]:
         return {PROFILE_DIR_VAR: str(self.directory)}
 
-    def track(self, pids_by_local_rank: Mapping[int, int], devices: list[int]) -> None:
-        ranks = sorted(pids_by_local_rank)
-        self._pids = {devices[i]: pids_by_local_rank[r] for i, r in enumerate(ranks)}
+    def track(self, pids_by_device: Mapping[int, int]) -> None:
+        self._pids = dict(pids_by_device)
+
+    def note_regroup(self, seconds: float) -> None:
+        """One in-place recovery's fixed cost (regroup, agree, rebuild; transfers excluded)."""
+        self._regroups.append(seconds)
 
     def sample(self, force: bool = False) -> None:
         now = time.monotonic()
@@ -184,6 +192,8 @@ class Profiler:
                 for d in devices
             },
             "model": {},
+            "cluster": {} if not self._regroups else {
+                "regroup_s": statistics.median(self._regroups)},
         }
         if spec is not None and plan is not None:
             times = per_layer_times(spec, plan, steps)

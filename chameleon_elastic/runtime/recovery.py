@@ -129,6 +129,9 @@ class WorkerLink:
     def checkpointed(self, step: int) -> None:
         channel.write(self.store, channel.CHECKPOINT, step)
 
+    def trouble(self, generation: int) -> None:
+        channel.write(self.store, channel.TROUBLE, generation)
+
 
 def join_generation(gen: Generation, device: int, backend: str, timeouts: Timeouts) -> None:
     """Make ``gen``'s world the default process group, on a store prefix of its own, and make
@@ -185,6 +188,7 @@ class Recovery:
         noticed_at = time.time()
         log.info("device %d: recovering (%s)", self.link.device, str(cause).splitlines()[0])
         self.abort()
+        self.link.trouble(self.trainer.plan.generation)
         after = self.trainer.plan.generation
         while True:
             gen = self.link.wait_newer(after)
@@ -206,7 +210,7 @@ class Recovery:
     def started(self, entry: Entry, regroup_s: float, noticed_at: float | None) -> None:
         """Remember how this generation was entered; reported after its first step commits."""
         self._pending = Resumed(
-            device=self.link.device, generation=self.trainer.plan.generation,
+            device=self.link.device, pid=os.getpid(), generation=self.trainer.plan.generation,
             resumed_step=entry.resume, source=entry.source, regroup_s=regroup_s,
             transfer_s=entry.transfer_s, first_step_s=0.0, moved_layers=entry.moved_layers,
             moved_bytes=entry.moved_bytes, rolled_forward=entry.rolled_forward,

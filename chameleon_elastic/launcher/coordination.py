@@ -1,0 +1,140 @@
+"""How the agents agree on the next plan: report, decide and publish, adopt.
+
+Protocol, once per rendezvous round (and once per recovery on a single node, where the round is
+reused). Keys live in the round's store under a scope that no other round shares (dynamic
+rendezvous stores are fresh per round; a reused round gets a per-attempt prefix), so an agent
+can never read a decision of an earlier round. They are not scoped by plan generation because an
+agent that joins late still holds generation 0: the round is the one id all agents share.
+
+1. report  - every agent writes one :class:`NodeReport` under ``node/<group rank>``: its node id,
+             the local devices it lost, the ones with a live worker, whether all those workers
+             run on the runtime (so they can recover in place), and what its workers said about
+             the last reported step and the last checkpoint.
+2. decide  - the group-rank-0 agent reads every report (``collect``), works out which devices
+             are lost or back (``losses``), asks the planner (the session), and publishes one
+             :class:`Decision` under ``decision``: the plan, the world in rank order, in place or
+             relaunch, or an error sentence when nothing can run.
+3. adopt   - every other agent reads the decision and takes its plan.
+
+Reads block up to the store timeout, so an agent that dies mid-round makes the others fail with
+a store error (the caller's failover), never hang. Everything but the store calls is a pure
+function of its arguments, tested on a ``HashStore``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Collection, Sequence
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from typing import Any
+
+from chameleon_elastic.plan import ExecutionPlan
+
+from .plan_env import device_id
+
+__all__ = ["Decision", "NodeReport", "adopt", "collect", "decide", "losses", "publish",
+           "report", "world_of"]
+
+
+@dataclass(frozen=True)
+class NodeReport:
+    node: int
+    lost: tuple[int, ...]
+    live: tuple[int, ...]
+    ready: bool
+    reported: int | None = None
+    checkpoint: int | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> NodeReport:
+        return cls(int(d["node"]), tuple(d["lost"]), tuple(d["live"]), bool(d["ready"]),
+                   d.get("reported"), d.get("checkpoint"))
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What every agent does next. ``world``: devices in rank order (working devices sorted,
+    then, in place, spares that keep a live worker)."""
+
+    plan: ExecutionPlan | None
+    excluded: tuple[int, ...]
+    world: tuple[int, ...]
+    inplace: bool
+    reported: int | None = None
+    error: str | None = None
+
+    def to_json(self) -> str:
+        d = asdict(self)
+        d["plan"] = None if self.plan is None else self.plan.to_dict()
+        return json.dumps(d)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Decision:
+        d = json.loads(text)
+        plan = None if d["plan"] is None else ExecutionPlan.from_dict(d["plan"])
+        return cls(plan, tuple(d["excluded"]), tuple(d["world"]), bool(d["inplace"]),
+                   d.get("reported"), d.get("error"))
+
+
+def report(store: Any, scope: str, group_rank: int, mine: NodeReport) -> None:
+    store.set(f"{scope}node/{group_rank}", json.dumps(asdict(mine)))
+
+
+def collect(store: Any, scope: str, group_world: int) -> list[NodeReport]:
+    return [NodeReport.from_dict(json.loads(v)) for v in
+            store.multi_get([f"{scope}node/{r}" for r in range(group_world)])]
+
+
+def losses(reports: Sequence[NodeReport], excluded: Collection[int], devices: int,
+           nproc: int) -> tuple[set[int], set[int]]:
+    """(lost, joined): devices reported lost or on a node that did not report, and excluded
+    devices on a reporting node that no longer reports them lost."""
+    present = {r.node for r in reports}
+    reported = {d for r in reports for d in r.lost}
+    on_present = {device_id(node, lr, nproc) for node in present for lr in range(nproc)}
+    everything = set(range(devices))
+    lost = (reported | (everything - on_present)) & everything
+    joined = (set(excluded) & on_present) - reported
+    return lost, joined
+
+
+def world_of(plan: ExecutionPlan, live: Collection[int], inplace: bool) -> tuple[int, ...]:
+    """Working devices (sorted), then spares that keep a live worker when recovering in place
+    (a relaunch starts workers for working devices only)."""
+    spares = sorted(set(plan.spare_devices) & set(live)) if inplace else []
+    return tuple(plan.working_devices) + tuple(spares)
+
+
+def decide(plan: ExecutionPlan, excluded: Collection[int], reports: Sequence[NodeReport],
+           changed: bool, inplace_wanted: bool) -> Decision:
+    """The decision for a plan the session has chosen. In place only when wanted, the plan
+    changed (a new generation to publish) and every node's live workers run on the runtime.
+    In place, a plan that sources layers from a checkpoint when no worker has one is an error
+    (a relaunch restarts every worker from the checkpoint or from step 0, and says so)."""
+    inplace = inplace_wanted and changed and all(r.ready for r in reports)
+    live = {d for r in reports for d in r.live}
+    reported = max((r.reported for r in reports if r.reported is not None), default=None)
+    runtime = bool(live) and all(r.ready for r in reports)
+    lost_layers = plan.checkpoint_layers
+    checkpoints = [r.checkpoint for r in reports if r.checkpoint is not None]
+    error = None
+    if lost_layers and inplace and runtime and not checkpoints:
+        lo, hi = lost_layers[0], lost_layers[-1]
+        span = f"layer {lo} was" if lo == hi else f"layers {lo}-{hi} were"
+        error = (f"{span} lost with every device that held them (devices "
+                 f"{sorted(excluded)} are gone) and the job has no checkpoint to restore them "
+                 "from; training cannot go on. Give the script a checkpoint directory (for "
+                 "examples/train_gpt.py: --checkpoint-dir) to survive such a loss.")
+    return Decision(plan, tuple(sorted(excluded)), world_of(plan, live, inplace), inplace,
+                    reported, error)
+
+
+def publish(store: Any, scope: str, decision: Decision) -> None:
+    store.set(f"{scope}decision", decision.to_json())
+
+
+def adopt(store: Any, scope: str, timeout_s: float | None = None) -> Decision:
+    if timeout_s is not None:
+        store.wait([f"{scope}decision"], timedelta(seconds=timeout_s))
+    return Decision.from_json(store.get(f"{scope}decision"))

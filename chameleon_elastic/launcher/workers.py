@@ -1,0 +1,104 @@
+"""The worker processes an agent runs, by device, across launches.
+
+torch's process context stops every worker as soon as one fails (``PContext.wait`` closes the
+whole group): right for a relaunch, wrong for in-place recovery, where the survivors must keep
+running while the dead one is replaced. So the agent starts workers with torch's
+``start_processes`` (log redirection, tee, error files and the exec guard all unchanged), one
+context per launch, and polls each process itself: a dead worker is only *forgotten*, the others
+run on, and a later launch can add workers for devices that have none.
+"""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass
+from typing import Any
+
+from torch.distributed.elastic.multiprocessing.api import PContext
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+__all__ = ["Exit", "WorkerProcesses"]
+
+
+@dataclass(frozen=True)
+class Exit:
+    device: int
+    local_rank: int
+    exitcode: int
+    failure: ProcessFailure | None  # torch's record (error file) for a non-zero exit
+    worker: Any                     # torch's Worker: its ranks when it ended
+
+
+@dataclass
+class _Live:
+    context: PContext
+    local_rank: int
+    worker: Any  # torch's Worker (ranks as started)
+
+
+class WorkerProcesses:
+    def __init__(self) -> None:
+        self._contexts: list[PContext] = []
+        self._live: dict[int, _Live] = {}
+        self.succeeded: set[int] = set()   # devices whose worker exited 0
+
+    def add(self, context: PContext, started: dict[int, tuple[int, Any]]) -> None:
+        """``started``: local rank in ``context`` -> (device, torch Worker)."""
+        self._contexts.append(context)
+        for local_rank, (device, worker) in started.items():
+            self._live[device] = _Live(context, local_rank, worker)
+
+    @property
+    def devices(self) -> set[int]:
+        return set(self._live)
+
+    def pid(self, device: int) -> int:
+        live = self._live[device]
+        return live.context.pids()[live.local_rank]
+
+    def pids(self) -> dict[int, int]:
+        return {d: self.pid(d) for d in self._live}
+
+    def workers(self) -> list[Any]:
+        return [live.worker for _, live in sorted(self._live.items())]
+
+    def set_worker(self, device: int, worker: Any) -> None:
+        self._live[device].worker = worker
+
+    def poll(self) -> list[Exit]:
+        """Workers that ended since the last poll (now forgotten), in device order."""
+        ended = []
+        for device, live in sorted(self._live.items()):
+            handler = live.context.subprocess_handlers[live.local_rank]  # type: ignore[attr-defined]
+            code = handler.proc.poll()
+            if code is None:
+                continue
+            failure = None
+            if code != 0:
+                failure = ProcessFailure(local_rank=live.local_rank, pid=handler.proc.pid,
+                                         exitcode=code,
+                                         error_file=live.context.error_files[live.local_rank])
+            else:
+                self.succeeded.add(device)
+            ended.append(Exit(device, live.local_rank, code, failure, live.worker))
+        for e in ended:
+            del self._live[e.device]
+        return ended
+
+    def kill(self, devices: set[int]) -> None:
+        """SIGKILL and forget the workers of ``devices`` (devices that failed a health check:
+        lost already, so their exits are not news)."""
+        for device in sorted(devices & self.devices):
+            live = self._live.pop(device)
+            handler = live.context.subprocess_handlers[live.local_rank]  # type: ignore[attr-defined]
+            if handler.proc.poll() is None:
+                handler.close(death_sig=signal.SIGKILL)
+            handler.proc.wait()
+
+    def close(self, death_sig: signal.Signals = signal.SIGTERM, timeout: float = 30) -> None:
+        """Stop every worker (torch's SIGTERM, then SIGKILL after ``timeout``)."""
+        for context in self._contexts:
+            context.close(death_sig, int(timeout))
+        self._contexts.clear()
+        self._live.clear()
+        self.succeeded.clear()
