@@ -10,6 +10,9 @@ stage order with the half-open layer range ``[start, end)`` each stage holds. Un
 ``reroute`` policy the layout is unchanged, the dead devices stay in their pipelines and are
 listed in ``failed_devices``, and each dead device's micro-batches are served by the live
 devices that hold exactly the same layers in other pipelines (its data-parallel peers).
+
+A transfer's source is a live device, or ``CHECKPOINT`` for layers that no live device holds
+any more (every replica died): the receiver loads those from the last checkpoint.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 __all__ = [
+    "CHECKPOINT",
     "POLICIES",
     "AllReduceGroup",
     "DeviceRole",
@@ -35,6 +39,8 @@ __all__ = [
 
 Policy = Literal["initial", "reroute", "replan"]
 POLICIES: tuple[str, ...] = ("initial", "reroute", "replan")
+#: The source of a transfer whose layers no live device holds: the last checkpoint.
+CHECKPOINT = "checkpoint"
 
 
 class PlanError(ValueError):
@@ -113,20 +119,32 @@ class Reroute:
 
 @dataclass(frozen=True)
 class Transfer:
-    """``dst`` receives ``layers`` (weights + optimizer state, ``bytes`` in all) from ``src``."""
+    """``dst`` receives ``layers`` (weights + optimizer state, ``bytes`` in all) from ``src``:
+    a live device, or ``CHECKPOINT`` when no live device holds them."""
 
-    src: int
+    src: int | str
     dst: int
     layers: tuple[int, ...]
     bytes: float
+
+    def __post_init__(self) -> None:
+        if isinstance(self.src, str) and self.src != CHECKPOINT:
+            raise PlanError(
+                f"transfer source {self.src!r} is invalid; expected a device id or {CHECKPOINT!r}"
+            )
+
+    @property
+    def from_checkpoint(self) -> bool:
+        return self.src == CHECKPOINT
 
     def to_dict(self) -> dict[str, Any]:
         return {"src": self.src, "dst": self.dst, "layers": list(self.layers), "bytes": self.bytes}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Transfer:
-        return cls(int(d["src"]), int(d["dst"]), tuple(int(x) for x in d["layers"]),
-                   float(d["bytes"]))
+        src = d["src"]
+        return cls(src if isinstance(src, str) else int(src), int(d["dst"]),
+                   tuple(int(x) for x in d["layers"]), float(d["bytes"]))
 
 
 @dataclass(frozen=True)
@@ -219,6 +237,12 @@ class ExecutionPlan:
     def working_devices(self) -> tuple[int, ...]:
         dead = set(self.failed_devices)
         return tuple(sorted(d for p in self.pipelines for d in p.devices if d not in dead))
+
+    @property
+    def checkpoint_layers(self) -> tuple[int, ...]:
+        """Layers the transfers take from the checkpoint (sorted): non-empty exactly when some
+        layer lost every replica, so peers alone cannot restore the state."""
+        return tuple(sorted({x for t in self.transfers if t.from_checkpoint for x in t.layers}))
 
     def micro_batch_offset(self, pipeline: int) -> int:
         """First global micro-batch index of ``pipeline``: quotas are laid end to end in

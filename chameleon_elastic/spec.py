@@ -11,10 +11,10 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, cast
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -22,10 +22,12 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 __all__ = [
+    "RECOVERY_MODES",
     "ClusterSpec",
     "JobSpec",
     "ModelProfile",
     "PlannerSpec",
+    "Recovery",
     "SpecError",
     "TrainingSpec",
     "load_job",
@@ -38,6 +40,11 @@ class SpecError(ValueError):
 
 
 PER_LAYER_KEYS = ("forward_s", "backward_s", "param_bytes", "optimizer_bytes", "activation_bytes")
+
+#: How the processes move to a re-planned layout: ``inplace`` (the live processes regroup and
+#: receive state from peers) or ``relaunch`` (every process restarts).
+Recovery = Literal["inplace", "relaunch"]
+RECOVERY_MODES: tuple[str, ...] = ("inplace", "relaunch")
 
 
 @dataclass(frozen=True)
@@ -62,11 +69,25 @@ class ModelProfile:
 
 @dataclass(frozen=True)
 class ClusterSpec:
+    """The devices, their links, and what a transition costs. ``restart_s`` is a real process
+    restart with communicator set-up; ``regroup_s`` is tearing down and rebuilding the process
+    groups inside the live processes after a re-plan (measure it with
+    ``chameleon-run --profile-out``)."""
+
     devices: int
     device_memory_bytes: float
     bandwidth_bytes_per_s: float
     restart_s: float
     failure_rate_per_hour: float
+    recovery: Recovery = "inplace"
+    regroup_s: float = 1.0
+
+    @property
+    def switch_s(self) -> float:
+        """The fixed part of switching to a re-planned layout, decided here and nowhere else:
+        in place the live processes only rebuild their process groups (``regroup_s``);
+        relaunched, every process restarts (``restart_s``)."""
+        return self.regroup_s if self.recovery == "inplace" else self.restart_s
 
     def expected_run_s(self, live_devices: int) -> float:
         """Expected time to the next failure: 1 / (live devices x per-device rate)."""
@@ -131,6 +152,15 @@ class JobSpec:
             )
         text = resources.files("chameleon_elastic.presets").joinpath(f"{name}.toml").read_text()
         return _parse(tomllib.loads(text), name)
+
+    def with_recovery(self, recovery: str | None) -> JobSpec:
+        """This spec with ``cluster.recovery`` replaced (the CLIs' ``--recovery``); itself when
+        ``recovery`` is None."""
+        if recovery is None:
+            return self
+        mode = _choice({"recovery": recovery}, "cluster", "recovery", RECOVERY_MODES,
+                       default="inplace")
+        return replace(self, cluster=replace(self.cluster, recovery=cast(Recovery, mode)))
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data; per-layer figures stay lists so the result reloads with from_dict."""
@@ -214,6 +244,16 @@ def _boolean(section: Mapping[str, Any], name: str, key: str, *, default: bool) 
     return value
 
 
+def _choice(section: Mapping[str, Any], name: str, key: str, allowed: tuple[str, ...], *,
+            default: str) -> str:
+    value = section.get(key, default)
+    if value not in allowed:
+        raise SpecError(
+            f"{name}.{key} = {value!r} is invalid; expected one of: {', '.join(allowed)}."
+        )
+    return value
+
+
 def _per_layer(section: Mapping[str, Any], key: str, layers: int, *,
                strict: bool) -> tuple[float, ...]:
     if key not in section:
@@ -260,7 +300,7 @@ def _parse(data: Mapping[str, Any], name: str) -> JobSpec:
 
     c = _section(data, "cluster")
     keys = ("devices", "device_memory_bytes", "bandwidth_bytes_per_s", "restart_s",
-            "failure_rate_per_hour")
+            "failure_rate_per_hour", "recovery", "regroup_s")
     _reject_unknown(c, "cluster", keys)
     cluster = ClusterSpec(
         devices=_integer(c, "cluster", "devices"),
@@ -268,6 +308,9 @@ def _parse(data: Mapping[str, Any], name: str) -> JobSpec:
         bandwidth_bytes_per_s=_number(c, "cluster", "bandwidth_bytes_per_s", strict=True),
         restart_s=_number(c, "cluster", "restart_s"),
         failure_rate_per_hour=_number(c, "cluster", "failure_rate_per_hour"),
+        recovery=cast(Recovery, _choice(c, "cluster", "recovery", RECOVERY_MODES,
+                                        default="inplace")),
+        regroup_s=_number(c, "cluster", "regroup_s", default=1.0),
     )
 
     t = _section(data, "training")

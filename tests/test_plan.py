@@ -3,6 +3,7 @@
 import pytest
 
 from chameleon_elastic.plan import (
+    CHECKPOINT,
     AllReduceGroup,
     Estimate,
     ExecutionPlan,
@@ -83,3 +84,26 @@ def test_validation_rejects_broken_plans(mutate, words):
 def test_bad_json_is_a_plan_error():
     with pytest.raises(PlanError, match="not valid JSON"):
         ExecutionPlan.from_json("{")
+
+
+def test_checkpoint_transfers_round_trip_through_json():
+    lost = (Transfer(CHECKPOINT, 6, (3, 4, 5), 30.0), Transfer("checkpoint", 0, (4,), 10.0))
+    plan = ExecutionPlan("replan", 3, rerouted_plan().pipelines[:1], spare_devices=(6,),
+                         transfers=(Transfer(1, 6, (0, 1), 10.0), *lost)).validate()
+    data = plan.to_dict()
+    assert [t["src"] for t in data["transfers"]] == [1, "checkpoint", "checkpoint"]
+    back = ExecutionPlan.from_json(plan.to_json())
+    assert back == plan
+    assert [t.from_checkpoint for t in back.transfers] == [False, True, True]
+    assert back.checkpoint_layers == (3, 4, 5)
+    assert rerouted_plan().checkpoint_layers == ()
+
+
+@pytest.mark.parametrize("src", ["ckpt", "3", None, [1]])
+def test_a_transfer_source_is_a_device_or_the_checkpoint(src):
+    data = rerouted_plan().to_dict()
+    data["transfers"][0]["src"] = src
+    with pytest.raises(PlanError):
+        ExecutionPlan.from_dict(data)
+    with pytest.raises(PlanError, match="expected a device id or 'checkpoint'"):
+        Transfer("disk", 0, (1,), 1.0)

@@ -67,6 +67,16 @@ def test_scalar_and_list_per_layer_figures(tmp_path):
          ["cluster.device_memory_bytes", "'big'", "finite number"]),
         (("global_micro_batches = 64", "global_micro_batches = 64\n[planner]\ntemplates = 1"),
          ["planner.templates", "1", "true or false"]),
+        (("restart_s = 5.0", "restart_s = 5.0\nrecovery = 'restart'"),
+         ["cluster.recovery", "'restart'", "inplace, relaunch"]),
+        (("restart_s = 5.0", "restart_s = 5.0\nrecovery = 1"),
+         ["cluster.recovery", "1", "inplace, relaunch"]),
+        (("restart_s = 5.0", "restart_s = 5.0\nregroup_s = -0.5"),
+         ["cluster.regroup_s", "-0.5", "finite number >= 0"]),
+        (("restart_s = 5.0", "restart_s = 5.0\nregroup_s = 'fast'"),
+         ["cluster.regroup_s", "'fast'", "finite number >= 0"]),
+        (("restart_s = 5.0", "restart_s = 5.0\nregroup_s = inf"),
+         ["cluster.regroup_s", "inf", "finite number >= 0"]),
     ],
 )
 def test_bad_values_name_key_value_and_expectation(tmp_path, change, words):
@@ -111,3 +121,27 @@ def test_load_job_needs_exactly_one_source(tmp_path):
 def test_expected_run_time_is_inverse_of_total_failure_rate():
     spec = JobSpec.preset("llama2-7b-910b")
     assert spec.cluster.expected_run_s(8) == pytest.approx(3600 / (8 * 0.1))
+
+
+def test_recovery_keys_default_to_inplace_and_decide_the_switch_cost(tmp_path):
+    spec = JobSpec.from_toml(write(tmp_path, GOOD))
+    assert (spec.cluster.recovery, spec.cluster.regroup_s) == ("inplace", 1.0)
+    assert spec.cluster.switch_s == 1.0
+    text = GOOD.replace("restart_s = 5.0", "restart_s = 5.0\nrecovery = 'relaunch'\nregroup_s = 0")
+    relaunch = JobSpec.from_toml(write(tmp_path, text))
+    assert (relaunch.cluster.recovery, relaunch.cluster.regroup_s) == ("relaunch", 0.0)
+    assert relaunch.cluster.switch_s == 5.0  # a relaunch restarts the processes
+    assert relaunch.with_recovery("inplace").cluster.switch_s == 0.0
+    assert relaunch.with_recovery(None) is relaunch
+    assert JobSpec.from_dict(relaunch.to_dict()) == relaunch
+    with pytest.raises(SpecError, match="cluster.recovery = 'both' is invalid"):
+        spec.with_recovery("both")
+
+
+def test_presets_state_how_they_recover():
+    # The paper's system relaunches its processes; the tiny CPU job regroups in place.
+    for name in ("llama2-7b-910b", "llama2-7b-910b-32"):
+        cluster = JobSpec.preset(name).cluster
+        assert cluster.recovery == "relaunch" and cluster.switch_s == cluster.restart_s
+    tiny = JobSpec.preset("tiny-cpu").cluster
+    assert tiny.recovery == "inplace" and tiny.switch_s == tiny.regroup_s == 0.3

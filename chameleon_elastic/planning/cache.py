@@ -5,7 +5,9 @@ cache works *up to symmetry*: two failure sets that differ by swapping interchan
 pipelines (same layer split, same quota, same already-dead stages) or spares lead to the same
 plan with device ids relabelled. So we compute one representative per class and, at lookup,
 map the representative's plan onto the real devices. On a dp x pp layout that turns
-C(dp*pp, k) failure sets into a handful of classes (pp for one failure).
+C(dp*pp, k) failure sets into a handful of classes (pp for one failure). A re-plan that loads
+layers from the checkpoint (a stage lost every replica) is cached like any other; its
+``CHECKPOINT`` sources are not devices, so relabelling leaves them alone.
 
 Thread model: ``warm_in_background`` fills the cache from a daemon thread while training runs;
 ``decide`` never waits for it (on a miss, ``planning.decide`` builds the re-plan itself).
@@ -164,7 +166,8 @@ def transfer_index(plan: ExecutionPlan) -> dict[int, list[int]]:
     """Device -> positions in ``plan.transfers`` of the transfers it sends or receives."""
     index: dict[int, list[int]] = {}
     for i, t in enumerate(plan.transfers):
-        index.setdefault(t.src, []).append(i)
+        if not t.from_checkpoint:
+            index.setdefault(int(t.src), []).append(i)
         if t.dst != t.src:
             index.setdefault(t.dst, []).append(i)
     return index
@@ -180,7 +183,8 @@ def _relabel_transfers(transfers: tuple[Transfer, ...], mapping: dict[int, int],
     out = list(transfers)
     for i in hit:
         t = out[i]
-        out[i] = Transfer(mapping.get(t.src, t.src), mapping.get(t.dst, t.dst), t.layers, t.bytes)
+        src = t.src if t.from_checkpoint else mapping.get(int(t.src), t.src)
+        out[i] = Transfer(src, mapping.get(t.dst, t.dst), t.layers, t.bytes)
     return tuple(out)
 
 

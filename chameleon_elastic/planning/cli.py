@@ -8,10 +8,14 @@ import json
 import random
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from ..plan import ExecutionPlan
-from ..spec import JobSpec, SpecError, load_job, preset_names
-from .search import Decision, PlanningError, decide, initial_plan
+from ..spec import RECOVERY_MODES, JobSpec, SpecError, load_job, preset_names
+from .search import Decision, PlanningError, compact_ids, decide, initial_plan
+
+if TYPE_CHECKING:
+    from rich.table import Table
 
 __all__ = ["main", "parse_ids"]
 
@@ -22,8 +26,12 @@ examples:
   chameleon-plan --job job.toml --fail 3 --fail 5-6 --json    two failures, one after the other
   chameleon-plan --preset llama2-7b-910b-32 --fail-count 4 --seed 1 --policy replan
 
-Exit status: 0 on success, 2 for a bad request (unknown preset, bad job file, a device that is
-not live, rerouting when a stage lost every replica, a model that fits nowhere)."""
+When a stage loses every replica, the re-plan loads those layers from the checkpoint: the
+transfers table shows "checkpoint" as their source, and the failure's summary names them.
+
+Exit status: 0 on success (a re-plan from the checkpoint included), 2 for a bad request
+(unknown preset, bad job file, a device that is not live, --policy reroute when a stage lost
+every replica, a model that fits nowhere)."""
 
 
 def parse_ids(text: str) -> list[int]:
@@ -67,6 +75,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed for --fail-count (default 0)")
     p.add_argument("--policy", choices=("auto", "reroute", "replan"), default="auto",
                    help="auto (default) picks the higher score; reroute/replan force one")
+    p.add_argument("--recovery", choices=RECOVERY_MODES, default=None,
+                   help="how processes switch to a re-plan, overriding the job's "
+                        "cluster.recovery: inplace (regroup, cluster.regroup_s) or relaunch "
+                        "(restart, cluster.restart_s)")
     p.add_argument("--json", action="store_true",
                    help="print the final plan as JSON, with a 'decisions' list, instead of tables")
     return p
@@ -96,12 +108,13 @@ def _decision_record(failed: list[int], d: Decision) -> dict:
         "scores": {k: p.estimate.score for k, p in d.candidates.items()},
         "step_time_s": {k: p.estimate.step_time_s for k, p in d.candidates.items()},
         "transition_time_s": {k: p.estimate.transition_time_s for k, p in d.candidates.items()},
+        "checkpoint_layers": list(d.chosen.checkpoint_layers),
         "rejected": d.rejected,
     }
 
 
 def run(args: argparse.Namespace) -> tuple[ExecutionPlan, JobSpec, list[dict]]:
-    spec = load_job(args.job, args.preset)
+    spec = load_job(args.job, args.preset).with_recovery(args.recovery)
     plan = initial_plan(spec)
     records = []
     for failed in _events(args, spec):
@@ -115,6 +128,26 @@ def _gb(x: float) -> str:
     return f"{x / 1e9:.2f} GB"
 
 
+#: Transfers listed in the table; the rest are counted (``--json`` has them all).
+MAX_TRANSFER_ROWS = 20
+
+
+def _transfer_table(plan: ExecutionPlan) -> Table:
+    """Who sends which layers to whom; ``checkpoint`` where no live device held them."""
+    from rich.table import Table
+
+    total = sum(t.bytes for t in plan.transfers)
+    table = Table(title=f"transfers: {len(plan.transfers)} links, {_gb(total)} in all")
+    for col in ("source", "receiver", "layers", "size"):
+        table.add_column(col)
+    for t in plan.transfers[:MAX_TRANSFER_ROWS]:
+        table.add_row(str(t.src), str(t.dst), compact_ids(t.layers), _gb(t.bytes))
+    hidden = len(plan.transfers) - MAX_TRANSFER_ROWS
+    if hidden > 0:
+        table.caption = f"{hidden} more (--json lists them all)"
+    return table
+
+
 def _render(plan: ExecutionPlan, spec: JobSpec, records: list[dict]) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -124,7 +157,8 @@ def _render(plan: ExecutionPlan, spec: JobSpec, records: list[dict]) -> None:
     live = len(plan.live_devices)
     console.print(f"[bold]{spec.name}[/]: generation {plan.generation}, policy [bold]{plan.policy}"
                   f"[/], {live}/{spec.cluster.devices} devices live, "
-                  f"{plan.global_micro_batches} micro-batches per step")
+                  f"{plan.global_micro_batches} micro-batches per step, "
+                  f"recovery {spec.cluster.recovery}")
     table = Table(title="layout")
     for col in ("pipeline", "devices (stage order)", "layers per stage", "micro-batches"):
         table.add_column(col)
@@ -141,8 +175,7 @@ def _render(plan: ExecutionPlan, spec: JobSpec, records: list[dict]) -> None:
         console.print(f"rerouted: device {r.device} (pipeline {r.pipeline}, stage {r.stage}): "
                       f"{shares}")
     if plan.transfers:
-        total = sum(t.bytes for t in plan.transfers)
-        console.print(f"transfers: {len(plan.transfers)} links, {_gb(total)} in all")
+        console.print(_transfer_table(plan))
     console.print(f"gradient all-reduce: {len(plan.allreduce_rounds)} round(s), "
                   f"{sum(len(r) for r in plan.allreduce_rounds)} group(s)")
     peak = max(est.peak_memory_bytes.values())
@@ -159,6 +192,9 @@ def _render(plan: ExecutionPlan, spec: JobSpec, records: list[dict]) -> None:
             line += (f"; {rec['chosen']} step {rec['step_time_s'][rec['chosen']]:.4f} s + "
                      f"{rec['transition_time_s'][rec['chosen']]:.2f} s transition vs {k} step "
                      f"{rec['step_time_s'][k]:.4f} s + {rec['transition_time_s'][k]:.2f} s")
+        if rec["checkpoint_layers"]:
+            line += (f"; every replica of layers {compact_ids(rec['checkpoint_layers'])} was "
+                     "lost: they come from the checkpoint")
         for k, why in rec["rejected"].items():
             line += f"; {k} impossible: {why}"
         console.print(line)

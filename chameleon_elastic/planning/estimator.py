@@ -37,8 +37,13 @@ merged order for a peer that also serves a dead device's micro-batches
 (``schedule.streams_in_flight_peak``, memoised per pattern of served streams).
 
 Transition: initial and reroute cost nothing (no reconfiguration); a re-plan costs its weight
-transfer (the busiest device's bytes in or out over the bandwidth) plus the cluster's restart
-time. The plan search itself is ~0 because plans are cached ahead of failures.
+transfer (the busiest device's bytes in or out over the bandwidth) plus the fixed cost of
+switching, ``cluster.switch_s``: rebuilding the process groups in the live processes
+(``regroup_s``) under in-place recovery, a process restart (``restart_s``) under relaunch.
+Layers loaded from the checkpoint (every replica died) are priced like any transfer, at the
+receiver's link; the checkpoint store is not a device and has no send side to be busiest. That
+ignores the steps redone since the checkpoint, which the planner cannot know. The plan search
+itself is ~0 because plans are cached ahead of failures.
 
 Score (the paper's objective): ``throughput * t_run / (t_transition + t_run)`` with ``t_run``
 the expected time to the next failure of the live devices.
@@ -156,12 +161,14 @@ def ring_time(spec: JobSpec, layers: Iterable[int], n_devices: int) -> float:
 
 
 def transfer_time(spec: JobSpec, transfers: Iterable[Transfer]) -> float:
-    """Seconds to move weights: the busiest device's bytes received or sent, over the bandwidth."""
+    """Seconds to move weights: the busiest device's bytes received or sent, over the bandwidth.
+    A checkpoint source is not a device: only its receivers' links count."""
     received: dict[int, float] = {}
-    sent: dict[int, float] = {}
+    sent: dict[int | str, float] = {}
     for t in transfers:
         received[t.dst] = received.get(t.dst, 0.0) + t.bytes
-        sent[t.src] = sent.get(t.src, 0.0) + t.bytes
+        if not t.from_checkpoint:
+            sent[t.src] = sent.get(t.src, 0.0) + t.bytes
     busiest = max([*received.values(), *sent.values()], default=0.0)
     return busiest / spec.cluster.bandwidth_bytes_per_s
 
@@ -295,9 +302,10 @@ def fits_in_memory(spec: JobSpec, plan: ExecutionPlan) -> bool:
 
 
 def transition_time(spec: JobSpec, plan: ExecutionPlan) -> float:
-    """Seconds to switch to ``plan``: 0 for initial and reroute, transfer + restart for replan."""
+    """Seconds to switch to ``plan``: 0 for initial and reroute; for a re-plan, its transfers
+    plus ``cluster.switch_s`` (regroup in place, or restart under relaunch)."""
     if plan.policy == "replan":
-        return transfer_time(spec, plan.transfers) + spec.cluster.restart_s
+        return transfer_time(spec, plan.transfers) + spec.cluster.switch_s
     return 0.0
 
 

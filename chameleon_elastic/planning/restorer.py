@@ -29,8 +29,12 @@ both made here, and a third one that every asymmetric plan needs afterwards.
    which the assignment fixed, so sends only have to be spread under that floor; with one
    holder per surviving pipeline most layers have several holders, LPT is within 4/3 of optimal
    when every holder may serve every item, and in practice it meets the receive floor. A layer
-   that no live device holds cannot be restored from peers: that is a ``RestoreError`` naming
-   the layer (the caller turns it into a checkpoint restart).
+   that no live device holds (every replica died) cannot come from a peer: each receiver of it
+   gets a transfer whose source is ``CHECKPOINT`` (it loads the layer from the last checkpoint).
+   Those bytes count in the receiver's volume, as the estimator prices them, but load no
+   device's send side. Such a placement is an ordinary re-plan;
+   ``ExecutionPlan.checkpoint_layers`` names those layers for consumers that treat lost state
+   differently.
 
 3. **All-reduce rounds (graph colouring).** After an asymmetric re-plan a layer lives at
    different stages of different pipelines, so gradients are reduced per *bucket*: a maximal set
@@ -57,14 +61,14 @@ Everything here is a pure function of its arguments: the same inputs give the sa
 from __future__ import annotations
 
 import heapq
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
 import networkx as nx
 import numpy as np
 
-from chameleon_elastic.plan import AllReduceGroup, ExecutionPlan, Pipeline, Transfer
+from chameleon_elastic.plan import CHECKPOINT, AllReduceGroup, ExecutionPlan, Pipeline, Transfer
 from chameleon_elastic.spec import JobSpec
 
 __all__ = [
@@ -282,15 +286,6 @@ def _assign(spec: JobSpec, current: ExecutionPlan, layout: Sequence[Pipeline],
 # --------------------------------------------------------------------------- sources
 
 
-def _orphans(layers: Sequence[int]) -> RestoreError:
-    listed = ", ".join(map(str, layers))
-    if len(layers) == 1:
-        what = f"layer {listed} has no live holder (every device that held it is dead)"
-    else:
-        what = f"layers {listed} have no live holder (every device that held them is dead)"
-    return RestoreError(f"{what}; restoring from peers is impossible, restart from a checkpoint.")
-
-
 @dataclass
 class _SourceGroup:
     """Layers of one size held by the same holders: the busy holders' lazy heap of
@@ -302,12 +297,15 @@ class _SourceGroup:
     idle: int | None
 
 
-def choose_sources(spec: JobSpec, held: dict[int, LayerRange],
+def choose_sources(transfer_bytes: Callable[[int], float], held: dict[int, LayerRange],
                    needs: dict[int, Sequence[int]]) -> tuple[Transfer, ...]:
     """Pick a holder for every (receiver, layer) so that the busiest device finishes first.
 
-    ``held``: what every live device holds now; ``needs``: layers each receiver lacks.
-    Returns one ``Transfer`` per (src, dst), sorted by (src, dst), layers sorted.
+    ``transfer_bytes``: bytes that move per layer (``ModelProfile.transfer_bytes``), so callers
+    without a job spec can use it; ``held``: what every live device holds now; ``needs``: layers
+    each receiver lacks. Returns one ``Transfer`` per (src, dst), sorted by (src, dst), then
+    one per receiver of layers no live device holds, source ``CHECKPOINT``, sorted by dst;
+    layers sorted.
 
     Each item goes to the holder with the least LPT key (see the module docstring), exactly as
     a scan over all its holders would choose, but without looking at most of them: at 2048
@@ -319,8 +317,7 @@ def choose_sources(spec: JobSpec, held: dict[int, LayerRange],
     groups when it turns busy (on its first send; receivers are busy from the start).
     Holders are kept per distinct held range (a handful of classes), never per device x layer.
     """
-    size = {layer: spec.model.transfer_bytes(layer) for layers in needs.values()
-            for layer in layers}
+    size = {layer: transfer_bytes(layer) for layers in needs.values() for layer in layers}
     items = sorted(
         ((dst, layer) for dst, layers in needs.items() for layer in layers),
         key=lambda item: (-size[item[1]], item[1], item[0]),
@@ -348,13 +345,15 @@ def choose_sources(spec: JobSpec, held: dict[int, LayerRange],
     groups: dict[tuple[tuple[LayerRange, ...], float], _SourceGroup] = {}
     groups_of_range: dict[LayerRange, list[_SourceGroup]] = {}
     moves: dict[tuple[int, int], list[int]] = {}
+    from_checkpoint: dict[int, list[int]] = {}
     for dst, layer in items:
         b = size[layer]
         group = group_of.get(layer)
         if group is None:
             ranges = tuple(r for r in members if r[0] <= layer < r[1])
-            if not ranges:
-                raise _orphans([layer])
+            if not ranges:  # every replica died: no device sends it, no heap is touched
+                from_checkpoint.setdefault(dst, []).append(layer)
+                continue
             group = groups.get((ranges, b))
             if group is None:
                 heap = [(key(h, b), h) for r in ranges for h in busy.get(r, ())]
@@ -385,10 +384,10 @@ def choose_sources(spec: JobSpec, held: dict[int, LayerRange],
             sent[src] = sent.get(src, 0.0) + b
             heapq.heapreplace(heap, (key(src, b), src))
         moves.setdefault((src, dst), []).append(layer)
-    return tuple(
-        Transfer(src, dst, tuple(sorted(layers)), float(sum(size[x] for x in layers)))
-        for (src, dst), layers in sorted(moves.items())
-    )
+    sources = [*sorted(moves.items()),
+               *(((CHECKPOINT, dst), layers) for dst, layers in sorted(from_checkpoint.items()))]
+    return tuple(Transfer(src, dst, tuple(sorted(layers)), float(sum(size[x] for x in layers)))
+                 for (src, dst), layers in sources)
 
 
 # --------------------------------------------------------------------------- placement
@@ -399,8 +398,9 @@ def place(spec: JobSpec, current: ExecutionPlan, layout: Sequence[Pipeline],
     """Assign live devices to the layout's slots moving the fewest bytes, then plan the moves.
 
     ``layout``: pipelines whose ``devices`` are slot numbers ``0 .. n-1``; ``live``: the devices
-    alive now (at least ``n``). Devices left over become spares. Raises ``RestoreError`` (a
-    ``ValueError``) for a malformed layout, too few live devices, or a layer nobody holds.
+    alive now (at least ``n``). Devices left over become spares. Layers nobody holds come from
+    the checkpoint (``choose_sources``). Raises ``RestoreError`` (a ``ValueError``) for a
+    malformed layout or too few live devices.
     """
     _check_model(spec, current)
     live_sorted = sorted(set(live))
@@ -408,10 +408,6 @@ def place(spec: JobSpec, current: ExecutionPlan, layout: Sequence[Pipeline],
         raise RestoreError(f"live devices {list(live)} name a device twice; list each once.")
     slots = _slot_table(layout, current.num_layers)
     held = holdings(current, live_sorted)
-    orphans = sorted(set(range(current.num_layers)).difference(
-        *(range(start, end) for start, end in held.values())))
-    if orphans:
-        raise _orphans(orphans)
     taken = _assign(spec, current, layout, live_sorted)
     device_of = {slot: d for d, slot in zip(live_sorted, taken) if slot is not None}
     needs: dict[int, list[int]] = {}
@@ -426,7 +422,7 @@ def place(spec: JobSpec, current: ExecutionPlan, layout: Sequence[Pipeline],
         for p in layout
     )
     spares = tuple(d for d, slot in zip(live_sorted, taken) if slot is None)
-    return Placement(pipelines, spares, choose_sources(spec, held, needs))
+    return Placement(pipelines, spares, choose_sources(spec.model.transfer_bytes, held, needs))
 
 
 # --------------------------------------------------------------------------- all-reduce

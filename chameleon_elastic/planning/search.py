@@ -28,8 +28,12 @@ C(N_pp, r) layer splits shrink to three structured ones. Each shortcut is tested
 plain computation it replaces (tests/planning/test_search_candidates.py).
 
 ``decide`` prices the re-plan's layout before placing it: the layout fixes its step time, and
-its transition is at least the restart, so when even that bound cannot beat rerouting the
-costly placement (assignment, weight sources) is skipped. The chosen plan is the same.
+its transition is at least ``cluster.switch_s``, so when even that bound cannot beat rerouting
+the costly placement (assignment, weight sources) is skipped. The chosen plan is the same.
+
+When a stage lost every replica, rerouting is impossible and the re-plan loads the layers no
+live device holds from the checkpoint (``ExecutionPlan.checkpoint_layers``): still an ordinary
+candidate, priced like any other.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ __all__ = [
     "PolicyChoice",
     "allreduce_time_by_class",
     "balanced_shape",
+    "compact_ids",
     "decide",
     "distribute_batches",
     "initial_plan",
@@ -374,7 +379,7 @@ def reroute_plan(spec: JobSpec, current: ExecutionPlan, failed: Collection[int],
     back_in_layout = set(joined) & set(current.failed_devices)
     if back_in_layout:
         raise PlanningError(
-            f"cannot reroute: device(s) {_compact(sorted(back_in_layout))} came back but still "
+            f"cannot reroute: device(s) {compact_ids(sorted(back_in_layout))} came back but still "
             "sit dead in the layout without their layers; re-plan to use them."
         )
     dead_spares = set(failed) & set(current.spare_devices)
@@ -511,7 +516,7 @@ def check_event(spec: JobSpec, current: ExecutionPlan, failed: Collection[int],
         if d not in live:
             raise PlanningError(
                 f"device {d} cannot fail: it is not live in plan generation {current.generation} "
-                f"(live devices: {_compact(sorted(live))}); name a live device."
+                f"(live devices: {compact_ids(sorted(live))}); name a live device."
             )
     if live and set(failed) >= live:
         raise PlanningError(
@@ -531,8 +536,8 @@ def decide(spec: JobSpec, current: ExecutionPlan, failed: Collection[int] = (),
 
     ``replanned`` lets a cache hand in a re-plan it computed ahead; rerouting is always built
     fresh because it is cheap (linear in the devices). Unless ``price_all``, a re-plan whose
-    best possible score (its step time with the restart as the only transition) cannot beat
-    rerouting is not placed; it appears in ``rejected`` with both scores.
+    best possible score (its step time with ``cluster.switch_s`` as the only transition)
+    cannot beat rerouting is not placed; it appears in ``rejected`` with both scores.
     """
     check_event(spec, current, failed, joined)
     candidates: dict[str, ExecutionPlan] = {}
@@ -561,17 +566,18 @@ def _replan_to_beat(spec: JobSpec, current: ExecutionPlan, failed: Collection[in
     live, layout, step = _best_layout(spec, current, failed, joined)
     if rival is not None:
         throughput = spec.training.global_micro_batches * spec.training.micro_batch_size / step
-        bound = estimator.score(throughput, spec.cluster.restart_s,
+        bound = estimator.score(throughput, spec.cluster.switch_s,
                                 spec.cluster.expected_run_s(len(live)))
         if bound <= rival.estimate.score:
             raise PlanningError(
                 f"not placed: a re-plan scores at most {bound:.4g} (step {step:.4g} s plus a "
-                f"restart), not above rerouting's {rival.estimate.score:.4g}."
+                f"{spec.cluster.switch_s:g} s switch), not above rerouting's "
+                f"{rival.estimate.score:.4g}."
             )
     return _placed(spec, current, layout, live)
 
 
-def _compact(ids: Sequence[int]) -> str:
+def compact_ids(ids: Sequence[int]) -> str:
     """'0-3,6,8-9' for a sorted id list: readable in one-sentence errors at 2048 devices."""
     parts, i = [], 0
     while i < len(ids):

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from ..spec import JobSpec, SpecError, load_job, preset_names
+from ..spec import RECOVERY_MODES, JobSpec, SpecError, load_job, preset_names
 from .constants import REROUTE_TIMINGS, BaselineConstants
 from .experiment import ExperimentResult, run_experiment
 from .policies import POLICY_NAMES, parse_policies
@@ -69,6 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
     pol.add_argument("--no-templates", action="store_true",
                      help="search only the paper's R_dp x R_pp window (planner.templates = "
                           "false): no pipeline-length templates")
+    pol.add_argument("--recovery", choices=RECOVERY_MODES, default=None,
+                     help="how chameleon switches to a re-plan, overriding the job's "
+                          "cluster.recovery: inplace (pause cluster.regroup_s) or relaunch "
+                          "(pause cluster.restart_s); checkpoint restarts and Oobleck always "
+                          "pay cluster.restart_s")
     pol.add_argument("--checkpoint-interval-s", type=float, default=None,
                      help="checkpoint interval (default: Young's optimum)")
     pol.add_argument("--storage-bandwidth", type=float, default=2e9, metavar="BYTES_PER_S",
@@ -156,7 +161,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     _check(args, parser)
     try:
-        spec = load_job(args.job, args.preset)
+        spec = load_job(args.job, args.preset).with_recovery(args.recovery)
         if args.failure_rate is not None:
             spec = replace(spec, cluster=replace(spec.cluster,
                                                  failure_rate_per_hour=args.failure_rate))
@@ -199,6 +204,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "checkpoint_interval_s": constants.checkpoint_interval_s,
             "oobleck_reconfigure_s": constants.reconfigure_s(spec),
             "restart_s": spec.cluster.restart_s,
+            "recovery": spec.cluster.recovery,
+            "switch_s": spec.cluster.switch_s,
             "hybrid_interference": constants.hybrid_interference,
             "reroute_timing": constants.reroute_timing,
         },

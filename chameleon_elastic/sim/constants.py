@@ -1,8 +1,9 @@
 """The few figures the baselines need that a job spec does not carry, and where each comes from.
 
 Everything else (step times, peak memory, weight-transfer time, the restart overhead
-``cluster.restart_s``) comes from the job spec through ``planning.estimator``, the same model the
-chameleon policy decides with. The figures below are assumptions; docs/sim.md explains each.
+``cluster.restart_s`` and the re-plan switch ``cluster.switch_s``) comes from the job spec
+through ``planning.estimator``, the same model the chameleon policy decides with. The figures
+below are assumptions; docs/sim.md explains each.
 
 * ``storage_bandwidth_bytes_per_s`` (default 2 GB/s per device): how fast one device writes or
   reads its checkpoint shard (weights + optimizer state of its layers). 2 GB/s is a typical
@@ -13,9 +14,11 @@ chameleon policy decides with. The figures below are assumptions; docs/sim.md ex
   work; any fixed interval is worse for the checkpoint baseline, so the default flatters it.
   With no failures the MTBF is infinite and no checkpoint is taken.
 * ``oobleck_reconfigure_s`` (default ``cluster.restart_s``): Oobleck's fixed cost per
-  reconfiguration (tear down and rebuild the communicators of the new pipelines). Taking the
-  same figure as chameleon's restart overhead means the two differ only by what they decide and
-  how much they move, never by a constant we picked.
+  reconfiguration (tear down and rebuild the communicators of the new pipelines). Under
+  ``cluster.recovery = "relaunch"`` (the paper presets) that is chameleon's own switch cost, so
+  the two differ only by what they decide and how much they move, never by a constant we
+  picked; under ``"inplace"`` chameleon pays ``cluster.regroup_s`` instead, and this constant
+  is what to set to give Oobleck the same.
 * ``hybrid_interference`` (default 0): fraction of throughput the hybrid policy loses while it
   stages weight transfers in the background (0 = transfers fully overlap compute).
 * ``reroute_timing`` (default ``"closed-form"``): how a rerouted layout's step is timed while it

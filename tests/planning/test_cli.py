@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from chameleon_elastic.planning.cli import main, parse_ids
+from chameleon_elastic.spec import JobSpec
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
@@ -76,5 +77,42 @@ def test_bad_requests_exit_2_without_traceback(args, words):
 def test_help_documents_every_flag():
     proc = run_cli("--help")
     assert proc.returncode == 0
-    for flag in ("--job", "--preset", "--fail", "--fail-count", "--seed", "--policy", "--json"):
+    for flag in ("--job", "--preset", "--fail", "--fail-count", "--seed", "--policy",
+                 "--recovery", "--json"):
         assert flag in proc.stdout
+
+
+def test_losing_every_replica_replans_from_the_checkpoint(capsys):
+    # tiny-cpu: dp = 2 x pp = 2, devices 1 and 3 hold layers [4, 8).
+    assert main(["--preset", "tiny-cpu", "--fail", "1,3"]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split("│")[1:-1] for line in out.splitlines()
+            if line.startswith("│ checkpoint")]
+    assert sorted(cell.strip() for row in rows for cell in row[1:3]) == ["0", "2", "4-7", "4-7"]
+    text = " ".join(out.split())  # the console wraps long lines
+    assert "chose replan" in text
+    assert "layers 4-7 was lost: they come from the checkpoint" in text
+    assert main(["--preset", "tiny-cpu", "--fail", "1,3", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["policy"] == "replan"
+    lost = [t for t in out["transfers"] if t["src"] == "checkpoint"]
+    assert lost and all(t["layers"] == [4, 5, 6, 7] for t in lost)
+    assert {t["dst"] for t in lost} == {0, 2}
+    assert out["decisions"][0]["checkpoint_layers"] == [4, 5, 6, 7]
+
+
+def test_recovery_flag_overrides_the_jobs_switch_cost(capsys):
+    # tiny-cpu regroups in place (regroup_s = 0.3); --recovery relaunch pays restart_s = 2.0.
+    spec = JobSpec.preset("tiny-cpu")
+    transition = {}
+    for mode in ("inplace", "relaunch"):
+        assert main(["--preset", "tiny-cpu", "--fail", "1,3", "--recovery", mode,
+                     "--json"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        received: dict[int, float] = {}
+        for t in out["transfers"]:
+            received[t["dst"]] = received.get(t["dst"], 0.0) + t["bytes"]
+        transfer_s = max(received.values()) / spec.cluster.bandwidth_bytes_per_s
+        transition[mode] = out["estimate"]["transition_time_s"] - transfer_s
+    assert transition["inplace"] == pytest.approx(0.3)
+    assert transition["relaunch"] == pytest.approx(2.0)

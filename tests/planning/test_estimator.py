@@ -28,14 +28,15 @@ def job(layers: int = 8, forward: float | list[float] = 0.5, backward: float | l
         param: float | list[float] = 1.0 * GB, optimizer: float = 3.0 * GB,
         activation: float | list[float] = 0.25 * GB, bandwidth: float = 10 * GB,
         restart: float = 4.0, rate: float = 0.1, devices: int = 16, batch: int = 8,
-        mbs: int = 2) -> JobSpec:
+        mbs: int = 2, recovery: str = "inplace", regroup: float = 1.0) -> JobSpec:
     return JobSpec.from_dict({
         "model": {"layers": layers, "forward_s": forward, "backward_s": backward,
                   "param_bytes": param, "optimizer_bytes": optimizer,
                   "activation_bytes": activation},
         "cluster": {"devices": devices, "device_memory_bytes": 64 * GB,
                     "bandwidth_bytes_per_s": bandwidth, "restart_s": restart,
-                    "failure_rate_per_hour": rate},
+                    "failure_rate_per_hour": rate, "recovery": recovery,
+                    "regroup_s": regroup},
         "training": {"dp": 1, "pp": 1, "global_micro_batches": batch,
                      "micro_batch_size": mbs},
     })
@@ -312,14 +313,27 @@ def test_transfer_time_is_the_busiest_link() -> None:
     assert est.transfer_time(spec, []) == 0.0
 
 
-def test_transition_time_by_policy() -> None:
-    spec = job(bandwidth=2 * GB, restart=4.0)
+@pytest.mark.parametrize("recovery, fixed", [("inplace", 0.5), ("relaunch", 4.0)])
+def test_transition_time_by_policy(recovery: str, fixed: float) -> None:
+    # A re-plan pays its transfers plus regroup_s in place, or restart_s when relaunched.
+    spec = job(bandwidth=2 * GB, restart=4.0, recovery=recovery, regroup=0.5)
+    assert spec.cluster.switch_s == fixed
     base = layout(2, 2, 4, layers=8)
     assert est.transition_time(spec, base) == 0.0
     assert est.transition_time(spec, layout(2, 2, 4, layers=8, failed=(1,))) == 0.0
     replan = ExecutionPlan("replan", 1, base.pipelines[:1], spare_devices=(2,),
                            transfers=(Transfer(2, 0, (4,), 3 * GB),)).validate()
-    assert est.transition_time(spec, replan) == 1.5 + 4.0
+    assert est.transition_time(spec, replan) == 1.5 + fixed
+
+
+def test_checkpoint_loads_are_priced_at_each_receivers_link() -> None:
+    # Device 0 receives 2 GB from device 1 and 1 GB from the checkpoint, device 2 loads 3 GB:
+    # the checkpoint is no device, so the busiest link is a receiver's 3 GB, not the 4 GB the
+    # checkpoint would "send" in all.
+    spec = job(bandwidth=2 * GB)
+    transfers = (Transfer(1, 0, (0,), 2 * GB), Transfer("checkpoint", 0, (5,), 1 * GB),
+                 Transfer("checkpoint", 2, (4, 5), 3 * GB))
+    assert est.transfer_time(spec, transfers) == 3 * GB / (2 * GB)
 
 
 def test_score() -> None:
@@ -332,7 +346,8 @@ def test_score() -> None:
 
 
 def test_evaluate_puts_it_together() -> None:
-    spec = job(layers=8, rate=0.5, batch=8, mbs=2, bandwidth=2 * GB, restart=4.0)
+    spec = job(layers=8, rate=0.5, batch=8, mbs=2, bandwidth=2 * GB, restart=4.0,
+               recovery="relaunch")
     pipes = (Pipeline((0, 1), ((0, 4), (4, 8)), 5), Pipeline((2, 3), ((0, 4), (4, 8)), 3))
     plan = ExecutionPlan("replan", 1, pipes, spare_devices=(6,), failed_devices=(),
                          transfers=(Transfer(0, 2, (0, 1), 6 * GB),)).validate()

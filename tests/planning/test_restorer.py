@@ -118,16 +118,21 @@ def check_placement(spec: JobSpec, current: ExecutionPlan, layout: list[Pipeline
     assert len(set(used)) == len(used) and set(used) <= set(live)
     assert set(placed.spare_devices) == set(live) - set(used)
     assert list(placed.spare_devices) == sorted(placed.spare_devices)
-    # Transfers: one per (src, dst), sorted layers, exact bytes, from a live holder.
+    # Transfers: one per (src, dst), sorted layers, exact bytes, from a live holder, or from
+    # the checkpoint exactly for the layers no live device holds.
     pairs = [(t.src, t.dst) for t in placed.transfers]
     assert len(set(pairs)) == len(pairs)
+    orphans = {x for x in range(spec.model.layers) if not any(x in h for h in held.values())}
     received: Counter[tuple[int, int]] = Counter()
     for t in placed.transfers:
-        assert t.src in held and t.src != t.dst
+        assert (t.from_checkpoint or t.src in held) and t.src != t.dst
         assert list(t.layers) == sorted(set(t.layers)) and t.layers
         assert t.bytes == pytest.approx(sum(spec.model.transfer_bytes(x) for x in t.layers))
         for layer in t.layers:
-            assert layer in held[t.src], f"device {t.src} sends layer {layer} it does not hold"
+            if t.from_checkpoint:
+                assert layer in orphans, f"layer {layer} has a live holder but is loaded"
+            else:
+                assert layer in held[t.src], f"device {t.src} sends layer {layer} it lacks"
             assert layer not in held[t.dst], f"device {t.dst} receives layer {layer} it holds"
             received[t.dst, layer] += 1
     assert all(n == 1 for n in received.values())
@@ -297,8 +302,19 @@ def test_choose_sources_sends_under_a_receivers_own_volume_first():
     # to the holder whose time does not grow, keeping device 0 free.
     spec = make_spec([1.0, 1.0, 4.0, 4.0])
     held = {0: (2, 3), 1: (2, 3), 2: (3, 4), 3: (0, 0)}
-    transfers = choose_sources(spec, held, {1: [3], 3: [2]})
+    transfers = choose_sources(spec.model.transfer_bytes, held, {1: [3], 3: [2]})
     assert transfers == (Transfer(1, 3, (2,), 4.0), Transfer(2, 1, (3,), 4.0))
+
+
+def test_choose_sources_takes_orphan_layers_from_the_checkpoint():
+    # Layers 2 and 3 died with every holder: each receiver loads them from the checkpoint (one
+    # transfer per receiver, after the peer ones); layer 0 still comes from a live holder.
+    sizes = [1.0, 1.0, 4.0, 2.0]
+    held = {0: (0, 2), 1: (0, 2), 2: (0, 0)}
+    transfers = choose_sources(sizes.__getitem__, held, {1: [3], 2: [3, 0, 2]})
+    assert transfers == (Transfer(0, 2, (0,), 1.0), Transfer("checkpoint", 1, (3,), 2.0),
+                         Transfer("checkpoint", 2, (2, 3), 6.0))
+    assert choose_sources(sizes.__getitem__, {0: (0, 2)}, {}) == ()
 
 
 # --------------------------------------------------------------------------- all-reduce
@@ -366,13 +382,15 @@ def test_fewer_live_devices_than_slots_is_an_error():
         place(PAPER_SPEC, PAPER_CURRENT, PAPER_LAYOUT, PAPER_LIVE[:-1])
 
 
-def test_layer_without_live_holder_is_named():
+def test_layer_without_live_holder_comes_from_the_checkpoint():
     spec = make_spec([1.0] * 4)
     current = symmetric(2, ((0, 2), (2, 4)), spares=(4,))
     layout = [Pipeline((0, 1), ((0, 1), (1, 4)), 2)]
-    with pytest.raises(RestoreError, match="layers 2, 3 have no live holder") as info:
-        place(spec, current, layout, [0, 2, 4])  # both holders of [2, 4) are dead
-    assert isinstance(info.value, ValueError)
+    placed = place(spec, current, layout, [0, 2, 4])  # both holders of [2, 4) are dead
+    # Device 0 keeps its slot, device 2 (holding [0, 2)) lacks only the lost layers, 4 spares.
+    assert placed.pipelines == (Pipeline((0, 2), ((0, 1), (1, 4)), 2),)
+    assert placed.spare_devices == (4,)
+    assert placed.transfers == (Transfer("checkpoint", 2, (2, 3), 2.0),)
 
 
 @pytest.mark.parametrize("layout, message", [
@@ -444,11 +462,6 @@ def test_placement_is_optimal_and_complete(scenario):
     held = held_sets(current, live)
     orphan = [x for x in range(spec.model.layers) if not any(x in h for h in held.values())]
     event("orphan layers" if orphan else f"{len(layout)} pipelines")
-    if orphan:
-        listed = ", ".join(map(str, orphan))
-        with pytest.raises(RestoreError, match=f"layers? {listed} ha(s|ve) no live holder"):
-            place(spec, current, layout, live)
-        return
     placed = place(spec, current, layout, live)
     optimum = brute_force_total(spec, current, layout, live)
     assert placed.total_bytes == pytest.approx(optimum, rel=1e-9, abs=1e-9)

@@ -128,10 +128,21 @@ def test_reroute_impossible_when_a_stage_lost_every_replica():
         decide(spec, plan, [unique[0]], policy="reroute")
 
 
-def test_losing_every_holder_of_a_layer_needs_a_checkpoint():
-    spec = make_spec(dp=2, pp=2, devices=4, mbs=8)
-    with pytest.raises(PlanningError, match="checkpoint"):
-        decide(spec, initial_plan(spec), [0, 2])
+def test_losing_every_replica_of_a_stage_replans_from_the_checkpoint():
+    spec = make_spec(dp=2, pp=2, devices=5, mbs=8)  # devices 0, 2 hold layers [0, 8); 4 spare
+    plan = initial_plan(spec)
+    decision = decide(spec, plan, [0, 2])
+    assert "lost every replica" in decision.rejected["reroute"]
+    chosen = decision.chosen.validate()
+    assert chosen.policy == "replan"
+    assert set(chosen.working_devices) == {1, 3, 4}  # a layout over every survivor
+    # Exactly the lost layers come from the checkpoint; any surviving layer a device lacks
+    # comes from a peer.
+    assert chosen.checkpoint_layers == tuple(range(8))
+    for t in chosen.transfers:
+        assert t.from_checkpoint == all(x < 8 for x in t.layers)
+    check_invariants(spec, plan, chosen, [0, 2])
+    assert chosen.estimate.transition_time_s > spec.cluster.switch_s
 
 
 def test_bad_events_are_rejected_with_the_fix():
@@ -231,7 +242,17 @@ def check_invariants(spec: JobSpec, before: ExecutionPlan, plan: ExecutionPlan, 
         total = sum(t.bytes for t in plan.transfers)
         assert total == pytest.approx(independent_transfer_optimum(spec, before, plan))
         for t in plan.transfers:
-            assert t.src in before.live_devices and t.src not in failed
+            assert t.from_checkpoint or (t.src in before.live_devices and t.src not in failed)
+        received = {x for t in plan.transfers for x in t.layers}
+        assert set(plan.checkpoint_layers) == set(orphan_layers(before, failed)) & received
+
+
+def orphan_layers(before: ExecutionPlan, failed) -> list[int]:
+    """Layers no working device of ``before`` that survives ``failed`` holds."""
+    dead = set(before.failed_devices) | set(failed)
+    held = {x for p in before.pipelines for d, (a, b) in zip(p.devices, p.layers)
+            if d not in dead for x in range(a, b)}
+    return [x for x in range(before.num_layers) if x not in held]
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -277,12 +298,12 @@ def test_every_single_failure_on_the_paper_setting_is_decidable():
         chosen = decide(spec, plan, [d]).chosen
         check_invariants(spec, plan, chosen, [d])
     for a, b in itertools.combinations(plan.live_devices, 2):
-        if plan.locate(a)[1] == plan.locate(b)[1]:
-            # dp = 2: both replicas of a stage are gone, only a checkpoint has those layers.
-            with pytest.raises(PlanningError, match="checkpoint"):
-                decide(spec, plan, [a, b])
-        else:
-            check_invariants(spec, plan, decide(spec, plan, [a, b]).chosen, (a, b))
+        chosen = decide(spec, plan, [a, b]).chosen
+        check_invariants(spec, plan, chosen, (a, b))
+        # dp = 2: when both replicas of a stage are gone, only a checkpoint has its layers.
+        _, stage = plan.locate(a)
+        lost = range(*plan.pipelines[0].layers[stage]) if stage == plan.locate(b)[1] else ()
+        assert chosen.checkpoint_layers == tuple(lost)
 
 
 def test_uneven_reroute_shares_rotate_over_peers():

@@ -174,3 +174,27 @@ def test_worker_processes_give_the_same_report(capsys) -> None:
             for key in [k for k in entry["spread"] if "latency" in k]:
                 del entry["spread"][key]
     assert docs[0] == docs[1]
+
+
+@pytest.mark.timeout(60)
+def test_recovery_flag_sets_chameleons_switch_cost(tmp_path, capsys) -> None:
+    # One failure on the paper's 8 devices (which relaunch, restart_s = 5): in place the re-plan
+    # pauses regroup_s (1 s by default) instead, plus the same transfer; Oobleck's
+    # reconfiguration stays a restart either way.
+    path = tmp_path / "t.csv"
+    write_trace(FailureTrace(8, 7200.0, (TraceEvent(300.0, 2, "fail"),)), path)
+    docs = {}
+    for mode in ("relaunch", "inplace"):
+        assert main(["--preset", "llama2-7b-910b", "--trace", str(path), "--no-progress",
+                     "--policies", "chameleon,oobleck", "--recovery", mode, "--json"]) == 0
+        docs[mode] = json.loads(capsys.readouterr().out)
+    for mode, switch in (("relaunch", 5.0), ("inplace", 1.0)):
+        constants = docs[mode]["setting"]["constants"]
+        assert (constants["recovery"], constants["switch_s"]) == (mode, switch)
+        assert constants["oobleck_reconfigure_s"] == 5.0
+        assert docs[mode]["policies"]["chameleon"]["decisions_total"] == {"replan": 1}
+    pause = {m: docs[m]["policies"]["chameleon"]["transition_s"] for m in docs}
+    assert pause["relaunch"] - pause["inplace"] == pytest.approx(4.0)
+    oobleck = [docs[m]["policies"]["oobleck"] for m in docs]
+    for key in ("avg_throughput", "transition_s", "lost_samples"):
+        assert oobleck[0][key] == oobleck[1][key]

@@ -122,10 +122,13 @@ def test_policy_names_are_validated() -> None:
 
 
 @pytest.mark.timeout(60)
-def test_chameleon_restarts_from_a_checkpoint_when_a_layer_loses_every_replica() -> None:
+@pytest.mark.parametrize("name", ["chameleon", "hybrid"])
+def test_chameleon_restarts_from_a_checkpoint_when_a_layer_loses_every_replica(name) -> None:
+    # The planner's re-plan loads layers [8, 16) from the checkpoint; the model reads that as
+    # lost state and restarts from the checkpoint, as before the planner accepted such events.
     spec = JobSpec.preset(SMALL)  # layers [8, 16) live only on devices 1 and 5
     trace = one_event_trace(spec, (1000.0, 1, "fail"), (1000.0, 5, "fail"), horizon=3000.0)
-    run = simulate(make_policy("chameleon", spec, BaselineConstants()), trace)
+    run = simulate(make_policy(name, spec, BaselineConstants()), trace)
     assert [d.kind for d in run.decisions] == ["restart"]
     assert run.decisions[0].pause_s > spec.cluster.restart_s  # restart + loading the shard
     # The work since the last checkpoint is lost, more than the one step in flight.

@@ -2,25 +2,28 @@
 
 ``chameleon``: at every event, ``PlanCache.decide`` (the launcher's call) prices rerouting and
 re-planning with the estimator and keeps the best score. The job pauses for the chosen plan's
-estimated transition time (0 for a reroute; weight transfer + restart for a re-plan), then runs
+estimated transition time (0 for a reroute; weight transfer + ``cluster.switch_s`` for a
+re-plan: a regroup in place, or a restart under ``recovery = "relaunch"``), then runs
 at its estimated step time. The step in flight when a working device dies is lost (the runtime
 resumes at the last committed step). Decision latency is not charged: the launcher computes
 plans for the loss of 1..k devices ahead, during fault-free training; the simulator asks the
-cache on demand, which yields the same plan, and reports how long that took. When the planner
-finds no plan (a layer lost its every replica, or nothing fits), the job restarts from its last
-checkpoint on the live devices, exactly as the recycle baseline does (asynchronous checkpoints,
-``cluster.restart_s`` + shard load, full ``training.pp``-stage pipelines), and plans from there.
+cache on demand, which yields the same plan, and reports how long that took. When the state is
+lost (the chosen re-plan loads layers from the checkpoint because every replica of them died)
+or the planner finds no plan (nothing fits), the job restarts from its last checkpoint on the
+live devices, exactly as the recycle baseline does (asynchronous checkpoints, a real process
+restart ``cluster.restart_s`` + shard load, full ``training.pp``-stage pipelines), and plans
+from there.
 
 ``hybrid`` (beyond the paper): reroute at once, build the re-plan and stage its weight
-transfers in the background while the rerouted layout trains, then pause only for the restart
-and switch. It switches when, over the expected time to the next failure, the re-plan's
-throughput after the restart beats staying rerouted. A failure before the switch drops the
-staged plan (the job is still on the reroute layout and decides again from there). Hybrid
-asks the planner exactly as chameleon does: the planner does not place a re-plan that cannot
-beat rerouting even with the restart as its only pause, and such a re-plan cannot win hybrid's
-comparison either (staging gains at most ``max(thr_p (t_run - restart), thr_r t_run)``, never
-more than staying rerouted, ``thr_r t_run``), so no switch is lost and no event pays for a
-placement that could not be used.
+transfers in the background while the rerouted layout trains, then pause only for
+``cluster.switch_s`` and switch. It switches when, over the expected time to the next failure,
+the re-plan's throughput after that pause beats staying rerouted. A failure before the switch
+drops the staged plan (the job is still on the reroute layout and decides again from there).
+Hybrid asks the planner exactly as chameleon does: the planner does not place a re-plan that
+cannot beat rerouting even with the switch as its only pause, and such a re-plan cannot win
+hybrid's comparison either (staging gains at most ``max(thr_p (t_run - switch), thr_r t_run)``,
+never more than staying rerouted, ``thr_r t_run``), so no switch is lost and no event pays for
+a placement that could not be used.
 """
 
 from __future__ import annotations
@@ -81,15 +84,23 @@ class ChameleonPolicy:
         try:
             decision = self.cache.decide(failed, joined)
         except PlanningError:
-            live = sorted((set(self.plan.live_devices) - set(failed)) | set(joined))
-            plan, reaction = self.fallback.restart(ctx, live, stalls=False, label="run")
-            self._adopt(plan)
-            return None, {}, reaction
+            return None, {}, self._restart(ctx, failed, joined)
+        if decision.chosen.checkpoint_layers:  # state lost: the model restarts, not in place
+            return None, {}, self._restart(ctx, failed, joined)
         if _unchanged(self.plan, decision.chosen) and not hit:
             # A spare died or a device came back as a spare: the layout goes on untouched.
             self._adopt(decision.chosen)
             return None, {}, Reaction(ctx.remaining, 0.0, "spare")
         return decision.chosen, decision.candidates, None
+
+    def _restart(self, ctx: EventContext, failed: Sequence[int],
+                 joined: Sequence[int]) -> Reaction:
+        """Restart from the last checkpoint on the live devices, and plan from there."""
+        assert self.plan is not None
+        live = sorted((set(self.plan.live_devices) - set(failed)) | set(joined))
+        plan, reaction = self.fallback.restart(ctx, live, stalls=False, label="run")
+        self._adopt(plan)
+        return reaction
 
     def react(self, ctx: EventContext, failed: Sequence[int],
               joined: Sequence[int]) -> Reaction:
@@ -108,7 +119,7 @@ class ChameleonPolicy:
 @dataclass(frozen=True)
 class _Staged:
     plan: ExecutionPlan
-    commit_s: float  # staging done, restart pause begins: from here on the job is on ``plan``
+    commit_s: float  # staging done, switch pause begins: from here on the job is on ``plan``
 
 
 class HybridPolicy(ChameleonPolicy):
@@ -151,7 +162,7 @@ class HybridPolicy(ChameleonPolicy):
         if replan is None or replan.estimate is None:
             return Reaction((now_running,), lost, "reroute")
         transfer = estimator.transfer_time(self.spec, replan.transfers)
-        restart = max(0.0, replan.estimate.transition_time_s - transfer)
+        switch_s = max(0.0, replan.estimate.transition_time_s - transfer)
         keep = 1.0 - self.constants.hybrid_interference
         thr_r, thr_p = now_running.rate, running(self.spec, replan, "replan").rate
         t_run = self.spec.cluster.expected_run_s(len(replan.live_devices))
@@ -159,7 +170,8 @@ class HybridPolicy(ChameleonPolicy):
             switch = thr_p > thr_r
         else:
             stay = thr_r * t_run
-            move = thr_r * keep * min(transfer, t_run) + thr_p * max(0.0, t_run - transfer - restart)
+            move = (thr_r * keep * min(transfer, t_run)
+                    + thr_p * max(0.0, t_run - transfer - switch_s))
             switch = move > stay
         if not switch:
             return Reaction((now_running,), lost, "reroute")
@@ -167,7 +179,7 @@ class HybridPolicy(ChameleonPolicy):
         phases = (
             running(self.spec, reroute, "staging", duration_s=transfer, slowdown=1.0 / keep,
                     timing=self.timing),
-            paused(restart, "transition"),
+            paused(switch_s, "transition"),
             running(self.spec, replan, "replan"),
         )
         return Reaction(tuple(p for p in phases if p.duration_s > 0), lost, "reroute+replan")

@@ -64,7 +64,9 @@ class CheckpointFallback:
         if plan is None:
             return None, Reaction((STALLED,), lost, "stalled")
         self.set_layout(plan)
-        pause = self.spec.cluster.restart_s + self.save_s  # load the shard back: same size
+        # Lost state means new processes that load the checkpoint: a real restart, restart_s,
+        # whatever cluster.recovery says; loading the shard back takes as long as saving it.
+        pause = self.spec.cluster.restart_s + self.save_s
         self.resumed_s = ctx.now_s + pause
         slowdown = 1.0
         if stalls and not math.isinf(self.interval_s):
