@@ -648,7 +648,7 @@ class ChameleonAgent(LocalElasticAgent):
                 self._update_status("failed")
                 self._emit(Event.JOB_FINISHED, state="FAILED",
                            reason="no plan fits the devices left")
-                return RunResult(state=WorkerState.FAILED, failures=result.failures)
+                return RunResult(state=WorkerState.FAILED)
             if outcome is not None:
                 return outcome
 

@@ -28,7 +28,6 @@ __all__ = ["build_parser", "main"]
 
 OUR_FLAGS = ("--job", "--preset", "--policy", "--recovery", "--plan-cache", "--state-dir",
              "--event-log", "--health-file", "--profile", "--profile-out", "--no-status")
-RECOVERY_MODES = ("inplace", "relaunch")
 
 _DYNAMIC_RDZV_DEFAULTS = {"keep_alive_interval": 1, "keep_alive_max_attempt": 3,
                           "last_call_timeout": 3}
@@ -37,6 +36,8 @@ _DYNAMIC_RDZV_DEFAULTS = {"keep_alive_interval": 1, "keep_alive_max_attempt": 3,
 def build_parser() -> argparse.ArgumentParser:
     from torch.distributed.argparse_util import check_env, env
     from torch.distributed.run import get_args_parser
+
+    from chameleon_elastic.spec import RECOVERY_MODES
 
     from .session import CLI_POLICIES
 
@@ -246,9 +247,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
         if result is None:  # rendezvous closed gracefully
             return None
         if result.is_failed():
-            if not result.failures:
-                sys.stderr.write("chameleon-run: the job failed: no execution plan fits the "
-                                 "devices left (see the event log).\n")
+            if not result.failures:  # ended by the agent, which said why in one sentence
                 raise SystemExit(1)
             raise ChildFailedError(name=entrypoint_name, failures=result.failures)
         return result.return_values

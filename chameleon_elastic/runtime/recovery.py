@@ -37,6 +37,7 @@ torchrun, tests) :class:`~.errors.PeerLost` reaches the caller unchanged.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import time
@@ -57,7 +58,7 @@ from .errors import PeerLost, PipelineRuntimeError
 if TYPE_CHECKING:
     from .trainer import Entry, PipelineTrainer, StepResult
 
-__all__ = ["Recovery", "WorkerLink", "join_generation"]
+__all__ = ["Recovery", "WorkerLink", "join_generation", "preload_before_groups"]
 
 log = logging.getLogger("chameleon_elastic.runtime.recovery")
 
@@ -136,6 +137,7 @@ class WorkerLink:
 def join_generation(gen: Generation, device: int, backend: str, timeouts: Timeouts) -> None:
     """Make ``gen``'s world the default process group, on a store prefix of its own, and make
     this process's environment describe it (RANK, WORLD_SIZE, MASTER_*, CHAMELEON_*)."""
+    preload_before_groups()
     store = dist.TCPStore(gen.master_addr, gen.master_port, is_master=False,
                           timeout=timeouts.delta("store_s"))
     try:
@@ -155,6 +157,15 @@ def join_generation(gen: Generation, device: int, backend: str, timeouts: Timeou
         env.update(CHAMELEON_PLAN_GENERATION=str(plan.generation),
                    CHAMELEON_POLICY=plan.policy, CHAMELEON_PLAN_FILE=gen.plan_file)
     os.environ.update(env)
+
+
+def preload_before_groups() -> None:
+    """Import what torch imports lazily on the first meta-device or optimizer operation, before
+    the first process group exists. Importing ``torch._dynamo`` while a group is alive makes
+    dynamo keep references to that group for good; a group that cannot be freed keeps its
+    sockets open after it is destroyed, and then a peer blocked on this process waits for its
+    collective timeout instead of failing at once. The import is paid by the trainer anyway."""
+    import torch._dynamo  # noqa: F401
 
 
 def read_plan(path: str) -> ExecutionPlan:
@@ -179,31 +190,37 @@ class Recovery:
         return self.link.newest() > self.trainer.plan.generation
 
     def abort(self) -> None:
+        """Tear every group down. Callers hold no exception of the broken step any more (its
+        traceback would keep pending work, hence the group and its sockets, alive); what a
+        cycle still holds is collected, so the sockets close and blocked peers fail now."""
         self.trainer.release_groups()
         self.backend.abort_process_groups()
+        gc.collect()
 
-    def recover(self, cause: BaseException) -> None:
+    def recover(self, cause: str) -> None:
         """notice -> abort -> wait -> regroup -> agree -> migrate -> rebuild; returns when the
         trainer runs the new generation and ``trainer.committed`` is the step to resume at."""
         noticed_at = time.time()
-        log.info("device %d: recovering (%s)", self.link.device, str(cause).splitlines()[0])
+        log.info("device %d: recovering (%s)", self.link.device, cause.splitlines()[0])
         self.abort()
         self.link.trouble(self.trainer.plan.generation)
         after = self.trainer.plan.generation
         while True:
             gen = self.link.wait_newer(after)
             began = time.perf_counter()
+            failed = None
             try:
                 join_generation(gen, self.link.device, self.backend.dist_backend,
                                 self.link.timeouts)
                 entry = self.trainer.enter(read_plan(gen.plan_file), gen.reported)
             except PeerLost as again:
-                log.info("device %d: generation %d failed too (%s)", self.link.device,
-                         gen.generation, str(again).splitlines()[0])
-                self.abort()
-                after = gen.generation
-                continue
-            break
+                failed = str(again)
+            if failed is None:
+                break
+            log.info("device %d: generation %d failed too (%s)", self.link.device,
+                     gen.generation, failed.splitlines()[0])
+            self.abort()
+            after = gen.generation
         self.started(entry, regroup_s=time.perf_counter() - began - entry.transfer_s,
                      noticed_at=noticed_at)
 

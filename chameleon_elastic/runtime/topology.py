@@ -129,7 +129,7 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None)
         return
     from chameleon_elastic.plugins import get_backend
 
-    from .recovery import WorkerLink, join_generation
+    from .recovery import WorkerLink, join_generation, preload_before_groups
 
     timeouts = Timeouts.resolve(collective_s=timeout_s)
     name = backend or get_backend(os.environ.get("CHAMELEON_BACKEND")).dist_backend
@@ -138,6 +138,7 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None)
         if link is not None:
             join_generation(link.current(), link.device, name, timeouts)
         else:
+            preload_before_groups()
             dist.init_process_group(backend=name, timeout=timeouts.delta("collective_s"))
     except (RuntimeError, ValueError) as exc:
         raise PipelineRuntimeError(

@@ -192,15 +192,18 @@ class PipelineTrainer:
 
             backend = get_backend(os.environ.get("CHAMELEON_BACKEND") or dist.get_backend())
             self.recovery = Recovery(self, link, backend)
+        failure = None
         try:
             entry = self.enter(plan, None if link is None else link.current().reported)
-        except PeerLost as cause:
+        except PeerLost as exc:
             if self.recovery is None:
                 raise
-            self.recovery.recover(cause)
-        else:
-            if self.recovery is not None:
+            failure = str(exc)  # not the exception: its traceback would keep groups alive
+        if self.recovery is not None:
+            if failure is None:
                 self.recovery.started(entry, regroup_s=0.0, noticed_at=None)
+            else:
+                self.recovery.recover(failure)
 
     @classmethod
     def from_env(cls, model: PipelineModel, *, global_micro_batches: int | None = None,
@@ -460,6 +463,7 @@ class PipelineTrainer:
         """
         self._report(report)
         while self.committed < steps:
+            failure = None
             try:
                 if self.recovery is not None and self.recovery.announced():
                     raise PeerLost("the agent announced a new plan generation")
@@ -472,10 +476,15 @@ class PipelineTrainer:
                     save_checkpoint(self, self.checkpoint_dir, done)
                     if self.recovery is not None:
                         self.recovery.link.checkpointed(done)
-            except PeerLost as cause:
+            except PeerLost as exc:
                 if self.recovery is None:
                     raise
-                self.recovery.recover(cause)
+                # keep the message only: the exception's traceback holds the frames of the
+                # broken step, whose pending work keeps the process group (and its sockets)
+                # alive, so the peers blocked on them would wait for their timeout
+                failure = str(exc)
+            if failure is not None:
+                self.recovery.recover(failure)
             self._report(report)
 
     def _report(self, report: Report | None) -> None:

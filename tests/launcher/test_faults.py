@@ -51,6 +51,7 @@ def test_kill9_worker_under_job_excludes_device_and_replans(tmp_path, launch):
                 for a in local_assignments(plan, 0, 4)}
     for r in second:
         mine = {k: v for k, v in r["env"].items() if k.startswith("CHAMELEON_")}
+        assert mine.pop("CHAMELEON_AGENT_STORE").startswith("127.0.0.1:")  # the node's channel
         assert mine == expected[int(r["env"]["CHAMELEON_DEVICE"])]
     assert {r["env"]["MASTER_PORT"] for r in second}.isdisjoint(
         {r["env"]["MASTER_PORT"] for r in first})

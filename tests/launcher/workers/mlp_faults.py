@@ -1,0 +1,65 @@
+"""A float64 MLP trained under chameleon-run through ``trainer.run``, with faults injected at
+chosen phases of chosen steps: the commit protocol's test bed.
+
+    mlp_faults.py OUT STEPS [DEVICE:STEP:PHASE:ACTION ...] [--checkpoint-dir DIR]
+
+PHASE is one of the trainer's phases (forward, backward, sync, vote, apply, applied). ACTION:
+``kill`` - the process SIGKILLs itself there (a lost device); ``lose-vote`` - this rank acts as
+if its vote had failed although the vote completed elsewhere (what a rank sees when a dying
+peer's last message of the all-reduce never arrives): it abandons the step before applying.
+
+Writes ``OUT/steps.jsonl`` (one line per reported step, from the reporting process),
+``OUT/pid-<device>`` (every pid that ran the device) and, at the end, ``OUT/params-<device>.pt``
+(layer -> state dict of the layers it holds).
+"""
+
+import json
+import os
+import signal
+import sys
+
+import torch
+
+from chameleon_elastic.runtime import PeerLost, PipelineTrainer, init_distributed
+from chameleon_elastic.runtime.toy import mlp_model
+
+
+def main() -> None:
+    args = sys.argv[1:]
+    checkpoint = None
+    if "--checkpoint-dir" in args:
+        i = args.index("--checkpoint-dir")
+        checkpoint = args[i + 1]
+        del args[i:i + 2]
+    out, steps, faults = args[0], int(args[1]), args[2:]
+    device = int(os.environ["CHAMELEON_DEVICE"])
+    with open(os.path.join(out, f"pid-{device}"), "a") as fh:
+        fh.write(f"{os.getpid()}\n")
+    mine = {}
+    for spec in faults:
+        d, step, phase, action = spec.split(":")
+        if int(d) == device:
+            mine[(int(step), phase)] = action
+
+    def on_phase(step: int, phase: str) -> None:
+        action = mine.pop((step, phase), None)
+        if action == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif action == "lose-vote":
+            raise PeerLost("injected: this rank's vote result was lost")
+
+    def report(result) -> None:
+        with open(os.path.join(out, "steps.jsonl"), "a") as fh:
+            fh.write(json.dumps({"step": result.step, "loss": result.loss,
+                                 "redone": result.redone, "device": device}) + "\n")
+
+    init_distributed()
+    trainer = PipelineTrainer.from_env(mlp_model(layers=8), on_phase=on_phase,
+                                       checkpoint_dir=checkpoint)
+    trainer.run(steps, report, checkpoint_every=2 if checkpoint else 0)
+    torch.save(trainer.state(), os.path.join(out, f"params-{device}.pt"))
+    trainer.close()
+
+
+if __name__ == "__main__":
+    main()
