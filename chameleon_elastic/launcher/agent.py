@@ -499,10 +499,9 @@ class ChameleonAgent(LocalElasticAgent):
         if exits:
             return RunResult(state=WorkerState.FAILED,
                              failures={e.worker.global_rank: e.failure for e in exits})
-        if not self._procs.devices:
+        if not self._procs.devices:   # torch's result keys: the workers' global ranks
             return RunResult(state=WorkerState.SUCCEEDED,
-                             return_values=dict.fromkeys(
-                                 range(len(self._procs.succeeded))))
+                             return_values={w.global_rank: None for w in worker_group.workers})
         return RunResult(state=WorkerState.HEALTHY)
 
     def _classify(self, result: RunResult) -> list[WorkerFailure]:

@@ -1,0 +1,91 @@
+"""Plan agreement between agents (launcher/coordination.py), in-process on torch's HashStore:
+report, decide and publish, adopt, with no process launched."""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+
+from chameleon_elastic.launcher import coordination
+from chameleon_elastic.launcher.coordination import Decision, NodeReport
+from chameleon_elastic.launcher.session import JobSession
+from chameleon_elastic.plan import ExecutionPlan, Pipeline
+from chameleon_elastic.spec import JobSpec
+
+
+@pytest.fixture
+def session(tmp_path):
+    return JobSession(JobSpec.preset("tiny-cpu"), "auto", tmp_path / "plans", warm_cache=False)
+
+
+def test_two_agents_agree_on_one_plan_through_a_store(session, tmp_path):
+    store = dist.HashStore()
+    # node 1 (devices 2, 3) lost device 3; node 0 is intact; every live worker is registered
+    coordination.report(store, "r1/", 1, NodeReport(1, (3,), (2,), True, reported=7,
+                                                    checkpoint=None))
+    coordination.report(store, "r1/", 0, NodeReport(0, (), (0, 1), True, reported=None))
+    reports = coordination.collect(store, "r1/", 2)
+    lost, joined = coordination.losses(reports, session.excluded, session.devices, 2)
+    assert (lost, joined) == ({3}, set())
+    change = session.apply(lost=lost, joined=joined)
+    decision = coordination.decide(session.plan, session.excluded, reports, change is not None,
+                                   inplace_wanted=True)
+    coordination.publish(store, "r1/", decision)
+
+    other = JobSession(JobSpec.preset("tiny-cpu"), "auto", tmp_path / "other", warm_cache=False)
+    adopted = coordination.adopt(store, "r1/", timeout_s=5)
+    assert adopted == decision
+    assert other.adopt(adopted.plan, adopted.excluded) is not None
+    assert other.plan == session.plan and other.excluded == {3}
+    assert decision.inplace and decision.reported == 7 and decision.error is None
+    assert decision.world == tuple(session.plan.working_devices)
+
+
+def test_a_node_that_did_not_report_loses_its_devices_and_comes_back(session):
+    reports = [NodeReport(0, (), (0, 1), True)]
+    lost, joined = coordination.losses(reports, set(), 4, 2)
+    assert lost == {2, 3} and joined == set()
+    back = [NodeReport(0, (), (0, 1), True), NodeReport(1, (), (), True)]
+    assert coordination.losses(back, {2, 3}, 4, 2) == (set(), {2, 3})
+
+
+def test_unregistered_workers_or_an_unchanged_plan_mean_relaunch(session):
+    session.apply(lost={1})
+    plan = session.plan
+    ready = [NodeReport(0, (1,), (0, 2, 3), True)]
+    assert coordination.decide(plan, {1}, ready, True, True).inplace
+    assert not coordination.decide(plan, {1}, ready, False, True).inplace   # same plan
+    assert not coordination.decide(plan, {1}, ready, True, False).inplace   # relaunch wanted
+    script = [NodeReport(0, (1,), (0, 2, 3), False)]
+    assert not coordination.decide(plan, {1}, script, True, True).inplace   # not the runtime
+
+
+def test_spares_with_a_live_worker_stay_in_an_inplace_world():
+    plan = ExecutionPlan("replan", 1, (Pipeline((0, 1), ((0, 4), (4, 8)), 4),
+                                       Pipeline((2,), ((0, 8),), 4)),
+                         spare_devices=(3,)).validate()
+    assert coordination.world_of(plan, {0, 1, 2, 3}, inplace=True) == (0, 1, 2, 3)
+    assert coordination.world_of(plan, {0, 1, 2, 3}, inplace=False) == (0, 1, 2)
+    assert coordination.world_of(plan, {0, 1, 2}, inplace=True) == (0, 1, 2)
+
+
+def test_lost_layers_without_a_checkpoint_end_the_job_in_one_sentence(session):
+    session.apply(lost={1, 3})   # both replicas of layers 4-7
+    plan = session.plan
+    assert plan.checkpoint_layers == (4, 5, 6, 7)
+    no_ckpt = [NodeReport(0, (1, 3), (0, 2), True, checkpoint=None)]
+    decision = coordination.decide(plan, {1, 3}, no_ckpt, True, True)
+    assert decision.error is not None and "layers 4-7" in decision.error
+    assert "checkpoint" in decision.error and "\n" not in decision.error
+    with_ckpt = [NodeReport(0, (1, 3), (0, 2), True, checkpoint=10)]
+    assert coordination.decide(plan, {1, 3}, with_ckpt, True, True).error is None
+    relaunch = coordination.decide(plan, {1, 3}, no_ckpt, True, False)
+    assert relaunch.error is None and not relaunch.inplace   # a relaunch says so itself
+
+
+def test_decisions_round_trip_as_json(session):
+    session.apply(lost={2})
+    d = Decision(session.plan, (2,), (0, 1, 3), True, 4, None)
+    assert Decision.from_json(d.to_json()) == d
+    failed = Decision(None, (), (), False, None, "no plan")
+    assert Decision.from_json(failed.to_json()) == failed
