@@ -3,6 +3,7 @@ kill whatever a test started (by its own process group) when it ends."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -16,6 +17,54 @@ from pathlib import Path
 import pytest
 
 PROBE = str(Path(__file__).parent / "workers" / "probe.py")
+MLP_FAULTS = str(Path(__file__).parent / "workers" / "mlp_faults.py")
+
+
+@functools.cache
+def mlp_reference(steps: int) -> tuple[list[float], dict[int, dict]]:
+    """Single-process training of mlp_faults.py's model (float64): losses and final layers."""
+    from chameleon_elastic.runtime.toy import mlp_model, reference_training
+
+    losses, layers = reference_training(mlp_model(layers=8), steps, 8)
+    return losses, {i: {k: v.detach() for k, v in m.state_dict().items()}
+                    for i, m in enumerate(layers)}
+
+
+def assert_single_process_results(out: Path, survivors: list[int], steps: int,
+                                  reporter_node_lost: bool = False) -> None:
+    """What mlp_faults.py left in ``out``: every step reported once and none redone, losses
+    and every survivor's final layers equal to single-process training (rtol 1e-9), every
+    layer held by some survivor, and each survivor ran in one process the whole time.
+
+    ``reporter_node_lost``: the reporting process died with its whole node (agent included),
+    so nobody can know whether it printed its last committed step: the new reporter prints
+    that one step again (on its own node's output), never more."""
+    import numpy as np
+    import torch
+
+    ref_losses, ref_params = mlp_reference(steps)
+    reported = [json.loads(x) for x in (out / "steps.jsonl").read_text().splitlines()]
+    by_step = {r["step"]: r for r in reported}
+    assert sorted(by_step) == list(range(steps))
+    repeats = len(reported) - len(by_step)
+    assert repeats <= (1 if reporter_node_lost else 0), [r["step"] for r in reported]
+    for device in {r["device"] for r in reported}:   # no reporter prints a step twice
+        mine = [r["step"] for r in reported if r["device"] == device]
+        assert mine == sorted(set(mine))
+    assert not any(r["redone"] for r in reported)
+    np.testing.assert_allclose([r["loss"] for r in reported], [ref_losses[r["step"]] for r in
+                                                                reported], rtol=1e-9, atol=1e-12)
+    held = set()
+    for device in survivors:
+        assert len((out / f"pid-{device}").read_text().split()) == 1, f"device {device} restarted"
+        params = torch.load(out / f"params-{device}.pt", weights_only=True)
+        for layer, tensors in params.items():
+            held.add(layer)
+            for name, value in tensors.items():
+                np.testing.assert_allclose(value.numpy(), ref_params[layer][name].numpy(),
+                                           rtol=1e-9, atol=1e-12,
+                                           err_msg=f"device {device} layer {layer} {name}")
+    assert held == set(ref_params)
 
 
 def wait_for(predicate: Callable[[], object], timeout: float, what: str) -> object:
@@ -38,6 +87,11 @@ def read_envs(out: Path) -> list[dict]:
         except (OSError, json.JSONDecodeError):
             continue
     return sorted(records, key=lambda r: r["time"])
+
+
+def read_events(path: Path) -> list[dict]:
+    """A chameleon-run event log (JSONL)."""
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
 
 def free_port() -> int:

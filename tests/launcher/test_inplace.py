@@ -9,17 +9,11 @@ training (float64, rtol 1e-9).
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
-import numpy as np
 import pytest
-import torch
 
-from chameleon_elastic.runtime.toy import mlp_model, reference_training
+from .conftest import MLP_FAULTS, assert_single_process_results, read_events
 
 STEPS = 6
-WORKER = str(Path(__file__).parent / "workers" / "mlp_faults.py")
 
 # DEVICE:STEP:PHASE:ACTION; tiny-cpu runs pipelines (0 1) and (2 3), layers 0-3 and 4-7
 CASES = {
@@ -35,51 +29,25 @@ CASES = {
 }
 
 
-def _events(path: Path) -> list[dict]:
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
-
-
-@pytest.fixture(scope="module")
-def reference():
-    losses, layers = reference_training(mlp_model(layers=8), STEPS, 8)
-    return losses, {i: {k: v.detach() for k, v in m.state_dict().items()}
-                    for i, m in enumerate(layers)}
-
-
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("case", list(CASES))
 def test_fault_in_every_phase_recovers_in_place_with_single_process_results(
-        case, tmp_path, launch, reference):
+        case, tmp_path, launch):
     faults, rolled = CASES[case]
     out, state = tmp_path / "out", tmp_path / "state"
     out.mkdir()
     run = launch("chameleon", ["--standalone", "--nproc-per-node", "4", "--preset", "tiny-cpu",
                                "--state-dir", str(state), "--monitor-interval", "0.05",
-                               "--no-status", WORKER, str(out), str(STEPS), *faults])
+                               "--no-status", MLP_FAULTS, str(out), str(STEPS), *faults])
     assert run.wait(80) == 0, run.log.read_text()[-3000:]
 
-    steps = [json.loads(x) for x in (out / "steps.jsonl").read_text().splitlines()]
-    assert [s["step"] for s in steps] == list(range(STEPS))          # each exactly once
-    assert not any(s["redone"] for s in steps)
-    ref_losses, ref_params = reference
-    np.testing.assert_allclose([s["loss"] for s in steps], ref_losses, rtol=1e-9, atol=1e-12)
-
     victims = {int(f.split(":")[0]) for f in faults if f.endswith(":kill")}
-    for device in range(4):   # one process per device for the whole run: nobody relaunched
-        assert len((out / f"pid-{device}").read_text().split()) == 1
     survivors = sorted(set(range(4)) - victims)
-    held = set()
-    for device in survivors:
-        params = torch.load(out / f"params-{device}.pt", weights_only=True)
-        for layer, tensors in params.items():
-            held.add(layer)
-            for name, value in tensors.items():
-                np.testing.assert_allclose(value.numpy(), ref_params[layer][name].numpy(),
-                                           rtol=1e-9, atol=1e-12,
-                                           err_msg=f"device {device} layer {layer} {name}")
-    assert held == set(range(8))
+    assert_single_process_results(out, survivors, STEPS)
+    for device in victims:
+        assert len((out / f"pid-{device}").read_text().split()) == 1
 
-    events = _events(state / "events.jsonl")
+    events = read_events(state / "events.jsonl")
     recovered = [e for e in events if e["event"] == "recovered"]
     assert len(recovered) == 1
     r = recovered[0]

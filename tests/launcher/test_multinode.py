@@ -6,10 +6,21 @@ from __future__ import annotations
 import json
 import os
 import signal
+from pathlib import Path
 
 import pytest
 
-from .conftest import PROBE, free_port, pid_alive, port_open, read_envs, wait_for
+from .conftest import (
+    MLP_FAULTS,
+    PROBE,
+    assert_single_process_results,
+    free_port,
+    pid_alive,
+    port_open,
+    read_envs,
+    read_events,
+    wait_for,
+)
 
 
 def _world(records, size: int) -> list[dict]:
@@ -113,3 +124,47 @@ def test_etcd_v3_backend_restarts_through_a_real_etcd(tmp_path, launch):
     assert rank0 == [0, 1]
     assert len({r["env"]["MASTER_PORT"] for r in records}) == 2
     assert all(r["store_reachable"] for r in records if r["env"]["RANK"] == "0")
+
+
+def _group_rank(state: Path) -> int | None:
+    events = [e for e in read_events(state / "events.jsonl") if e["event"] == "rendezvous"]
+    return events[-1]["group_rank"] if events else None
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("victim_rank", [1, 0])
+def test_lost_node_on_etcd_v3_recovers_in_place(tmp_path, launch, victim_rank):
+    """2 agents x 2 gloo workers on a real etcd; one whole node (agent and workers) is
+    SIGKILLed while a float64 model trains: the other node's workers regroup in place, take
+    the lost layers from their peers and finish with single-process results."""
+    local_etcd = pytest.importorskip("chameleon_elastic.rendezvous.local_etcd")
+    out = tmp_path / "out"
+    out.mkdir()
+    steps = 12
+    with local_etcd.LocalEtcd(data_dir=tmp_path / "etcd") as etcd:
+        common = ["--nnodes", "1:2", "--nproc-per-node", "2", "--rdzv-backend", "etcd-v3",
+                  "--rdzv-endpoint", etcd.endpoint, "--rdzv-id", f"inplace-{victim_rank}",
+                  "--rdzv-conf", "last_call_timeout=5", "--local-addr", "127.0.0.1",
+                  "--monitor-interval", "0.1", "--no-status", "--preset", "tiny-cpu"]
+        agents = [launch("chameleon", [*common, "--state-dir", str(tmp_path / name),
+                                       MLP_FAULTS, str(out), str(steps), "--pace", "0.3"],
+                         name=name) for name in ("a", "b")]
+        wait_for(lambda: (out / "steps.jsonl").exists()
+                 and len((out / "steps.jsonl").read_text().splitlines()) >= 4, 90,
+                 "both nodes training")
+        ranks = {name: _group_rank(tmp_path / name) for name in ("a", "b")}
+        victim = next(i for i, name in enumerate(("a", "b")) if ranks[name] == victim_rank)
+        survivor = agents[1 - victim]
+        survivor_state = tmp_path / ("a", "b")[1 - victim]
+        os.kill(agents[victim].proc.pid, signal.SIGKILL)   # the node: its workers die with it
+        agents[victim].proc.wait(10)
+        assert survivor.wait(90) == 0, survivor.log.read_text()[-3000:]
+
+    node = 1 - victim_rank
+    assert_single_process_results(out, [2 * node, 2 * node + 1], steps,
+                                  reporter_node_lost=victim_rank == 0)
+    recovered = [e for e in read_events(survivor_state / "events.jsonl")
+                 if e["event"] == "recovered" and e["reason"] != "membership"]
+    assert recovered and recovered[-1]["mode"] == "inplace"
+    assert sorted(recovered[-1]["kept_devices"]) == [2 * node, 2 * node + 1]
+    assert "Traceback" not in survivor.log.read_text()

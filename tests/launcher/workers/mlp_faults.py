@@ -1,14 +1,15 @@
 """A float64 MLP trained under chameleon-run through ``trainer.run``, with faults injected at
 chosen phases of chosen steps: the commit protocol's test bed.
 
-    mlp_faults.py OUT STEPS [DEVICE:STEP:PHASE:ACTION ...] [--checkpoint-dir DIR]
+    mlp_faults.py OUT STEPS [DEVICE:STEP:PHASE:ACTION ...] [--checkpoint-dir DIR] [--pace S]
 
 PHASE is one of the trainer's phases (forward, backward, sync, vote, apply, applied). ACTION:
 ``kill`` - the process SIGKILLs itself there (a lost device); ``lose-vote`` - this rank acts as
 if its vote had failed although the vote completed elsewhere (what a rank sees when a dying
 peer's last message of the all-reduce never arrives): it abandons the step before applying.
 
-Writes ``OUT/steps.jsonl`` (one line per reported step, from the reporting process),
+``--pace S`` makes every step last at least S seconds (a sleep before its forward), so that a
+test can act while training runs. Writes ``OUT/steps.jsonl`` (one line per reported step, from the reporting process),
 ``OUT/pid-<device>`` (every pid that ran the device) and, at the end, ``OUT/params-<device>.pt``
 (layer -> state dict of the layers it holds).
 """
@@ -17,6 +18,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 import torch
 
@@ -26,11 +28,14 @@ from chameleon_elastic.runtime.toy import mlp_model
 
 def main() -> None:
     args = sys.argv[1:]
-    checkpoint = None
-    if "--checkpoint-dir" in args:
-        i = args.index("--checkpoint-dir")
-        checkpoint = args[i + 1]
-        del args[i:i + 2]
+    options = {}
+    for flag in ("--checkpoint-dir", "--pace"):
+        if flag in args:
+            i = args.index(flag)
+            options[flag] = args[i + 1]
+            del args[i:i + 2]
+    checkpoint = options.get("--checkpoint-dir")
+    pace = float(options.get("--pace", 0))
     out, steps, faults = args[0], int(args[1]), args[2:]
     device = int(os.environ["CHAMELEON_DEVICE"])
     with open(os.path.join(out, f"pid-{device}"), "a") as fh:
@@ -42,6 +47,8 @@ def main() -> None:
             mine[(int(step), phase)] = action
 
     def on_phase(step: int, phase: str) -> None:
+        if pace and phase == "forward":
+            time.sleep(pace)
         action = mine.pop((step, phase), None)
         if action == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
