@@ -1,18 +1,29 @@
-"""Crash-to-running-again time and recovery success rate: chameleon-run vs torchrun.
+"""Recovery after a lost device: in place vs relaunch + checkpoint vs torchrun + checkpoint, and
+the paper's weight-transfer ablation on real transfers.
 
-Same script, same flags, side by side in one run. Each trial is one job: ``--standalone
---nproc-per-node N --max-restarts 1``; every worker joins a gloo process group and runs an
-all-reduce ("running"); on the first launch rank 0 then crashes (exit 1). A trial succeeds when
-the relaunched group is running again and the job exits 0 within ``--deadline`` seconds.
+Part 1 (``--trials N``, default 10 per path, all paths in one run, alternating). Each trial
+trains the tiny byte-level GPT (examples/train_gpt.py, 4 gloo workers, checkpoints every 5
+steps) and SIGKILLs the worker of device/rank 3 right after the line of step ``--kill-at`` is
+printed. Measured from the kill:
 
-    crash-to-running = (last rank's "running" time in launch 2) - (rank 0's crash time)
+    kill -> next committed step : until the first step that had not been committed before the
+                                  kill is printed (the time a user loses)
+    steps redone                : steps printed again after the kill (committed work redone)
 
-This covers failure detection, stopping the group, rendezvous, process start, the worker's
-``import torch`` and ``init_process_group`` - what a user waits for. Trials alternate between the
-launchers so that machine load drifts affect both alike. Prints a table; ``--json`` prints JSON.
+Paths: ``inplace`` (chameleon-run --preset tiny-cpu, survivors keep their processes and take
+state from peers), ``relaunch`` (the same with --recovery relaunch: every worker restarts and
+loads the checkpoint), ``torchrun`` (torchrun --max-restarts 1, plain data parallelism, every
+worker restarts and loads the checkpoint).
+
+Part 2 (``--ablation``): 8 gloo processes hold a 16-layer model as DP=4 x PP=2 (the paper's
+setting); device 7 is lost; the planner re-plans. The same new layout is entered twice per
+repetition in the same processes, with the planner's transfer sources and with the naive choice
+(the first holder of each layer, as Oobleck does), alternating. Reported: bytes moved, transfer
+time (the slowest process's) and total recovery time (entering the plan plus the first step).
 
     python benchmarks/recovery.py --trials 10
-    python benchmarks/recovery.py --trials 10 --json
+    python benchmarks/recovery.py --ablation --repeats 5
+    python benchmarks/recovery.py --trials 10 --ablation --json > recovery.json
 """
 
 from __future__ import annotations
@@ -20,150 +31,268 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
-LAUNCHERS = {
-    "torchrun": [sys.executable, "-m", "torch.distributed.run"],
-    "chameleon-run": [sys.executable, "-m", "chameleon_elastic.launcher.cli", "--no-status"],
-}
+import psutil
+
+ROOT = Path(__file__).resolve().parent.parent
+GPT = str(ROOT / "examples" / "train_gpt.py")
+PATHS = ("inplace", "relaunch", "torchrun")
+STEP_LINE = re.compile(r"step\s+(\d+)\s+loss")
 
 
-def worker(out: str) -> None:
-    """The training script under test (also runs unmodified under torchrun)."""
-    from datetime import timedelta
-
-    import torch
-    import torch.distributed as dist
-
-    restart = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
-    rank = dist.get_rank()
-    t = torch.ones(4)
-    dist.all_reduce(t)
-    assert int(t[0]) == dist.get_world_size()
-    _note(out, {"event": "running", "restart": restart, "rank": rank, "t": time.time()})
-    if restart == 0:
-        if rank == 0:
-            _note(out, {"event": "crash", "restart": restart, "rank": rank, "t": time.time()})
-            os._exit(1)
-        time.sleep(120)  # stopped by the launcher when rank 0 fails
-        sys.exit(3)
-    dist.barrier()
-    dist.destroy_process_group()
+def command(path: str, steps: int, ckpt: str, state: str) -> list[str]:
+    script = [GPT, "--steps", str(steps), "--log-every", "1", "--checkpoint-dir", ckpt,
+              "--checkpoint-every", "5"]
+    if path == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc-per-node", "4", "--max-restarts", "1", "--monitor-interval", "0.1",
+                *script]
+    extra = ["--recovery", "relaunch"] if path == "relaunch" else []
+    return [sys.executable, "-m", "chameleon_elastic.launcher.cli", "--standalone",
+            "--nproc-per-node", "4", "--preset", "tiny-cpu", "--no-status",
+            "--monitor-interval", "0.1", "--state-dir", state, *extra, *script]
 
 
-def _note(out: str, record: dict) -> None:
-    with open(os.path.join(out, f"events-{os.getpid()}.jsonl"), "a") as fh:
-        fh.write(json.dumps(record) + "\n")
-
-
-def _read(out: Path) -> list[dict]:
-    records = []
-    for path in out.glob("events-*.jsonl"):
-        records += [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
-    return records
-
-
-def trial(tool: str, nproc: int, deadline: float) -> dict:
-    with tempfile.TemporaryDirectory(prefix="recovery-bench-") as tmp:
-        out = Path(tmp)
-        cmd = [*LAUNCHERS[tool], "--standalone", "--nproc-per-node", str(nproc),
-               "--max-restarts", "1", "--monitor-interval", "0.1",
-               str(Path(__file__).resolve()), "--as-worker", str(out)]
-        env = dict(os.environ, OMP_NUM_THREADS="1")
-        start = time.monotonic()
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                env=env, start_new_session=True)
+def _victim(launcher: int) -> int | None:
+    """The worker of rank 3 (device 3 under chameleon-run) among the launcher's children."""
+    try:
+        children = psutil.Process(launcher).children(recursive=True)
+    except psutil.Error:
+        return None
+    for child in children:
         try:
-            code = proc.wait(timeout=deadline)
-            hung = False
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            code, hung = None, True
-        wall = time.monotonic() - start
-        records = _read(out)
-    crash = [r["t"] for r in records if r["event"] == "crash"]
-    again = [r for r in records if r["event"] == "running" and r["restart"] == 1]
-    recovered = bool(crash) and len({r["rank"] for r in again}) == nproc and code == 0
-    seconds = (max(r["t"] for r in again) - crash[0]) if recovered else None
-    return {"tool": tool, "exit_code": code, "hung": hung, "recovered": recovered,
-            "crash_to_running_s": seconds, "wall_s": wall}
+            env = child.environ()
+        except psutil.Error:
+            continue
+        if env.get("CHAMELEON_DEVICE", env.get("RANK")) == "3" and "train_gpt" in " ".join(
+                child.cmdline()):
+            return child.pid
+    return None
+
+
+def trial(path: str, steps: int, kill_at: int, deadline: float) -> dict:
+    with tempfile.TemporaryDirectory(prefix="recovery-bench-") as tmp:
+        cmd = command(path, steps, f"{tmp}/ckpt", f"{tmp}/state")
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, env=env, cwd=ROOT, start_new_session=True)
+        lines: list[tuple[float, int]] = []
+        kill_t, committed = None, -1
+        timer = threading.Timer(deadline, lambda: os.killpg(proc.pid, signal.SIGKILL))
+        timer.start()
+        try:
+            assert proc.stdout is not None
+            for text in proc.stdout:
+                m = STEP_LINE.match(text)
+                if not m:
+                    continue
+                now, step = time.monotonic(), int(m.group(1))
+                lines.append((now, step))
+                if kill_t is None and step >= kill_at:
+                    victim = _victim(proc.pid)
+                    if victim is not None:
+                        committed = max(s for _, s in lines)
+                        os.kill(victim, signal.SIGKILL)
+                        kill_t = time.monotonic()
+            code = proc.wait()
+        finally:
+            timer.cancel()
+    after = [(t, s) for t, s in lines if kill_t is not None and t >= kill_t]
+    new = [t for t, s in after if s > committed]
+    finished = sorted({s for _, s in lines}) == list(range(steps))
+    return {"path": path, "exit_code": code, "finished": finished and code == 0,
+            "killed_after_step": committed if kill_t else None,
+            "kill_to_next_step_s": (new[0] - kill_t) if new and kill_t else None,
+            "steps_redone": sum(1 for _, s in after if s <= committed)}
 
 
 def summarise(results: list[dict]) -> dict[str, dict]:
     table = {}
-    for tool in LAUNCHERS:
-        mine = [r for r in results if r["tool"] == tool]
-        times = [r["crash_to_running_s"] for r in mine if r["recovered"]]
-        table[tool] = {
-            "trials": len(mine),
-            "recovered": sum(r["recovered"] for r in mine),
-            "success_rate": (sum(r["recovered"] for r in mine) / len(mine)) if mine else None,
-            "hung": sum(r["hung"] for r in mine),
+    for path in PATHS:
+        mine = [r for r in results if r["path"] == path]
+        if not mine:
+            continue
+        times = [r["kill_to_next_step_s"] for r in mine if r["kill_to_next_step_s"] is not None]
+        redone = [r["steps_redone"] for r in mine if r["finished"]]
+        table[path] = {
+            "trials": len(mine), "finished": sum(r["finished"] for r in mine),
             "median_s": statistics.median(times) if times else None,
-            "min_s": min(times) if times else None,
-            "max_s": max(times) if times else None,
+            "min_s": min(times) if times else None, "max_s": max(times) if times else None,
+            "redone_median": statistics.median(redone) if redone else None,
+            "redone_max": max(redone) if redone else None,
         }
     return table
 
 
+# --------------------------------------------------------------------------- ablation
+
+
+def _ablation_world(rank: int, world: int, plans: dict[str, str], repeats: int,
+                    width: int) -> list[dict]:
+    import torch
+    import torch.distributed as dist
+
+    from chameleon_elastic.plan import ExecutionPlan
+    from chameleon_elastic.runtime import PipelineTrainer, dense_rank_map
+    from chameleon_elastic.runtime.toy import mlp_model
+
+    before = ExecutionPlan.from_json(plans["before"])
+    device = dense_rank_map(before).device_of_rank[rank]
+    model = mlp_model(layers=before.num_layers, width=width, dtype=torch.float32)
+    trainer = PipelineTrainer(model, before, device)
+    trainer.step(0)
+    out = []
+    for rep in range(repeats):
+        for variant in (("planner", "naive") if rep % 2 == 0 else ("naive", "planner")):
+            trainer.enter(ExecutionPlan.from_json(plans["before"]), None)  # back to DP4 x PP2
+            if device == 7:   # the lost device: its process stays only as a stateless spare
+                trainer.layers, trainer.optimizer, trainer.committed = {}, None, None
+            dist.barrier()
+            began = time.perf_counter()
+            entry = trainer.enter(ExecutionPlan.from_json(plans[variant]), None)
+            entered = time.perf_counter()
+            trainer.step(trainer.committed)
+            done = time.perf_counter()
+            out.append({"variant": variant, "rep": rep, "transfer_s": entry.transfer_s,
+                        "total_s": done - began, "enter_s": entered - began,
+                        "received_bytes": entry.moved_bytes})
+    trainer.close()
+    return out
+
+
+def ablation(repeats: int, width: int) -> dict:
+    from dataclasses import replace
+
+    from chameleon_elastic.planning.search import decide, initial_plan
+    from chameleon_elastic.runtime.local_world import run_local_world
+    from chameleon_elastic.sim.policies.oobleck import first_holder_transfers
+    from chameleon_elastic.spec import JobSpec
+
+    layer_bytes = 4.0 * (width * width + width)   # float32 Linear; SGD momentum the same size
+    spec = JobSpec.from_dict({
+        "name": "ablation",
+        "model": {"layers": 16, "forward_s": 0.01, "backward_s": 0.02,
+                  "param_bytes": layer_bytes, "optimizer_bytes": layer_bytes,
+                  "activation_bytes": 4.0 * width},
+        "cluster": {"devices": 8, "device_memory_bytes": 8e9, "bandwidth_bytes_per_s": 1e9,
+                    "restart_s": 5.0, "failure_rate_per_hour": 0.1},
+        "training": {"dp": 4, "pp": 2, "global_micro_batches": 8},
+    })
+    before = initial_plan(spec)
+    planned = decide(spec, before, failed=[7], policy="replan").chosen
+    naive = replace(planned, transfers=first_holder_transfers(spec, before, planned.pipelines))
+    spare = (*planned.spare_devices, 7)    # the lost device's process idles as a spare
+    plans = {"before": before.to_json(), "planner": replace(planned, spare_devices=spare).to_json(),
+             "naive": replace(naive, spare_devices=spare).to_json()}
+    results = run_local_world(_ablation_world, 8, plans, repeats, width, timeout_s=900,
+                              collective_timeout_s=300)
+    rows = [r for per_rank in results for r in per_rank]
+    summary = {}
+    for variant, plan in (("planner", planned), ("naive", naive)):
+        reps = sorted({r["rep"] for r in rows})
+        slowest = [max((r for r in rows if r["variant"] == variant and r["rep"] == rep),
+                       key=lambda r: r["total_s"]) for rep in reps]
+        summary[variant] = {
+            "bytes_moved": sum(t.bytes for t in plan.transfers),
+            "busiest_sender_bytes": max(
+                sum(t.bytes for t in plan.transfers if t.src == s)
+                for s in {t.src for t in plan.transfers}),
+            "transfer_s": statistics.median(
+                max(r["transfer_s"] for r in rows if r["variant"] == variant and r["rep"] == rep)
+                for rep in reps),
+            "total_s": statistics.median(r["total_s"] for r in slowest),
+        }
+    layout = [len(p.devices) for p in planned.pipelines]
+    return {"layers": 16, "layer_bytes": 2 * layer_bytes, "layout_after": layout,
+            "repeats": repeats, "summary": summary}
+
+
+# --------------------------------------------------------------------------- output
+
+
+def print_tables(report: dict) -> None:
+    def fmt(v, spec=".2f"):
+        return "-" if v is None else format(v, spec)
+
+    if "summary" in report:
+        print(f"\nlost device (kill -9 of device 3 after step {report['kill_at']}), tiny GPT, "
+              f"4 gloo workers on {os.cpu_count()} cores, {report['trials']} trials per path")
+        print(f"{'path':10s} {'finished':>9s} {'kill->next step s: median':>26s} {'min':>6s} "
+              f"{'max':>6s} {'steps redone: median':>21s} {'max':>4s}")
+        for path, row in report["summary"].items():
+            print(f"{path:10s} {row['finished']:>4d}/{row['trials']:<4d} "
+                  f"{fmt(row['median_s']):>26s} {fmt(row['min_s']):>6s} {fmt(row['max_s']):>6s} "
+                  f"{fmt(row['redone_median'], 'g'):>21s} {fmt(row['redone_max'], 'g'):>4s}")
+    if "ablation" in report:
+        a = report["ablation"]
+        print(f"\nweight-transfer ablation: 16 layers of {a['layer_bytes'] / 1e6:.1f} MB "
+              f"(weights + momentum), DP=4 x PP=2 on 8 gloo processes, device 7 lost, "
+              f"re-planned to pipelines {a['layout_after']}, median of {a['repeats']}")
+        print(f"{'sources':8s} {'bytes moved':>12s} {'busiest sender':>15s} {'transfer s':>11s} "
+              f"{'recovery s':>11s}")
+        for variant, row in a["summary"].items():
+            print(f"{variant:8s} {row['bytes_moved'] / 1e6:>9.1f} MB "
+                  f"{row['busiest_sender_bytes'] / 1e6:>12.1f} MB {row['transfer_s']:>11.3f} "
+                  f"{row['total_s']:>11.3f}")
+        p, n = a["summary"]["planner"], a["summary"]["naive"]
+        print(f"planner vs naive: transfer {100 * (p['transfer_s'] / n['transfer_s'] - 1):+.1f}%, "
+              f"recovery {100 * (p['total_s'] / n['total_s'] - 1):+.1f}% "
+              "(paper: -32.35% and -26.79%)")
+
+
 def main() -> None:
-    if len(sys.argv) >= 3 and sys.argv[1] == "--as-worker":
-        worker(sys.argv[2])
-        return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--trials", type=int, default=10, help="trials per launcher (>= 10)")
-    parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--deadline", type=float, default=90.0,
-                        help="seconds before a trial counts as hung and is killed")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--trials", type=int, default=10,
+                        help="kill -9 trials per path (0: skip part 1)")
+    parser.add_argument("--paths", default=",".join(PATHS),
+                        help=f"comma-separated subset of {','.join(PATHS)}")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--kill-at", type=int, default=12)
+    parser.add_argument("--deadline", type=float, default=180.0,
+                        help="seconds before a trial is killed and counted as unfinished")
+    parser.add_argument("--ablation", action="store_true", help="run part 2 too")
+    parser.add_argument("--repeats", type=int, default=5, help="ablation repetitions")
+    parser.add_argument("--width", type=int, default=1024, help="ablation layer width")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     parser.add_argument("--table-from", metavar="FILE",
-                        help="print the table of a saved --json report and exit")
+                        help="print the tables of a saved --json report and exit")
     args = parser.parse_args()
     if args.table_from:
-        report = json.loads(Path(args.table_from).read_text())
-        print_table(report["summary"], report["nproc_per_node"], report["trials"])
+        print_tables(json.loads(Path(args.table_from).read_text()))
         return
-    if args.trials < 1 or args.nproc < 2:
-        parser.error("--trials must be >= 1 and --nproc >= 2 (a crash needs a peer to affect).")
-
-    results = []
-    for i in range(args.trials):
-        for tool in (LAUNCHERS if i % 2 == 0 else reversed(list(LAUNCHERS))):
-            results.append(trial(tool, args.nproc, args.deadline))
-            r = results[-1]
-            t = r["crash_to_running_s"]
-            print(f"  trial {i + 1:2d} {tool:13s} recovered={r['recovered']!s:5s} "
-                  f"exit={r['exit_code']} crash->running="
-                  f"{'-' if t is None else f'{t:.2f} s'}", file=sys.stderr, flush=True)
-    table = summarise(results)
-    report = {"benchmark": "recovery", "nproc_per_node": args.nproc, "trials": args.trials,
-              "deadline_s": args.deadline, "summary": table, "results": results}
+    paths = [p for p in args.paths.split(",") if p]
+    unknown = set(paths) - set(PATHS)
+    if unknown or args.kill_at >= args.steps - 1 or args.trials < 0:
+        parser.error(f"--paths takes {', '.join(PATHS)}; --kill-at must leave steps after it.")
+    report: dict = {"benchmark": "recovery"}
+    if args.trials:
+        results = []
+        for i in range(args.trials):
+            for path in (paths if i % 2 == 0 else paths[::-1]):
+                r = trial(path, args.steps, args.kill_at, args.deadline)
+                results.append(r)
+                t = r["kill_to_next_step_s"]
+                print(f"  trial {i + 1:2d} {path:9s} finished={r['finished']!s:5s} kill->next="
+                      f"{'-' if t is None else f'{t:.2f} s'} redone={r['steps_redone']}",
+                      file=sys.stderr, flush=True)
+        report.update(trials=args.trials, kill_at=args.kill_at, steps=args.steps,
+                      summary=summarise(results), results=results)
+    if args.ablation:
+        print("  ablation: 8 processes, this takes a few minutes", file=sys.stderr, flush=True)
+        report["ablation"] = ablation(args.repeats, args.width)
     if args.json:
         print(json.dumps(report, indent=2))
-        return
-    print_table(table, args.nproc, args.trials)
-
-
-def print_table(table: dict, nproc: int, trials: int) -> None:
-    print(f"\ncrash-to-running-again, one node, {nproc} gloo workers, "
-          f"{trials} trials each (same script, same flags)")
-    print(f"{'launcher':14s} {'recovered':>10s} {'hung':>5s} {'median s':>9s} "
-          f"{'min s':>7s} {'max s':>7s}")
-
-    def fmt(v):
-        return "-" if v is None else f"{v:.2f}"
-
-    for tool, row in table.items():
-        print(f"{tool:14s} {row['recovered']:>4d}/{row['trials']:<5d} {row['hung']:>5d} "
-              f"{fmt(row['median_s']):>9s} {fmt(row['min_s']):>7s} {fmt(row['max_s']):>7s}")
+    else:
+        print_tables(report)
 
 
 if __name__ == "__main__":

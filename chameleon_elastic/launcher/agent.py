@@ -84,6 +84,10 @@ _STORE_FAILOVER_ATTEMPTS = 3
 _STORE_LOST = (RendezvousConnectionError, dist.DistNetworkError)
 
 
+def _devices(ids: list[int]) -> str:
+    return f"device{'s' if len(ids) > 1 else ''} {', '.join(map(str, ids))}"
+
+
 @dataclass
 class _DeviceBook:
     """This node's devices out of the plan, and why: one home for what used to be four flags."""
@@ -577,7 +581,7 @@ class ChameleonAgent(LocalElasticAgent):
         self._emit(Event.RECOVERED, **fields)
         if self._profiler is not None and p.decision.inplace and worst is not None:
             self._profiler.note_regroup(worst.regroup_s)
-        what = self._describe(p.event)
+        what = self._describe(p)
         line = recovery_line(what, self._session.plan, inplace=p.decision.inplace,
                              started=len(p.started), moved_layers=fields["moved_layers"],
                              moved_bytes=fields["transfer_bytes"],
@@ -588,18 +592,22 @@ class ChameleonAgent(LocalElasticAgent):
         self._update_status("running" if total is None else
                             f"running (recovered {fields['mode']} in {total:.2f} s)")
 
-    def _describe(self, event: FailureEvent) -> str:
-        lost = sorted(self._session.excluded) if event.trigger in (
-            Trigger.PEER_LOST, Trigger.MEMBERSHIP, Trigger.RENDEZVOUS_LOST) else sorted(event.lost)
-        signals = sorted({f.signal for f in event.failures if f.signal})
-        if event.trigger is Trigger.REJOINED:
-            return f"device{'s' if len(event.joined) > 1 else ''} " \
-                   f"{', '.join(map(str, sorted(event.joined)))} back"
-        if not lost:
-            return f"membership changed ({event.reason})"
-        why = ", ".join(signals) if signals else (
-            "health check" if event.trigger is Trigger.DEVICE_LOST else "node gone")
-        return f"device{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} lost ({why})"
+    def _describe(self, p: _Pending) -> str:
+        """``device 3 lost (SIGKILL)``, ``devices 2, 3 lost (node gone)``, ``device 1 back``."""
+        event = p.event
+        lost = sorted(p.change.lost) if p.change else sorted(event.lost)
+        joined = sorted(p.change.joined) if p.change else sorted(event.joined)
+        signals = {f.device: f.signal for f in event.failures if f.signal}
+        parts = []
+        if lost:
+            why = sorted({signals.get(d) or ("health check" if d in event.lost else "node gone")
+                          for d in lost})
+            parts.append(f"{_devices(lost)} lost ({', '.join(why)})")
+        if joined:
+            parts.append(f"{_devices(joined)} back")
+        if not parts and event.failures:
+            parts.append("; ".join(f"device {f.device}: {f.reason}" for f in event.failures))
+        return " and ".join(parts) or f"{event.reason}: no device changed"
 
     @property
     def _runtime(self) -> bool:

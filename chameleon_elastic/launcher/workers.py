@@ -10,6 +10,7 @@ run on, and a later launch can add workers for devices that have none.
 
 from __future__ import annotations
 
+import logging
 import signal
 from dataclasses import dataclass
 from typing import Any
@@ -96,9 +97,17 @@ class WorkerProcesses:
             handler.proc.wait()
 
     def close(self, death_sig: signal.Signals = signal.SIGTERM, timeout: float = 30) -> None:
-        """Stop every worker (torch's SIGTERM, then SIGKILL after ``timeout``)."""
-        for context in self._contexts:
-            context.close(death_sig, int(timeout))
+        """Stop every worker (torch's SIGTERM, then SIGKILL after ``timeout``). A stop we
+        decided is no warning: torch's per-process "Sending process ... closing signal" lines
+        are silenced (its report of a worker that ignored SIGTERM is an error and still shows)."""
+        api_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+        level = api_log.level
+        api_log.setLevel(logging.ERROR)
+        try:
+            for context in self._contexts:
+                context.close(death_sig, int(timeout))
+        finally:
+            api_log.setLevel(level)
         self._contexts.clear()
         self._live.clear()
         self.succeeded.clear()
