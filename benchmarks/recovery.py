@@ -79,17 +79,27 @@ def _victim(launcher: int) -> int | None:
     return None
 
 
+def _kill_all(pids: set[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def trial(path: str, steps: int, kill_at: int, deadline: float) -> dict:
+    """One run; every process it started is killed at the end, orphans included (torchrun's
+    workers outlive a killed torchrun and would hold the output pipe open)."""
     with tempfile.TemporaryDirectory(prefix="recovery-bench-") as tmp:
         cmd = command(path, steps, f"{tmp}/ckpt", f"{tmp}/state")
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, env=env, cwd=ROOT, start_new_session=True)
         lines: list[tuple[float, int]] = []
-        kill_t, committed = None, -1
-        timer = threading.Timer(deadline, lambda: os.killpg(proc.pid, signal.SIGKILL))
-        timer.start()
-        try:
+        state = {"kill_t": None, "committed": -1}
+        family: set[int] = {proc.pid}
+
+        def read() -> None:
             assert proc.stdout is not None
             for text in proc.stdout:
                 m = STEP_LINE.match(text)
@@ -97,19 +107,35 @@ def trial(path: str, steps: int, kill_at: int, deadline: float) -> dict:
                     continue
                 now, step = time.monotonic(), int(m.group(1))
                 lines.append((now, step))
-                if kill_t is None and step >= kill_at:
+                if state["kill_t"] is None and step >= kill_at:
                     victim = _victim(proc.pid)
                     if victim is not None:
-                        committed = max(s for _, s in lines)
+                        state["committed"] = max(s for _, s in lines)
                         os.kill(victim, signal.SIGKILL)
-                        kill_t = time.monotonic()
-            code = proc.wait()
-        finally:
-            timer.cancel()
+                        state["kill_t"] = time.monotonic()
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        end = time.monotonic() + deadline
+        code = None
+        while code is None and time.monotonic() < end:
+            try:
+                family.update(c.pid for c in psutil.Process(proc.pid).children(recursive=True))
+            except psutil.Error:
+                pass
+            try:
+                code = proc.wait(timeout=0.5)
+            except subprocess.TimeoutExpired:
+                continue
+        _kill_all(family)
+        proc.wait()
+        reader.join(10)
+    kill_t, committed = state["kill_t"], state["committed"]
     after = [(t, s) for t, s in lines if kill_t is not None and t >= kill_t]
     new = [t for t, s in after if s > committed]
     finished = sorted({s for _, s in lines}) == list(range(steps))
-    return {"path": path, "exit_code": code, "finished": finished and code == 0,
+    return {"path": path, "exit_code": code, "hung": code is None,
+            "finished": finished and code == 0,
             "killed_after_step": committed if kill_t else None,
             "kill_to_next_step_s": (new[0] - kill_t) if new and kill_t else None,
             "steps_redone": sum(1 for _, s in after if s <= committed)}
@@ -125,6 +151,7 @@ def summarise(results: list[dict]) -> dict[str, dict]:
         redone = [r["steps_redone"] for r in mine if r["finished"]]
         table[path] = {
             "trials": len(mine), "finished": sum(r["finished"] for r in mine),
+            "hung": sum(r["hung"] for r in mine),
             "median_s": statistics.median(times) if times else None,
             "min_s": min(times) if times else None, "max_s": max(times) if times else None,
             "redone_median": statistics.median(redone) if redone else None,
@@ -226,10 +253,10 @@ def print_tables(report: dict) -> None:
     if "summary" in report:
         print(f"\nlost device (kill -9 of device 3 after step {report['kill_at']}), tiny GPT, "
               f"4 gloo workers on {os.cpu_count()} cores, {report['trials']} trials per path")
-        print(f"{'path':10s} {'finished':>9s} {'kill->next step s: median':>26s} {'min':>6s} "
-              f"{'max':>6s} {'steps redone: median':>21s} {'max':>4s}")
+        print(f"{'path':10s} {'finished':>9s} {'hung':>5s} {'kill->next step s: median':>26s} "
+              f"{'min':>6s} {'max':>6s} {'steps redone: median':>21s} {'max':>4s}")
         for path, row in report["summary"].items():
-            print(f"{path:10s} {row['finished']:>4d}/{row['trials']:<4d} "
+            print(f"{path:10s} {row['finished']:>4d}/{row['trials']:<4d} {row['hung']:>5d} "
                   f"{fmt(row['median_s']):>26s} {fmt(row['min_s']):>6s} {fmt(row['max_s']):>6s} "
                   f"{fmt(row['redone_median'], 'g'):>21s} {fmt(row['redone_max'], 'g'):>4s}")
     if "ablation" in report:
@@ -257,7 +284,7 @@ def main() -> None:
                         help=f"comma-separated subset of {','.join(PATHS)}")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--kill-at", type=int, default=12)
-    parser.add_argument("--deadline", type=float, default=180.0,
+    parser.add_argument("--deadline", type=float, default=120.0,
                         help="seconds before a trial is killed and counted as unfinished")
     parser.add_argument("--ablation", action="store_true", help="run part 2 too")
     parser.add_argument("--repeats", type=int, default=5, help="ablation repetitions")

@@ -38,7 +38,7 @@ from chameleon_elastic.plan import AllReduceGroup, ExecutionPlan, Pipeline
 from chameleon_elastic.timeouts import Timeouts
 
 from .checkpoint import latest_step, load_layers, save_checkpoint
-from .commit import Row, StateLost, agree
+from .commit import Agreement, Row, StateLost, agree
 from .errors import PeerLost, PipelineRuntimeError
 from .executor import OpTiming, PipelineExecutor
 from .grad_sync import SyncMode, bucket_rank_sets, layer_holder_rank_sets, sync_gradients
@@ -247,7 +247,8 @@ class PipelineTrainer:
     # ------------------------------------------------------------------ entering a plan
 
     def enter(self, plan: ExecutionPlan, reported: int | None) -> Entry:
-        """Agree, restore, move and rebuild for ``plan`` (collective over its world)."""
+        """Agree, restore, move and rebuild for ``plan`` (collective over its world).
+        ``reported``: the last step the agents know was reported (None: unknown)."""
         plan.validate()
         if plan.num_layers != self.model.num_layers:
             raise PipelineRuntimeError(
@@ -259,59 +260,75 @@ class PipelineTrainer:
         check_world(plan, ranks.device_of_rank)
         agreement = agree(rows)
         rolled = self.device in agreement.roll_forward
-        if rolled:
+        if rolled:   # the interrupted step was committed elsewhere: apply its summed gradients
             self._apply()
-            self.results[self.committed - 1] = StepResult(self.committed - 1,
-                                                          agreement.last_loss, 0.0, 0.0, 0.0, 0)
-        wanted = stage_layers(plan, self.device)
-        previous = agreement.resume
+            step = self.committed - 1
+            self.results[step] = StepResult(step, agreement.last_loss, 0.0, 0.0, 0.0, 0)
         began = time.perf_counter()
-        moved_layers, moved_bytes, planned = 0, 0.0, True
-        orphans = ([] if agreement.resume is None else agreement.orphans(plan.num_layers))
-        if agreement.resume is not None and not orphans:
+        source, moved_layers, moved_bytes, planned = self._restore(plan, rows, agreement, ranks)
+        transfer_s = time.perf_counter() - began
+        self.synced = None
+        redone = self._settle_reporting(source, agreement, reported)
+        self._build(plan, ranks)
+        return Entry(self.committed, source, rolled, moved_layers, moved_bytes, planned,
+                     transfer_s, redone)
+
+    def _restore(self, plan: ExecutionPlan, rows: list[Row], agreement: Agreement,
+                 ranks: RankMap) -> tuple[str, int, float, bool]:
+        """Hold this device's layers of ``plan`` at one step every rank agrees on: from peers
+        (the normal case), from the checkpoint (a layer has no live holder, or nobody holds
+        state), or built from the seed (step 0). Returns the source and (layers moved in the
+        job, bytes received here, whether the plan's own transfers were used)."""
+        wanted = stage_layers(plan, self.device)
+        resume = agreement.resume
+        orphans = [] if resume is None else agreement.orphans(plan.num_layers)
+        if resume is not None and not orphans:
             held = {r.device: r.held for r in rows if r.committed is not None}
             moves, planned = plan_moves(plan, agreement, held)
             received = move_layers(moves, self.device, ranks, self._export,
                                    self.torch_device or torch.device("cpu"))
             self._install(wanted, received)
-            moved_layers = sum(len(m.layers) for m in moves)
-            moved_bytes = float(sum(s.nbytes for s in received.values()))
-            source = "peers" if moves else "none"
-        elif agreement.checkpoint is not None and self.checkpoint_dir is not None:
+            self.committed = resume
+            return ("peers" if moves else "none", sum(len(m.layers) for m in moves),
+                    float(sum(s.nbytes for s in received.values())), planned)
+        if agreement.checkpoint is not None:
+            if self.checkpoint_dir is None:
+                raise PipelineRuntimeError(
+                    f"device {self.device} has no checkpoint directory while its peers restore "
+                    f"the checkpoint of step {agreement.checkpoint}; give every worker the same "
+                    "checkpoint directory."
+                )
             self._install(wanted, load_layers(self.checkpoint_dir, agreement.checkpoint,
                                               wanted), fresh=True)
             self.committed = agreement.checkpoint
-            source = "checkpoint"
-        elif not agreement.resume:   # None (nobody holds state) or 0: the seeded start
+            return "checkpoint", 0, 0.0, True
+        if not resume:   # nobody holds state, or only step 0's: the seeded start
             self._install(wanted, {}, fresh=True)
             self.committed = 0
-            source = "init"
-        else:
-            raise StateLost(
-                f"layers {_ranges(tuple(orphans))} were lost with every process that held "
-                f"them and there is no checkpoint to restore them from (step {previous} was "
-                "committed); pass a checkpoint directory to keep such a job alive."
-            )
-        transfer_s = time.perf_counter() - began
-        if source in ("peers", "none"):
-            self.committed = previous
-        self.synced = None
+            return "init", 0, 0.0, True
+        raise StateLost(
+            f"layers {_ranges(tuple(orphans))} were lost with every process that held them "
+            f"and there is no checkpoint to restore them from (step {resume} was committed); "
+            "pass a checkpoint directory to keep such a job alive."
+        )
+
+    def _settle_reporting(self, source: str, agreement: Agreement,
+                          reported: int | None) -> int:
+        """Where reporting resumes after entering a plan; returns the steps to be redone."""
+        assert self.committed is not None
         start = self.committed
         known = max(agreement.reported, self.reported, -1 if reported is None else reported)
-        redone = 0
         if source in ("checkpoint", "init"):
-            # a fresh world or a rollback: what came before `start` was reported, if at all,
-            # before this state existed; steps reported already are trained (and said) again
-            if start <= known:
-                redone, self.redo_below = known + 1 - start, known + 1
+            # a fresh world or a rollback: steps reported already are trained (and said) again
             self.reported = start - 1
-        else:
-            if reported is None and agreement.reported < 0:
-                known = max(known, start - 2)  # a lost reporter had reported up to R - 2
-            self.reported = min(known, start - 1)
-        self._build(plan, ranks)
-        return Entry(self.committed, source, rolled, moved_layers, moved_bytes, planned,
-                     transfer_s, redone)
+            if start <= known:
+                self.redo_below = known + 1
+                return known + 1 - start
+            return 0
+        if reported is None and agreement.reported < 0:
+            known = max(known, start - 2)   # a lost reporter had reported up to R - 2
+        self.reported = min(known, start - 1)
+        return 0
 
     def _row(self) -> Row:
         held = (min(self.layers), max(self.layers) + 1) if self.layers else (0, 0)

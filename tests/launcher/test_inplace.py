@@ -9,9 +9,19 @@ training (float64, rtol 1e-9).
 
 from __future__ import annotations
 
+import json
+
+import numpy as np
 import pytest
 
-from .conftest import MLP_FAULTS, assert_single_process_results, read_events
+from .conftest import (
+    MLP_FAULTS,
+    assert_single_process_results,
+    mlp_reference,
+    pid_alive,
+    read_events,
+    wait_for,
+)
 
 STEPS = 6
 
@@ -58,3 +68,104 @@ def test_fault_in_every_phase_recovers_in_place_with_single_process_results(
         assert set(r["rolled_forward"]) == rolled and r["resumed_step"] == 4
     assert all(e["restarts_used"] == 0 for e in recovered)
     assert "Traceback" not in run.log.read_text()
+
+
+def _launch_mlp(launch, tmp_path, steps: int, *worker_args: str, flags: tuple = ()):
+    out, state = tmp_path / "out", tmp_path / "state"
+    out.mkdir()
+    run = launch("chameleon", ["--standalone", "--nproc-per-node", "4", "--preset", "tiny-cpu",
+                               "--state-dir", str(state), "--monitor-interval", "0.05",
+                               "--no-status", *flags, MLP_FAULTS, str(out), str(steps),
+                               *worker_args])
+    return run, out, state
+
+
+def _reported(out) -> list[dict]:
+    return [json.loads(x) for x in (out / "steps.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.timeout(90)
+def test_two_failures_in_a_row_are_both_recovered_in_place(tmp_path, launch):
+    run, out, state = _launch_mlp(launch, tmp_path, 9, "3:2:forward:kill", "1:6:backward:kill")
+    assert run.wait(80) == 0, run.log.read_text()[-3000:]
+    assert_single_process_results(out, [0, 2], 9)
+    recovered = [e for e in read_events(state / "events.jsonl") if e["event"] == "recovered"]
+    assert [e["mode"] for e in recovered] == ["inplace", "inplace"]
+    assert [sorted(e["kept_devices"]) for e in recovered] == [[0, 1, 2], [0, 2]]
+    assert "Traceback" not in run.log.read_text()
+
+
+@pytest.mark.timeout(90)
+def test_every_replica_lost_restores_the_checkpoint_in_place_and_says_what_is_redone(
+        tmp_path, launch):
+    ckpt = tmp_path / "ckpt"
+    run, out, state = _launch_mlp(launch, tmp_path, 7, "1:5:forward:kill", "3:5:forward:kill",
+                                  "--checkpoint-dir", str(ckpt))
+    assert run.wait(80) == 0, run.log.read_text()[-3000:]
+    reported = _reported(out)
+    # steps 0-4 committed, checkpoint after step 4 (every 2 steps: 2, 4): step 4 is redone
+    assert [(r["step"], r["redone"]) for r in reported] == [
+        (0, False), (1, False), (2, False), (3, False), (4, False), (4, True), (5, False),
+        (6, False)]
+    ref_losses, _ = mlp_reference(7)
+    np.testing.assert_allclose([r["loss"] for r in reported],
+                               [ref_losses[r["step"]] for r in reported], rtol=1e-9, atol=1e-12)
+    for device in (0, 2):   # restored in place: the survivors never restarted
+        assert len((out / f"pid-{device}").read_text().split()) == 1
+    r = [e for e in read_events(state / "events.jsonl") if e["event"] == "recovered"][-1]
+    assert r["mode"] == "inplace" and r["source"] == "checkpoint"
+    assert r["resumed_step"] == 4 and r["redone_steps"] == 1
+    line = next(x for x in run.log.read_text().splitlines() if "lost (SIGKILL)" in x)
+    assert "restored from the checkpoint of step 4" in line and "step 4 will be trained again" \
+        in line
+
+
+@pytest.mark.timeout(90)
+def test_every_replica_lost_without_a_checkpoint_ends_the_job_in_one_sentence(tmp_path, launch):
+    run, out, state = _launch_mlp(launch, tmp_path, 7, "1:3:forward:kill", "3:3:forward:kill")
+    assert run.wait(80) == 1
+    log = run.log.read_text()
+    assert "layers 4-7 were lost with every device that held them" in log
+    assert "Traceback" not in log and "ChildFailedError" not in log
+    events = read_events(state / "events.jsonl")
+    assert [e["event"] for e in events][-2:] == ["planning_failed", "job_finished"]
+    for device in (0, 2):
+        pid = int((out / f"pid-{device}").read_text().split()[0])
+        wait_for(lambda pid=pid: not pid_alive(pid), 10, f"device {device}'s worker to stop")
+
+
+@pytest.mark.timeout(90)
+def test_a_device_that_comes_back_joins_in_place_and_receives_its_layers(tmp_path, launch):
+    health = tmp_path / "bad-devices"
+    run, out, state = _launch_mlp(launch, tmp_path, 14, "--pace", "0.2",
+                                  flags=("--health-file", str(health)))
+    wait_for(lambda: (out / "steps.jsonl").exists() and len(_reported(out)) >= 3, 60,
+             "three steps")
+    health.write_text("2\n")
+    wait_for(lambda: any(e["event"] == "recovered"
+                         for e in read_events(state / "events.jsonl")), 30, "device 2 out")
+    steps_out = len(_reported(out))
+    wait_for(lambda: len(_reported(out)) >= steps_out + 2, 30, "two steps without device 2")
+    health.write_text("")
+    assert run.wait(80) == 0, run.log.read_text()[-3000:]
+    recovered = [e for e in read_events(state / "events.jsonl") if e["event"] == "recovered"]
+    assert [e["mode"] for e in recovered] == ["inplace", "inplace"]
+    assert recovered[0]["reason"] == "device_lost" and recovered[0]["started_devices"] == []
+    assert recovered[1]["reason"] == "device_rejoined" and recovered[1]["started_devices"] == [2]
+    assert_single_process_results(out, [0, 1, 2, 3], 14, restarted=(2,))
+    assert "Traceback" not in run.log.read_text()
+
+
+@pytest.mark.timeout(90)
+def test_recovery_relaunch_restarts_everyone_from_the_checkpoint(tmp_path, launch):
+    ckpt = tmp_path / "ckpt"
+    run, out, state = _launch_mlp(launch, tmp_path, 7, "3:5:forward:kill",
+                                  "--checkpoint-dir", str(ckpt), flags=("--recovery", "relaunch"))
+    assert run.wait(80) == 0, run.log.read_text()[-3000:]
+    reported = _reported(out)
+    assert [r["step"] for r in reported if r["redone"]] == [4]
+    assert sorted({r["step"] for r in reported}) == list(range(7))
+    for device in (0, 1, 2):
+        assert len((out / f"pid-{device}").read_text().split()) == 2   # relaunched
+    r = [e for e in read_events(state / "events.jsonl") if e["event"] == "recovered"][-1]
+    assert r["mode"] == "relaunch" and r["source"] == "checkpoint" and r["resumed_step"] == 4
