@@ -13,7 +13,9 @@ printed. Measured from the kill:
 Paths: ``inplace`` (chameleon-run --preset tiny-cpu, survivors keep their processes and take
 state from peers), ``relaunch`` (the same with --recovery relaunch: every worker restarts and
 loads the checkpoint), ``torchrun`` (torchrun --max-restarts 1, plain data parallelism, every
-worker restarts and loads the checkpoint).
+worker restarts and loads the checkpoint) and ``torchrun-fresh`` (the same with
+TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, torch's switch away from the store it shares across
+restarts, whose stale keys make plain torchrun's relaunched workers fail or hang).
 
 Part 2 (``--ablation``): 8 gloo processes hold a 16-layer model as DP=4 x PP=2 (the paper's
 setting); device 7 is lost; the planner re-plans. The same new layout is entered twice per
@@ -45,14 +47,17 @@ import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 GPT = str(ROOT / "examples" / "train_gpt.py")
-PATHS = ("inplace", "relaunch", "torchrun")
+PATHS = ("inplace", "relaunch", "torchrun", "torchrun-fresh")
+#: torch's switch away from the store it shares across restarts (whose stale keys make the
+#: relaunched workers fail with "connectFullMesh ... Connection refused" or hang)
+FRESH_STORE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 STEP_LINE = re.compile(r"step\s+(\d+)\s+loss")
 
 
 def command(path: str, steps: int, ckpt: str, state: str) -> list[str]:
     script = [GPT, "--steps", str(steps), "--log-every", "1", "--checkpoint-dir", ckpt,
               "--checkpoint-every", "5"]
-    if path == "torchrun":
+    if path.startswith("torchrun"):
         return [sys.executable, "-m", "torch.distributed.run", "--standalone",
                 "--nproc-per-node", "4", "--max-restarts", "1", "--monitor-interval", "0.1",
                 *script]
@@ -92,7 +97,8 @@ def trial(path: str, steps: int, kill_at: int, deadline: float) -> dict:
     workers outlive a killed torchrun and would hold the output pipe open)."""
     with tempfile.TemporaryDirectory(prefix="recovery-bench-") as tmp:
         cmd = command(path, steps, f"{tmp}/ckpt", f"{tmp}/state")
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+                   **(FRESH_STORE if path == "torchrun-fresh" else {}))
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, env=env, cwd=ROOT, start_new_session=True)
         lines: list[tuple[float, int]] = []
@@ -253,10 +259,10 @@ def print_tables(report: dict) -> None:
     if "summary" in report:
         print(f"\nlost device (kill -9 of device 3 after step {report['kill_at']}), tiny GPT, "
               f"4 gloo workers on {os.cpu_count()} cores, {report['trials']} trials per path")
-        print(f"{'path':10s} {'finished':>9s} {'hung':>5s} {'kill->next step s: median':>26s} "
+        print(f"{'path':15s} {'finished':>9s} {'hung':>5s} {'kill->next step s: median':>26s} "
               f"{'min':>6s} {'max':>6s} {'steps redone: median':>21s} {'max':>4s}")
         for path, row in report["summary"].items():
-            print(f"{path:10s} {row['finished']:>4d}/{row['trials']:<4d} {row['hung']:>5d} "
+            print(f"{path:15s} {row['finished']:>4d}/{row['trials']:<4d} {row['hung']:>5d} "
                   f"{fmt(row['median_s']):>26s} {fmt(row['min_s']):>6s} {fmt(row['max_s']):>6s} "
                   f"{fmt(row['redone_median'], 'g'):>21s} {fmt(row['redone_max'], 'g'):>4s}")
     if "ablation" in report:
@@ -308,7 +314,7 @@ def main() -> None:
                 r = trial(path, args.steps, args.kill_at, args.deadline)
                 results.append(r)
                 t = r["kill_to_next_step_s"]
-                print(f"  trial {i + 1:2d} {path:9s} finished={r['finished']!s:5s} kill->next="
+                print(f"  trial {i + 1:2d} {path:14s} finished={r['finished']!s:5s} kill->next="
                       f"{'-' if t is None else f'{t:.2f} s'} redone={r['steps_redone']}",
                       file=sys.stderr, flush=True)
         report.update(trials=args.trials, kill_at=args.kill_at, steps=args.steps,

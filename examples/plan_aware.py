@@ -9,8 +9,9 @@ range ``[CHAMELEON_LAYER_START, CHAMELEON_LAYER_END)``, its micro-batch quota (i
 absorbs for a dead peer under rerouting) and the whole plan (``CHAMELEON_PLAN_FILE``). The
 runtime (``chameleon_elastic.runtime``) builds exactly those layers, runs the plan's 1F1B order
 with point-to-point transfers and synchronises gradients by the plan's colour rounds. After a
-re-plan the launcher restarts the script with the new roles; this example restarts from step 0
-(a real job would reload its checkpoint).
+re-plan the launcher restarts the script with the new roles: this example drives
+``trainer.step`` itself, so it is relaunched and starts again from step 0 (examples/train_gpt.py
+trains through ``trainer.run`` and recovers in place instead, keeping every committed step).
 
 Each step's time goes to the launcher's profiler through ``record_step`` (a no-op elsewhere).
 """

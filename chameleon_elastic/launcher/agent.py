@@ -298,6 +298,8 @@ class ChameleonAgent(LocalElasticAgent):
             t = time.perf_counter()
             decision = self._agree(store, group_rank, group_world, inplace_wanted)
             plan_s = time.perf_counter() - t
+        if self._channel is not None:   # a lost peer reported before this round is handled
+            channel.write(self._channel, channel.TROUBLE, -1)
         stop_s = 0.0
         if decision is None or not decision.inplace:
             t = time.perf_counter()

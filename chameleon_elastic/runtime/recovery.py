@@ -184,6 +184,7 @@ class Recovery:
         self.backend = backend   # a chameleon_elastic.plugins DeviceBackend
         self._pending: Resumed | None = None
         self._resumed_at = 0.0
+        self.registered = False
 
     def announced(self) -> bool:
         """True when the agent has published a newer generation (checked at step starts)."""
@@ -233,6 +234,13 @@ class Recovery:
             moved_bytes=entry.moved_bytes, rolled_forward=entry.rolled_forward,
             redone_steps=entry.redone_steps, noticed_at=noticed_at)
         self._resumed_at = time.perf_counter()
+        if self.registered:
+            self.link.register(self.trainer.plan.generation)
+
+    def register(self) -> None:
+        """Tell the agent that this worker trains in ``trainer.run``, so a lost peer is
+        recovered in place (a script that drives ``trainer.step`` itself is relaunched)."""
+        self.registered = True
         self.link.register(self.trainer.plan.generation)
 
     def step_committed(self, result: StepResult) -> None:

@@ -478,6 +478,8 @@ class PipelineTrainer:
         ``checkpoint_dir``, a checkpoint is committed after every that many steps and after the
         last one.
         """
+        if self.recovery is not None:
+            self.recovery.register()
         self._report(report)
         while self.committed < steps:
             failure = None

@@ -10,6 +10,7 @@ training (float64, rtol 1e-9).
 from __future__ import annotations
 
 import json
+import statistics
 
 import numpy as np
 import pytest
@@ -86,13 +87,19 @@ def _reported(out) -> list[dict]:
 
 @pytest.mark.timeout(90)
 def test_two_failures_in_a_row_are_both_recovered_in_place(tmp_path, launch):
-    run, out, state = _launch_mlp(launch, tmp_path, 9, "3:2:forward:kill", "1:6:backward:kill")
+    profile = tmp_path / "profile.json"
+    run, out, state = _launch_mlp(launch, tmp_path, 9, "3:2:forward:kill", "1:6:backward:kill",
+                                  flags=("--profile-out", str(profile)))
     assert run.wait(80) == 0, run.log.read_text()[-3000:]
     assert_single_process_results(out, [0, 2], 9)
     recovered = [e for e in read_events(state / "events.jsonl") if e["event"] == "recovered"]
     assert [e["mode"] for e in recovered] == ["inplace", "inplace"]
     assert [sorted(e["kept_devices"]) for e in recovered] == [[0, 1, 2], [0, 2]]
     assert "Traceback" not in run.log.read_text()
+    # the measured cost of an in-place transition, for the planner (--profile)
+    measured = json.loads(profile.read_text())["cluster"]["regroup_s"]
+    assert measured > 0
+    assert measured == pytest.approx(statistics.median(e["regroup_s"] for e in recovered))
 
 
 @pytest.mark.timeout(90)

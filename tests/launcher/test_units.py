@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import signal
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from chameleon_elastic.launcher.failures import FailureKind, classify_exit
 from chameleon_elastic.launcher.health import FileHealthCheck
-from chameleon_elastic.launcher.observe import EventLog, StatusLine
+from chameleon_elastic.launcher.observe import EventLog, StatusLine, recovery_line
 from chameleon_elastic.launcher.plan_env import (
     CHAMELEON_VARS,
     chameleon_env,
@@ -116,6 +117,26 @@ def test_profile_round_trip_replaces_guesses():
     tuned = apply_profile(spec, {"model": {"forward_s": f, "backward_s": b}})
     assert tuned.model.forward_s == (pytest.approx(f),) * 8
     assert tuned.cluster == spec.cluster
+    regrouped = apply_profile(spec, {"model": {}, "cluster": {"regroup_s": 0.12}})
+    assert regrouped.cluster.regroup_s == 0.12 and regrouped.cluster.switch_s == 0.12
+
+
+def test_recovery_line_says_what_was_lost_what_moved_and_where_training_resumed():
+    plan = _plan_2x2()
+    line = recovery_line("device 3 lost (SIGKILL)", replace(plan, policy="replan"),
+                         inplace=True, started=0, moved_layers=3, moved_bytes=1.2e6,
+                         source="peers", resumed_step=8, redone=0, seconds=0.41)
+    assert line == ("device 3 lost (SIGKILL) at step 8; re-planned to 2 pipelines [0 1 | 2 3]; "
+                    "moved 3 layers (1.2 MB) from peers; resumed at step 8 in 0.41 s")
+    back = recovery_line("devices 1, 3 lost (SIGKILL)", replace(plan, policy="replan"),
+                         inplace=True, started=0, moved_layers=0, moved_bytes=0,
+                         source="checkpoint", resumed_step=10, redone=2, seconds=0.9)
+    assert "at step 12" in back and "restored from the checkpoint of step 10" in back
+    assert "steps 10-11 will be trained again" in back
+    relaunch = recovery_line("device 2: worker exited with code 1", plan, inplace=False,
+                             started=4, moved_layers=0, moved_bytes=0, source="", 
+                             resumed_step=None, redone=0, seconds=None)
+    assert relaunch.endswith("relaunched 4 workers")
 
 
 def _run_cli(argv, capsys, monkeypatch):
