@@ -56,7 +56,7 @@ from chameleon_elastic.timeouts import Timeouts
 from .errors import PeerLost, PipelineRuntimeError
 
 if TYPE_CHECKING:
-    from .trainer import Entry, PipelineTrainer, StepResult
+    from .trainer import Entry, PipelineTrainer
 
 __all__ = ["Recovery", "WorkerLink", "join_generation", "preload_before_groups"]
 
@@ -96,6 +96,9 @@ class WorkerLink:
     def newest(self) -> int:
         value = channel.read_int(self.store, channel.NEWEST)
         return -1 if value is None else value
+
+    def has(self, number: int) -> bool:
+        return bool(self.store.check([channel.generation_key(number)]))
 
     def generation(self, number: int) -> Generation:
         return Generation.from_dict(channel.read(self.store, channel.generation_key(number)))
@@ -187,8 +190,9 @@ class Recovery:
         self.registered = False
 
     def announced(self) -> bool:
-        """True when the agent has published a newer generation (checked at step starts)."""
-        return self.link.newest() > self.trainer.plan.generation
+        """True when the agent has published a newer generation (checked at step starts: one
+        loopback round trip)."""
+        return self.link.has(self.trainer.plan.generation + 1)
 
     def abort(self) -> None:
         """Tear every group down. Callers hold no exception of the broken step any more (its
@@ -243,7 +247,7 @@ class Recovery:
         self.registered = True
         self.link.register(self.trainer.plan.generation)
 
-    def step_committed(self, result: StepResult) -> None:
+    def step_committed(self) -> None:
         if self._pending is None:
             return
         self.link.resumed(replace(self._pending,

@@ -486,9 +486,9 @@ class PipelineTrainer:
             try:
                 if self.recovery is not None and self.recovery.announced():
                     raise PeerLost("the agent announced a new plan generation")
-                result = self.step(self.committed)
+                self.step(self.committed)
                 if self.recovery is not None:
-                    self.recovery.step_committed(result)
+                    self.recovery.step_committed()
                 done = self.committed
                 if (self.checkpoint_dir is not None and checkpoint_every
                         and (done % checkpoint_every == 0 or done == steps)):
