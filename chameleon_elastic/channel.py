@@ -17,6 +17,7 @@ key                   writer   meaning
 ``worker/<device>``   worker   :class:`Registration`: this worker runs on the runtime, so it can
                                recover in place (unregistered scripts are relaunched)
 ``resumed/<N>/<d>``   worker   :class:`Resumed`: how device d entered generation N (timings)
+``beat/<device>``     worker   a counter moved at every phase of every step (hang detection)
 ``reported``          worker   last step the job's reporter handed to the user's callback
 ``checkpoint``        worker   last step a committed checkpoint holds (none: no checkpoint)
 ``trouble``           worker   a plan generation in which a worker lost a peer (so the agent
@@ -45,6 +46,7 @@ __all__ = [
     "Generation",
     "Registration",
     "Resumed",
+    "beat_key",
     "chameleon_env",
     "generation_key",
     "read",
@@ -100,6 +102,10 @@ def generation_key(generation: int) -> str:
 
 def worker_key(device: int) -> str:
     return f"worker/{device}"
+
+
+def beat_key(device: int) -> str:
+    return f"beat/{device}"
 
 
 def resumed_key(generation: int, device: int) -> str:

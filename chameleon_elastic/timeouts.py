@@ -11,6 +11,8 @@ frozen value, checked once, and both sides (agent and workers) resolve it the sa
 +--------------+-----------------------------------+-----------------------------------------+
 | field        | environment variable              | bounds                                  |
 +==============+===================================+=========================================+
+| hang_s       | CHAMELEON_HANG_TIMEOUT_S          | a runtime worker making no progress     |
+|              | (``--hang-timeout``; 0: off)      | before its agent kills it as hung       |
 | collective_s | CHAMELEON_COLLECTIVE_TIMEOUT_S    | one collective or point-to-point        |
 |              |                                   | transfer in the runtime (gloo/nccl)     |
 | store_s      | CHAMELEON_STORE_TIMEOUT_S         | one read of a key another process       |
@@ -22,9 +24,14 @@ frozen value, checked once, and both sides (agent and workers) resolve it the sa
 | shutdown_s   | (torchrun's --shutdown-timeout)   | SIGTERM to SIGKILL when stopping workers|
 +--------------+-----------------------------------+-----------------------------------------+
 
-Invariants: every value is positive, and ``store_s <= generation_s`` and
-``collective_s <= generation_s`` (a waiting survivor outlasts any peer still blocked in a
-collective or a store read). ``shutdown_s`` is torchrun's own flag and keeps torchrun's
+When ``hang_s`` is not set it is 60 s or half the collective timeout, whichever is less.
+
+Invariants: every value is positive (``hang_s`` may be 0: off), ``hang_s < collective_s`` (a
+hung worker is killed, which makes its peers' collectives fail at once, before any of them
+times out), and ``store_s <= generation_s`` and ``collective_s <= generation_s`` (a waiting
+survivor outlasts any peer still blocked in a collective or a store read). The rendezvous
+timeouts (``--rdzv-conf join_timeout`` etc., torch's) sit above all of these: the hierarchy is
+hang < collective < waiting for the next generation < rendezvous. ``shutdown_s`` is torchrun's own flag and keeps torchrun's
 semantics (its ``PET_SHUTDOWN_TIMEOUT`` variable is the flag's default, as in torchrun).
 """
 
@@ -39,6 +46,7 @@ from datetime import timedelta
 __all__ = ["ENV_VARS", "TimeoutSettingError", "Timeouts"]
 
 ENV_VARS: dict[str, str] = {
+    "hang_s": "CHAMELEON_HANG_TIMEOUT_S",
     "collective_s": "CHAMELEON_COLLECTIVE_TIMEOUT_S",
     "store_s": "CHAMELEON_STORE_TIMEOUT_S",
     "generation_s": "CHAMELEON_GENERATION_TIMEOUT_S",
@@ -52,6 +60,7 @@ class TimeoutSettingError(ValueError):
 
 @dataclass(frozen=True)
 class Timeouts:
+    hang_s: float = 60.0
     collective_s: float = 120.0
     store_s: float = 60.0
     generation_s: float = 300.0
@@ -61,9 +70,20 @@ class Timeouts:
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-                raise TimeoutSettingError(f"timeout {f.name} = {value!r} must be a positive number of "
-                                    "seconds.")
+            least = 0 if f.name == "hang_s" else None
+            if not (isinstance(value, (int, float)) and math.isfinite(value)
+                    and (value >= 0 if least == 0 else value > 0)):
+                raise TimeoutSettingError(
+                    f"timeout {f.name} = {value!r} must be a positive number of seconds"
+                    + (" (or 0 to turn hang detection off)." if least == 0 else ".")
+                )
+        if self.hang_s >= self.collective_s:
+            raise TimeoutSettingError(
+                f"hang timeout {self.hang_s:g} s must be below the collective timeout "
+                f"{self.collective_s:g} s, so a hung worker is killed before its peers' "
+                "collectives time out; lower --hang-timeout or raise "
+                "CHAMELEON_COLLECTIVE_TIMEOUT_S."
+            )
         for inner in ("store_s", "collective_s"):
             if getattr(self, inner) > self.generation_s:
                 raise TimeoutSettingError(
@@ -93,6 +113,8 @@ class Timeouts:
                     ) from None
             elif given.get(f.name) is not None:
                 values[f.name] = float(given[f.name])  # type: ignore[arg-type]
+        if "hang_s" not in values:   # follow a lowered collective timeout, keep below it
+            values["hang_s"] = min(cls.hang_s, values.get("collective_s", cls.collective_s) / 2)
         return cls(**values)
 
     def delta(self, name: str) -> timedelta:

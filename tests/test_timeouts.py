@@ -28,6 +28,15 @@ def test_bad_settings_are_one_sentence_naming_the_variable(env, needle):
     assert "\n" not in str(err.value)
 
 
+def test_the_hang_timeout_follows_a_lowered_collective_timeout_and_stays_below_it():
+    assert Timeouts.resolve(env={}).hang_s == 60
+    assert Timeouts.resolve(env={"CHAMELEON_COLLECTIVE_TIMEOUT_S": "30"}).hang_s == 15
+    assert Timeouts.resolve(env={}, hang_s=0).hang_s == 0          # off
+    assert Timeouts.resolve(env={"CHAMELEON_HANG_TIMEOUT_S": "5"}, hang_s=9).hang_s == 5
+    with pytest.raises(TimeoutSettingError, match="below the collective timeout"):
+        Timeouts.resolve(env={}, hang_s=120)
+
+
 def test_unknown_names_are_a_programming_error():
     with pytest.raises(TypeError):
-        Timeouts.resolve(env={}, hang_s=3)
+        Timeouts.resolve(env={}, heartbeat_s=3)

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from string import Template
 from typing import Any, Literal
 
+import psutil
 import torch.distributed as dist
 from torch.distributed.elastic.agent.server.api import (
     RunResult,
@@ -158,6 +159,7 @@ class ChameleonAgent(LocalElasticAgent):
         self._last_change: PlanChange | None = None
         self._exits: dict[int, Any] = {}        # global rank -> Exit, of the last poll
         self._trouble_since: float | None = None
+        self._beats: dict[int, tuple[int, float]] = {}  # device -> (progress count, since)
         self._channel: Any = None               # this node's agent <-> worker store
         self._channel_address = ""
         if session is not None:
@@ -300,6 +302,7 @@ class ChameleonAgent(LocalElasticAgent):
             plan_s = time.perf_counter() - t
         if self._channel is not None:   # a lost peer reported before this round is handled
             channel.write(self._channel, channel.TROUBLE, -1)
+        self._beats.clear()             # a recovery is no hang: progress is timed afresh
         stop_s = 0.0
         if decision is None or not decision.inplace:
             t = time.perf_counter()
@@ -599,7 +602,7 @@ class ChameleonAgent(LocalElasticAgent):
         event = p.event
         lost = sorted(p.change.lost) if p.change else sorted(event.lost)
         joined = sorted(p.change.joined) if p.change else sorted(event.joined)
-        signals = {f.device: f.signal for f in event.failures if f.signal}
+        signals = {f.device: f.signal or f.reason.split(":")[0] for f in event.failures}
         parts = []
         if lost:
             why = sorted({signals.get(d) or ("health check" if d in event.lost else "node gone")
@@ -610,6 +613,37 @@ class ChameleonAgent(LocalElasticAgent):
         if not parts and event.failures:
             parts.append("; ".join(f"device {f.device}: {f.reason}" for f in event.failures))
         return " and ".join(parts) or f"{event.reason}: no device changed"
+
+    def _hung(self) -> list[WorkerFailure]:
+        """Runtime workers whose progress count has not moved for ``hang_s`` and that are not
+        asleep (a worker blocked on a hung peer sleeps in its transfer; the hung one is stopped,
+        stuck in the kernel, or spinning). Scripts that never report progress are never hung."""
+        limit = self._timeouts.hang_s
+        if not limit or self._channel is None:
+            return []
+        now = time.monotonic()
+        hung = []
+        for device in sorted(self._procs.devices):
+            count = channel.read_int(self._channel, channel.beat_key(device))
+            if count is None:
+                continue
+            seen = self._beats.get(device)
+            if seen is None or seen[0] != count:
+                self._beats[device] = (count, now)
+                continue
+            if now - seen[1] < limit:
+                continue
+            try:
+                state = psutil.Process(self._procs.pid(device)).status()
+            except psutil.Error:
+                continue   # gone: the next poll reports its exit
+            if state in (psutil.STATUS_SLEEPING, psutil.STATUS_IDLE):
+                continue
+            nproc = self._nproc()
+            hung.append(WorkerFailure(device, device % nproc, -signal.SIGKILL, None,
+                                      FailureKind.DEVICE_LOST,
+                                      f"hung: no progress for {limit:g} s, process {state}"))
+        return hung
 
     @property
     def _runtime(self) -> bool:
@@ -634,11 +668,12 @@ class ChameleonAgent(LocalElasticAgent):
         while True:
             time.sleep(spec.monitor_interval)
             result = self._monitor_workers(wg)
+            hung = self._hung() if result.state == WorkerState.HEALTHY else []
             bad = self._health_tick() if result.state == WorkerState.HEALTHY else set()
             if self._profiler is not None:
                 self._profiler.sample()
             state = result.state
-            if bad:
+            if bad or hung:
                 state = WorkerState.UNHEALTHY
             wg.state = state
             if state == WorkerState.SUCCEEDED:
@@ -649,7 +684,7 @@ class ChameleonAgent(LocalElasticAgent):
                 return result
             try:
                 self._poll_pending()
-                outcome = self._react(wg, state, result, bad)
+                outcome = self._react(wg, state, result, bad, hung)
             except LauncherPlanningError as exc:
                 self._status.say(f"chameleon-run: {exc}")
                 self._procs.close(timeout=self._timeouts.shutdown_s)
@@ -667,11 +702,11 @@ class ChameleonAgent(LocalElasticAgent):
                             **fields)
 
     def _react(self, wg: WorkerGroup, state: WorkerState, result: RunResult,
-               bad: set[int]) -> RunResult | None:
+               bad: set[int], hung: list[WorkerFailure]) -> RunResult | None:
         """One monitor tick's reaction; a RunResult ends the run, None keeps monitoring."""
         spec = wg.spec
         if state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
-            failures = self._classify(result)
+            failures = self._classify(result) + hung
             for f in failures:
                 self._emit(Event.FAILURE_SEEN, device=f.device, local_rank=f.local_rank,
                            exitcode=f.exitcode, signal=f.signal, kind=f.kind.value,
@@ -683,12 +718,14 @@ class ChameleonAgent(LocalElasticAgent):
             planned = self._session is not None and self._session.policy != "restart"
             lost = {f.device for f in failures if f.kind is FailureKind.DEVICE_LOST} | bad
             crashed = any(f.kind is FailureKind.CRASH for f in failures)
+            if hung and not planned:   # torchrun's way: a hung worker is a crash
+                self._procs.kill({f.device for f in hung})
             if planned and lost:
                 event = self._event(Trigger.DEVICE_LOST, lost=frozenset(lost),
                                     failures=tuple(failures))
                 self._book.lost |= lost
                 self._book.unhealthy |= bad
-                self._procs.kill(bad)
+                self._procs.kill(bad | {f.device for f in hung})
                 inplace = (self._inplace_wanted and not crashed and not self._procs.succeeded
                            and self._runtime)
                 self._recover(event, inplace)

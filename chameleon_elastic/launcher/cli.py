@@ -26,8 +26,9 @@ from typing import Any
 
 __all__ = ["build_parser", "main"]
 
-OUR_FLAGS = ("--job", "--preset", "--policy", "--recovery", "--plan-cache", "--state-dir",
-             "--event-log", "--health-file", "--profile", "--profile-out", "--no-status")
+OUR_FLAGS = ("--job", "--preset", "--policy", "--recovery", "--hang-timeout", "--plan-cache",
+             "--state-dir", "--event-log", "--health-file", "--profile", "--profile-out",
+             "--no-status")
 
 _DYNAMIC_RDZV_DEFAULTS = {"keep_alive_interval": 1, "keep_alive_max_attempt": 3,
                           "last_call_timeout": 3}
@@ -64,6 +65,13 @@ def build_parser() -> argparse.ArgumentParser:
                             "and take state from peers) or relaunch (stop and restart every "
                             "worker). Scripts that do not use the runtime are always relaunched. "
                             "Default: the job's cluster.recovery.")
+    group.add_argument("--hang-timeout", "--hang_timeout", action=env, type=float,
+                       default=None,
+                       help="Seconds a worker on chameleon_elastic.runtime may make no progress "
+                            "(and not be waiting for a peer) before its device is declared lost "
+                            "and the worker killed; 0 turns it off. Scripts that never report "
+                            "progress are never killed. Default: 60, or half the collective "
+                            "timeout if that is lower (CHAMELEON_HANG_TIMEOUT_S overrides).")
     group.add_argument("--plan-cache", "--plan_cache", action=env, type=int, default=None,
                        help="Precompute plans for up to K simultaneous losses in the background "
                             "(default: the job's planner.cache_failures; 0 disables).")
@@ -167,6 +175,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
     job_mode = args.job is not None or args.preset is not None
     job_only = (("--health-file", args.health_file), ("--profile", args.profile),
                 ("--plan-cache", args.plan_cache), ("--recovery", args.recovery),
+                ("--hang-timeout", args.hang_timeout),
                 ("--policy", None if args.policy == "auto" else args.policy))
     for flag, value in job_only:
         if value is not None and not job_mode:
@@ -179,7 +188,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
     except (AssertionError, ValueError, RuntimeError) as exc:
         parser.error(f"invalid launch configuration: {exc}")
     try:
-        timeouts = Timeouts.resolve(shutdown_s=config.shutdown_timeout)
+        timeouts = Timeouts.resolve(shutdown_s=config.shutdown_timeout,
+                                    hang_s=args.hang_timeout)
     except TimeoutSettingError as exc:
         parser.error(str(exc))
     _register_backends()

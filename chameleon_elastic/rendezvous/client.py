@@ -12,11 +12,13 @@ both and adds the retry policy the rendezvous needs:
 - an expired/unknown auth token (``invalid auth token``, e.g. after etcd restarted) rebuilds the
   underlying client, which authenticates again, and the request is retried;
 - bad credentials and missing permissions are not transient: :class:`EtcdAuthError` at once;
-- endpoints of a cluster fail over in turn (an endpoint that failed is retried after 0.2 s).
+- endpoints of a cluster fail over in turn: after any transient failure the next attempt goes
+  to another member (an endpoint that failed is tried again after 0.2 s), so a dead member or
+  one without a leader costs one attempt, not the retry deadline.
 
 The first contact (the constructor, ``verify=True``) only waits ``connect_timeout``, so a wrong
-``--rdzv-endpoint`` or a TLS mismatch is reported in seconds with a message that says what to
-check. A request that is retried after a lost reply may have been applied once already: callers
+``--rdzv-endpoint`` or a TLS mismatch is reported in seconds, in one sentence that names the
+endpoints, what came back and the fix (the command-line tools print it without a traceback). A request that is retried after a lost reply may have been applied once already: callers
 use compare-and-set transactions (the backend) or accept at-least-once (``Store.add``).
 """
 
@@ -152,6 +154,23 @@ def _auth_problem(exc: BaseException) -> str | None:
     return None
 
 
+def _fail_over(client: pyetcd.MultiEndpointEtcd3Client, exc: BaseException) -> None:
+    """Make the next attempt go to another member of the cluster.
+
+    pyetcd marks an endpoint failed only inside its own wrapped methods and only for some
+    gRPC codes, so a direct stub call (the connect probe, the store's multi-key read) kept
+    hitting a dead member until the retry deadline, and "no leader" answers were never
+    moved away from. One member alone has nowhere to go, and "no server available" means
+    every member is already marked.
+    """
+    if len(client.endpoints) < 2 or isinstance(exc, etcd_exceptions.NoServerAvailableError):
+        return
+    endpoint = client.endpoint_in_use
+    if endpoint is not None:
+        endpoint.fail()
+    client._clear_old_stubs()  # cached stubs (and the watch stream) use the old channel
+
+
 class EtcdClient:
     """A thread-safe, self-healing handle on one etcd cluster (see the module docstring)."""
 
@@ -161,16 +180,40 @@ class EtcdClient:
         self._client: pyetcd.MultiEndpointEtcd3Client | None = None
         self._closed = False
         if verify:
-            self.call("connect", self._status, timeout=settings.connect_timeout)
+            self._connect()
+
+    def _connect(self) -> None:
+        """First contact: a status probe retried until ``connect_timeout``, then one sentence.
+
+        Every attempt's RPC deadline ends by then too, so an endpoint that accepts but never
+        answers cannot stretch the wait by ``rpc_timeout``.
+        """
+        budget = self.settings.connect_timeout
+        deadline = time.monotonic() + budget
+
+        def probe(client: pyetcd.MultiEndpointEtcd3Client) -> Any:
+            left = deadline - time.monotonic()
+            return self._status(client, max(0.01, min(self.settings.rpc_timeout, left)))
+
+        self.call("connect", probe, timeout=budget,
+                  give_up=lambda exc: self._unreachable_error(exc, budget))
 
     @staticmethod
-    def _status(client: pyetcd.MultiEndpointEtcd3Client) -> Any:
+    def _status(client: pyetcd.MultiEndpointEtcd3Client, rpc_timeout: float | None = None) -> Any:
         return client.maintenancestub.Status(
             etcdrpc.StatusRequest(),
-            client.timeout,
+            client.timeout if rpc_timeout is None else rpc_timeout,
             credentials=client.call_credentials,
             metadata=client.metadata,
         )
+
+    def status(self, timeout: float | None = None) -> Any:
+        """The answering member's ``StatusResponse``, retried like every call.
+
+        ``header.member_id`` is the member that answered, ``leader`` the member it follows
+        (itself when it is the leader), ``raftTerm`` grows with every election.
+        """
+        return self.call("status", self._status, timeout=timeout)
 
     def _build(self) -> pyetcd.MultiEndpointEtcd3Client:
         s = self.settings
@@ -233,10 +276,16 @@ class EtcdClient:
         fn: Callable[[pyetcd.MultiEndpointEtcd3Client], T],
         *,
         timeout: float | None = None,
+        give_up: Callable[[BaseException], EtcdConnectionError] | None = None,
     ) -> T:
-        """Run ``fn(client)``, retrying transient failures for ``timeout`` (default retry_timeout)."""
+        """Run ``fn(client)``, retrying transient failures for ``timeout`` (default retry_timeout).
+
+        At the deadline raise ``give_up(last error)``, by default a connection error naming
+        ``what``.
+        """
         deadline = time.monotonic() + (self.settings.retry_timeout if timeout is None else timeout)
         backoff = _BACKOFF_START_S
+        last: BaseException | None = None  # the last error of a member, for the message
         while True:
             current: pyetcd.MultiEndpointEtcd3Client | None = None
             try:
@@ -253,8 +302,17 @@ class EtcdClient:
                         self._reset(current)
                 elif not is_transient(exc):
                     raise
+                elif current is not None:
+                    _fail_over(current, exc)
+                if last is None or not isinstance(exc, etcd_exceptions.NoServerAvailableError):
+                    last = exc  # "every member marked failed" hides why they failed
                 if time.monotonic() >= deadline:
-                    raise self._connection_error(what, exc) from exc
+                    if give_up is None:
+                        raise self._connection_error(what, last) from last
+                    # The message already carries the gRPC status and details; chaining the
+                    # gRPC exception only adds ~20 lines of grpc internals to torchrun's
+                    # traceback, which prints the whole chain of an uncaught error.
+                    raise give_up(last) from None
                 log.debug("etcd %s failed (%s); retrying", what, _details(exc))
             time.sleep(min(backoff, max(0.0, deadline - time.monotonic())) * random.uniform(0.5, 1))
             backoff = min(backoff * 2, _BACKOFF_MAX_S)
@@ -271,6 +329,35 @@ class EtcdClient:
             f"etcd {what} failed: no endpoint of {s.endpoint_text} answered within the retry "
             f"deadline (last error: {_details(exc)}). Check --rdzv-endpoint (the host:port of "
             f"etcd's client URLs, comma-separated) and that etcd is running and reachable.{hint}"
+        )
+
+    def _unreachable_error(self, exc: BaseException, waited: float) -> EtcdConnectionError:
+        """One sentence: where, for how long, what came back, and what to do about it."""
+        s = self.settings
+        detail = _details(exc)
+        retry = "or raise --rdzv-conf connect_timeout=SECONDS if etcd is still starting"
+        if "connection refused" in detail.lower():
+            seen = "connection refused: nothing listens there"
+            fix = (
+                "start etcd there, point --rdzv-endpoint at the client URLs of a running etcd "
+                f"cluster (host:port, comma-separated), {retry}"
+            )
+        elif s.secure:
+            seen = f"the TLS connection failed: {detail}"
+            fix = (
+                "check that cacert is the CA that signed the server's certificate, that the "
+                "certificate names the host you connect to and that cert/key match, point "
+                f"--rdzv-endpoint at etcd's client URLs, {retry}"
+            )
+        else:
+            seen = f"something listens there but did not answer as etcd: {detail}"
+            fix = (
+                "point --rdzv-endpoint at etcd's client URLs (host:port, port 2379 unless "
+                "configured otherwise), pass cacert=... in --rdzv-conf if they are https, "
+                f"{retry}"
+            )
+        return EtcdConnectionError(
+            f"no etcd answered at {s.endpoint_text} within {waited:g} s ({seen}); {fix}."
         )
 
     def _auth_error(self, problem: str, what: str) -> EtcdAuthError:

@@ -109,7 +109,8 @@ class EtcdSettings:
         retry_timeout: seconds to keep retrying while no endpoint answers (an etcd restart or a
             leader election) before raising :class:`EtcdConnectionError`.
         connect_timeout: seconds the first contact may take before a clear error (a wrong
-            endpoint should fail fast, not after ``retry_timeout``).
+            endpoint should fail fast, not after ``retry_timeout``); by default 10, or
+            ``read_timeout`` when that is smaller.
     """
 
     endpoints: tuple[tuple[str, int], ...]
@@ -209,6 +210,12 @@ class EtcdSettings:
                 ) from exc
 
         defaults = cls.__dataclass_fields__
+        # The first contact gives up by read_timeout when that is shorter (torch's c10d
+        # backend bounds its connect by read_timeout); an explicit connect_timeout wins.
+        connect_default = defaults["connect_timeout"].default
+        read_timeout = number("read_timeout", 60, int)  # checked again by the handler
+        if read_timeout > 0:
+            connect_default = min(connect_default, float(read_timeout))
         return cls(
             endpoints=parse_endpoints(endpoint),
             cacert=pick("cacert"),
@@ -220,5 +227,5 @@ class EtcdSettings:
             lease_ttl=int(number("lease_ttl", defaults["lease_ttl"].default, int)),
             rpc_timeout=number("rpc_timeout", defaults["rpc_timeout"].default),
             retry_timeout=number("retry_timeout", defaults["retry_timeout"].default),
-            connect_timeout=number("connect_timeout", defaults["connect_timeout"].default),
+            connect_timeout=number("connect_timeout", connect_default),
         )

@@ -11,6 +11,11 @@ starting *thread* exits, so start it from a thread that lives as long as you nee
 how tests simulate an etcd outage that clients must ride out: every key survives, leases keep
 their remaining TTL, revisions continue.
 
+One ``LocalEtcd`` can also be one member of a several-member cluster (``name`` and
+``initial_cluster``, etcd's own flags); ``local_cluster.LocalEtcdCluster`` builds those. A member
+of a new cluster cannot be healthy alone (no quorum), so the cluster starts every member with
+``start(wait=False)`` first and only then waits for each with ``wait_healthy()``.
+
 Nothing here is needed in production, where the operator runs an etcd cluster.
 """
 
@@ -122,6 +127,8 @@ class LocalEtcd:
             ``cleanup()``) when omitted.
         client_port, peer_port: fixed ports; free ones are picked when omitted.
         startup_timeout: seconds to wait for ``/health`` before giving up.
+        name, initial_cluster: etcd's ``--name`` and ``--initial-cluster`` for a member of a
+            several-member cluster; by default a one-member cluster of this server alone.
     """
 
     def __init__(
@@ -132,6 +139,9 @@ class LocalEtcd:
         startup_timeout: float = 30.0,
         binary: str | None = None,
         tls: LocalEtcdTls | None = None,
+        *,
+        name: str | None = None,
+        initial_cluster: str | None = None,
     ) -> None:
         self.tls = tls
         self._own_dir = data_dir is None
@@ -142,6 +152,8 @@ class LocalEtcd:
         self.peer_port = peer_port or free_port()
         self.startup_timeout = startup_timeout
         self.binary = binary or find_etcd_binary()
+        self.name = name or f"chameleon-{self.client_port}"
+        self.initial_cluster = initial_cluster or f"{self.name}={self.peer_url}"
         self.log_path = self._work_dir / f"etcd-{self.client_port}.log"
         self._proc: subprocess.Popen[bytes] | None = None
 
@@ -156,6 +168,10 @@ class LocalEtcd:
         return f"{scheme}://127.0.0.1:{self.client_port}"
 
     @property
+    def peer_url(self) -> str:
+        return f"http://127.0.0.1:{self.peer_port}"
+
+    @property
     def pid(self) -> int | None:
         return self._proc.pid if self._proc is not None else None
 
@@ -163,8 +179,6 @@ class LocalEtcd:
         return self._proc is not None and self._proc.poll() is None
 
     def _command(self) -> list[str]:
-        peer_url = f"http://127.0.0.1:{self.peer_port}"
-        name = f"chameleon-{self.client_port}"
         tls: list[str] = []
         if self.tls is not None:
             tls = ["--cert-file", self.tls.server_cert, "--key-file", self.tls.server_key]
@@ -173,19 +187,23 @@ class LocalEtcd:
         return [
             self.binary,
             *tls,
-            "--name", name,
+            "--name", self.name,
             "--data-dir", str(self.data_dir),
             "--listen-client-urls", self.client_url,
             "--advertise-client-urls", self.client_url,
-            "--listen-peer-urls", peer_url,
-            "--initial-advertise-peer-urls", peer_url,
-            "--initial-cluster", f"{name}={peer_url}",
+            "--listen-peer-urls", self.peer_url,
+            "--initial-advertise-peer-urls", self.peer_url,
+            "--initial-cluster", self.initial_cluster,
             "--initial-cluster-state", "new",
             "--log-level", "warn",
         ]
 
-    def start(self) -> LocalEtcd:
-        """Start the server (no-op if it runs) and wait until it reports healthy."""
+    def start(self, wait: bool = True) -> LocalEtcd:
+        """Start the server (no-op if it runs) and wait until it reports healthy.
+
+        With ``wait=False`` return as soon as the process is spawned; call ``wait_healthy()``
+        later (a cluster member is healthy only once a quorum of members runs).
+        """
         if self.is_running():
             return self
         for port in (self.client_port, self.peer_port):
@@ -206,15 +224,30 @@ class LocalEtcd:
                 # the hook is one prctl() call through a libc handle loaded in the parent
                 preexec_fn=_parent_death_signal(),  # noqa: PLW1509 - no orphan etcd
             )
+        if wait:
+            self.wait_healthy()
+        return self
+
+    def wait_healthy(self, timeout: float | None = None) -> None:
+        """Poll ``/health`` until it says true; on failure stop the server and raise.
+
+        Raises EtcdServerError if the process exits or ``timeout`` (default
+        ``startup_timeout``) passes first.
+        """
         try:
-            self._wait_healthy()
+            self._poll_health(self.startup_timeout if timeout is None else timeout)
         except BaseException:
             self.stop()
             raise
-        return self
 
-    def _wait_healthy(self) -> None:
-        deadline = time.monotonic() + self.startup_timeout
+    def _poll_health(self, timeout: float) -> None:
+        proc = self._proc
+        if proc is None:
+            raise EtcdServerError(
+                f"etcd on {self.endpoint} is not running, so it cannot become healthy; call "
+                "start() first."
+            )
+        deadline = time.monotonic() + timeout
         url = f"{self.client_url}/health"
         last_error = "no answer yet"
         context = None
@@ -223,10 +256,9 @@ class LocalEtcd:
             if self.tls.health_cert and self.tls.health_key:
                 context.load_cert_chain(self.tls.health_cert, self.tls.health_key)
         while time.monotonic() < deadline:
-            assert self._proc is not None
-            if self._proc.poll() is not None:
+            if proc.poll() is not None:
                 raise EtcdServerError(
-                    f"etcd exited with code {self._proc.returncode} while starting on "
+                    f"etcd exited with code {proc.returncode} while starting on "
                     f"{self.endpoint}; its log ({self.log_path}) ends with:\n{self.log_tail()}"
                 )
             try:
@@ -237,7 +269,7 @@ class LocalEtcd:
                 last_error = str(exc)
             time.sleep(_HEALTH_POLL_S)
         raise EtcdServerError(
-            f"etcd on {self.endpoint} did not become healthy within {self.startup_timeout:.0f} s "
+            f"etcd on {self.endpoint} did not become healthy within {timeout:.0f} s "
             f"(last error: {last_error}); its log ({self.log_path}) ends with:\n{self.log_tail()}"
         )
 

@@ -133,6 +133,11 @@ class WorkerLink:
     def checkpointed(self, step: int) -> None:
         channel.write(self.store, channel.CHECKPOINT, step)
 
+    def beat(self) -> None:
+        """Progress: the agent declares a worker whose count stops moving (and that is not
+        asleep waiting for a peer) hung past ``--hang-timeout``."""
+        self.store.add(channel.beat_key(self.device), 1)
+
     def trouble(self, generation: int) -> None:
         channel.write(self.store, channel.TROUBLE, generation)
 

@@ -409,7 +409,11 @@ class PipelineTrainer:
 
     # ------------------------------------------------------------------ one step
 
-    def _phase(self, step: int, phase: Phase) -> None:
+    def _phase(self, step: int, phase: str) -> None:
+        """Entering a phase of a step: progress for the agent's hang detection (a worker that
+        trains in ``run``), then the fault-injection hook."""
+        if self.recovery is not None and self.recovery.registered:
+            self.recovery.link.beat()
         if self.on_phase is not None:
             self.on_phase(step, phase)
 
@@ -439,7 +443,7 @@ class PipelineTrainer:
             assert self.optimizer is not None and self.groups is not None
             self.optimizer.zero_grad(set_to_none=False)
             outcome = self.executor.run(step, self.orders, record=record,
-                                        on_phase=self.on_phase)
+                                        on_phase=self._phase)
             loss_sum, timings = outcome.loss_sum, outcome.timings
             compute_done = time.perf_counter()
             self._phase(step, "sync")

@@ -10,7 +10,10 @@ training (float64, rtol 1e-9).
 from __future__ import annotations
 
 import json
+import os
+import signal
 import statistics
+import time
 
 import numpy as np
 import pytest
@@ -176,3 +179,27 @@ def test_recovery_relaunch_restarts_everyone_from_the_checkpoint(tmp_path, launc
         assert len((out / f"pid-{device}").read_text().split()) == 2   # relaunched
     r = [e for e in read_events(state / "events.jsonl") if e["event"] == "recovered"][-1]
     assert r["mode"] == "relaunch" and r["source"] == "checkpoint" and r["resumed_step"] == 4
+
+
+@pytest.mark.timeout(90)
+def test_a_stopped_worker_is_declared_hung_killed_and_recovered_in_place(tmp_path, launch):
+    """SIGSTOP, not SIGKILL: no socket resets, the peers just wait. The agent sees device 1's
+    progress count stand still for --hang-timeout while the process is stopped (its peers are
+    asleep in their transfers), kills it, and the survivors recover in place."""
+    run, out, state = _launch_mlp(launch, tmp_path, 12, "--pace", "0.2",
+                                  flags=("--hang-timeout", "3"))
+    wait_for(lambda: (out / "steps.jsonl").exists() and len(_reported(out)) >= 3, 60,
+             "three steps")
+    victim = int((out / "pid-1").read_text().split()[0])
+    os.kill(victim, signal.SIGSTOP)
+    stopped_at = time.time()
+    assert run.wait(80) == 0, run.log.read_text()[-3000:]
+    assert_single_process_results(out, [0, 2, 3], 12)
+    events = read_events(state / "events.jsonl")
+    seen = [e for e in events if e["event"] == "failure_seen"]
+    assert [e["device"] for e in seen] == [1] and "no progress for 3 s" in seen[0]["reason"]
+    assert seen[0]["ts"] - stopped_at >= 3          # not before the hang timeout
+    recovered = [e for e in events if e["event"] == "recovered"]
+    assert len(recovered) == 1 and recovered[0]["mode"] == "inplace"
+    assert "device 1 lost (hung)" in run.log.read_text()
+    assert not pid_alive(victim)
