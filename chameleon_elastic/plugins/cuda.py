@@ -48,6 +48,17 @@ class CudaBackend(DeviceBackend):
 
         torch.cuda.synchronize(self.device(local_rank))
 
+    def unblock(self, sockets: frozenset[int]) -> None:
+        """NCCL can abort: ``ncclCommAbort`` on every communicator makes the blocked collective
+        return (the sockets of the gloo side-groups, if any, are shut down as well)."""
+        try:
+            from torch.distributed.distributed_c10d import _abort_process_group
+
+            _abort_process_group()
+        except (ImportError, RuntimeError, ValueError):
+            pass
+        super().unblock(sockets)
+
     def abort_process_groups(self) -> None:
         """``ncclCommAbort`` on every communicator at once (torch's ``_abort_process_group``),
         so a collective blocked on a dead peer returns; then the groups are destroyed. Not yet

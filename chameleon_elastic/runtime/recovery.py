@@ -53,6 +53,7 @@ from chameleon_elastic.channel import Generation, Registration, Resumed
 from chameleon_elastic.plan import ExecutionPlan
 from chameleon_elastic.timeouts import Timeouts
 
+from .abort import GroupSockets, Watchdog, new_sockets
 from .errors import PeerLost, PipelineRuntimeError
 
 if TYPE_CHECKING:
@@ -66,10 +67,11 @@ log = logging.getLogger("chameleon_elastic.runtime.recovery")
 class WorkerLink:
     """A worker's end of its agent's channel (a TCPStore client on loopback)."""
 
-    def __init__(self, store: Any, device: int, timeouts: Timeouts) -> None:
+    def __init__(self, store: Any, device: int, timeouts: Timeouts, address: str = "") -> None:
         self.store = store
         self.device = device
         self.timeouts = timeouts
+        self.address = address
 
     @classmethod
     def from_env(cls, timeouts: Timeouts | None = None,
@@ -91,7 +93,14 @@ class WorkerLink:
                 "agent is gone or the variables were copied from another run: start the script "
                 f"with chameleon-run, or unset {channel.AGENT_STORE_ENV}."
             ) from exc
-        return cls(store, device, timeouts)
+        return cls(store, device, timeouts, address)
+
+    def another(self) -> WorkerLink:
+        """A second connection to the same channel, for another thread."""
+        host, _, port = self.address.rpartition(":")
+        store = dist.TCPStore(host, int(port), is_master=False,
+                              timeout=self.timeouts.delta("store_s"))
+        return WorkerLink(store, self.device, self.timeouts, self.address)
 
     def newest(self) -> int:
         value = channel.read_int(self.store, channel.NEWEST)
@@ -149,12 +158,14 @@ def join_generation(gen: Generation, device: int, backend: str, timeouts: Timeou
     store = dist.TCPStore(gen.master_addr, gen.master_port, is_master=False,
                           timeout=timeouts.delta("store_s"))
     try:
-        dist.init_process_group(backend, store=dist.PrefixStore(gen.prefix, store),
-                                rank=gen.rank(device), world_size=len(gen.world),
-                                timeout=timeouts.delta("collective_s"))
+        with new_sockets() as sockets:
+            dist.init_process_group(backend, store=dist.PrefixStore(gen.prefix, store),
+                                    rank=gen.rank(device), world_size=len(gen.world),
+                                    timeout=timeouts.delta("collective_s"))
     except RuntimeError as exc:
         raise PeerLost(f"device {device} could not join generation {gen.generation}: "
                        f"{exc}") from exc
+    GroupSockets[dist.group.WORLD] = frozenset(sockets)
     plan = read_plan(gen.plan_file)
     env = {"RANK": str(gen.rank(device)), "WORLD_SIZE": str(len(gen.world)),
            "MASTER_ADDR": gen.master_addr, "MASTER_PORT": str(gen.master_port)}
@@ -193,6 +204,7 @@ class Recovery:
         self._pending: Resumed | None = None
         self._resumed_at = 0.0
         self.registered = False
+        self.watchdog: Watchdog | None = None
 
     def announced(self) -> bool:
         """True when the agent has published a newer generation (checked at step starts: one
@@ -203,6 +215,8 @@ class Recovery:
         """Tear every group down. Callers hold no exception of the broken step any more (its
         traceback would keep pending work, hence the group and its sockets, alive); what a
         cycle still holds is collected, so the sockets close and blocked peers fail now."""
+        if self.watchdog is not None:
+            self.watchdog.disarm()   # the groups' descriptors are about to be closed
         self.trainer.release_groups()
         self.backend.abort_process_groups()
         gc.collect()
@@ -245,12 +259,26 @@ class Recovery:
         self._resumed_at = time.perf_counter()
         if self.registered:
             self.link.register(self.trainer.plan.generation)
+            self._arm()
 
     def register(self) -> None:
         """Tell the agent that this worker trains in ``trainer.run``, so a lost peer is
-        recovered in place (a script that drives ``trainer.step`` itself is relaunched)."""
+        recovered in place (a script that drives ``trainer.step`` itself is relaunched), and
+        start the watchdog that unblocks the loop when the agents move on without it."""
         self.registered = True
         self.link.register(self.trainer.plan.generation)
+        if self.watchdog is None:
+            side = self.link.another()
+            self.watchdog = Watchdog(lambda g: side.has(g + 1), self.backend.unblock)
+        self._arm()
+
+    def _arm(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.arm(self.trainer.plan.generation, self.trainer.group_sockets)
+
+    def close(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.stop()
 
     def step_committed(self) -> None:
         if self._pending is None:

@@ -37,6 +37,7 @@ from torch import nn
 from chameleon_elastic.plan import AllReduceGroup, ExecutionPlan, Pipeline
 from chameleon_elastic.timeouts import Timeouts
 
+from .abort import GroupSockets, new_sockets
 from .checkpoint import latest_step, load_layers, save_checkpoint
 from .commit import Agreement, Row, StateLost, agree
 from .errors import PeerLost, PipelineRuntimeError
@@ -182,6 +183,7 @@ class PipelineTrainer:
         self.plan = plan
         self.ranks: RankMap = RankMap(())
         self.groups: GroupTable | None = None
+        self.group_sockets: frozenset[int] = frozenset()   # see runtime/abort.py
         self.executor: PipelineExecutor | None = None
         self.orders: tuple = ()
         self.rounds: tuple[tuple[AllReduceGroup, ...], ...] = ()
@@ -390,7 +392,9 @@ class PipelineTrainer:
         self.holders = layer_holders(plan)
         rank_sets = (bucket_rank_sets(self.rounds, ranks) if self.sync_mode == "rounds"
                      else layer_holder_rank_sets(self.holders, ranks))
-        self.groups = GroupTable(rank_sets, timeout=self.timeouts.delta("collective_s"))
+        with new_sockets() as sockets:
+            self.groups = GroupTable(rank_sets, timeout=self.timeouts.delta("collective_s"))
+        self.group_sockets = frozenset(sockets) | GroupSockets.get(dist.group.WORLD, frozenset())
         self.executor, self.orders = None, ()
         if self.working:
             pipeline, stage = plan.locate(self.device)
@@ -523,4 +527,6 @@ class PipelineTrainer:
 
     def close(self) -> None:
         """Release this plan's process groups (the default group stays)."""
+        if self.recovery is not None:
+            self.recovery.close()
         self.release_groups()
