@@ -67,6 +67,7 @@ from . import coordination
 from .coordination import Decision, NodeReport
 from .failures import FailureEvent, FailureKind, Trigger, WorkerFailure, classify_exit
 from .health import AlwaysHealthy, HealthCheck
+from .node_watch import NodeWatch
 from .observe import Event, EventLog, StatusLine, recovery_line
 from .orphan_guard import guarded_command
 from .plan_env import LocalAssignment, device_id, local_assignments
@@ -160,6 +161,7 @@ class ChameleonAgent(LocalElasticAgent):
         self._exits: dict[int, Any] = {}        # global rank -> Exit, of the last poll
         self._trouble_since: float | None = None
         self._beats: dict[int, tuple[int, float]] = {}  # device -> (progress count, since)
+        self._watch: NodeWatch | None = None    # our lease and the others' (etcd-v3)
         self._channel: Any = None               # this node's agent <-> worker store
         self._channel_address = ""
         if session is not None:
@@ -345,8 +347,10 @@ class ChameleonAgent(LocalElasticAgent):
                 lost, joined = coordination.losses(reports, session.excluded, session.devices,
                                                    self._nproc())
                 change = session.apply(lost=lost, joined=joined)
+                if change is None and coordination.inplace_possible(reports, inplace_wanted):
+                    change = session.renew()   # the workers regroup: a new generation
                 decision = coordination.decide(session.plan, session.excluded, reports,
-                                               change is not None, inplace_wanted)
+                                               inplace_wanted)
                 coordination.publish(store, scope, decision)
             else:
                 decision = coordination.adopt(store, scope, self._timeouts.store_s)
@@ -495,6 +499,38 @@ class ChameleonAgent(LocalElasticAgent):
         super()._shutdown(death_sig, timeout)
         self._procs.close(death_sig, timeout)
         self._worker_store = None
+        if self._watch is not None:
+            self._watch.close()
+            self._watch = None
+
+    def _start_node_watch(self) -> None:
+        """Hold a lease and watch the others' (etcd-v3 only; see node_watch.py)."""
+        if self._rdzv_parameters.backend != "etcd-v3" or self._node is None:
+            return
+        try:
+            self._watch = NodeWatch(self._rdzv_parameters, self._node).start()
+        except Exception as exc:  # noqa: BLE001 - liveness is an accelerator, not a necessity
+            log.warning("node leases unavailable (%s); lost nodes are seen through the "
+                        "rendezvous and the workers only", exc)
+
+    def _lease_news(self) -> FailureEvent | None:
+        """A lost node or our own lost lease, classified; None when the leases say nothing."""
+        if self._watch is None:
+            return None
+        lost, fenced = self._watch.changes()
+        if fenced:
+            self._emit(Event.FAILURE_SEEN, kind="fenced", node=self._node,
+                       reason="this node's lease was lost (partitioned or frozen): its plan "
+                              "may be stale")
+            return self._event(Trigger.FENCED)
+        nproc = self._nproc()
+        excluded = self._session.excluded if self._session is not None else set()
+        news = [info for info in lost if info.get("node") is None or not {
+            device_id(int(info["node"]), lr, nproc) for lr in range(nproc)} <= excluded]
+        for info in news:   # a node whose devices are out already is no news
+            self._emit(Event.FAILURE_SEEN, kind="node_lost", node=info.get("node"),
+                       reason=f"lease of {info['node_id']} expired")
+        return self._event(Trigger.NODE_LOST) if news else None
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
         self._procs.close(timeout=self._timeouts.shutdown_s)
@@ -645,6 +681,20 @@ class ChameleonAgent(LocalElasticAgent):
                                       f"hung: no progress for {limit:g} s, process {state}"))
         return hung
 
+    def _lease_verdict(self) -> FailureEvent | None:
+        """Before ending a job for a crash with no restart left: did a peer node die? Its lease
+        says so within its ttl (+ 1 s for etcd's expiry sweep)."""
+        if self._watch is None:
+            return None
+        deadline = time.monotonic() + self._watch.ttl + 1.0
+        while True:
+            news = self._lease_news()
+            if news is not None and news.trigger is Trigger.NODE_LOST:
+                return news
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.1)
+
     @property
     def _runtime(self) -> bool:
         """The live workers run on the runtime (they report how they resume)."""
@@ -665,6 +715,7 @@ class ChameleonAgent(LocalElasticAgent):
         except LauncherPlanningError as exc:
             self._status.say(f"chameleon-run: {exc}")
             return RunResult(state=WorkerState.FAILED)
+        self._start_node_watch()
         while True:
             time.sleep(spec.monitor_interval)
             result = self._monitor_workers(wg)
@@ -678,6 +729,9 @@ class ChameleonAgent(LocalElasticAgent):
             wg.state = state
             if state == WorkerState.SUCCEEDED:
                 self._update_status("succeeded")
+                if self._watch is not None:   # leave as finished: no loss for the others
+                    self._watch.finish()
+                    self._watch = None
                 self._exit_barrier()
                 self._emit(Event.JOB_FINISHED, state="SUCCEEDED",
                            restarts_used=self._restarts_used())
@@ -730,11 +784,17 @@ class ChameleonAgent(LocalElasticAgent):
                            and self._runtime)
                 self._recover(event, inplace)
                 return None
+            news = self._lease_verdict() if self._remaining_restarts == 0 else None
+            if news is not None:   # our workers failed because a peer node died: no crash
+                self._recover(news, False)
+                return None
             if self._remaining_restarts > 0:
                 self._remaining_restarts -= 1
                 self._charged_crash = True
+                # in place, only the crashed worker starts again; its peers keep their state
+                inplace = self._inplace_wanted and not self._procs.succeeded and self._runtime
                 try:
-                    self._recover(self._event(Trigger.CRASH, failures=tuple(failures)), False)
+                    self._recover(self._event(Trigger.CRASH, failures=tuple(failures)), inplace)
                 finally:
                     self._charged_crash = False
                 return None
@@ -746,6 +806,15 @@ class ChameleonAgent(LocalElasticAgent):
             return result
         if state == WorkerState.HEALTHY:
             inplace = self._inplace_wanted and self._runtime
+            news = self._lease_news()
+            if news is not None and news.trigger is Trigger.FENCED:
+                # our plan may be stale: nothing of ours may train on; rejoin and adopt
+                self._procs.close(signal.SIGKILL, timeout=self._timeouts.shutdown_s)
+                self._recover(news, self._inplace_wanted)
+                return None
+            if news is not None:
+                self._recover(news, inplace)
+                return None
             if self._book.rejoining:
                 self._recover(self._event(Trigger.REJOINED,
                                           joined=frozenset(self._book.rejoining)), inplace)

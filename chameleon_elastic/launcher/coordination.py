@@ -11,9 +11,10 @@ agent that joins late still holds generation 0: the round is the one id all agen
              run on the runtime (so they can recover in place), and what its workers said about
              the last reported step and the last checkpoint.
 2. decide  - the group-rank-0 agent reads every report (``collect``), works out which devices
-             are lost or back (``losses``), asks the planner (the session), and publishes one
-             :class:`Decision` under ``decision``: the plan, the world in rank order, in place or
-             relaunch, or an error sentence when nothing can run.
+             are lost or back (``losses``), asks the planner (the session; when nothing changed
+             but the workers regroup in place, the same layout as a new generation), and
+             publishes one :class:`Decision` under ``decision``: the plan, the world in rank
+             order, in place or relaunch, or an error sentence when nothing can run.
 3. adopt   - every other agent reads the decision and takes its plan.
 
 Reads block up to the store timeout, so an agent that dies mid-round makes the others fail with
@@ -33,8 +34,8 @@ from chameleon_elastic.plan import ExecutionPlan
 
 from .plan_env import device_id
 
-__all__ = ["Decision", "NodeReport", "adopt", "collect", "decide", "losses", "publish",
-           "report", "world_of"]
+__all__ = ["Decision", "NodeReport", "adopt", "collect", "decide", "inplace_possible", "losses",
+           "publish", "report", "world_of"]
 
 
 @dataclass(frozen=True)
@@ -106,13 +107,17 @@ def world_of(plan: ExecutionPlan, live: Collection[int], inplace: bool) -> tuple
     return tuple(plan.working_devices) + tuple(spares)
 
 
+def inplace_possible(reports: Sequence[NodeReport], inplace_wanted: bool) -> bool:
+    """In place when wanted and every node's live workers run on the runtime."""
+    return inplace_wanted and all(r.ready for r in reports)
+
+
 def decide(plan: ExecutionPlan, excluded: Collection[int], reports: Sequence[NodeReport],
-           changed: bool, inplace_wanted: bool) -> Decision:
-    """The decision for a plan the session has chosen. In place only when wanted, the plan
-    changed (a new generation to publish) and every node's live workers run on the runtime.
+           inplace_wanted: bool) -> Decision:
+    """The decision for the plan the session has chosen (a new generation when in place).
     In place, a plan that sources layers from a checkpoint when no worker has one is an error
     (a relaunch restarts every worker from the checkpoint or from step 0, and says so)."""
-    inplace = inplace_wanted and changed and all(r.ready for r in reports)
+    inplace = inplace_possible(reports, inplace_wanted)
     live = {d for r in reports for d in r.live}
     reported = max((r.reported for r in reports if r.reported is not None), default=None)
     runtime = bool(live) and all(r.ready for r in reports)

@@ -78,6 +78,8 @@ class Trigger(str, enum.Enum):
     MEMBERSHIP = "membership"            # another agent waits in the rendezvous
     RENDEZVOUS_LOST = "rendezvous_lost"  # the rendezvous store's host is gone
     REJOINED = "device_rejoined"         # a device passes its health check again
+    NODE_LOST = "node_lost"              # another node's etcd lease expired
+    FENCED = "fenced"                    # our own lease was lost: our plan may be stale
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Literal
@@ -123,6 +123,15 @@ class JobSession:
         self._refresh_cache()
         return PlanChange(plan=plan, lost=lost, joined=joined, cached=False, decide_s=0.0,
                           candidates={plan.policy: _summary(plan)}, rejected={})
+
+    def renew(self) -> PlanChange:
+        """The same layout as a new generation (nothing moves): what live workers regroup on
+        when their world must be formed again although no device changed (a worker crashed
+        and is replaced, a peer's sockets broke)."""
+        self.plan = replace(self.plan, generation=self.plan.generation + 1, transfers=())
+        self.plan_file = write_plan_file(self.plan, self.plan_dir)
+        return PlanChange(plan=self.plan, lost=(), joined=(), cached=False, decide_s=0.0,
+                          candidates={self.plan.policy: _summary(self.plan)}, rejected={})
 
     def apply(self, lost: Collection[int] = (), joined: Collection[int] = ()) -> PlanChange | None:
         """Tell the planner about newly lost / returning devices; None when nothing changes."""

@@ -17,7 +17,12 @@ Protocol (one run = one prefix ``<key_prefix>/<run_id>/nodes/``):
 4. If our own lease is found expired (e.g. we were partitioned for longer than ``ttl``) a
    ``lease_lost`` event is emitted for us and we register again under a new lease, which the
    others see as ``left`` followed by ``joined``: the launcher treats that node as a new one.
-5. ``stop()`` revokes the lease, so a clean exit is seen at once rather than after ``ttl``.
+5. ``stop()`` revokes the lease, so a clean exit is seen at once rather than after ``ttl``;
+   ``finish()`` first marks the key ``finished``, so the others' ``left`` event tells a node
+   that ended on purpose from one that was lost.
+6. A node that has not refreshed its lease for ``ttl`` (etcd unreachable: a partition) emits
+   ``lease_lost`` for itself without waiting to reach etcd again: by then etcd has dropped its
+   key and the others count it lost, so its plan is stale (the launcher fences itself).
 
 Use from an agent (chameleon-run)::
 
@@ -194,6 +199,22 @@ class NodeLiveness:
             except ETCD_FAILURES:  # best effort: the lease expires by itself anyway
                 log.warning("revoking lease %x failed; it will expire by itself", lease_id)
 
+    def finish(self) -> None:
+        """Leave as a node that ended on purpose: mark the key ``finished`` (so the ``left``
+        event the others receive carries it) and revoke the lease."""
+        lease_id = self._lease_id
+        if lease_id is not None:
+            value = json.dumps({"node_id": self.node_id, **self._info, "finished": True},
+                               sort_keys=True)
+            try:
+                self._client.call("mark node finished",
+                                  lambda c: c.put(self.key, value, lease=lease_id),
+                                  timeout=self._client.settings.rpc_timeout)
+            except ETCD_FAILURES:
+                log.warning("marking node %s finished failed; peers may count it as lost",
+                            self.node_id)
+        self.stop(revoke=True)
+
     def __enter__(self) -> NodeLiveness:  # noqa: PYI034
         return self.start()
 
@@ -211,6 +232,8 @@ class NodeLiveness:
 
     def _keep_alive_loop(self) -> None:
         interval = max(self.ttl / 3.0, 0.2)
+        last_ok = time.monotonic()
+        presumed_lost = False
         while not self._stop.wait(interval):
             lease_id = self._lease_id
             if lease_id is None:
@@ -219,17 +242,25 @@ class NodeLiveness:
                 answers = self._client.call(
                     "lease keep-alive",
                     lambda c, lid=lease_id: list(c.refresh_lease(lid)),
-                    timeout=self.ttl,
+                    timeout=min(self.ttl, interval * 2),
                 )
             except ETCD_FAILURES as exc:  # etcd unreachable: keep trying, it may come back
                 log.warning("lease keep-alive for %s failed: %s", self.node_id, exc)
+                if not presumed_lost and time.monotonic() - last_ok > self.ttl:
+                    # no refresh for a whole ttl: etcd has dropped our key by now (its clock),
+                    # so the others count us lost; say so without waiting to reach etcd again
+                    presumed_lost = True
+                    self._emit(NodeEvent("lease_lost", self.node_id, dict(self._info), 0))
                 continue
             if answers and all(answer.TTL > 0 for answer in answers):
+                last_ok, presumed_lost = time.monotonic(), False
                 continue
             if self._stop.is_set():
                 return
             log.warning("lease of node %s expired; registering again", self.node_id)
-            self._emit(NodeEvent("lease_lost", self.node_id, dict(self._info), 0))
+            if not presumed_lost:
+                self._emit(NodeEvent("lease_lost", self.node_id, dict(self._info), 0))
+            last_ok, presumed_lost = time.monotonic(), False
             try:
                 self._register()
             except ETCD_FAILURES as exc:

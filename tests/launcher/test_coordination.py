@@ -28,8 +28,8 @@ def test_two_agents_agree_on_one_plan_through_a_store(session, tmp_path):
     lost, joined = coordination.losses(reports, session.excluded, session.devices, 2)
     assert (lost, joined) == ({3}, set())
     change = session.apply(lost=lost, joined=joined)
-    decision = coordination.decide(session.plan, session.excluded, reports, change is not None,
-                                   inplace_wanted=True)
+    assert change is not None
+    decision = coordination.decide(session.plan, session.excluded, reports, inplace_wanted=True)
     coordination.publish(store, "r1/", decision)
 
     other = JobSession(JobSpec.preset("tiny-cpu"), "auto", tmp_path / "other", warm_cache=False)
@@ -49,15 +49,23 @@ def test_a_node_that_did_not_report_loses_its_devices_and_comes_back(session):
     assert coordination.losses(back, {2, 3}, 4, 2) == (set(), {2, 3})
 
 
-def test_unregistered_workers_or_an_unchanged_plan_mean_relaunch(session):
+def test_unregistered_workers_or_relaunch_wanted_mean_relaunch(session):
     session.apply(lost={1})
     plan = session.plan
     ready = [NodeReport(0, (1,), (0, 2, 3), True)]
-    assert coordination.decide(plan, {1}, ready, True, True).inplace
-    assert not coordination.decide(plan, {1}, ready, False, True).inplace   # same plan
-    assert not coordination.decide(plan, {1}, ready, True, False).inplace   # relaunch wanted
+    assert coordination.decide(plan, {1}, ready, True).inplace
+    assert not coordination.decide(plan, {1}, ready, False).inplace   # relaunch wanted
     script = [NodeReport(0, (1,), (0, 2, 3), False)]
-    assert not coordination.decide(plan, {1}, script, True, True).inplace   # not the runtime
+    assert not coordination.decide(plan, {1}, script, True).inplace   # not the runtime
+
+
+def test_nothing_changed_but_a_regroup_is_a_new_generation_of_the_same_layout(session):
+    before = session.plan
+    assert session.apply(lost=(), joined=()) is None
+    change = session.renew()
+    assert change.plan.generation == before.generation + 1
+    assert change.plan.pipelines == before.pipelines and change.plan.transfers == ()
+    assert session.plan_file.endswith(f"plan-gen{before.generation + 1}.json")
 
 
 def test_spares_with_a_live_worker_stay_in_an_inplace_world():
@@ -74,12 +82,12 @@ def test_lost_layers_without_a_checkpoint_end_the_job_in_one_sentence(session):
     plan = session.plan
     assert plan.checkpoint_layers == (4, 5, 6, 7)
     no_ckpt = [NodeReport(0, (1, 3), (0, 2), True, checkpoint=None)]
-    decision = coordination.decide(plan, {1, 3}, no_ckpt, True, True)
+    decision = coordination.decide(plan, {1, 3}, no_ckpt, True)
     assert decision.error is not None and "layers 4-7" in decision.error
     assert "checkpoint" in decision.error and "\n" not in decision.error
     with_ckpt = [NodeReport(0, (1, 3), (0, 2), True, checkpoint=10)]
-    assert coordination.decide(plan, {1, 3}, with_ckpt, True, True).error is None
-    relaunch = coordination.decide(plan, {1, 3}, no_ckpt, True, False)
+    assert coordination.decide(plan, {1, 3}, with_ckpt, True).error is None
+    relaunch = coordination.decide(plan, {1, 3}, no_ckpt, False)
     assert relaunch.error is None and not relaunch.inplace   # a relaunch says so itself
 
 

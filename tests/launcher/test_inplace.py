@@ -203,3 +203,18 @@ def test_a_stopped_worker_is_declared_hung_killed_and_recovered_in_place(tmp_pat
     assert len(recovered) == 1 and recovered[0]["mode"] == "inplace"
     assert "device 1 lost (hung)" in run.log.read_text()
     assert not pid_alive(victim)
+
+
+@pytest.mark.timeout(90)
+def test_a_crashed_worker_is_replaced_in_place_and_its_peers_keep_their_state(tmp_path, launch):
+    """A worker that raises is a crash (restart budget spent, as torchrun), but only it starts
+    again: its peers keep their processes, and the new process takes its layers from them."""
+    run, out, state = _launch_mlp(launch, tmp_path, 8, "2:4:backward:raise",
+                                  flags=("--max-restarts", "1"))
+    assert run.wait(80) == 0, run.log.read_text()[-3000:]
+    assert_single_process_results(out, [0, 1, 2, 3], 8, restarted=(2,))
+    recovered = [e for e in read_events(state / "events.jsonl") if e["event"] == "recovered"]
+    assert len(recovered) == 1
+    r = recovered[0]
+    assert r["reason"] == "crash" and r["mode"] == "inplace" and r["restarts_used"] == 1
+    assert r["started_devices"] == [2] and sorted(r["kept_devices"]) == [0, 1, 3]

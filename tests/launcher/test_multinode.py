@@ -3,11 +3,13 @@ the other one carries on alone (it rebuilds the rendezvous on the same endpoint)
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 from pathlib import Path
 
+import psutil
 import pytest
 
 from .conftest import (
@@ -132,22 +134,25 @@ def _group_rank(state: Path) -> int | None:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("victim_rank", [1, 0])
-def test_lost_node_on_etcd_v3_recovers_in_place(tmp_path, launch, victim_rank):
+@pytest.mark.parametrize("fault, victim_rank", [("kill", 1), ("kill", 0), ("stop", 1)])
+def test_lost_node_on_etcd_v3_recovers_in_place(tmp_path, launch, fault, victim_rank):
     """2 agents x 2 gloo workers on a real etcd; one whole node (agent and workers) is
-    SIGKILLed while a float64 model trains: the other node's workers regroup in place, take
-    the lost layers from their peers and finish with single-process results."""
+    SIGKILLed, or SIGSTOPped (frozen: no socket resets, its lease just stops being refreshed),
+    while a float64 model trains: the other node's workers regroup in place, take the lost
+    layers from their peers and finish with single-process results."""
     local_etcd = pytest.importorskip("chameleon_elastic.rendezvous.local_etcd")
     out = tmp_path / "out"
     out.mkdir()
     steps = 12
+    frozen: list[psutil.Process] = []
     with local_etcd.LocalEtcd(data_dir=tmp_path / "etcd") as etcd:
         common = ["--nnodes", "1:2", "--nproc-per-node", "2", "--rdzv-backend", "etcd-v3",
-                  "--rdzv-endpoint", etcd.endpoint, "--rdzv-id", f"inplace-{victim_rank}",
-                  "--rdzv-conf", "last_call_timeout=5", "--local-addr", "127.0.0.1",
+                  "--rdzv-endpoint", etcd.endpoint, "--rdzv-id", f"{fault}-{victim_rank}",
+                  "--rdzv-conf", "last_call_timeout=5,lease_ttl=2", "--local-addr", "127.0.0.1",
                   "--monitor-interval", "0.1", "--no-status", "--preset", "tiny-cpu"]
         agents = [launch("chameleon", [*common, "--state-dir", str(tmp_path / name),
-                                       MLP_FAULTS, str(out), str(steps), "--pace", "0.3"],
+                                       MLP_FAULTS, str(out), str(steps), "--pace", "0.3",
+                                       "--min-world", "4"],
                          name=name) for name in ("a", "b")]
         wait_for(lambda: (out / "steps.jsonl").exists()
                  and len((out / "steps.jsonl").read_text().splitlines()) >= 4, 90,
@@ -156,15 +161,29 @@ def test_lost_node_on_etcd_v3_recovers_in_place(tmp_path, launch, victim_rank):
         victim = next(i for i, name in enumerate(("a", "b")) if ranks[name] == victim_rank)
         survivor = agents[1 - victim]
         survivor_state = tmp_path / ("a", "b")[1 - victim]
-        os.kill(agents[victim].proc.pid, signal.SIGKILL)   # the node: its workers die with it
-        agents[victim].proc.wait(10)
-        assert survivor.wait(90) == 0, survivor.log.read_text()[-3000:]
+        try:
+            if fault == "kill":
+                os.kill(agents[victim].proc.pid, signal.SIGKILL)   # its workers die with it
+                agents[victim].proc.wait(10)
+            else:
+                root = psutil.Process(agents[victim].proc.pid)
+                frozen = [root, *root.children(recursive=True)]
+                for proc in frozen:
+                    proc.send_signal(signal.SIGSTOP)
+            assert survivor.wait(90) == 0, survivor.log.read_text()[-3000:]
+        finally:
+            for proc in frozen:
+                with contextlib.suppress(psutil.Error):
+                    proc.kill()
 
     node = 1 - victim_rank
     assert_single_process_results(out, [2 * node, 2 * node + 1], steps,
                                   reporter_node_lost=victim_rank == 0)
-    recovered = [e for e in read_events(survivor_state / "events.jsonl")
-                 if e["event"] == "recovered" and e["reason"] != "membership"]
+    events = read_events(survivor_state / "events.jsonl")
+    recovered = [e for e in events if e["event"] == "recovered" and e["reason"] != "membership"]
     assert recovered and recovered[-1]["mode"] == "inplace"
     assert sorted(recovered[-1]["kept_devices"]) == [2 * node, 2 * node + 1]
+    if fault == "stop":   # only the lease can tell: nothing failed, nothing reset
+        assert any(e["event"] == "failure_seen" and e["kind"] == "node_lost" for e in events)
+        assert recovered[-1]["reason"] == "node_lost"
     assert "Traceback" not in survivor.log.read_text()

@@ -2,14 +2,19 @@
 chosen phases of chosen steps: the commit protocol's test bed.
 
     mlp_faults.py OUT STEPS [DEVICE:STEP:PHASE:ACTION ...] [--checkpoint-dir DIR] [--pace S]
+                  [--min-world N]
 
 PHASE is one of the trainer's phases (forward, backward, sync, vote, apply, applied). ACTION:
 ``kill`` - the process SIGKILLs itself there (a lost device); ``lose-vote`` - this rank acts as
 if its vote had failed although the vote completed elsewhere (what a rank sees when a dying
-peer's last message of the all-reduce never arrives): it abandons the step before applying.
+peer's last message of the all-reduce never arrives): it abandons the step before applying;
+``raise`` - a bug: the script raises (only in the first process of the device, so the process
+that replaces it trains on).
 
 ``--pace S`` makes every step last at least S seconds (a sleep before its forward), so that a
-test can act while training runs. Writes ``OUT/steps.jsonl`` (one line per reported step, from the reporting process),
+test can act while training runs. ``--min-world N``: a worker started in a smaller world waits
+without training until the launcher replaces it (a multi-node test's way around the start-up
+window in which one node may begin alone). Writes ``OUT/steps.jsonl`` (one line per reported step, from the reporting process),
 ``OUT/pid-<device>`` (every pid that ran the device) and, at the end, ``OUT/params-<device>.pt``
 (layer -> state dict of the layers it holds).
 """
@@ -29,7 +34,7 @@ from chameleon_elastic.runtime.toy import mlp_model
 def main() -> None:
     args = sys.argv[1:]
     options = {}
-    for flag in ("--checkpoint-dir", "--pace"):
+    for flag in ("--checkpoint-dir", "--pace", "--min-world"):
         if flag in args:
             i = args.index(flag)
             options[flag] = args[i + 1]
@@ -37,6 +42,8 @@ def main() -> None:
     checkpoint = options.get("--checkpoint-dir")
     pace = float(options.get("--pace", 0))
     out, steps, faults = args[0], int(args[1]), args[2:]
+    if int(os.environ["WORLD_SIZE"]) < int(options.get("--min-world", 0)):
+        time.sleep(3600)   # stopped by the launcher when the other node arrives
     device = int(os.environ["CHAMELEON_DEVICE"])
     with open(os.path.join(out, f"pid-{device}"), "a") as fh:
         fh.write(f"{os.getpid()}\n")
@@ -54,6 +61,8 @@ def main() -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         elif action == "lose-vote":
             raise PeerLost("injected: this rank's vote result was lost")
+        elif action == "raise" and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+            raise ValueError("injected: a bug in the training script")
 
     def report(result) -> None:
         with open(os.path.join(out, "steps.jsonl"), "a") as fh:
