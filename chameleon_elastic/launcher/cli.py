@@ -279,10 +279,23 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
 
 def main(argv: Sequence[str] | None = None) -> None:
     from torch.distributed.elastic.multiprocessing.errors import record
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
+
+    from chameleon_elastic.rendezvous.errors import rendezvous_message
 
     parser = build_parser()
     args = parser.parse_args(argv)
-    record(run)(args, parser)
+    try:
+        record(run)(args, parser)
+    except RendezvousError as exc:
+        # torch.distributed.run.main raises rendezvous errors, and so does main(argv) for
+        # programs; the console script (no argv) prints an etcd-v3 error as its one sentence
+        # and exits 1, torchrun's status for it.
+        message = None if argv is not None else rendezvous_message(exc)
+        if message is None:
+            raise
+        sys.stderr.write(f"chameleon-run: {message}\n")
+        raise SystemExit(1) from None
 
 
 if __name__ == "__main__":

@@ -18,14 +18,16 @@ both and adds the retry policy the rendezvous needs:
 
 The first contact (the constructor, ``verify=True``) only waits ``connect_timeout``, so a wrong
 ``--rdzv-endpoint`` or a TLS mismatch is reported in seconds, in one sentence that names the
-endpoints, what came back and the fix (the command-line tools print it without a traceback). A request that is retried after a lost reply may have been applied once already: callers
-use compare-and-set transactions (the backend) or accept at-least-once (``Store.add``).
+endpoints, what came back and the fix (chameleon-run prints it without a traceback). A request
+that is retried after a lost reply may have been applied once already: callers use
+compare-and-set transactions (the backend) or accept at-least-once (``Store.add``).
 """
 
 from __future__ import annotations
 
 import logging
 import random
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -121,6 +123,13 @@ def is_transient(exc: BaseException) -> bool:
     if code in _TRANSIENT_CODES:
         return True
     return code == grpc.StatusCode.UNKNOWN and any(d in details for d in _TRANSIENT_DETAILS)
+
+
+def _connect_reason(details: str) -> str:
+    """gRPC's connect failure without its wrapping: "UNAVAILABLE: failed to connect to all
+    addresses; last error: UNKNOWN: ipv4:127.0.0.1:2399: Socket closed" -> "Socket closed"."""
+    reason = details.rsplit("last error: ", 1)[-1]
+    return re.sub(r"^[A-Z_]+: (ipv[46]:\S+?:\d+: )?", "", reason).strip() or details
 
 
 def _is_token_expired(exc: BaseException) -> bool:
@@ -334,7 +343,7 @@ class EtcdClient:
     def _unreachable_error(self, exc: BaseException, waited: float) -> EtcdConnectionError:
         """One sentence: where, for how long, what came back, and what to do about it."""
         s = self.settings
-        detail = _details(exc)
+        detail = _connect_reason(_details(exc))
         retry = "or raise --rdzv-conf connect_timeout=SECONDS if etcd is still starting"
         if "connection refused" in detail.lower():
             seen = "connection refused: nothing listens there"

@@ -21,6 +21,7 @@ __all__ = [
     "EtcdRendezvousError",
     "EtcdServerError",
     "EtcdStoreTimeoutError",
+    "rendezvous_message",
 ]
 
 
@@ -50,3 +51,19 @@ class EtcdStoreTimeoutError(EtcdRendezvousError, DistStoreError):
     It is a ``torch.distributed.DistStoreError`` like a ``TCPStore`` timeout, so code written
     against torch's stores catches it unchanged.
     """
+
+
+def rendezvous_message(exc: BaseException) -> str | None:
+    """The message of the first error of this package in ``exc``'s chain, else None.
+
+    Command-line tools print it as their one paragraph instead of a traceback. The chain is
+    followed because torch may wrap a backend error in its own ``RendezvousError``.
+    """
+    seen: BaseException | None = exc
+    for _ in range(8):  # a chain is short; a cycle must not loop forever
+        if seen is None:
+            return None
+        if isinstance(seen, EtcdRendezvousError):
+            return str(seen)
+        seen = seen.__cause__ or seen.__context__
+    return None

@@ -13,8 +13,9 @@ own data directory and its own client and peer ports on 127.0.0.1, all started w
   and one member reports itself leader, all polled with one deadline.
 - ``leader()`` asks each running member for its status (etcd's maintenance ``Status`` RPC,
   through :class:`~chameleon_elastic.rendezvous.client.EtcdClient`) and returns the index of
-  the member that reports *itself* as the leader; a follower that has not yet noticed a dead
-  leader still names the old one, so only the leader's own word counts.
+  the member that reports *itself* as the leader, in the highest term if two do; a follower
+  that has not yet noticed a dead leader still names the old one, so only the leader's own
+  word counts.
 - ``kill(i)`` SIGKILLs member i (a crash: no clean hand-over of leadership), ``restart(i)``
   starts it again on the same data directory and ports and waits until it is healthy, which
   needs a quorum of the *other* members to be up.
@@ -35,6 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 from chameleon_elastic.rendezvous.errors import EtcdServerError
 from chameleon_elastic.rendezvous.local_etcd import LocalEtcd, find_etcd_binary
@@ -123,24 +125,33 @@ class LocalEtcdCluster:
 
     def member_id(self, index: int, timeout: float = 5.0) -> int:
         """etcd's numeric id of member ``index`` (it must be running)."""
-        return int(self._status(index, timeout).header.member_id)
+        return int(self.status(index, timeout).header.member_id)
+
+    def term(self, index: int, timeout: float = 5.0) -> int:
+        """The raft term member ``index`` is in; every election raises it."""
+        return int(self.status(index, timeout).raftTerm)
 
     def leader(self, timeout: float = 10.0) -> int:
         """Index of the member that reports itself leader, polled until ``timeout`` seconds.
 
-        Raises EtcdServerError if no running member is leader by then (no quorum).
+        A leader whose followers all died still claims the role until it steps down, about an
+        election timeout later (etcd's check-quorum). Raises EtcdServerError if no running
+        member is leader by then (no majority runs).
         """
         deadline = time.monotonic() + timeout
         last_error = "no member answered"
         while True:
+            claims: dict[int, int] = {}  # member index -> the term it claims to lead
             for index in self.running():
                 try:
-                    status = self._status(index, _STATUS_RPC_S)
+                    status = self.status(index, _STATUS_RPC_S)
                 except Exception as exc:  # noqa: BLE001 - a member just killed, or starting
                     last_error = f"member{index}: {exc}"
                     continue
                 if status.leader and status.leader == status.header.member_id:
-                    return index
+                    claims[index] = int(status.raftTerm)
+            if claims:  # a deposed leader that missed the election claims an older term
+                return max(claims, key=claims.__getitem__)
             if time.monotonic() >= deadline:
                 raise EtcdServerError(
                     f"No member of the local etcd cluster ({self.endpoints}) reported itself "
@@ -150,8 +161,13 @@ class LocalEtcdCluster:
                 )
             time.sleep(_LEADER_POLL_S)
 
-    def _status(self, index: int, timeout: float) -> object:
-        # imported here: the helper itself needs no gRPC until someone asks for the leader
+    def status(self, index: int, timeout: float = 5.0) -> Any:
+        """etcd's ``StatusResponse`` of member ``index``, asked of that member alone.
+
+        ``header.member_id`` is its id, ``leader`` the id of the leader it follows, ``raftTerm``
+        its term. Raises EtcdConnectionError if it does not answer within ``timeout``.
+        """
+        # imported here: the helper itself needs no gRPC until someone asks for a status
         from chameleon_elastic.rendezvous.client import EtcdClient
         from chameleon_elastic.rendezvous.config import EtcdSettings
 

