@@ -56,7 +56,10 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.multiprocessing import LogsSpecs, start_processes
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
-from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousClosedError,
+    RendezvousConnectionError,
+)
 from torch.distributed.elastic.utils import macros
 
 from chameleon_elastic import channel
@@ -333,6 +336,11 @@ class ChameleonAgent(LocalElasticAgent):
         session = self._session
         assert session is not None and self._node is not None
         scope = self._key_scope()
+        fence = getattr(store, "underlying_store", store)   # outlives rounds
+        seen, newest = coordination.read_record(fence)
+        if newest is not None and newest.plan is not None and (
+                newest.plan.generation > session.plan.generation):
+            session.adopt(newest.plan, newest.excluded)   # catch up before deciding anything
         live = self._procs.devices
         before = set(session.excluded)
         coordination.report(store, scope, group_rank, NodeReport(
@@ -351,6 +359,8 @@ class ChameleonAgent(LocalElasticAgent):
                     change = session.renew()   # the workers regroup: a new generation
                 decision = coordination.decide(session.plan, session.excluded, reports,
                                                inplace_wanted)
+                if decision.error is None:
+                    coordination.commit_record(fence, seen, decision)
                 coordination.publish(store, scope, decision)
             else:
                 decision = coordination.adopt(store, scope, self._timeouts.store_s)
@@ -359,6 +369,9 @@ class ChameleonAgent(LocalElasticAgent):
                 change = session.adopt(decision.plan, decision.excluded)
             if decision.error:
                 raise LauncherPlanningError(decision.error)
+        except coordination.Fenced as exc:
+            self._emit(Event.PLANNING_FAILED, error=str(exc))
+            raise LauncherPlanningError(str(exc)) from exc
         except LauncherPlanningError as exc:
             self._emit(Event.PLANNING_FAILED, error=str(exc))
             if group_rank == 0:
@@ -508,20 +521,25 @@ class ChameleonAgent(LocalElasticAgent):
         if self._rdzv_parameters.backend != "etcd-v3" or self._node is None:
             return
         try:
-            self._watch = NodeWatch(self._rdzv_parameters, self._node).start()
+            self._watch = NodeWatch(self._rdzv_parameters, self._node,
+                                    on_fenced=self._fence).start()
         except Exception as exc:  # noqa: BLE001 - liveness is an accelerator, not a necessity
             log.warning("node leases unavailable (%s); lost nodes are seen through the "
                         "rendezvous and the workers only", exc)
+
+    def _fence(self) -> None:
+        """Our lease is lost (lease thread): stop every worker now, whatever the loop does."""
+        self._procs.signal_all(signal.SIGKILL)
+        self._emit(Event.FAILURE_SEEN, kind="fenced", node=self._node,
+                   reason="this node's lease was lost (cut off from etcd, or frozen): its "
+                          "workers were stopped, as their plan may be stale")
 
     def _lease_news(self) -> FailureEvent | None:
         """A lost node or our own lost lease, classified; None when the leases say nothing."""
         if self._watch is None:
             return None
         lost, fenced = self._watch.changes()
-        if fenced:
-            self._emit(Event.FAILURE_SEEN, kind="fenced", node=self._node,
-                       reason="this node's lease was lost (partitioned or frozen): its plan "
-                              "may be stale")
+        if fenced:   # _fence has stopped the workers and logged it
             return self._event(Trigger.FENCED)
         nproc = self._nproc()
         excluded = self._session.excluded if self._session is not None else set()
@@ -739,13 +757,17 @@ class ChameleonAgent(LocalElasticAgent):
             try:
                 self._poll_pending()
                 outcome = self._react(wg, state, result, bad, hung)
-            except LauncherPlanningError as exc:
+            except (LauncherPlanningError, RendezvousClosedError) as exc:
+                if isinstance(exc, RendezvousClosedError):
+                    exc = LauncherPlanningError(
+                        "the job's rendezvous is closed: the other nodes finished or gave up "
+                        "while this node was cut off, so there is nothing to rejoin."
+                    )
                 self._status.say(f"chameleon-run: {exc}")
                 self._procs.close(timeout=self._timeouts.shutdown_s)
                 wg.state = WorkerState.FAILED
                 self._update_status("failed")
-                self._emit(Event.JOB_FINISHED, state="FAILED",
-                           reason="no plan fits the devices left")
+                self._emit(Event.JOB_FINISHED, state="FAILED", reason=str(exc))
                 return RunResult(state=WorkerState.FAILED)
             if outcome is not None:
                 return outcome
@@ -759,6 +781,13 @@ class ChameleonAgent(LocalElasticAgent):
                bad: set[int], hung: list[WorkerFailure]) -> RunResult | None:
         """One monitor tick's reaction; a RunResult ends the run, None keeps monitoring."""
         spec = wg.spec
+        news = self._lease_news()
+        if news is not None and news.trigger is Trigger.FENCED:
+            # our plan may be stale: nothing of ours may train on (the lease thread has killed
+            # the workers already; their deaths are ours, not lost devices); rejoin and adopt
+            self._procs.close(signal.SIGKILL, timeout=self._timeouts.shutdown_s)
+            self._recover(news, self._inplace_wanted)
+            return None
         if state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
             failures = self._classify(result) + hung
             for f in failures:
@@ -784,7 +813,8 @@ class ChameleonAgent(LocalElasticAgent):
                            and self._runtime)
                 self._recover(event, inplace)
                 return None
-            news = self._lease_verdict() if self._remaining_restarts == 0 else None
+            if news is None and self._remaining_restarts == 0:
+                news = self._lease_verdict()
             if news is not None:   # our workers failed because a peer node died: no crash
                 self._recover(news, False)
                 return None
@@ -806,12 +836,6 @@ class ChameleonAgent(LocalElasticAgent):
             return result
         if state == WorkerState.HEALTHY:
             inplace = self._inplace_wanted and self._runtime
-            news = self._lease_news()
-            if news is not None and news.trigger is Trigger.FENCED:
-                # our plan may be stale: nothing of ours may train on; rejoin and adopt
-                self._procs.close(signal.SIGKILL, timeout=self._timeouts.shutdown_s)
-                self._recover(news, self._inplace_wanted)
-                return None
             if news is not None:
                 self._recover(news, inplace)
                 return None

@@ -17,6 +17,14 @@ agent that joins late still holds generation 0: the round is the one id all agen
              order, in place or relaunch, or an error sentence when nothing can run.
 3. adopt   - every other agent reads the decision and takes its plan.
 
+Fencing. The decision also goes to one key that outlives rounds, ``chameleon/plan`` in the
+store under the rounds (etcd for ``etcd-v3``, the rendezvous host's store for c10d), written with
+a compare-and-set against the value the deciding agent read when the round began
+(:func:`commit_record`). Every agent reads it first and catches up when it is newer than its own
+plan (a late joiner, a node back from a partition), so decisions are always made from the
+newest plan; and an agent whose view is stale can never publish over a newer one: its
+compare-and-set fails and it stops (:class:`Fenced`).
+
 Reads block up to the store timeout, so an agent that dies mid-round makes the others fail with
 a store error (the caller's failover), never hang. Everything but the store calls is a pure
 function of its arguments, tested on a ``HashStore``.
@@ -34,8 +42,15 @@ from chameleon_elastic.plan import ExecutionPlan
 
 from .plan_env import device_id
 
-__all__ = ["Decision", "NodeReport", "adopt", "collect", "decide", "inplace_possible", "losses",
-           "publish", "report", "world_of"]
+__all__ = ["RECORD", "Decision", "Fenced", "NodeReport", "adopt", "collect", "commit_record",
+           "decide", "inplace_possible", "losses", "publish", "read_record", "report",
+           "world_of"]
+
+RECORD = "chameleon/plan"
+
+
+class Fenced(RuntimeError):
+    """Another agent published a newer plan than the one this agent decided from."""
 
 
 @dataclass(frozen=True)
@@ -143,3 +158,26 @@ def adopt(store: Any, scope: str, timeout_s: float | None = None) -> Decision:
     if timeout_s is not None:
         store.wait([f"{scope}decision"], timedelta(seconds=timeout_s))
     return Decision.from_json(store.get(f"{scope}decision"))
+
+
+def read_record(fence: Any) -> tuple[str, Decision | None]:
+    """The job's newest published decision and its raw value (for the compare-and-set)."""
+    if not fence.check([RECORD]):
+        return "", None
+    raw = bytes(fence.get(RECORD)).decode()
+    return raw, Decision.from_json(raw)
+
+
+def commit_record(fence: Any, seen: str, decision: Decision) -> None:
+    """Make ``decision`` the newest, unless the record changed since ``seen`` was read."""
+    new = decision.to_json()
+    now = bytes(fence.compare_set(RECORD, seen, new)).decode()
+    if now != new:
+        newest = Decision.from_json(now)
+        raise Fenced(
+            f"this agent decided plan generation "
+            f"{decision.plan.generation if decision.plan else '?'} from an older view, but "
+            f"generation {newest.plan.generation if newest.plan else '?'} was published "
+            "meanwhile by another agent; this node was cut off from the others. Restart its "
+            "launcher to rejoin the job."
+        )

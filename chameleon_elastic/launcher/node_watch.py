@@ -14,15 +14,16 @@ Protocol (on top of ``rendezvous.liveness.NodeLiveness``):
 - a node that ends successfully first marks its key ``finished`` and then revokes the lease, so
   the others see it leave at once and know it is no loss;
 - ``lease_lost`` of our own node (the lease expired, or no keep-alive succeeded for ``ttl``: we
-  were partitioned or frozen): our plan may be stale, so the agent fences itself: it stops its
-  workers and rejoins through a new round, adopting the plan the others agreed on.
+  were partitioned or frozen): our plan may be stale, so the agent fences itself: its workers
+  are SIGKILLed at once from the lease thread (the agent's loop may be blocked in an etcd call
+  while cut off), and it rejoins through a new round, adopting the newest plan.
 """
 
 from __future__ import annotations
 
 import logging
 import queue
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from torch.distributed.elastic.rendezvous import RendezvousParameters
@@ -33,7 +34,10 @@ log = logging.getLogger("chameleon_elastic.launcher.node_watch")
 
 
 class NodeWatch:
-    def __init__(self, params: RendezvousParameters, node: int) -> None:
+    def __init__(self, params: RendezvousParameters, node: int,
+                 on_fenced: Callable[[], None] | None = None) -> None:
+        """``on_fenced`` runs on the lease thread the moment our lease is presumed lost: the
+        agent's own loop may be blocked in an etcd call it cannot finish while cut off."""
         from chameleon_elastic.rendezvous.client import EtcdClient
         from chameleon_elastic.rendezvous.config import EtcdSettings
         from chameleon_elastic.rendezvous.liveness import NodeLiveness
@@ -42,8 +46,14 @@ class NodeWatch:
         self._client = EtcdClient(settings)
         self.node_id = f"node-{node}"
         self.ttl = settings.lease_ttl
+        def on_event(event: Any) -> None:
+            if on_fenced is not None and event.node_id == self.node_id and (
+                    event.kind == "lease_lost"):
+                on_fenced()
+
         self._live = NodeLiveness(self._client, settings.run_prefix(params.run_id),
-                                  self.node_id, info={"node": node}, ttl=self.ttl)
+                                  self.node_id, info={"node": node}, ttl=self.ttl,
+                                  on_event=on_event)
 
     def start(self) -> NodeWatch:
         self._live.start()

@@ -11,6 +11,7 @@ run on, and a later launch can add workers for devices that have none.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 from dataclasses import dataclass
 from typing import Any
@@ -85,6 +86,17 @@ class WorkerProcesses:
         for e in ended:
             del self._live[e.device]
         return ended
+
+    def signal_all(self, sig: signal.Signals) -> None:
+        """Send ``sig`` to every live worker; safe from another thread (nothing is forgotten:
+        the monitor loop reaps them)."""
+        for live in list(self._live.values()):
+            handler = live.context.subprocess_handlers[live.local_rank]  # type: ignore[attr-defined]
+            if handler.proc.poll() is None:
+                try:
+                    os.kill(handler.proc.pid, sig)
+                except ProcessLookupError:
+                    pass
 
     def kill(self, devices: set[int]) -> None:
         """SIGKILL and forget the workers of ``devices`` (devices that failed a health check:

@@ -139,6 +139,8 @@ class NodeLiveness:
         self._stop = threading.Event()
         self._watch_inbox: queue.Queue[object] = queue.Queue()
         self._lease_id: int | None = None
+        self._last_refresh = 0.0    # monotonic time of the last successful keep-alive
+        self._presumed_lost = False
         self._threads: list[threading.Thread] = []
         self._synced = threading.Event()
 
@@ -157,10 +159,11 @@ class NodeLiveness:
             return self
         if self._register_self:
             self._register()
-            keeper = threading.Thread(
-                target=self._keep_alive_loop, name=f"etcd-lease-{self.node_id}", daemon=True
-            )
-            self._threads.append(keeper)
+            self._last_refresh = time.monotonic()
+            for target, name in ((self._keep_alive_loop, "lease"),
+                                 (self._expiry_loop, "lease-expiry")):
+                self._threads.append(threading.Thread(
+                    target=target, name=f"etcd-{name}-{self.node_id}", daemon=True))
         watcher = threading.Thread(
             target=self._watch_loop, name=f"etcd-watch-{self.node_id}", daemon=True
         )
@@ -232,8 +235,6 @@ class NodeLiveness:
 
     def _keep_alive_loop(self) -> None:
         interval = max(self.ttl / 3.0, 0.2)
-        last_ok = time.monotonic()
-        presumed_lost = False
         while not self._stop.wait(interval):
             lease_id = self._lease_id
             if lease_id is None:
@@ -242,29 +243,41 @@ class NodeLiveness:
                 answers = self._client.call(
                     "lease keep-alive",
                     lambda c, lid=lease_id: list(c.refresh_lease(lid)),
-                    timeout=min(self.ttl, interval * 2),
+                    timeout=self.ttl,
                 )
             except ETCD_FAILURES as exc:  # etcd unreachable: keep trying, it may come back
-                log.warning("lease keep-alive for %s failed: %s", self.node_id, exc)
-                if not presumed_lost and time.monotonic() - last_ok > self.ttl:
-                    # no refresh for a whole ttl: etcd has dropped our key by now (its clock),
-                    # so the others count us lost; say so without waiting to reach etcd again
-                    presumed_lost = True
-                    self._emit(NodeEvent("lease_lost", self.node_id, dict(self._info), 0))
+                (log.debug if self._presumed_lost else log.warning)(
+                    "lease keep-alive for %s failed: %s", self.node_id, exc)
                 continue
             if answers and all(answer.TTL > 0 for answer in answers):
-                last_ok, presumed_lost = time.monotonic(), False
+                with self._members_lock:
+                    self._last_refresh, self._presumed_lost = time.monotonic(), False
                 continue
             if self._stop.is_set():
                 return
             log.warning("lease of node %s expired; registering again", self.node_id)
-            if not presumed_lost:
+            if not self._presumed_lost:
                 self._emit(NodeEvent("lease_lost", self.node_id, dict(self._info), 0))
-            last_ok, presumed_lost = time.monotonic(), False
             try:
                 self._register()
             except ETCD_FAILURES as exc:
                 log.warning("re-registering node %s failed: %s", self.node_id, exc)
+            else:
+                with self._members_lock:
+                    self._last_refresh, self._presumed_lost = time.monotonic(), False
+
+    def _expiry_loop(self) -> None:
+        """No refresh for a whole ttl: etcd has dropped our key by now (by its own clock), so
+        the others count us lost; say so at once, without waiting to reach etcd again (a
+        refresh can hang for seconds while we are cut off)."""
+        while not self._stop.wait(min(0.25, self.ttl / 8)):
+            with self._members_lock:
+                due = (not self._presumed_lost
+                       and time.monotonic() - self._last_refresh > self.ttl)
+                if due:
+                    self._presumed_lost = True
+            if due:
+                self._emit(NodeEvent("lease_lost", self.node_id, dict(self._info), 0))
 
     # -- watching -------------------------------------------------------------------------
 

@@ -121,7 +121,7 @@ def _port_free(port: int) -> bool:
 
 
 class LocalEtcd:
-    """One etcd member bound to 127.0.0.1; use as a context manager or call start()/stop().
+    """One etcd member on loopback; use as a context manager or call start()/stop().
 
     Args:
         data_dir: where etcd keeps its data; a fresh temporary directory (removed on
@@ -130,6 +130,8 @@ class LocalEtcd:
         startup_timeout: seconds to wait for ``/health`` before giving up.
         name, initial_cluster: etcd's ``--name`` and ``--initial-cluster`` for a member of a
             several-member cluster; by default a one-member cluster of this server alone.
+        host: the address clients reach it on (127.0.0.1; a bridge address when the clients
+            live in network namespaces, as in the partition test).
     """
 
     def __init__(
@@ -143,8 +145,10 @@ class LocalEtcd:
         *,
         name: str | None = None,
         initial_cluster: str | None = None,
+        host: str = "127.0.0.1",
     ) -> None:
         self.tls = tls
+        self.host = host
         self._own_dir = data_dir is None
         base = Path(tempfile.mkdtemp(prefix="chameleon-etcd-")) if data_dir is None else None
         self.data_dir = Path(data_dir) if data_dir is not None else base / "data"  # type: ignore
@@ -161,12 +165,12 @@ class LocalEtcd:
     @property
     def endpoint(self) -> str:
         """``host:port`` of the client URL, the form ``--rdzv-endpoint`` takes."""
-        return f"127.0.0.1:{self.client_port}"
+        return f"{self.host}:{self.client_port}"
 
     @property
     def client_url(self) -> str:
         scheme = "https" if self.tls is not None else "http"
-        return f"{scheme}://127.0.0.1:{self.client_port}"
+        return f"{scheme}://{self.host}:{self.client_port}"
 
     @property
     def peer_url(self) -> str:

@@ -123,14 +123,16 @@ def pid_alive(pid: int) -> bool:
 class Launcher:
     """One launcher process (chameleon-run or torchrun) in its own process group."""
 
-    def __init__(self, tool: str, args: list[str], log: Path, env: dict | None = None) -> None:
+    def __init__(self, tool: str, args: list[str], log: Path, env: dict | None = None,
+                 wrap: list[str] | None = None) -> None:
         module = {"chameleon": "chameleon_elastic.launcher.cli",
                   "torchrun": "torch.distributed.run"}[tool]
         full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         full_env.update(env or {})
         self.log = log
         self._fh = open(log, "w")  # noqa: SIM115 - closed in wait()/kill()
-        self.proc = subprocess.Popen([sys.executable, "-m", module, *args], stdout=self._fh,
+        self.proc = subprocess.Popen([*(wrap or []), sys.executable, "-m", module, *args],
+                                     stdout=self._fh,
                                      stderr=subprocess.STDOUT, env=full_env,
                                      start_new_session=True)
 
@@ -158,8 +160,9 @@ def launch(tmp_path):
     started: list[Launcher] = []
     worker_pids: list[int] = []
 
-    def start(tool: str, args: list[str], name: str = "launcher", env: dict | None = None):
-        launcher = Launcher(tool, args, tmp_path / f"{name}.log", env)
+    def start(tool: str, args: list[str], name: str = "launcher", env: dict | None = None,
+              wrap: list[str] | None = None):
+        launcher = Launcher(tool, args, tmp_path / f"{name}.log", env, wrap)
         started.append(launcher)
         return launcher
 

@@ -97,3 +97,28 @@ def test_decisions_round_trip_as_json(session):
     assert Decision.from_json(d.to_json()) == d
     failed = Decision(None, (), (), False, None, "no plan")
     assert Decision.from_json(failed.to_json()) == failed
+
+
+def test_the_plan_record_fences_a_decision_made_from_a_stale_view(session, tmp_path):
+    fence = dist.HashStore()
+    seen, newest = coordination.read_record(fence)
+    assert (seen, newest) == ("", None)
+    session.apply(lost={1})
+    first = coordination.decide(session.plan, session.excluded,
+                                [NodeReport(0, (1,), (0, 2, 3), True)], True)
+    coordination.commit_record(fence, seen, first)
+    seen, newest = coordination.read_record(fence)
+    assert newest == first
+    # an agent cut off since the start still holds generation 0 and the empty record it read
+    stale = JobSession(JobSpec.preset("tiny-cpu"), "auto", tmp_path / "stale", warm_cache=False)
+    stale.apply(lost={2})
+    late = coordination.decide(stale.plan, stale.excluded, [NodeReport(0, (2,), (0, 1, 3), True)],
+                               True)
+    with pytest.raises(coordination.Fenced, match="published meanwhile"):
+        coordination.commit_record(fence, "", late)
+    assert coordination.read_record(fence)[1] == first   # the newer plan stands
+    session.apply(lost={3})
+    second = coordination.decide(session.plan, session.excluded,
+                                 [NodeReport(0, (1, 3), (0, 2), True)], True)
+    coordination.commit_record(fence, seen, second)      # from the newest view: accepted
+    assert coordination.read_record(fence)[1].plan.generation == second.plan.generation
