@@ -67,6 +67,7 @@ class LocalEtcdCluster:
             directory (removed on ``cleanup()``) when omitted.
         startup_timeout: seconds ``start()`` and ``restart()`` wait for health and a leader.
         binary: the etcd binary (default: ``find_etcd_binary()``).
+        host: the address clients reach the members on (see ``LocalEtcd``).
     """
 
     def __init__(
@@ -75,6 +76,7 @@ class LocalEtcdCluster:
         work_dir: str | os.PathLike[str] | None = None,
         startup_timeout: float = 30.0,
         binary: str | None = None,
+        host: str = "127.0.0.1",
     ) -> None:
         if members < 1:
             raise EtcdServerError(f"A cluster needs at least one member, not {members}.")
@@ -96,6 +98,7 @@ class LocalEtcdCluster:
                 binary=binary,
                 name=name,
                 initial_cluster=initial,
+                host=host,
             )
             for i, name in enumerate(names)
         ]
