@@ -4,8 +4,8 @@ Production runs etcd as three (or five) members so that losing one, the leader i
 loses nothing: the others elect a new leader within about an election timeout (1 s by
 default) and clients move to a live member. :class:`LocalEtcdCluster` reproduces that on one
 machine: N :class:`~chameleon_elastic.rendezvous.local_etcd.LocalEtcd` members, each with its
-own data directory and its own client and peer ports on 127.0.0.1, all started with an
-``--initial-cluster`` that names every member.
+own data directory and its own client and peer ports on one host (127.0.0.1 by default), all
+started with an ``--initial-cluster`` that names every member.
 
 - ``start()`` spawns every member first and only then waits: a member of a new cluster is
   healthy only once a quorum runs, so waiting for the first one alone would never end. It
@@ -59,7 +59,7 @@ def _distinct_free_ports(count: int) -> list[int]:
 
 
 class LocalEtcdCluster:
-    """``members`` etcd members on 127.0.0.1 forming one cluster; a context manager.
+    """``members`` etcd members on one host forming one cluster; a context manager.
 
     Args:
         members: how many members (3 tolerates the loss of one, 5 of two).
@@ -176,7 +176,7 @@ class LocalEtcdCluster:
 
         member = self.members[index]
         settings = EtcdSettings(
-            endpoints=(("127.0.0.1", member.client_port),),
+            endpoints=((member.host, member.client_port),),
             rpc_timeout=min(timeout, _STATUS_RPC_S),
             retry_timeout=timeout,
             connect_timeout=timeout,
