@@ -20,6 +20,7 @@ key                   writer   meaning
 ``beat/<device>``     worker   a counter moved at every phase of every step (hang detection)
 ``reported``          worker   last step the job's reporter handed to the user's callback
 ``checkpoint``        worker   last step a committed checkpoint holds (none: no checkpoint)
+``checkpoints``       worker   set when the job writes checkpoints (even before its first one)
 ``trouble``           worker   a plan generation in which a worker lost a peer (so the agent
                                learns of peers on other nodes that it does not run)
 ====================  =======  ===================================================================
@@ -60,6 +61,7 @@ AGENT_STORE_ENV = "CHAMELEON_AGENT_STORE"
 NEWEST = "gen"
 REPORTED = "reported"
 CHECKPOINT = "checkpoint"
+CHECKPOINTS = "checkpoints"
 TROUBLE = "trouble"
 
 CHAMELEON_VARS: tuple[str, ...] = (

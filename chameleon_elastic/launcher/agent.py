@@ -84,6 +84,9 @@ log = logging.getLogger("chameleon_elastic.launcher.agent")
 
 RecoveryMode = Literal["inplace", "relaunch"]
 _STORE_FAILOVER_ATTEMPTS = 3
+# How long a worker past its hang timeout must look awake (running, in the kernel) before it
+# counts as hung: long enough for a peer's reaction to its partner's death to pass.
+_HANG_CONFIRM_S = 1.0
 # What an unreachable rendezvous store raises: torch's wrapped error, or the raw TCPStore one
 # when the store dies between two of the handler's own calls.
 _STORE_LOST = (RendezvousConnectionError, dist.DistNetworkError)
@@ -164,6 +167,7 @@ class ChameleonAgent(LocalElasticAgent):
         self._exits: dict[int, Any] = {}        # global rank -> Exit, of the last poll
         self._trouble_since: float | None = None
         self._beats: dict[int, tuple[int, float]] = {}  # device -> (progress count, since)
+        self._awake: dict[int, float] = {}   # device -> first look awake without progress
         self._watch: NodeWatch | None = None    # our lease and the others' (etcd-v3)
         self._channel: Any = None               # this node's agent <-> worker store
         self._channel_address = ""
@@ -308,6 +312,7 @@ class ChameleonAgent(LocalElasticAgent):
         if self._channel is not None:   # a lost peer reported before this round is handled
             channel.write(self._channel, channel.TROUBLE, -1)
         self._beats.clear()             # a recovery is no hang: progress is timed afresh
+        self._awake.clear()
         stop_s = 0.0
         if decision is None or not decision.inplace:
             t = time.perf_counter()
@@ -347,7 +352,8 @@ class ChameleonAgent(LocalElasticAgent):
             node=self._node, lost=tuple(sorted(self._book.lost - self._book.rejoining)),
             live=tuple(sorted(live)), ready=not live or self._registered(live),
             reported=channel.read_int(self._channel, channel.REPORTED),
-            checkpoint=channel.read_int(self._channel, channel.CHECKPOINT)))
+            checkpoint=channel.read_int(self._channel, channel.CHECKPOINT),
+            checkpoints=channel.read(self._channel, channel.CHECKPOINTS) is not None))
         change: PlanChange | None
         try:
             if group_rank == 0:
@@ -670,8 +676,11 @@ class ChameleonAgent(LocalElasticAgent):
 
     def _hung(self) -> list[WorkerFailure]:
         """Runtime workers whose progress count has not moved for ``hang_s`` and that are not
-        asleep (a worker blocked on a hung peer sleeps in its transfer; the hung one is stopped,
-        stuck in the kernel, or spinning). Scripts that never report progress are never hung."""
+        asleep. A worker blocked on a hung peer sleeps in its transfer; the hung one is stopped,
+        stuck in the kernel, or spinning. Only "stopped" is conclusive at one look: a peer of a
+        dead worker runs briefly while it reacts, so the other states must last
+        ``_HANG_CONFIRM_S`` of consecutive looks. Scripts that never report progress are never
+        hung."""
         limit = self._timeouts.hang_s
         if not limit or self._channel is None:
             return []
@@ -684,6 +693,7 @@ class ChameleonAgent(LocalElasticAgent):
             seen = self._beats.get(device)
             if seen is None or seen[0] != count:
                 self._beats[device] = (count, now)
+                self._awake.pop(device, None)
                 continue
             if now - seen[1] < limit:
                 continue
@@ -692,6 +702,10 @@ class ChameleonAgent(LocalElasticAgent):
             except psutil.Error:
                 continue   # gone: the next poll reports its exit
             if state in (psutil.STATUS_SLEEPING, psutil.STATUS_IDLE):
+                self._awake.pop(device, None)
+                continue
+            since = self._awake.setdefault(device, now)
+            if state != psutil.STATUS_STOPPED and now - since < _HANG_CONFIRM_S:
                 continue
             nproc = self._nproc()
             hung.append(WorkerFailure(device, device % nproc, -signal.SIGKILL, None,

@@ -61,11 +61,12 @@ class NodeReport:
     ready: bool
     reported: int | None = None
     checkpoint: int | None = None
+    checkpoints: bool = False   # the job writes checkpoints, though maybe none yet
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> NodeReport:
         return cls(int(d["node"]), tuple(d["lost"]), tuple(d["live"]), bool(d["ready"]),
-                   d.get("reported"), d.get("checkpoint"))
+                   d.get("reported"), d.get("checkpoint"), bool(d.get("checkpoints")))
 
 
 @dataclass(frozen=True)
@@ -130,8 +131,10 @@ def inplace_possible(reports: Sequence[NodeReport], inplace_wanted: bool) -> boo
 def decide(plan: ExecutionPlan, excluded: Collection[int], reports: Sequence[NodeReport],
            inplace_wanted: bool) -> Decision:
     """The decision for the plan the session has chosen (a new generation when in place).
-    In place, a plan that sources layers from a checkpoint when no worker has one is an error
-    (a relaunch restarts every worker from the checkpoint or from step 0, and says so)."""
+    In place, a plan that sources layers from a checkpoint when no worker has one cannot go
+    on in place: a job that checkpoints (but lost them before its first checkpoint) is
+    relaunched, so every worker starts again from step 0 and says so; a job that never
+    checkpoints ends with a sentence, since starting over would redo everything."""
     inplace = inplace_possible(reports, inplace_wanted)
     live = {d for r in reports for d in r.live}
     reported = max((r.reported for r in reports if r.reported is not None), default=None)
@@ -139,7 +142,10 @@ def decide(plan: ExecutionPlan, excluded: Collection[int], reports: Sequence[Nod
     lost_layers = plan.checkpoint_layers
     checkpoints = [r.checkpoint for r in reports if r.checkpoint is not None]
     error = None
-    if lost_layers and inplace and runtime and not checkpoints:
+    if lost_layers and inplace and runtime and not checkpoints and any(
+            r.checkpoints for r in reports):
+        inplace = False
+    elif lost_layers and inplace and runtime and not checkpoints:
         lo, hi = lost_layers[0], lost_layers[-1]
         span = f"layer {lo} was" if lo == hi else f"layers {lo}-{hi} were"
         error = (f"{span} lost with every device that held them (devices "

@@ -139,6 +139,9 @@ class WorkerLink:
     def reported(self, step: int) -> None:
         channel.write(self.store, channel.REPORTED, step)
 
+    def checkpoints(self) -> None:
+        channel.write(self.store, channel.CHECKPOINTS, True)
+
     def checkpointed(self, step: int) -> None:
         channel.write(self.store, channel.CHECKPOINT, step)
 
@@ -148,7 +151,10 @@ class WorkerLink:
         self.store.add(channel.beat_key(self.device), 1)
 
     def trouble(self, generation: int) -> None:
+        """A peer failed us: the agent should look now. Also progress, since a worker busy
+        reacting to its peer's loss has not beaten since it blocked on that peer."""
         channel.write(self.store, channel.TROUBLE, generation)
+        self.beat()
 
 
 def join_generation(gen: Generation, device: int, backend: str, timeouts: Timeouts) -> None:

@@ -308,6 +308,11 @@ class PipelineTrainer:
             self._install(wanted, {}, fresh=True)
             self.committed = 0
             return "init", 0, 0.0, True
+        if any(not t.from_checkpoint and set(t.layers) & set(orphans) for t in plan.transfers):
+            # the plan counted on a holder that died while it was being made: its agent will
+            # see the exit and publish the next generation, which knows
+            raise PeerLost(f"device {self.device}: a holder of layers {_ranges(tuple(orphans))} "
+                           f"left before plan generation {plan.generation} could use it")
         raise StateLost(
             f"layers {_ranges(tuple(orphans))} were lost with every process that held them "
             f"and there is no checkpoint to restore them from (step {resume} was committed); "
@@ -488,6 +493,8 @@ class PipelineTrainer:
         """
         if self.recovery is not None:
             self.recovery.register()
+            if self.checkpoint_dir is not None and checkpoint_every:
+                self.recovery.link.checkpoints()
         self._report(report)
         while self.committed < steps:
             failure = None

@@ -89,6 +89,10 @@ def test_lost_layers_without_a_checkpoint_end_the_job_in_one_sentence(session):
     assert coordination.decide(plan, {1, 3}, with_ckpt, True).error is None
     relaunch = coordination.decide(plan, {1, 3}, no_ckpt, False)
     assert relaunch.error is None and not relaunch.inplace   # a relaunch says so itself
+    # the job checkpoints but lost them before its first one: start over, relaunched
+    before_first = [NodeReport(0, (1, 3), (0, 2), True, checkpoint=None, checkpoints=True)]
+    over = coordination.decide(plan, {1, 3}, before_first, True)
+    assert over.error is None and not over.inplace
 
 
 def test_decisions_round_trip_as_json(session):

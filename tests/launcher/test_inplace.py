@@ -145,6 +145,19 @@ def test_every_replica_lost_without_a_checkpoint_ends_the_job_in_one_sentence(tm
 
 
 @pytest.mark.timeout(90)
+def test_every_replica_lost_before_the_first_checkpoint_starts_over_from_step_0(tmp_path,
+                                                                                 launch):
+    run, out, state = _launch_mlp(launch, tmp_path, 5, "1:1:forward:kill", "3:1:forward:kill",
+                                  "--checkpoint-dir", str(tmp_path / "ckpt"))
+    assert run.wait(80) == 0, run.log.read_text()[-3000:]
+    steps = [r["step"] for r in _reported(out)]
+    assert steps[-5:] == [0, 1, 2, 3, 4] and steps.count(0) == 2   # step 0 said twice
+    assert "Traceback" not in run.log.read_text()
+    restarted = [e for e in read_events(state / "events.jsonl") if e["event"] == "recovered"]
+    assert restarted and restarted[0]["mode"] == "relaunch"
+
+
+@pytest.mark.timeout(90)
 def test_a_device_that_comes_back_joins_in_place_and_receives_its_layers(tmp_path, launch):
     health = tmp_path / "bad-devices"
     run, out, state = _launch_mlp(launch, tmp_path, 14, "--pace", "0.2",
