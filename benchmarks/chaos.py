@@ -387,10 +387,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--logs", metavar="DIR", type=Path,
                         help="write each run's launcher output to DIR/<trial>-<launcher>-<node>.log")
-    parser.add_argument("--table-from", metavar="FILE")
+    parser.add_argument("--journal", metavar="FILE", type=Path,
+                        help="append the settings, the reference and each run as JSON lines as "
+                             "they finish (a long run that is stopped keeps its results)")
+    parser.add_argument("--table-from", metavar="FILE",
+                        help="print the table of a --json report or of a --journal, then exit")
     args = parser.parse_args(argv)
     if args.table_from:
-        print_table(json.loads(Path(args.table_from).read_text()))
+        report = _from_journal(Path(args.table_from))
+        print(json.dumps(report, indent=2, default=str)) if args.json else print_table(report)
         return
     launchers = [x for x in args.launchers.split(",") if x]
     if set(launchers) - set(LAUNCHERS) or args.trials < 1:
@@ -411,12 +416,19 @@ def main(argv: list[str] | None = None) -> None:
     plans = [fixed or draw(rng, kinds) for _ in range(args.trials)]
     print("  failure-free reference run", file=sys.stderr, flush=True)
     ref = reference(netns, args.steps)
+    header = {"seed": args.seed, "netns": netns, "steps": args.steps, "reference": ref}
+    if args.journal:
+        args.journal.write_text(json.dumps(header) + "\n")
     results = []
     for i, faults in enumerate(plans):
         for launcher in launchers:
             r = Trial(launcher, faults, random.Random(args.seed * 1000 + i), netns, args.steps,
                       args.deadline, args.stall).run()
             results.append(r)
+            if args.journal:
+                with args.journal.open("a") as fh:
+                    fh.write(json.dumps({k: v for k, v in r.items() if k != "output"},
+                                        default=str) + "\n")
             for name, text in r.pop("output").items():
                 if args.logs:
                     args.logs.mkdir(parents=True, exist_ok=True)
@@ -429,6 +441,23 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(report, indent=2, default=str))
     else:
         print_table(report)
+
+
+def _from_journal(path: Path) -> dict:
+    """A report from a --json report or from a --journal (complete trials only)."""
+    text = path.read_text()
+    if text.lstrip().startswith("{\n") or '"summary"' in text.splitlines()[0]:
+        return json.loads(text)
+    header, *results = (json.loads(x) for x in text.splitlines() if x.strip())
+    ref = {int(k): v for k, v in header["reference"].items()}
+    for r in results:
+        r["losses"] = {int(k): v for k, v in r["losses"].items()}
+    launchers = {r["launcher"] for r in results}
+    trials = len(results) // max(1, len(launchers))
+    results = results[: trials * len(launchers)]
+    return {"benchmark": "chaos", "trials": trials, "seed": header["seed"],
+            "netns": header["netns"], "steps": header["steps"],
+            "summary": summarise(results, ref), "results": results}
 
 
 if __name__ == "__main__":
