@@ -20,6 +20,7 @@ import sys
 import time
 from dataclasses import replace
 
+from chameleon_elastic.console import make_console
 from chameleon_elastic.planning import PlanCache, estimator, initial_plan, search
 from chameleon_elastic.spec import JobSpec, TrainingSpec
 
@@ -86,10 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scales", default="8,32,256,1024,2048",
                         help="comma-separated device counts (default 8,32,256,1024,2048)")
     args = parser.parse_args(argv)
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console(stderr=args.json)
+    console = make_console(stderr=args.json)
     rows = []
     for n in (int(x) for x in args.scales.split(",")):
         with console.status(f"planning for {n} devices"):

@@ -21,9 +21,9 @@ import sys
 import time
 from dataclasses import replace
 
-from rich.console import Console
 from rich.table import Table
 
+from chameleon_elastic.console import make_console
 from chameleon_elastic.planning import initial_plan
 from chameleon_elastic.sim import BaselineConstants, Phase, Reaction, make_policy, simulate
 from chameleon_elastic.sim.cli import DEFAULT_POLICIES
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         table.add_row(r["setting"], r["policy"], f"{r['events']}/{r['trace_events']}",
                       f"{r['wall_s']:.2f}", f"{r['ms_per_event']:.1f}",
                       f"{r['decision_ms_mean']:.1f}", f"{r['projected_full_s']:.0f}")
-    Console(width=120).print(table)
+    make_console().print(table)
     if default_total is not None:
         print(f"chameleon-sim's default policies ({DEFAULT_POLICIES}) over the whole "
               f"{args.devices}-device trace, one seed: {default_total:.0f} s"

@@ -8,30 +8,71 @@ import json
 import random
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, get_args
 
+from ..console import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, CliParser, make_console, preset_lines
 from ..plan import ExecutionPlan
 from ..spec import RECOVERY_MODES, JobSpec, SpecError, load_job, preset_names
-from .search import Decision, PlanningError, compact_ids, decide, initial_plan
+from .search import Decision, PlanningError, PolicyChoice, compact_ids, decide, initial_plan
 
 if TYPE_CHECKING:
     from rich.table import Table
 
-__all__ = ["main", "parse_ids"]
+__all__ = ["POLICY_HELP", "RequestError", "build_parser", "main", "parse_ids"]
 
-EPILOG = """\
-examples:
-  chameleon-plan --preset llama2-7b-910b                      initial layout
-  chameleon-plan --preset llama2-7b-910b --fail 3             device 3 fails: reroute or re-plan?
-  chameleon-plan --job job.toml --fail 3 --fail 5-6 --json    two failures, one after the other
-  chameleon-plan --preset llama2-7b-910b-32 --fail-count 4 --seed 1 --policy replan
+#: One line per ``--policy`` value for --help; keyed by the planner's own ``PolicyChoice``
+#: (a test checks that both name the same policies).
+POLICY_HELP: dict[str, str] = {
+    "auto": "keep whichever of reroute and re-plan scores higher (default)",
+    "reroute": "keep the layout; the peers of a lost device take over its micro-batches",
+    "replan": "search a new pp x dp layout for the live devices and move the layers it needs",
+}
 
-When a stage loses every replica, the re-plan loads those layers from the checkpoint: the
-transfers table shows "checkpoint" as their source, and the failure's summary names them.
 
-Exit status: 0 on success (a re-plan from the checkpoint included), 2 for a bad request
-(unknown preset, bad job file, a device that is not live, --policy reroute when a stage lost
-every replica, a model that fits nowhere)."""
+class RequestError(ValueError):
+    """The request cannot be planned because it is wrong (exit 2), as opposed to a
+    :class:`PlanningError`, where the planner finds no plan for a sound request (exit 1)."""
+
+
+#: Command lines for --help, each with what it shows; all run from the repository root (a
+#: test runs every one).
+EXAMPLES: tuple[tuple[str, str], ...] = (
+    ("chameleon-plan --preset llama2-7b-910b", "the initial layout of the paper's 8 devices"),
+    ("chameleon-plan --preset llama2-7b-910b --fail 3", "device 3 fails: reroute or re-plan?"),
+    ("chameleon-plan --preset tiny-cpu --fail 1,3",
+     "a stage loses every replica: re-plan, those layers from the checkpoint"),
+    ("chameleon-plan --job chameleon_elastic/presets/tiny-cpu.toml --fail 1 --fail 2 --json",
+     "two failures one after the other, as JSON"),
+    ("chameleon-plan --preset llama2-7b-910b-32 --fail-count 4 --seed 1 --policy replan",
+     "4 random devices fail, re-plan forced"),
+)
+
+
+def _epilog() -> str:
+    """Examples, presets, policies and exit statuses, built with the parser: the presets and
+    policies come from their registries, so the list cannot go stale."""
+    policies = get_args(PolicyChoice)
+    pad = max(len(p) for p in policies)
+    return "\n".join([
+        "examples (run from the repository root):",
+        *(line for cmd, what in EXAMPLES for line in (f"  {cmd}", f"      {what}")),
+        "",
+        "presets (--preset NAME):",
+        *preset_lines(),
+        "",
+        "policies (--policy NAME):",
+        *(f"  {p:<{pad}}  {POLICY_HELP.get(p, '')}".rstrip() for p in policies),
+        "",
+        "When a stage loses every replica, the re-plan loads those layers from the checkpoint:",
+        'the transfers table shows "checkpoint" as their source, and the failure\'s summary',
+        "names them. Tables are as wide as their cells when the output is not a terminal.",
+        "",
+        "exit status:",
+        f"  {EXIT_OK}  success (a re-plan from the checkpoint included)",
+        f"  {EXIT_FAILURE}  no plan: the model fits no layout, or the forced --policy is impossible",
+        f"  {EXIT_USAGE}  usage error (one line on stderr): unknown flag or preset, bad job file,",
+        "     a device that is not live, every live device failing, --fail-count too large",
+    ])
 
 
 def parse_ids(text: str) -> list[int]:
@@ -54,13 +95,14 @@ def parse_ids(text: str) -> list[int]:
     return sorted(ids)
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+def build_parser() -> CliParser:
+    p = CliParser(
         prog="chameleon-plan",
-        description="Preview the Chameleon planner: the initial pipeline x data parallel layout of "
-                    "a job and, for failures you name, whether it would reroute or re-plan, with "
-                    "the estimated step time, memory, transfers and score of each option.",
-        epilog=EPILOG,
+        # Raw text (RawDescriptionHelpFormatter keeps the epilog's columns): wrapped by hand.
+        description="Preview the Chameleon planner: the initial pipeline x data parallel layout "
+                    "of a job\nand, for failures you name, whether it would reroute or re-plan, "
+                    "with the estimated\nstep time, memory, transfers and score of each option.",
+        epilog=_epilog(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     job = p.add_mutually_exclusive_group()
@@ -73,7 +115,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--fail-count", metavar="K", type=int, default=0,
                    help="one more event in which K live devices, drawn with --seed, fail")
     p.add_argument("--seed", type=int, default=0, help="seed for --fail-count (default 0)")
-    p.add_argument("--policy", choices=("auto", "reroute", "replan"), default="auto",
+    p.add_argument("--policy", choices=get_args(PolicyChoice), default="auto",
                    help="auto (default) picks the higher score; reroute/replan force one")
     p.add_argument("--recovery", choices=RECOVERY_MODES, default=None,
                    help="how processes switch to a re-plan, overriding the job's "
@@ -87,17 +129,33 @@ def _parser() -> argparse.ArgumentParser:
 def _events(args: argparse.Namespace, spec: JobSpec) -> list[list[int]]:
     events = [list(ids) for ids in args.fail]
     if args.fail_count < 0:
-        raise PlanningError(f"--fail-count {args.fail_count} is negative; pass 0 or more.")
+        raise RequestError(f"--fail-count {args.fail_count} is negative; pass 0 or more.")
     if args.fail_count:
         dead = {d for e in events for d in e}
         live = [d for d in range(spec.cluster.devices) if d not in dead]
         if args.fail_count >= len(live):
-            raise PlanningError(
+            raise RequestError(
                 f"--fail-count {args.fail_count} would leave no live device of {len(live)}; "
                 "pass a smaller count."
             )
         events.append(sorted(random.Random(args.seed).sample(live, args.fail_count)))
     return events
+
+
+def _check_event(plan: ExecutionPlan, failed: list[int]) -> None:
+    """A failure the plan cannot have is the request's fault, not the planner's: said here,
+    before the planner, so that exit 1 only ever means "no plan"."""
+    live = set(plan.live_devices)
+    for d in failed:
+        if d not in live:
+            raise RequestError(
+                f"device {d} cannot fail: it is not live in plan generation {plan.generation} "
+                f"(live devices: {compact_ids(sorted(live))}); name a live device."
+            )
+    if live and set(failed) >= live:
+        raise RequestError(
+            f"all {len(live)} live devices would fail; at least one must survive to continue."
+        )
 
 
 def _decision_record(failed: list[int], d: Decision) -> dict:
@@ -114,10 +172,13 @@ def _decision_record(failed: list[int], d: Decision) -> dict:
 
 
 def run(args: argparse.Namespace) -> tuple[ExecutionPlan, JobSpec, list[dict]]:
+    """The final plan after every failure event, the spec, and one record per decision.
+    Raises SpecError / RequestError for a wrong request, PlanningError when there is no plan."""
     spec = load_job(args.job, args.preset).with_recovery(args.recovery)
     plan = initial_plan(spec)
     records = []
     for failed in _events(args, spec):
+        _check_event(plan, failed)
         decision = decide(spec, plan, failed, policy=args.policy)
         records.append(_decision_record(failed, decision))
         plan = decision.chosen
@@ -149,10 +210,9 @@ def _transfer_table(plan: ExecutionPlan) -> Table:
 
 
 def _render(plan: ExecutionPlan, spec: JobSpec, records: list[dict]) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    console = make_console()
     est = plan.estimate
     live = len(plan.live_devices)
     console.print(f"[bold]{spec.name}[/]: generation {plan.generation}, policy [bold]{plan.policy}"
@@ -201,13 +261,14 @@ def _render(plan: ExecutionPlan, spec: JobSpec, records: list[dict]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = _parser()
+    parser = build_parser()
     args = parser.parse_args(argv)
     try:
         plan, spec, records = run(args)
-    except (SpecError, PlanningError) as exc:
-        print(f"chameleon-plan: error: {exc}", file=sys.stderr)
-        return 2
+    except (SpecError, RequestError) as exc:
+        parser.error(str(exc))
+    except PlanningError as exc:
+        return parser.failure(str(exc))
     if args.json:
         out = plan.to_dict()
         out["decisions"] = records
@@ -215,7 +276,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print()
     else:
         _render(plan, spec, records)
-    return 0
+    return EXIT_OK
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -7,7 +7,8 @@ One trace per seed (``--trace-model poisson|hourly``, optional ``--mttr-s`` repa
 given trace (``--trace FILE.csv``). Every policy replays every trace. Prints a summary table
 (or, with ``--json``, a JSON document on stdout); with ``--out`` also writes summary.json,
 runs.csv, the traces as CSV, throughput.png and devices.png. Usage errors exit 2 with one
-sentence and no traceback; nothing is written to ``--out`` unless the whole run succeeded.
+line and no traceback; a job the planner cannot start, or an ``--out`` that cannot be
+written, exits 1; nothing is written to ``--out`` unless the whole run succeeded.
 """
 
 from __future__ import annotations
@@ -23,22 +24,70 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
+from ..console import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, CliParser, make_console, preset_lines
 from ..spec import RECOVERY_MODES, JobSpec, SpecError, load_job, preset_names
 from .constants import REROUTE_TIMINGS, BaselineConstants
 from .experiment import ExperimentResult, run_experiment
 from .policies import POLICY_NAMES, parse_policies
 from .traces import TRACE_MODELS, FailureTrace, TraceError, generate_trace, read_trace, write_trace
 
-__all__ = ["build_parser", "main"]
+__all__ = ["DEFAULT_POLICIES", "EXAMPLES", "POLICY_HELP", "build_parser", "main"]
 
 DEFAULT_POLICIES = "chameleon,oobleck,recycle"
 
+#: One line per simulated policy for --help, keyed by the simulator's registry
+#: (``POLICY_NAMES``; a test checks that both name the same policies).
+POLICY_HELP: dict[str, str] = {
+    "chameleon": "the launcher's planner: reroute or re-plan, whichever scores higher",
+    "hybrid": "reroute at once, stage the re-plan in the background, then switch",
+    "oobleck": "Oobleck-like: pipeline templates re-instantiated on the live devices",
+    "recycle": "ReCycle-like: peers take a lost device's micro-batches; restart if a stage dies",
+    "checkpoint": "torchrun-like: synchronous checkpoints, every failure restarts from the last",
+}
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+#: Command lines for --help, each with what it shows; all run from the repository root in a
+#: few seconds (a test runs every one).
+EXAMPLES: tuple[tuple[str, str], ...] = (
+    ("chameleon-sim --preset llama2-7b-910b --hours 2 --seeds 4",
+     "the default policies on the paper's 8 devices"),
+    ("chameleon-sim --preset llama2-7b-910b-32 --seeds 5 --out sim-out",
+     "the paper's simulation (9 h, 0.1/device-hour); plus summary.json, runs.csv, plots"),
+    ("chameleon-sim --preset tiny-cpu --hours 1 --trace-model hourly --mttr-s 600 --json",
+     "hourly failures with repairs, JSON on stdout"),
+)
+
+
+def _epilog() -> str:
+    """Examples, presets, policies and exit statuses, built with the parser: the presets and
+    policies come from their registries, so the list cannot go stale."""
+    pad = max(len(n) for n in POLICY_NAMES)
+    return "\n".join([
+        "examples (run from the repository root):",
+        *(line for cmd, what in EXAMPLES for line in (f"  {cmd}", f"      {what}")),
+        "",
+        "presets (--preset NAME):",
+        *preset_lines(),
+        "",
+        f"policies (--policies NAME,...; default {DEFAULT_POLICIES}):",
+        *(f"  {n:<{pad}}  {POLICY_HELP.get(n, '')}".rstrip() for n in POLICY_NAMES),
+        "",
+        "Tables are as wide as their cells when the output is not a terminal.",
+        "",
+        "exit status:",
+        f"  {EXIT_OK}  success",
+        f"  {EXIT_FAILURE}  the planner cannot start the job (nothing fits), or --out is not writable",
+        f"  {EXIT_USAGE}  usage error (one line on stderr): unknown flag, preset or policy, a bad",
+        "     number, an unreadable job or trace file, a trace for another number of devices",
+    ])
+
+
+def build_parser() -> CliParser:
+    p = CliParser(
         prog="chameleon-sim",
         description="Event-driven failure simulator: every policy replays the same traces and "
-                    "is timed by the planner's estimator.",
+                    "is timed by\nthe planner's estimator.",
+        epilog=_epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     job = p.add_argument_group("job")
     job.add_argument("--job", metavar="FILE", help="job spec TOML")
@@ -110,7 +159,7 @@ def _traces(args: argparse.Namespace, spec: JobSpec) -> list[tuple[int, FailureT
     ]
 
 
-def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+def _check(args: argparse.Namespace, parser: CliParser) -> None:
     if args.seeds < 1:
         parser.error(f"--seeds {args.seeds} is invalid; pass at least 1.")
     if args.bins < 1:
@@ -188,8 +237,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (SpecError, TraceError, ValueError) as exc:
         parser.error(str(exc))
     jobs = args.jobs or len(os.sched_getaffinity(0))
-    result = _run(spec, traces, policies, constants, parser, progress=not args.no_progress,
-                  jobs=jobs)
+    from ..planning.search import PlanningError
+
+    try:
+        result = _run(spec, traces, policies, constants, progress=not args.no_progress,
+                      jobs=jobs)
+    except PlanningError as exc:
+        return parser.failure(f"the job cannot start: {exc}")
+    except ValueError as exc:  # a trace for another number of devices
+        parser.error(str(exc))
     setting = {
         "devices": spec.cluster.devices,
         "hours": traces[0][1].horizon_s / 3600.0,
@@ -213,44 +269,41 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .report import summary_table, to_json_dict
 
     if args.out is not None:
-        doc = _write_outputs(result, traces, setting, Path(args.out), args.bins)
+        try:
+            doc = _write_outputs(result, traces, setting, Path(args.out), args.bins)
+        except OSError as exc:
+            return parser.failure(f"cannot write --out {args.out}: {exc}; pass a writable "
+                                  "directory.")
     else:
         doc = to_json_dict(result, setting)
     if args.json:
         print(json.dumps(doc, indent=2))
     else:
-        from rich.console import Console
-
-        Console().print(summary_table(result))
+        console = make_console()
+        console.print(summary_table(result))
         if args.out is not None:
-            print(f"wrote {args.out}/summary.json, runs.csv, throughput.png, devices.png, traces/")
-    return 0
+            console.print(f"wrote {args.out}/summary.json, runs.csv, throughput.png, devices.png, "
+                          "traces/", markup=False, highlight=False)
+    return EXIT_OK
 
 
 def _run(spec: JobSpec, traces: Sequence[tuple[int, FailureTrace]], policies: Sequence[str],
-         constants: BaselineConstants, parser: argparse.ArgumentParser,
-         progress: bool, jobs: int) -> ExperimentResult:
-    from rich.console import Console
+         constants: BaselineConstants, progress: bool, jobs: int) -> ExperimentResult:
+    """The experiment behind a progress bar on stderr (gone once done, so stdout stays the
+    report alone). Raises PlanningError when the job cannot start, ValueError for a trace of
+    another size."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from ..planning.search import PlanningError
-
     bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                   TimeElapsedColumn(), console=Console(stderr=True), transient=True,
+                   TimeElapsedColumn(), console=make_console(stderr=True), transient=True,
                    disable=not progress)
-    try:
-        with bar:
-            task = bar.add_task("simulating", total=len(traces) * len(policies))
+    with bar:
+        task = bar.add_task("simulating", total=len(traces) * len(policies))
 
-            def advance(name: str, seed: int) -> None:
-                bar.update(task, advance=1, description=f"seed {seed} {name}")
+        def advance(name: str, seed: int) -> None:
+            bar.update(task, advance=1, description=f"seed {seed} {name}")
 
-            return run_experiment(spec, traces, policies, constants, on_run=advance, jobs=jobs)
-    except PlanningError as exc:
-        parser.error(f"the job cannot start: {exc}")
-    except ValueError as exc:
-        parser.error(str(exc))
-    raise AssertionError("unreachable")  # parser.error exits
+        return run_experiment(spec, traces, policies, constants, on_run=advance, jobs=jobs)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -69,12 +69,16 @@ def to_json_dict(result: ExperimentResult, setting: dict[str, Any],
 
 
 def summary_table(result: ExperimentResult) -> Table:
+    """One row per policy (means over the seeds), the paired ratios as the caption. Print it
+    with :func:`chameleon_elastic.console.make_console`, which keeps it whole in a pipe."""
     n = len(result.seeds)
     table = Table(title=f"{result.spec.name}: {n} seed{'s' if n != 1 else ''}, fault-free "
                         f"{result.fault_free_throughput:.2f} samples/s")
     for col in ("policy", "throughput (samples/s)", "vs fault-free", "paused (s)",
                 "lost work (s)", "working at end", "decide (ms, mean)"):
-        table.add_column(col, justify="left" if col == "policy" else "right")
+        # A policy's name is never cut ("chamele…" on a narrow terminal); numbers may wrap.
+        table.add_column(col, justify="left" if col == "policy" else "right",
+                         no_wrap=col == "policy")
     for name in result.policies:
         thr = result.spread(name, "avg_throughput")
         table.add_row(
@@ -88,7 +92,9 @@ def summary_table(result: ExperimentResult) -> Table:
         )
     keys = _ratio_keys(result)
     if keys:
-        table.caption = "  ".join(
+        # One ratio per line: folded to the table's width, "1.714 ±" and "0.385" could land on
+        # different lines, in a pipe as on a terminal.
+        table.caption = "\n".join(
             f"{num}/{den} = {r.mean:.3f} ± {r.std:.3f}"
             + (f" (paper {PAPER_RATIOS[f'{num}/{den}']:.3f})" if f"{num}/{den}" in PAPER_RATIOS
                else "")

@@ -1,4 +1,5 @@
-"""chameleon-plan: tables by default, JSON on request, exit 2 with one sentence on bad requests."""
+"""chameleon-plan: tables by default, JSON on request; one line on stderr and exit 2 for a bad
+request, exit 1 when a sound request has no plan."""
 
 import json
 import subprocess
@@ -60,8 +61,7 @@ def test_table_explains_the_choice(capsys):
         ([], "no job given"),
         (["--preset", "llama2-7b-910b", "--fail", "42"], "not live"),
         (["--preset", "llama2-7b-910b", "--fail", "0-7"], "must survive"),
-        (["--preset", "llama2-7b-910b", "--fail", "0,4", "--policy", "reroute"],
-         "lost every replica"),
+        (["--preset", "llama2-7b-910b", "--fail", "3", "--fail", "3"], "not live in plan generation 1"),
         (["--preset", "llama2-7b-910b", "--fail-count", "8"], "no live device"),
         (["--preset", "llama2-7b-910b", "--fail", "x"], "not a device list"),
         (["--job", "/nonexistent.toml"], "cannot read job file"),
@@ -72,6 +72,33 @@ def test_bad_requests_exit_2_without_traceback(args, words):
     assert proc.returncode == 2
     assert words in proc.stderr
     assert "Traceback" not in proc.stderr
+    assert proc.stderr.count("\n") == 1 and "see chameleon-plan --help" in proc.stderr
+
+
+TINY_MEMORY_JOB = (
+    'name = "huge"\n'
+    "[model]\nlayers = 4\nforward_s = 0.01\nbackward_s = 0.02\nparam_bytes = 1e9\n"
+    "optimizer_bytes = 6e9\nactivation_bytes = 1e7\n"
+    "[cluster]\ndevices = 4\ndevice_memory_bytes = 1e9\nbandwidth_bytes_per_s = 1e10\n"
+    "restart_s = 3.0\nfailure_rate_per_hour = 0.1\n"
+    "[training]\ndp = 2\npp = 2\nglobal_micro_batches = 4\n"
+)
+
+
+def test_no_plan_for_a_sound_request_exits_1(tmp_path):
+    # Well-formed requests the planner cannot satisfy: a failure of the work, not of usage.
+    job = tmp_path / "huge.toml"
+    job.write_text(TINY_MEMORY_JOB)
+    for args, words in (
+        (["--preset", "llama2-7b-910b", "--fail", "0,4", "--policy", "reroute"],
+         "lost every replica"),
+        (["--job", str(job)], "does not fit"),
+    ):
+        proc = run_cli(*args)
+        assert proc.returncode == 1, proc.stderr
+        assert proc.stderr.startswith("chameleon-plan: error: ") and words in proc.stderr
+        assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+        assert "--help" not in proc.stderr and proc.stdout == ""
 
 
 def test_help_documents_every_flag():

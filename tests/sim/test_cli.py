@@ -1,4 +1,5 @@
-"""chameleon-sim end to end: files written, JSON shape, usage errors exit 2 with one sentence."""
+"""chameleon-sim end to end: files written, JSON shape, usage errors exit 2 with one sentence,
+work that cannot be done (a job that cannot start, an unwritable --out) exits 1."""
 
 from __future__ import annotations
 
@@ -78,6 +79,35 @@ def test_usage_errors_exit_2_with_the_fix(argv, message, capsys) -> None:
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_a_job_that_cannot_start_exits_1(tmp_path, capsys) -> None:
+    job = tmp_path / "huge.toml"
+    job.write_text(
+        'name = "huge"\n'
+        "[model]\nlayers = 4\nforward_s = 0.01\nbackward_s = 0.02\nparam_bytes = 1e9\n"
+        "optimizer_bytes = 6e9\nactivation_bytes = 1e7\n"
+        "[cluster]\ndevices = 4\ndevice_memory_bytes = 1e9\nbandwidth_bytes_per_s = 1e10\n"
+        "restart_s = 3.0\nfailure_rate_per_hour = 0.1\n"
+        "[training]\ndp = 2\npp = 2\nglobal_micro_batches = 4\n"
+    )
+    out = tmp_path / "out"
+    assert main(["--job", str(job), "--seeds", "1", "--no-progress", "--jobs", "1",
+                 "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("chameleon-sim: error: the job cannot start") and "does not fit" in err
+    assert err.count("\n") == 1 and not out.exists()
+
+
+def test_unwritable_out_exits_1_and_writes_nothing(tmp_path, capsys) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    out = blocker / "out"  # its parent is a file: cannot be created
+    assert main([*ARGS, "--seeds", "1", "--policies", "recycle", "--out", str(out)]) == 1
+    captured = capsys.readouterr()
+    assert captured.err.startswith(f"chameleon-sim: error: cannot write --out {out}")
+    assert captured.err.count("\n") == 1 and "Traceback" not in captured.err
+    assert captured.out == "" and blocker.read_text() == "not a directory"
 
 
 def test_trace_for_another_job_size_is_a_usage_error(tmp_path, capsys) -> None:
