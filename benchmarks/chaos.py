@@ -319,8 +319,10 @@ def draw(rng: random.Random, kinds: tuple[str, ...]) -> list[str]:
 def reference(netns: bool, steps: int) -> dict[int, float]:
     """Losses of a failure-free chameleon-run of the same job (4 decimals are compared)."""
     result = Trial("chameleon", [], random.Random(0), netns, steps, 300, 60).run()
-    result.pop("output")
+    output = result.pop("output")
     if result["outcome"] != "finished":
+        for name, text in output.items():
+            sys.stderr.write(f"--- {name}\n{text[-3000:]}\n")
         raise SystemExit(f"the failure-free reference run did not finish: {result['outcome']}")
     return result["losses"]
 

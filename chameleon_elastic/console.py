@@ -25,6 +25,7 @@ __all__ = [
     "CliParser",
     "make_console",
     "preset_lines",
+    "usage_error",
 ]
 
 #: The work was done.
@@ -63,6 +64,13 @@ def _one_sentence(message: str) -> str:
     return message.strip().rstrip(".")
 
 
+def usage_error(prog: str, message: str) -> NoReturn:
+    """The one line of a usage error, and argparse's exit status for it (also for parsers
+    built elsewhere, such as torch's, which chameleon-run extends)."""
+    sys.stderr.write(f"{prog}: error: {_one_sentence(message)}; see {prog} --help\n")
+    raise SystemExit(EXIT_USAGE)
+
+
 class CliParser(argparse.ArgumentParser):
     """An ArgumentParser whose usage errors are one line: the problem, then where to read more.
 
@@ -73,8 +81,7 @@ class CliParser(argparse.ArgumentParser):
     """
 
     def error(self, message: str) -> NoReturn:
-        self.exit(EXIT_USAGE,
-                  f"{self.prog}: error: {_one_sentence(message)}; see {self.prog} --help\n")
+        usage_error(self.prog, message)
 
     def failure(self, message: str) -> int:
         """Report that well-formed work could not be done, in one line, and return

@@ -217,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     if trainer.is_reporter:
         if first >= args.steps:
             print(f"nothing to train: the checkpoint in {args.checkpoint_dir} already holds "
-                  f"all {args.steps} steps", flush=True)
+                  f"all {args.steps} steps (raise --steps to train on, or pass another "
+                  "--checkpoint-dir to start afresh)", flush=True)
         else:
             print(f"done: steps {first}..{args.steps - 1} in "
                   f"{time.perf_counter() - started:.1f} s", flush=True)

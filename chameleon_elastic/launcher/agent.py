@@ -34,11 +34,13 @@ through ``orphan_guard`` so that they die with the agent, even on SIGKILL.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import signal
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from string import Template
 from typing import Any, Literal
@@ -62,7 +64,7 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 from torch.distributed.elastic.utils import macros
 
-from chameleon_elastic import channel
+from chameleon_elastic import channel, torch_compat
 from chameleon_elastic.channel import Generation, Registration, Resumed
 from chameleon_elastic.timeouts import Timeouts
 
@@ -84,6 +86,26 @@ log = logging.getLogger("chameleon_elastic.launcher.agent")
 
 RecoveryMode = Literal["inplace", "relaunch"]
 _STORE_FAILOVER_ATTEMPTS = 3
+_NO_SHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+
+
+@contextlib.contextmanager
+def _unshared_rendezvous_store() -> Iterator[None]:
+    """torch's rendezvous without its shared store: our agent gives workers a fresh store per
+    launch, and with the shared one a node that joins a running job waits forever for
+    MASTER_ADDR (the rank-0 agent publishes it in its first round only). torch reads the switch
+    from the environment, so it is set for the call alone: workers inherit the agent's
+    environment and must see exactly torchrun's."""
+    before = os.environ.get(_NO_SHARED_STORE)
+    os.environ[_NO_SHARED_STORE] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(_NO_SHARED_STORE, None)
+        else:
+            os.environ[_NO_SHARED_STORE] = before
+
 # How long a worker past its hang timeout must look awake (running, in the kernel) before it
 # counts as hung: long enough for a peer's reaction to its partner's death to pass.
 _HANG_CONFIRM_S = 1.0
@@ -244,7 +266,8 @@ class ChameleonAgent(LocalElasticAgent):
         deadline = time.monotonic() + self._timeouts.failover_s
         for attempt in range(_STORE_FAILOVER_ATTEMPTS + 1):
             try:
-                return spec.rdzv_handler.next_rendezvous()
+                with _unshared_rendezvous_store():
+                    return spec.rdzv_handler.next_rendezvous()
             except _STORE_LOST as exc:
                 if (attempt == _STORE_FAILOVER_ATTEMPTS or time.monotonic() > deadline
                         or spec.rdzv_handler.get_backend() == "static"):
@@ -256,12 +279,10 @@ class ChameleonAgent(LocalElasticAgent):
         """The rendezvous store is unreachable: rebuild the handler from the same parameters."""
         start = time.perf_counter()
         old = spec.rdzv_handler
-        stop = getattr(old, "_stop_heartbeats", None)  # the old store is gone; stop pinging it
-        if callable(stop):
-            try:
-                stop()
-            except (RuntimeError, OSError) as stop_exc:
-                log.debug("stopping heartbeats to the lost store failed: %s", stop_exc)
+        try:
+            torch_compat.stop_heartbeats(old)   # the old store is gone; stop pinging it
+        except (RuntimeError, OSError) as stop_exc:
+            log.debug("stopping heartbeats to the lost store failed: %s", stop_exc)
         spec.rdzv_handler = rdzv_registry.get_rendezvous_handler(self._rdzv_parameters)
         self._rdzv_handler = spec.rdzv_handler
         self._last_info = None

@@ -7,24 +7,33 @@ own ``config_from_args``. What differs is the agent (``ChameleonAgent``) and, fo
 rendezvous backends, faster liveness defaults (``keep_alive_interval=1``,
 ``keep_alive_max_attempt=3``, ``last_call_timeout=3``) unless ``--rdzv-conf`` sets them.
 
-Exit codes are torchrun's: 0 on success; 1 when workers fail for good (``ChildFailedError``
-through torch's ``@record``, which also writes the root cause to ``TORCHELASTIC_ERROR_FILE``);
-2 for usage errors (one paragraph, no traceback). A job that no plan can run any more (too few
-devices left) also ends with 1.
+Two entry points. :func:`main` keeps ``torch.distributed.run.main``'s programmatic contract:
+a bad combination of torch's own flags raises the exception torchrun raises (``ValueError``),
+workers that fail for good raise ``ChildFailedError`` (through torch's ``@record``, which also
+writes the root cause to ``TORCHELASTIC_ERROR_FILE``). :func:`console`, the ``chameleon-run``
+command, turns each expected failure into one sentence and torchrun's exit status: 0 on success;
+1 when workers fail for good, the launch configuration is invalid, the script is missing, the
+rendezvous cannot be reached, or no plan can run the job any more; 2 for a usage error of a flag
+(one sentence and ``see chameleon-run --help``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
+import logging
 import os
+import shutil
 import sys
 import tempfile
+import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["build_parser", "main"]
+__all__ = ["LaunchConfigError", "ScriptNotFound", "build_parser", "console", "main"]
 
 OUR_FLAGS = ("--job", "--preset", "--policy", "--recovery", "--hang-timeout", "--plan-cache",
              "--state-dir", "--event-log", "--health-file", "--profile", "--profile-out",
@@ -34,16 +43,60 @@ _DYNAMIC_RDZV_DEFAULTS = {"keep_alive_interval": 1, "keep_alive_max_attempt": 3,
                           "last_call_timeout": 3}
 
 
+class LaunchConfigError(ValueError):
+    """torch refused the launch configuration (a ``ValueError`` there, so still one here)."""
+
+
+class ScriptNotFound(FileNotFoundError):
+    """The training script does not exist: said before any worker starts (torch starts every
+    worker to have each print "can't open file", then fails the job)."""
+
+
+def _epilog() -> str:
+    from chameleon_elastic.console import preset_lines
+
+    presets = "\n".join(preset_lines())
+    return f"""\
+examples (from the repository root):
+  chameleon-run --standalone --nproc-per-node 2 examples/ddp_torchrun.py
+  chameleon-run --standalone --nproc-per-node 4 --preset tiny-cpu \\
+                examples/train_gpt.py --steps 40 --log-every 1
+  chameleon-run --nnodes 1:2 --nproc-per-node 2 --rdzv-backend etcd-v3 \\
+                --rdzv-endpoint 10.0.0.5:2379 --rdzv-id job1 --preset tiny-cpu examples/train_gpt.py
+
+presets (--preset; or describe your own job in a TOML file and pass --job):
+{presets}
+
+policies (--policy, on a lost device):
+  auto       the better of reroute and replan by estimated throughput x effective time
+  reroute    give the lost device's micro-batches to its data-parallel peers
+  replan     a new layout: pipelines, layer split per stage, micro-batch quota per pipeline
+  restart    torchrun's behaviour: the same plan, every worker restarted
+
+exit statuses (torchrun's):
+  0  the workers finished
+  1  workers failed for good, the launch configuration or the rendezvous failed, the script is
+     missing, or no plan can run the job any more (one sentence says which)
+  2  a flag was used wrongly (one sentence)
+
+docs: docs/launcher.md (flags, events, differences from torchrun), docs/rendezvous.md"""
+
+
 def build_parser() -> argparse.ArgumentParser:
     from torch.distributed.argparse_util import check_env, env
     from torch.distributed.run import get_args_parser
 
+    from chameleon_elastic.console import usage_error
     from chameleon_elastic.spec import RECOVERY_MODES
 
     from .session import CLI_POLICIES
 
     parser = get_args_parser()
     parser.prog = "chameleon-run"
+    # torch builds the parser, so its error() is replaced rather than subclassed
+    parser.error = functools.partial(usage_error, parser.prog)  # type: ignore[method-assign]
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = _epilog()
     parser.description = (
         "chameleon-run: torchrun with failure-aware elasticity. Every torchrun flag works the "
         "same; with --job/--preset the launcher plans a pipeline x data parallel layout and, "
@@ -160,9 +213,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import RendezvousParameters
     from torch.distributed.elastic.rendezvous import registry as rdzv_registry
-    from torch.distributed.launcher.api import _get_addr_and_port, _get_entrypoint_name
     from torch.distributed.run import config_from_args, parse_min_max_nnodes
 
+    from chameleon_elastic import torch_compat
     from chameleon_elastic.timeouts import Timeouts, TimeoutSettingError
 
     from .agent import ChameleonAgent
@@ -182,11 +235,13 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
             parser.error(f"{flag} only applies with --job or --preset; add one, or drop {flag}.")
 
     _prepare_rendezvous(args)
-    try:
-        config, cmd, cmd_args = config_from_args(args)
-        _, max_nodes = parse_min_max_nnodes(args.nnodes)
-    except (AssertionError, ValueError, RuntimeError) as exc:
-        parser.error(f"invalid launch configuration: {exc}")
+    with _held_warnings("torch.distributed.run"):   # its OMP banner must not precede an error
+        try:
+            config, cmd, cmd_args = config_from_args(args)
+        except ValueError as exc:
+            raise LaunchConfigError(str(exc)) from exc
+        _check_script(args)
+    _, max_nodes = parse_min_max_nnodes(args.nnodes)
     try:
         timeouts = Timeouts.resolve(shutdown_s=config.shutdown_timeout,
                                     hang_s=args.hang_timeout)
@@ -198,15 +253,23 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
             config.rdzv_configs.setdefault(key, value)
 
     state_dir: Path | None = None
+    made_state_dir = False
     if args.state_dir is not None:
         state_dir = Path(args.state_dir)
         state_dir.mkdir(parents=True, exist_ok=True)
     elif job_mode or args.profile_out:
-        state_dir = Path(tempfile.mkdtemp(prefix="chameleon-run-"))
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        state_dir = Path(tempfile.mkdtemp(prefix=f"chameleon-run-{stamp}-"))
+        made_state_dir = True
     session = None
     if job_mode:
         assert state_dir is not None
-        session = _make_session(parser, args, config.nproc_per_node, max_nodes, state_dir)
+        try:
+            session = _make_session(parser, args, config.nproc_per_node, max_nodes, state_dir)
+        except BaseException:
+            if made_state_dir:   # nothing ran: leave nothing behind
+                shutil.rmtree(state_dir, ignore_errors=True)
+            raise
     event_path = args.event_log or (None if state_dir is None else state_dir / "events.jsonl")
     events = EventLog(event_path)
     status = StatusLine(enabled=not args.no_status)
@@ -219,18 +282,14 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
 
     if not config.run_id:
         config.run_id = str(uuid.uuid4().int)
-    entrypoint_name = _get_entrypoint_name(cmd, list(cmd_args))
+    entrypoint_name = torch_compat.entrypoint_name(cmd, list(cmd_args))
     params = RendezvousParameters(
         backend=config.rdzv_backend, endpoint=config.rdzv_endpoint, run_id=config.run_id,
         min_nodes=config.min_nodes, max_nodes=config.max_nodes, local_addr=config.local_addr,
         **config.rdzv_configs,
     )
-    master_addr, master_port = _get_addr_and_port(params)
+    master_addr, master_port = torch_compat.addr_and_port(params)
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
-    # Our agent gives workers a fresh store per launch, so torch's shared store is not needed;
-    # and with it a node that joins a running job waits forever for MASTER_ADDR (the rank-0
-    # agent only publishes it in its first round).
-    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     spec = WorkerSpec(
         role=config.role, local_world_size=config.nproc_per_node, entrypoint=cmd,
         args=tuple(cmd_args), rdzv_handler=rdzv_registry.get_rendezvous_handler(params),
@@ -252,7 +311,11 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
     shutdown_rdzv = True
     try:
         metrics.initialize_metrics(metrics.MetricsConfig(config.metrics_cfg))
-        result = agent.run()
+        try:
+            result = agent.run()
+        except Exception:
+            torch_events.record(agent.get_event_failed(), config.event_log_handler)
+            raise
         torch_events.record(agent.get_event_succeeded(), config.event_log_handler)
         if result is None:  # rendezvous closed gracefully
             return None
@@ -273,30 +336,90 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
         if profiler is not None and args.profile_out:
             profiler.write(args.profile_out, None if session is None else session.spec,
                            None if session is None else session.plan)
-        status.close()
         events.close()
+        if event_path is not None and Path(event_path).exists():
+            sys.stderr.write(f"chameleon-run: events of this run: {event_path}\n")
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+@contextlib.contextmanager
+def _held_warnings(name: str) -> Iterator[None]:
+    """Hold ``name``'s log records until the block succeeds: torch warns (the OMP_NUM_THREADS
+    banner) before it validates, and a usage error must not come after a banner."""
+    held: list[logging.LogRecord] = []
+    logger = logging.getLogger(name)
+
+    def hold(record: logging.LogRecord) -> bool:
+        held.append(record)
+        return False
+
+    logger.addFilter(hold)
+    try:
+        yield
+    finally:
+        logger.removeFilter(hold)
+    for record in held:   # reached only on success
+        logger.handle(record)
+
+
+def main(argv: Sequence[str] | None = None) -> Any:
+    """``torch.distributed.run.main`` with our agent: same flags, same exceptions."""
     from torch.distributed.elastic.multiprocessing.errors import record
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return record(run)(args, parser)
+
+
+def console() -> None:
+    """The ``chameleon-run`` command: :func:`main`, with every expected failure as one sentence
+    and torchrun's exit status instead of a traceback."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
     from torch.distributed.elastic.rendezvous.api import RendezvousError
 
     from chameleon_elastic.rendezvous.errors import rendezvous_message
 
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args()
     try:
         record(run)(args, parser)
+    except LaunchConfigError as exc:
+        sys.stderr.write(f"chameleon-run: error: invalid launch configuration: "
+                         f"{str(exc).strip().rstrip('.')}; see chameleon-run --help\n")
+        raise SystemExit(1) from None
+    except ScriptNotFound as exc:
+        sys.stderr.write(f"chameleon-run: {exc}\n")
+        raise SystemExit(1) from None
+    except ChildFailedError as exc:
+        sys.stderr.write(f"chameleon-run: {_failure_sentence(exc)}\n")
+        raise SystemExit(1) from None
     except RendezvousError as exc:
-        # torch.distributed.run.main raises rendezvous errors, and so does main(argv) for
-        # programs; the console script (no argv) prints an etcd-v3 error as its one sentence
-        # and exits 1, torchrun's status for it.
-        message = None if argv is not None else rendezvous_message(exc)
+        message = rendezvous_message(exc)
         if message is None:
             raise
         sys.stderr.write(f"chameleon-run: {message}\n")
         raise SystemExit(1) from None
 
 
+def _check_script(args: argparse.Namespace) -> None:
+    if args.no_python or args.module or os.path.exists(args.training_script):
+        return
+    raise ScriptNotFound(f"the training script {args.training_script!r} does not exist (relative paths are "
+            f"taken from the current directory, {os.getcwd()}); check the path, or pass "
+            "--module for a module name.")
+
+
+def _failure_sentence(exc: Any) -> str:
+    """One sentence for ``ChildFailedError``: who failed, how, and where the details are (the
+    worker's own traceback is in its output above and in the error file)."""
+    rank, first = exc.get_first_failure()
+    how = (f"was killed by {first.signal_name()}" if first.exitcode < 0
+           else f"exited with code {first.exitcode}")
+    more = len(exc.failures) - 1
+    others = f" ({more} more worker{'s' if more != 1 else ''} failed)" if more else ""
+    where = ("; its traceback is in its output above"
+             + (f" and in {first.error_file}" if os.path.exists(first.error_file) else ""))
+    return f"{exc.name} failed: rank {rank} (pid {first.pid}) {how}{others}{where}."
+
+
 if __name__ == "__main__":
-    main()
+    console()

@@ -6,8 +6,9 @@ seconds), ``event`` (name), ``attempt`` (worker-group launch counter, 0 = first 
 ``generation`` (plan generation); the rest depends on the event. The names and fields are listed
 in docs/launcher.md.
 
-Status line: rendered with ``rich`` in place on a terminal; when stderr is not a terminal (CI,
-tests, ``2> file``) a plain line is written each time the status changes, never more often.
+Status line: a whole line each time the status changes, never more often (dimmed with ``rich``
+on a terminal, plain text elsewhere); never redrawn in place, which would glue it to the next
+line a worker writes to the same terminal.
 """
 
 from __future__ import annotations
@@ -68,24 +69,23 @@ class EventLog:
 
 
 class StatusLine:
-    """``gen 2 | policy replan | live 3/4 | restarts 1/3 | running``."""
+    """``gen 2 | policy replan | live 3/4 | restarts 1/3 | running``, one whole line per change.
+
+    Never a line redrawn in place: the workers share our terminal and write to it directly, so
+    a line without its newline would be glued to the next worker line. On a terminal the line
+    is dimmed (rich), elsewhere it is plain text.
+    """
 
     def __init__(self, enabled: bool = True, stream: TextIO | None = None) -> None:
         self.enabled = enabled
         self.stream = stream if stream is not None else sys.stderr
         self.fields: dict[str, Any] = {}
         self._last = ""
-        self._live = None
+        self._console = None
         if enabled and self.stream.isatty():
-            try:
-                from rich.console import Console
-                from rich.live import Live
+            from rich.console import Console
 
-                self._live = Live("", console=Console(file=self.stream), transient=False,
-                                  auto_refresh=False)
-                self._live.start()
-            except (ImportError, OSError):  # rich missing or no usable terminal
-                self._live = None
+            self._console = Console(file=self.stream, highlight=False, soft_wrap=True)
 
     def render(self) -> str:
         f = self.fields
@@ -107,24 +107,18 @@ class StatusLine:
         if text == self._last:
             return
         self._last = text
-        if self._live is not None:
-            self._live.update(text, refresh=True)
-        else:
-            self.stream.write(f"[{text}]\n")
-            self.stream.flush()
+        self._write(f"[{text}]", "dim")
 
     def say(self, text: str) -> None:
-        """One line for people (a recovery, a fatal error), kept apart from the status line."""
-        if self._live is not None:
-            self._live.console.print(text, markup=False, highlight=False)
+        """One line for people (a recovery, a fatal error), printed even with --no-status."""
+        self._write(text, "bold")
+
+    def _write(self, text: str, style: str) -> None:
+        if self._console is not None:
+            self._console.print(text, style=style, markup=False)
         else:
             self.stream.write(text + "\n")
             self.stream.flush()
-
-    def close(self) -> None:
-        if self._live is not None:
-            self._live.stop()
-            self._live = None
 
 
 def layout(plan: Any) -> str:

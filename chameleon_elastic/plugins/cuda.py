@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from chameleon_elastic import torch_compat
+
 from .base import DeviceBackend, MemoryStats
 
 __all__ = ["CudaBackend"]
@@ -52,9 +54,7 @@ class CudaBackend(DeviceBackend):
         """NCCL can abort: ``ncclCommAbort`` on every communicator makes the blocked collective
         return (the sockets of the gloo side-groups, if any, are shut down as well)."""
         try:
-            from torch.distributed.distributed_c10d import _abort_process_group
-
-            _abort_process_group()
+            torch_compat.abort_process_group()
         except (ImportError, RuntimeError, ValueError):
             pass
         super().unblock(sockets)
@@ -67,9 +67,7 @@ class CudaBackend(DeviceBackend):
 
         if dist.is_initialized():
             try:
-                from torch.distributed.distributed_c10d import _abort_process_group
-
-                _abort_process_group()
+                torch_compat.abort_process_group()
             except (ImportError, RuntimeError, ValueError):
                 pass
         super().abort_process_groups()

@@ -1,0 +1,70 @@
+"""Every private member of torch that chameleon-elastic touches, in one place.
+
+torch.distributed.elastic has no public extension API for an agent that keeps some workers
+while replacing others, so ``ChameleonAgent`` subclasses ``LocalElasticAgent`` and overrides
+or calls some of its underscored methods, and the launcher reuses two private helpers of
+``torch.distributed.launcher.api``. Each of them can change in any torch release; this module
+names them all, so that a torch upgrade is one file to check, and
+tests/test_torch_compat.py fails when one disappears or changes its signature.
+
+Checked against torch 2.13.0, the version pyproject.toml declares (``>=2.13,<2.14``): the
+launcher also passes ``WorkerSpec`` arguments that only recent torch has (``numa_options``,
+``duplicate_stdout_filters``, ``duplicate_stderr_filters``, ``virtual_local_rank``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["AGENT_HOOKS", "PRIVATE_ATTRIBUTES", "abort_process_group", "addr_and_port",
+           "entrypoint_name", "stop_heartbeats"]
+
+# LocalElasticAgent / SimpleElasticAgent methods ChameleonAgent overrides (O) or calls (C),
+# with the parameters (after self) that our code relies on.
+AGENT_HOOKS: dict[str, tuple[str, ...]] = {
+    "_invoke_run": ("role",),                              # O: the monitor loop
+    "_initialize_workers": ("worker_group",),              # O: rendezvous + start
+    "_stop_workers": ("worker_group",),                    # O
+    "_monitor_workers": ("worker_group",),                 # O
+    "_shutdown": ("death_sig", "timeout"),                 # O and C (super)
+    "_exit_barrier": (),                                   # C
+    "_set_local_rank_env": ("worker_env", "local_rank", "spec"),  # C: torch's per-rank vars
+    "_setup_local_watchdog": ("envs",),                    # C
+    "_setup_healthcheck": (),                              # C
+}
+
+# Attributes set by torch's constructors that ChameleonAgent reads or writes.
+PRIVATE_ATTRIBUTES: tuple[str, ...] = (
+    "_worker_group", "_remaining_restarts", "_store", "_rdzv_handler", "_logs_specs",
+    "_start_method", "_log_line_prefix_template",
+)
+
+
+def addr_and_port(params: Any) -> tuple[str | None, int | None]:
+    """The master address and port torchrun derives from the rendezvous parameters."""
+    from torch.distributed.launcher.api import _get_addr_and_port
+
+    return _get_addr_and_port(params)
+
+
+def entrypoint_name(entrypoint: Any, args: list[Any]) -> str:
+    """The name torchrun gives the job in ``ChildFailedError`` (the script, or ``-m`` module)."""
+    from torch.distributed.launcher.api import _get_entrypoint_name
+
+    return _get_entrypoint_name(entrypoint, args)
+
+
+def stop_heartbeats(handler: Any) -> None:
+    """Stop a dynamic rendezvous handler's keep-alive thread (its store is gone: it would only
+    ping a dead endpoint). Handlers without one are left alone."""
+    stop: Callable[[], None] | None = getattr(handler, "_stop_heartbeats", None)
+    if callable(stop):
+        stop()
+
+
+def abort_process_group(group: Any = None) -> None:
+    """Abort a process group's pending work (NCCL), which ``destroy_process_group`` does not."""
+    from torch.distributed.distributed_c10d import _abort_process_group
+
+    _abort_process_group(group)

@@ -1,0 +1,47 @@
+"""torch's private members we depend on (chameleon_elastic/torch_compat.py) still exist with
+the parameters we use: a torch upgrade that breaks one fails here, not in a user's job."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+from chameleon_elastic import torch_compat
+from chameleon_elastic.launcher.agent import ChameleonAgent
+
+
+@pytest.mark.parametrize("name", sorted(torch_compat.AGENT_HOOKS))
+def test_every_agent_hook_keeps_its_parameters(name):
+    method = getattr(LocalElasticAgent, name, None)
+    assert method is not None, f"torch no longer has LocalElasticAgent.{name}"
+    params = [p for p in inspect.signature(method).parameters if p != "self"]
+    assert params[:len(torch_compat.AGENT_HOOKS[name])] == list(torch_compat.AGENT_HOOKS[name])
+
+
+@pytest.mark.parametrize("name", [n for n in sorted(torch_compat.AGENT_HOOKS)
+                                  if n in vars(ChameleonAgent)])
+def test_our_overrides_take_what_torch_passes(name):
+    ours = [p for p in inspect.signature(getattr(ChameleonAgent, name)).parameters if p != "self"]
+    theirs = [p for p in inspect.signature(getattr(LocalElasticAgent, name)).parameters
+              if p != "self"]
+    assert ours == theirs
+
+
+def test_private_attributes_are_set_by_torchs_constructor():
+    source = "".join(inspect.getsource(c.__init__) for c in LocalElasticAgent.__mro__
+                     if "__init__" in vars(c) and c.__module__.startswith("torch."))
+    missing = [a for a in torch_compat.PRIVATE_ATTRIBUTES if f"self.{a} " not in source
+               and f"self.{a}:" not in source and f"self.{a}=" not in source]
+    assert not missing, missing
+
+
+def test_private_helpers_exist():
+    from torch.distributed import distributed_c10d
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+    from torch.distributed.launcher import api
+
+    assert callable(api._get_addr_and_port) and callable(api._get_entrypoint_name)
+    assert callable(distributed_c10d._abort_process_group)
+    assert callable(DynamicRendezvousHandler._stop_heartbeats)
