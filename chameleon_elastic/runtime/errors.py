@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-__all__ = ["PeerLost", "PipelineRuntimeError"]
+import sys
+from types import TracebackType
+
+__all__ = ["PeerLost", "PipelineRuntimeError", "say_peer_loss_in_one_line"]
 
 
 class PipelineRuntimeError(RuntimeError):
@@ -14,3 +17,21 @@ class PeerLost(PipelineRuntimeError):
     process groups down to recover (or the agent announced a new plan generation). Under
     chameleon-run this starts an in-place recovery; it reaches the user only without an agent
     to regroup with (plain torchrun, tests)."""
+
+
+def say_peer_loss_in_one_line(device: int) -> None:
+    """Under chameleon-run, a script that drives ``trainer.step`` itself ends on the
+    :class:`PeerLost` of a lost peer; the launcher handles that loss (it re-plans and relaunches
+    the script), so the survivor's exit must not look like a crash: one line instead of the
+    traceback. Any other exception keeps the previous hook (torch's rank-prefixed one)."""
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+        if isinstance(exc, PeerLost):
+            first = str(exc).splitlines()[0] if str(exc) else kind.__name__
+            sys.stderr.write(f"device {device}: stopped, a peer was lost ({first[:200]}); "
+                             "chameleon-run handles the loss\n")
+            return
+        previous(kind, exc, tb)
+
+    sys.excepthook = hook

@@ -40,7 +40,7 @@ from chameleon_elastic.timeouts import Timeouts
 from .abort import GroupSockets, new_sockets
 from .checkpoint import latest_step, load_layers, save_checkpoint
 from .commit import Agreement, Row, StateLost, agree
-from .errors import PeerLost, PipelineRuntimeError
+from .errors import PeerLost, PipelineRuntimeError, say_peer_loss_in_one_line
 from .executor import OpTiming, PipelineExecutor
 from .grad_sync import SyncMode, bucket_rank_sets, layer_holder_rank_sets, sync_gradients
 from .groups import GroupTable
@@ -224,7 +224,10 @@ class PipelineTrainer:
                                       global_micro_batches)
         mbs = micro_batch_size or int(os.environ.get("CHAMELEON_MICRO_BATCH_SIZE", "1"))
         kwargs.setdefault("link", WorkerLink.from_env(kwargs.get("timeouts")))
-        return cls(model, plan, device_from_env(plan), micro_batch_size=mbs, **kwargs)
+        device = device_from_env(plan)
+        if kwargs["link"] is not None:   # under chameleon-run: its agent handles lost peers
+            say_peer_loss_in_one_line(device)
+        return cls(model, plan, device, micro_batch_size=mbs, **kwargs)
 
     # ------------------------------------------------------------------ views
 
