@@ -34,13 +34,11 @@ through ``orphan_guard`` so that they die with the agent, even on SIGKILL.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
 import signal
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from string import Template
 from typing import Any, Literal
@@ -86,26 +84,6 @@ log = logging.getLogger("chameleon_elastic.launcher.agent")
 
 RecoveryMode = Literal["inplace", "relaunch"]
 _STORE_FAILOVER_ATTEMPTS = 3
-_NO_SHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
-
-
-@contextlib.contextmanager
-def _unshared_rendezvous_store() -> Iterator[None]:
-    """torch's rendezvous without its shared store: our agent gives workers a fresh store per
-    launch, and with the shared one a node that joins a running job waits forever for
-    MASTER_ADDR (the rank-0 agent publishes it in its first round only). torch reads the switch
-    from the environment, so it is set for the call alone: workers inherit the agent's
-    environment and must see exactly torchrun's."""
-    before = os.environ.get(_NO_SHARED_STORE)
-    os.environ[_NO_SHARED_STORE] = "1"
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(_NO_SHARED_STORE, None)
-        else:
-            os.environ[_NO_SHARED_STORE] = before
-
 # How long a worker past its hang timeout must look awake (running, in the kernel) before it
 # counts as hung: long enough for a peer's reaction to its partner's death to pass.
 _HANG_CONFIRM_S = 1.0
@@ -266,8 +244,7 @@ class ChameleonAgent(LocalElasticAgent):
         deadline = time.monotonic() + self._timeouts.failover_s
         for attempt in range(_STORE_FAILOVER_ATTEMPTS + 1):
             try:
-                with _unshared_rendezvous_store():
-                    return spec.rdzv_handler.next_rendezvous()
+                return spec.rdzv_handler.next_rendezvous()
             except _STORE_LOST as exc:
                 if (attempt == _STORE_FAILOVER_ATTEMPTS or time.monotonic() > deadline
                         or spec.rdzv_handler.get_backend() == "static"):

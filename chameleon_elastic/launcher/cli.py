@@ -290,6 +290,11 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
     )
     master_addr, master_port = torch_compat.addr_and_port(params)
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
+    # Our agent gives workers a fresh store per launch, so torch's shared store is not needed;
+    # with it a node that joins a running job waits forever for MASTER_ADDR. torch reads the
+    # switch from the environment at more than one place, so workers inherit it (known leak:
+    # setting it only around the rendezvous call broke relaunches).
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     spec = WorkerSpec(
         role=config.role, local_world_size=config.nproc_per_node, entrypoint=cmd,
         args=tuple(cmd_args), rdzv_handler=rdzv_registry.get_rendezvous_handler(params),
@@ -393,9 +398,10 @@ def console() -> None:
         sys.stderr.write(f"chameleon-run: {_failure_sentence(exc)}\n")
         raise SystemExit(1) from None
     except RendezvousError as exc:
-        message = rendezvous_message(exc)
-        if message is None:
-            raise
+        message = rendezvous_message(exc) or (
+            f"the rendezvous failed ({type(exc).__name__}"
+            f"{': ' + str(exc).splitlines()[0][:300] if str(exc).strip() else ''}); "
+            "check --rdzv-endpoint and that every node was started with the same --rdzv-id")
         sys.stderr.write(f"chameleon-run: {message}\n")
         raise SystemExit(1) from None
 

@@ -24,7 +24,7 @@ def test_a_peer_loss_is_one_line_and_any_other_error_keeps_its_traceback():
     lost = _run("PeerLost")
     assert lost.returncode == 1 and "Traceback" not in lost.stderr
     assert lost.stderr.strip().splitlines() == [
-        "device 3: stopped, a peer was lost (gloo: Connection reset by peer); chameleon-run "
-        "handles the loss"]
+        ("device 3: stopped, a peer was lost (gloo: Connection reset by peer); chameleon-run "
+        "handles the loss")]
     bug = _run("ValueError")
     assert bug.returncode == 1 and "Traceback" in bug.stderr and "ValueError" in bug.stderr
