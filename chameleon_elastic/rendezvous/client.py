@@ -44,6 +44,7 @@ from chameleon_elastic.rendezvous.errors import (
     EtcdConnectionError,
     EtcdRendezvousError,
 )
+from chameleon_elastic.rendezvous.pyetcd_compat import drop_cached_stubs, is_failed_node_error
 
 __all__ = ["ETCD_FAILURES", "EtcdClient", "is_transient"]
 
@@ -111,7 +112,7 @@ def is_transient(exc: BaseException) -> bool:
     """True for failures a retry may cure (no endpoint, deadline, leader change)."""
     if isinstance(exc, _TRANSIENT_PYETCD):
         return True
-    if isinstance(exc, ValueError) and "failed node" in str(exc):
+    if is_failed_node_error(exc):
         return True  # pyetcd: "Trying to use a failed node"
     rpc = _rpc_error(exc)
     if rpc is None:
@@ -177,7 +178,7 @@ def _fail_over(client: pyetcd.MultiEndpointEtcd3Client, exc: BaseException) -> N
     endpoint = client.endpoint_in_use
     if endpoint is not None:
         endpoint.fail()
-    client._clear_old_stubs()  # cached stubs (and the watch stream) use the old channel
+    drop_cached_stubs(client)  # cached stubs (and the watch stream) use the old channel
 
 
 class EtcdClient:

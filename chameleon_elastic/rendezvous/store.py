@@ -216,13 +216,13 @@ class EtcdStore(dist.Store):
         return time.monotonic() + (seconds if seconds > 0 else float("inf"))
 
     def _missing(self, full: list[str]) -> tuple[list[str], int]:
-        gets = [transactions.Get(k) for k in full]
+        request = _count_request(full)
 
         def read(client: Any) -> tuple[list[str], int]:
-            # A txn answers all reads at one revision; the count_only trick is not available
-            # per key in a txn, so values come along (store values are small).
+            # A txn answers all reads at one revision. pyetcd's public ``transaction`` drops
+            # the response header (the revision the watch must start after), hence the stub.
             response = client.kvstub.Txn(
-                _txn_request(client, gets),
+                request,
                 client.timeout,
                 credentials=client.call_credentials,
                 metadata=client.metadata,
@@ -280,7 +280,13 @@ class EtcdStore(dist.Store):
                 log.debug("cancelling a store watch failed", exc_info=True)
 
 
-def _txn_request(client: Any, ops: list[Any]) -> Any:
+def _count_request(keys: list[str]) -> Any:
+    """One unconditional txn that counts each key (count_only: no values travel), built from
+    pyetcd's public protobuf messages rather than its private request builders."""
     from pyetcd import etcdrpc
 
-    return etcdrpc.TxnRequest(compare=[], success=client._ops_to_requests(ops), failure=[])
+    ranges = [
+        etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(key=k.encode(), count_only=True))
+        for k in keys
+    ]
+    return etcdrpc.TxnRequest(compare=[], success=ranges, failure=[])
