@@ -121,4 +121,4 @@ def live_reports(out: Path, world: int, min_step: int) -> list[dict[str, Any]] |
 def chameleon_run() -> list[str]:
     """The chameleon-run console entry point, run by this interpreter."""
     return [sys.executable, "-c",
-            "import sys; from chameleon_elastic.launcher.cli import main; sys.exit(main())"]
+            "from chameleon_elastic.launcher.cli import console; console()"]
