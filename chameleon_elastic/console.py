@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, NoReturn
 
 if TYPE_CHECKING:
@@ -23,6 +24,7 @@ __all__ = [
     "EXIT_USAGE",
     "PIPE_WIDTH",
     "CliParser",
+    "help_epilog",
     "make_console",
     "preset_lines",
     "usage_error",
@@ -88,6 +90,29 @@ class CliParser(argparse.ArgumentParser):
         :data:`EXIT_FAILURE` (no --help hint: the flags were right)."""
         print(f"{self.prog}: error: {message.strip()}", file=sys.stderr)
         return EXIT_FAILURE
+
+
+def help_epilog(examples: Sequence[tuple[str, str]], policy_heading: str,
+                policies: Sequence[tuple[str, str]], notes: Sequence[str],
+                statuses: Sequence[tuple[int, str]]) -> str:
+    """The end of every command's --help, in one layout: examples (command, what it shows),
+    the presets (from their files), the policies (name, one line), free notes and the exit
+    statuses (a status's text may continue on lines of its own, indented)."""
+    pad = max((len(n) for n, _ in policies), default=0)
+    return "\n".join([
+        "examples (run from the repository root):",
+        *(line for cmd, what in examples for line in (f"  {cmd}", f"      {what}")),
+        "",
+        "presets (--preset NAME):",
+        *preset_lines(),
+        "",
+        policy_heading,
+        *(f"  {n:<{pad}}  {text}".rstrip() for n, text in policies),
+        "",
+        *([*notes, ""] if notes else []),
+        "exit status:",
+        *(f"  {code}  {text}" for code, text in statuses),
+    ])
 
 
 def preset_lines(indent: str = "  ") -> list[str]:

@@ -52,34 +52,34 @@ class ScriptNotFound(FileNotFoundError):
     worker to have each print "can't open file", then fails the job)."""
 
 
+_EXAMPLES = (
+    ("chameleon-run --standalone --nproc-per-node 2 examples/ddp_torchrun.py", "exactly torchrun"),
+    (("chameleon-run --standalone --nproc-per-node 4 --preset tiny-cpu examples/train_gpt.py "
+     "--steps 40"), "plan-aware: a GPT in pipelines x data parallel, recovered in place"),
+    (("chameleon-run --nnodes 1:2 --nproc-per-node 2 --rdzv-backend etcd-v3 --rdzv-endpoint "
+     "10.0.0.5:2379 --rdzv-id job1 --preset tiny-cpu examples/train_gpt.py"),
+     "two nodes on etcd (run the same line on each)"),
+)
+_POLICIES = (
+    ("auto", "the better of reroute and replan by estimated throughput x effective time"),
+    ("reroute", "give the lost device's micro-batches to its data-parallel peers"),
+    ("replan", "a new layout: pipelines, layer split per stage, micro-batch quota per pipeline"),
+    ("restart", "torchrun's behaviour: the same plan, every worker restarted"),
+)
+
+
 def _epilog() -> str:
-    from chameleon_elastic.console import preset_lines
+    from chameleon_elastic.console import help_epilog
 
-    presets = "\n".join(preset_lines())
-    return f"""\
-examples (from the repository root):
-  chameleon-run --standalone --nproc-per-node 2 examples/ddp_torchrun.py
-  chameleon-run --standalone --nproc-per-node 4 --preset tiny-cpu \\
-                examples/train_gpt.py --steps 40 --log-every 1
-  chameleon-run --nnodes 1:2 --nproc-per-node 2 --rdzv-backend etcd-v3 \\
-                --rdzv-endpoint 10.0.0.5:2379 --rdzv-id job1 --preset tiny-cpu examples/train_gpt.py
-
-presets (--preset; or describe your own job in a TOML file and pass --job):
-{presets}
-
-policies (--policy, on a lost device):
-  auto       the better of reroute and replan by estimated throughput x effective time
-  reroute    give the lost device's micro-batches to its data-parallel peers
-  replan     a new layout: pipelines, layer split per stage, micro-batch quota per pipeline
-  restart    torchrun's behaviour: the same plan, every worker restarted
-
-exit statuses (torchrun's):
-  0  the workers finished
-  1  workers failed for good, the launch configuration or the rendezvous failed, the script is
-     missing, or no plan can run the job any more (one sentence says which)
-  2  a flag was used wrongly (one sentence)
-
-docs: docs/launcher.md (flags, events, differences from torchrun), docs/rendezvous.md"""
+    return help_epilog(
+        _EXAMPLES, "policies (--policy NAME, on a lost device):", _POLICIES,
+        ["A job of your own: describe it in a TOML file and pass --job. Docs: docs/launcher.md",
+         "(flags, events, differences from torchrun) and docs/rendezvous.md."],
+        [(0, "the workers finished"),
+         (1, ("workers failed for good, the launch configuration or the rendezvous failed, the\n"
+             "     script is missing, or no plan can run the job any more (one sentence says "
+             "which)")),
+         (2, "a flag was used wrongly (one line)")])
 
 
 def build_parser() -> argparse.ArgumentParser:

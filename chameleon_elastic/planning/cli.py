@@ -10,7 +10,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, get_args
 
-from ..console import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, CliParser, make_console, preset_lines
+from ..console import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, CliParser, help_epilog, make_console
 from ..plan import ExecutionPlan
 from ..spec import RECOVERY_MODES, JobSpec, SpecError, load_job, preset_names
 from .search import Decision, PlanningError, PolicyChoice, compact_ids, decide, initial_plan
@@ -49,30 +49,19 @@ EXAMPLES: tuple[tuple[str, str], ...] = (
 
 
 def _epilog() -> str:
-    """Examples, presets, policies and exit statuses, built with the parser: the presets and
-    policies come from their registries, so the list cannot go stale."""
-    policies = get_args(PolicyChoice)
-    pad = max(len(p) for p in policies)
-    return "\n".join([
-        "examples (run from the repository root):",
-        *(line for cmd, what in EXAMPLES for line in (f"  {cmd}", f"      {what}")),
-        "",
-        "presets (--preset NAME):",
-        *preset_lines(),
-        "",
-        "policies (--policy NAME):",
-        *(f"  {p:<{pad}}  {POLICY_HELP.get(p, '')}".rstrip() for p in policies),
-        "",
-        "When a stage loses every replica, the re-plan loads those layers from the checkpoint:",
-        'the transfers table shows "checkpoint" as their source, and the failure\'s summary',
-        "names them. Tables are as wide as their cells when the output is not a terminal.",
-        "",
-        "exit status:",
-        f"  {EXIT_OK}  success (a re-plan from the checkpoint included)",
-        f"  {EXIT_FAILURE}  no plan: the model fits no layout, or the forced --policy is impossible",
-        f"  {EXIT_USAGE}  usage error (one line on stderr): unknown flag or preset, bad job file,",
-        "     a device that is not live, every live device failing, --fail-count too large",
-    ])
+    """Built with the parser: presets and policies come from their registries, so the list
+    cannot go stale."""
+    return help_epilog(
+        EXAMPLES, "policies (--policy NAME):",
+        [(p, POLICY_HELP.get(p, "")) for p in get_args(PolicyChoice)],
+        ["When a stage loses every replica, the re-plan loads those layers from the checkpoint:",
+         'the transfers table shows "checkpoint" as their source, and the failure\'s summary',
+         "names them. Tables are as wide as their cells when the output is not a terminal."],
+        [(EXIT_OK, "success (a re-plan from the checkpoint included)"),
+         (EXIT_FAILURE, "no plan: the model fits no layout, or the forced --policy is impossible"),
+         (EXIT_USAGE, ("usage error (one line on stderr): unknown flag or preset, bad job file,\n"
+                      "     a device that is not live, every live device failing, --fail-count "
+                      "too large"))])
 
 
 def parse_ids(text: str) -> list[int]:

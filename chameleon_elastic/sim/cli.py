@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from ..console import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, CliParser, make_console, preset_lines
+from ..console import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, CliParser, help_epilog, make_console
 from ..spec import RECOVERY_MODES, JobSpec, SpecError, load_job, preset_names
 from .constants import REROUTE_TIMINGS, BaselineConstants
 from .experiment import ExperimentResult, run_experiment
@@ -58,27 +58,18 @@ EXAMPLES: tuple[tuple[str, str], ...] = (
 
 
 def _epilog() -> str:
-    """Examples, presets, policies and exit statuses, built with the parser: the presets and
-    policies come from their registries, so the list cannot go stale."""
-    pad = max(len(n) for n in POLICY_NAMES)
-    return "\n".join([
-        "examples (run from the repository root):",
-        *(line for cmd, what in EXAMPLES for line in (f"  {cmd}", f"      {what}")),
-        "",
-        "presets (--preset NAME):",
-        *preset_lines(),
-        "",
-        f"policies (--policies NAME,...; default {DEFAULT_POLICIES}):",
-        *(f"  {n:<{pad}}  {POLICY_HELP.get(n, '')}".rstrip() for n in POLICY_NAMES),
-        "",
-        "Tables are as wide as their cells when the output is not a terminal.",
-        "",
-        "exit status:",
-        f"  {EXIT_OK}  success",
-        f"  {EXIT_FAILURE}  the planner cannot start the job (nothing fits), or --out is not writable",
-        f"  {EXIT_USAGE}  usage error (one line on stderr): unknown flag, preset or policy, a bad",
-        "     number, an unreadable job or trace file, a trace for another number of devices",
-    ])
+    """Built with the parser: presets and policies come from their registries, so the list
+    cannot go stale."""
+    return help_epilog(
+        EXAMPLES, f"policies (--policies NAME,...; default {DEFAULT_POLICIES}):",
+        [(n, POLICY_HELP.get(n, "")) for n in POLICY_NAMES],
+        ["Tables are as wide as their cells when the output is not a terminal."],
+        [(EXIT_OK, "success"),
+         (EXIT_FAILURE, ("the planner cannot start the job (nothing fits), or --out is not "
+                        "writable")),
+         (EXIT_USAGE, ("usage error (one line on stderr): unknown flag, preset or policy, a bad\n"
+                      "     number, an unreadable job or trace file, a trace for another number "
+                      "of devices"))])
 
 
 def build_parser() -> CliParser:
