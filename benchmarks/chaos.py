@@ -448,8 +448,10 @@ def main(argv: list[str] | None = None) -> None:
 def _from_journal(path: Path) -> dict:
     """A report from a --json report or from a --journal (complete trials only)."""
     text = path.read_text()
-    if text.lstrip().startswith("{\n") or '"summary"' in text.splitlines()[0]:
-        return json.loads(text)
+    try:
+        return json.loads(text)   # a --json report is one document
+    except json.JSONDecodeError:
+        pass                      # a journal is one document per line
     header, *results = (json.loads(x) for x in text.splitlines() if x.strip())
     ref = {int(k): v for k, v in header["reference"].items()}
     for r in results:
