@@ -238,7 +238,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
     with _held_warnings("torch.distributed.run"):   # its OMP banner must not precede an error
         try:
             config, cmd, cmd_args = config_from_args(args)
-        except ValueError as exc:
+        except (ValueError, AssertionError) as exc:   # torch validates --nnodes with assert
             raise LaunchConfigError(str(exc)) from exc
         _check_script(args)
     _, max_nodes = parse_min_max_nnodes(args.nnodes)

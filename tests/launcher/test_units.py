@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import signal
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -139,31 +140,39 @@ def test_recovery_line_says_what_was_lost_what_moved_and_where_training_resumed(
     assert relaunch.endswith("relaunched 4 workers")
 
 
-def _run_cli(argv, capsys, monkeypatch):
-    from chameleon_elastic.launcher.cli import main
+def _run_cli(argv, capsys, monkeypatch, tmp_path):
+    """Runs the ``chameleon-run`` command in a directory where the script exists, so that only
+    the error under test can stop it."""
+    from chameleon_elastic.launcher.cli import console
 
+    (tmp_path / "x.py").write_text("")
+    monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # keeps torch's one-time warning out of stderr
+    monkeypatch.setattr(sys, "argv", ["chameleon-run", *argv])
     with pytest.raises(SystemExit) as info:
-        main(argv)
+        console()
     return info.value.code, capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv,needle", [
-    (["--policy", "sometimes", "x.py"], "--policy"),
-    (["--job", "a.toml", "--preset", "tiny-cpu", "x.py"], "mutually exclusive"),
-    (["--preset", "no-such-job", "x.py"], "unknown preset"),
-    (["--preset", "tiny-cpu", "--nproc-per-node", "3", "x.py"], "cluster.devices"),
-    (["--health-file", "bad", "x.py"], "only applies with --job"),
-    (["--policy", "replan", "x.py"], "--policy only applies with --job"),
+@pytest.mark.parametrize("argv,needle,code", [
+    (["--policy", "sometimes", "x.py"], "--policy", 2),
+    (["--job", "a.toml", "--preset", "tiny-cpu", "x.py"], "mutually exclusive", 2),
+    (["--preset", "no-such-job", "x.py"], "unknown preset", 2),
+    (["--preset", "tiny-cpu", "--nproc-per-node", "3", "x.py"], "cluster.devices", 2),
+    (["--health-file", "bad", "x.py"], "only applies with --job", 2),
+    (["--policy", "replan", "x.py"], "--policy only applies with --job", 2),
     (["--preset", "tiny-cpu", "--nproc-per-node", "4", "--plan-cache", "-1", "x.py"],
-     "--plan-cache -1 is invalid"),
-    (["--nnodes", "3:1", "x.py"], "invalid launch configuration"),
+     "--plan-cache -1 is invalid", 2),
+    # torchrun's own validation (a ValueError, exit 1 there too), as one sentence
+    (["--nnodes", "3:1", "x.py"], "invalid launch configuration", 1),
 ])
-def test_usage_errors_exit_2_without_traceback(argv, needle, capsys, monkeypatch):
-    code, err = _run_cli(argv, capsys, monkeypatch)
-    assert code == 2
+def test_usage_errors_end_in_one_line_without_traceback(argv, needle, code, capsys, monkeypatch,
+                                                        tmp_path):
+    got, err = _run_cli(argv, capsys, monkeypatch, tmp_path)
+    assert got == code
     assert needle in err
     assert "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1, err
 
 
 def test_help_lists_torchrun_and_our_flags(capsys, monkeypatch):
