@@ -392,6 +392,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--journal", metavar="FILE", type=Path,
                         help="append the settings, the reference and each run as JSON lines as "
                              "they finish (a long run that is stopped keeps its results)")
+    parser.add_argument("--resume", action="store_true",
+                        help="go on with the --journal of a stopped run of the same --seed, "
+                             "--steps and launchers: its trials and reference are kept, the rest run")
     parser.add_argument("--table-from", metavar="FILE",
                         help="print the table of a --json report or of a --journal, then exit")
     args = parser.parse_args(argv)
@@ -416,13 +419,31 @@ def main(argv: list[str] | None = None) -> None:
     if set(fixed) - set(kinds):
         parser.error(f"--faults takes {', '.join(kinds)} here.")
     plans = [fixed or draw(rng, kinds) for _ in range(args.trials)]
-    print("  failure-free reference run", file=sys.stderr, flush=True)
-    ref = reference(netns, args.steps)
-    header = {"seed": args.seed, "netns": netns, "steps": args.steps, "reference": ref}
-    if args.journal:
-        args.journal.write_text(json.dumps(header) + "\n")
-    results = []
+    results: list[dict] = []
+    if args.resume:
+        if not (args.journal and args.journal.exists()):
+            parser.error("--resume needs the --journal FILE of the run to go on with.")
+        header, results = _journal(args.journal)
+        settings = {"seed": args.seed, "netns": netns, "steps": args.steps}
+        if any(header[k] != v for k, v in settings.items()) or any(
+                r["launcher"] not in launchers for r in results):
+            parser.error(f"{args.journal} was written with other settings "
+                         f"({ {k: header[k] for k in settings} }); pass the same ones, or drop --resume.")
+        results = results[: len(results) // len(launchers) * len(launchers)]   # whole trials
+        ref = header["reference"]
+        print(f"  resuming after {len(results) // len(launchers)} trials of {args.journal}",
+              file=sys.stderr, flush=True)
+    else:
+        print("  failure-free reference run", file=sys.stderr, flush=True)
+        ref = reference(netns, args.steps)
+        header = {"seed": args.seed, "netns": netns, "steps": args.steps, "reference": ref}
+    if args.journal:   # rewritten whole: a trial cut off by the stop is dropped
+        args.journal.write_text("".join(json.dumps(x, default=str) + "\n"
+                                        for x in [header, *results]))
+    done = len(results) // len(launchers)
     for i, faults in enumerate(plans):
+        if i < done:
+            continue
         for launcher in launchers:
             r = Trial(launcher, faults, random.Random(args.seed * 1000 + i), netns, args.steps,
                       args.deadline, args.stall).run()
@@ -452,16 +473,23 @@ def _from_journal(path: Path) -> dict:
         return json.loads(text)   # a --json report is one document
     except json.JSONDecodeError:
         pass                      # a journal is one document per line
-    header, *results = (json.loads(x) for x in text.splitlines() if x.strip())
-    ref = {int(k): v for k, v in header["reference"].items()}
-    for r in results:
-        r["losses"] = {int(k): v for k, v in r["losses"].items()}
+    header, results = _journal(path)
+    ref = header["reference"]
     launchers = {r["launcher"] for r in results}
     trials = len(results) // max(1, len(launchers))
     results = results[: trials * len(launchers)]
     return {"benchmark": "chaos", "trials": trials, "seed": header["seed"],
             "netns": header["netns"], "steps": header["steps"],
             "summary": summarise(results, ref), "results": results}
+
+
+def _journal(path: Path) -> tuple[dict, list[dict]]:
+    """The header and the runs of a --journal, with step numbers as ints again (JSON keys)."""
+    header, *results = (json.loads(x) for x in path.read_text().splitlines() if x.strip())
+    header["reference"] = {int(k): v for k, v in header["reference"].items()}
+    for r in results:
+        r["losses"] = {int(k): v for k, v in r["losses"].items()}
+    return header, results
 
 
 if __name__ == "__main__":

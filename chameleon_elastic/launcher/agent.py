@@ -869,6 +869,8 @@ class ChameleonAgent(LocalElasticAgent):
                 self._recover(self._event(Trigger.MEMBERSHIP), inplace)
                 return None
             if self._trouble():
+                self._emit(Event.FAILURE_SEEN, kind="peer_lost",
+                           reason="a local worker lost a peer that this node does not run")
                 self._recover(self._event(Trigger.PEER_LOST), inplace)
             return None
         raise RuntimeError(f"worker group in unexpected state {state.name}")
