@@ -55,7 +55,6 @@ from torch.distributed.elastic.agent.server.api import (
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import LogsSpecs, start_processes
 from torch.distributed.elastic.rendezvous import RendezvousParameters
-from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousClosedError,
     RendezvousConnectionError,
@@ -64,6 +63,7 @@ from torch.distributed.elastic.utils import macros
 
 from chameleon_elastic import channel, torch_compat
 from chameleon_elastic.channel import Generation, Registration, Resumed
+from chameleon_elastic.rendezvous.handler import handler_for
 from chameleon_elastic.timeouts import Timeouts
 
 from . import coordination
@@ -260,7 +260,7 @@ class ChameleonAgent(LocalElasticAgent):
             torch_compat.stop_heartbeats(old)   # the old store is gone; stop pinging it
         except (RuntimeError, OSError) as stop_exc:
             log.debug("stopping heartbeats to the lost store failed: %s", stop_exc)
-        spec.rdzv_handler = rdzv_registry.get_rendezvous_handler(self._rdzv_parameters)
+        spec.rdzv_handler = handler_for(self._rdzv_parameters)
         self._rdzv_handler = spec.rdzv_handler
         self._last_info = None
         self._emit(Event.RENDEZVOUS_FAILOVER, error=str(exc).splitlines()[0][:300],

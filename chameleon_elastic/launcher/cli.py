@@ -212,10 +212,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import RendezvousParameters
-    from torch.distributed.elastic.rendezvous import registry as rdzv_registry
     from torch.distributed.run import config_from_args, parse_min_max_nnodes
 
     from chameleon_elastic import torch_compat
+    from chameleon_elastic.rendezvous.handler import handler_for
     from chameleon_elastic.timeouts import Timeouts, TimeoutSettingError
 
     from .agent import ChameleonAgent
@@ -290,14 +290,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
     )
     master_addr, master_port = torch_compat.addr_and_port(params)
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
-    # Our agent gives workers a fresh store per launch, so torch's shared store is not needed;
-    # with it a node that joins a running job waits forever for MASTER_ADDR. torch reads the
-    # switch from the environment at more than one place, so workers inherit it (known leak:
-    # setting it only around the rendezvous call broke relaunches).
-    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     spec = WorkerSpec(
         role=config.role, local_world_size=config.nproc_per_node, entrypoint=cmd,
-        args=tuple(cmd_args), rdzv_handler=rdzv_registry.get_rendezvous_handler(params),
+        args=tuple(cmd_args), rdzv_handler=handler_for(params),
         max_restarts=config.max_restarts, monitor_interval=config.monitor_interval,
         master_addr=master_addr, master_port=master_port, local_addr=config.local_addr,
         event_log_handler=config.event_log_handler, numa_options=config.numa_options,

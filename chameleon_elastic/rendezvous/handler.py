@@ -1,4 +1,5 @@
-"""torch's ``DynamicRendezvousHandler``, with a workers' bootstrap store that is new every round.
+"""torch's ``DynamicRendezvousHandler``, with a workers' bootstrap store that is new every round;
+chameleon-run uses it for ``etcd-v3`` and for torch's own ``c10d`` backend alike.
 
 Why a subclass: torch 2.13's default (``use_agent_store``) lets the group-rank-0 *agent* host
 one ``TCPStore`` server for the workers, reused across rounds, and publishes its address only in
@@ -14,8 +15,9 @@ In elastic runs that breaks in three ways:
 - the rank-0 agent dies: agents that cached its address would hand a dead address to their
   workers (from reading torch's code; the test that kills group rank 0 passes with this class).
 
-This handler uses torch's other, supported mode instead (what
-``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` selects): ``use_agent_store`` is False, group rank 0
+This handler uses torch's other, supported mode instead (what the environment switch
+``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` selects, but per handler, so that the launcher need not
+set it in an environment its workers inherit): ``use_agent_store`` is False, group rank 0
 picks a free port in *every* round and publishes ``MASTER_ADDR``/``MASTER_PORT`` in that
 round's keys of the etcd store, every agent reads them again, and the rank-0 worker hosts a
 fresh ``TCPStore`` for that round only. No store outlives its round, so no key of an old
@@ -30,7 +32,11 @@ from datetime import timedelta
 from typing import Any
 
 from torch.distributed import Store
-from torch.distributed.elastic.rendezvous.api import RendezvousInfo, RendezvousParameters
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousParameters,
+)
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
     RendezvousBackend,
@@ -40,7 +46,7 @@ from torch.distributed.elastic.utils.distributed import get_free_port
 
 from chameleon_elastic.rendezvous.errors import EtcdConfigError
 
-__all__ = ["EtcdV3RendezvousHandler", "build_handler"]
+__all__ = ["FreshStoreRendezvousHandler", "build_handler", "handler_for"]
 
 
 @dataclass(frozen=True)
@@ -50,7 +56,7 @@ class _ReservedPort:
     port: int
 
 
-class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
+class FreshStoreRendezvousHandler(DynamicRendezvousHandler):
     """``DynamicRendezvousHandler`` whose workers bootstrap from a fresh store every round."""
 
     @property
@@ -84,7 +90,7 @@ def _seconds(params: RendezvousParameters, key: str) -> timedelta | None:
 
 def build_handler(
     store: Store, backend: RendezvousBackend, params: RendezvousParameters
-) -> EtcdV3RendezvousHandler:
+) -> FreshStoreRendezvousHandler:
     """Like torch's ``dynamic_rendezvous.create_handler``, same ``--rdzv-conf`` keys."""
     timeout = RendezvousTimeout(
         _seconds(params, "join_timeout"),
@@ -98,7 +104,7 @@ def build_handler(
         raise EtcdConfigError(
             f"--rdzv-conf keep_alive_max_attempt={attempts} must be a whole number >= 1."
         )
-    return EtcdV3RendezvousHandler.from_backend(
+    return FreshStoreRendezvousHandler.from_backend(
         params.run_id,
         store,
         backend,
@@ -109,3 +115,16 @@ def build_handler(
         keep_alive_interval=int(interval.total_seconds()),
         keep_alive_max_attempt=attempts,
     )
+
+
+def handler_for(params: RendezvousParameters) -> RendezvousHandler:
+    """The handler chameleon-run's agent uses: torch's registry, except that ``c10d`` gets this
+    module's handler on torch's c10d backend (the same store, a fresh bootstrap per round)."""
+    from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+
+    if params.backend != "c10d":
+        return get_rendezvous_handler(params)
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
+
+    backend, store = create_backend(params)
+    return build_handler(store, backend, params)

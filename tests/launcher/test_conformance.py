@@ -23,8 +23,6 @@ from .conftest import PROBE, free_port, read_envs
 
 # Values that legitimately differ between two runs of the same launcher.
 RUN_SPECIFIC = {"MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE"}
-# Set in the launcher's own environment by chameleon-run and inherited (a known leak, #13).
-OURS_INHERITED = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}
 
 
 def _side_by_side(tmp_path, launch, flags: list[str], mode: list[str], timeout: float = 50):
@@ -63,7 +61,7 @@ def test_same_standard_environment_as_torchrun(tmp_path, launch, flags):
     assert sorted(theirs) == sorted(ours) == ["0", "1"]
     for rank in theirs:
         a, b = _launcher_vars(theirs[rank]), _launcher_vars(ours[rank])
-        assert set(a) == set(b) - OURS_INHERITED, (set(a) ^ set(b))
+        assert set(a) == set(b), (set(a) ^ set(b))
         differing = {k for k in a if a[k] != b[k]}
         assert differing <= RUN_SPECIFIC, {k: (a[k], b[k]) for k in differing}
         assert not any(k.startswith("CHAMELEON_") for k in b)   # no --job: torchrun's world
@@ -106,7 +104,7 @@ def test_with_a_preset_workers_get_torchruns_environment_plus_chameleon_variable
     ours = _by_rank(read_envs(runs["chameleon"][1]))
     for rank in theirs:
         a, b = _launcher_vars(theirs[rank]), _launcher_vars(ours[rank])
-        extra = set(b) - set(a) - OURS_INHERITED
+        extra = set(b) - set(a)
         assert set(a) <= set(b) and extra and all(k.startswith("CHAMELEON_") for k in extra), extra
         assert {k for k in a if a[k] != b[k]} <= RUN_SPECIFIC
 

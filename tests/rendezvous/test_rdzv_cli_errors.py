@@ -122,9 +122,8 @@ def test_plain_torchrun_ends_with_the_sentence_without_grpc_frames(tmp_path) -> 
 def test_main_with_arguments_raises_like_torchrun(tmp_path, monkeypatch) -> None:
     from chameleon_elastic.launcher.cli import main
 
-    # run() sets these for the agent; keep them out of this test process afterwards
+    # run() sets this for the agent; keep it out of this test process afterwards
     monkeypatch.setenv("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM")
-    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "0")
     endpoint = f"127.0.0.1:{free_port()}"
     with pytest.raises(EtcdConnectionError, match=f"no etcd answered at {endpoint} within 1 s"):
         main(launch(tmp_path, endpoint, "connect_timeout=1"))
