@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         record_step(result.step_s)  # feeds chameleon-run --profile-out; no-op elsewhere
         step = result.step
         if step % args.log_every == 0 or step == args.steps - 1 or result.redone:
-            again = "  (trained again after restoring the checkpoint)" if result.redone else ""
+            again = "  (trained again)" if result.redone else ""   # the recovery line says why
             print(f"step {step:4d}  loss {result.loss:.4f}  (bits/byte "
                   f"{result.loss / math.log(2):.3f})  {result.step_s * 1e3:.0f} ms{again}",
                   flush=True)

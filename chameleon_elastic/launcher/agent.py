@@ -76,6 +76,7 @@ from .orphan_guard import guarded_command
 from .plan_env import LocalAssignment, device_id, local_assignments
 from .profiler import Profiler
 from .session import JobSession, LauncherPlanningError, PlanChange
+from .worker_logs import WorkerLogs
 from .workers import WorkerProcesses
 
 __all__ = ["ChameleonAgent", "RecoveryMode"]
@@ -571,6 +572,11 @@ class ChameleonAgent(LocalElasticAgent):
                              return_values={w.global_rank: None for w in worker_group.workers})
         return RunResult(state=WorkerState.HEALTHY)
 
+    def stderr_log(self, global_rank: int) -> str | None:
+        """The file that a worker which just failed wrote its stderr to (None: the console)."""
+        ended = self._exits.get(global_rank)
+        return ended.stderr or None if ended is not None else None
+
     def _classify(self, result: RunResult) -> list[WorkerFailure]:
         return [classify_exit(e.exitcode, e.device, e.local_rank)
                 for _, e in sorted(self._exits.items())]
@@ -649,7 +655,9 @@ class ChameleonAgent(LocalElasticAgent):
                              started=len(p.started), moved_layers=fields["moved_layers"],
                              moved_bytes=fields["transfer_bytes"],
                              source=fields["source"] or "", resumed_step=resumed_step,
-                             redone=fields["redone_steps"], seconds=fields["total_s"])
+                             redone=fields["redone_steps"], seconds=fields["total_s"],
+                             logs=self._logs_specs.root_log_dir
+                             if isinstance(self._logs_specs, WorkerLogs) else None)
         self._status.say(f"chameleon-run: {line}")
         total = fields["total_s"]
         self._update_status("running" if total is None else

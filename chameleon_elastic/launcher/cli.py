@@ -210,7 +210,6 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
     from torch.distributed.elastic import metrics
     from torch.distributed.elastic.agent.server.api import WorkerSpec
     from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import RendezvousParameters
     from torch.distributed.run import config_from_args, parse_min_max_nnodes
 
@@ -222,6 +221,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
     from .health import AlwaysHealthy, FileHealthCheck
     from .observe import EventLog, StatusLine
     from .profiler import Profiler
+    from .worker_logs import WorkerLogs, WorkersFailed
 
     if args.job is not None and args.preset is not None:
         parser.error("--job and --preset are mutually exclusive; pass only one of them.")
@@ -277,8 +277,13 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
     if args.profile_out:
         assert state_dir is not None
         profiler = Profiler(state_dir / "profile")
+    if session is not None and _torch_logging_untouched(args):
+        assert state_dir is not None
+        config.logs_specs = WorkerLogs(state_dir / "logs")
     if state_dir is not None:
-        sys.stderr.write(f"chameleon-run: plans, events and profiles in {state_dir}\n")
+        what = ("plans, events, profiles and workers' stderr" if isinstance(
+            config.logs_specs, WorkerLogs) else "plans, events and profiles")
+        sys.stderr.write(f"chameleon-run: {what} in {state_dir}\n")
 
     if not config.run_id:
         config.run_id = str(uuid.uuid4().int)
@@ -322,7 +327,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
         if result.is_failed():
             if not result.failures:  # ended by the agent, which said why in one sentence
                 raise SystemExit(1)
-            raise ChildFailedError(name=entrypoint_name, failures=result.failures)
+            raise WorkersFailed(entrypoint_name, result.failures,
+                                {rank: agent.stderr_log(rank) for rank in result.failures})
         return result.return_values
     except SignalException:
         shutdown_rdzv = False
@@ -409,16 +415,28 @@ def _check_script(args: argparse.Namespace) -> None:
             "--module for a module name.")
 
 
+def _torch_logging_untouched(args: argparse.Namespace) -> bool:
+    """No torch flag says where workers' output goes: under --job, their stderr goes to files."""
+    return (args.redirects == "0" and args.tee == "0" and args.log_dir is None
+            and args.logs_specs is None and not args.local_ranks_filter
+            and not args.duplicate_stdout_filters and not args.duplicate_stderr_filters)
+
+
 def _failure_sentence(exc: Any) -> str:
     """One sentence for ``ChildFailedError``: who failed, how, and where the details are (the
-    worker's own traceback is in its output above and in the error file)."""
+    worker's stderr log under --job; otherwise its output above and its error file)."""
+
     rank, first = exc.get_first_failure()
     how = (f"was killed by {first.signal_name()}" if first.exitcode < 0
            else f"exited with code {first.exitcode}")
     more = len(exc.failures) - 1
     others = f" ({more} more worker{'s' if more != 1 else ''} failed)" if more else ""
-    where = ("; its traceback is in its output above"
-             + (f" and in {first.error_file}" if os.path.exists(first.error_file) else ""))
+    log = getattr(exc, "stderr_logs", {}).get(rank)
+    if log is not None:
+        where = f"; its stderr (and traceback) is in {log}"
+    else:
+        where = ("; its traceback is in its output above"
+                 + (f" and in {first.error_file}" if os.path.exists(first.error_file) else ""))
     return f"{exc.name} failed: rank {rank} (pid {first.pid}) {how}{others}{where}."
 
 

@@ -134,10 +134,11 @@ def _megabytes(n: float) -> str:
 
 def recovery_line(what: str, plan: Any, *, inplace: bool, started: int, moved_layers: int,
                   moved_bytes: float, source: str, resumed_step: int | None, redone: int,
-                  seconds: float | None) -> str:
+                  seconds: float | None, logs: str | None = None) -> str:
     """The one plain line a person reads per recovery, e.g. ``device 3 lost (SIGKILL) at step
     8; re-planned to 2 pipelines [0 1 | 2]; moved 3 layers (1.2 MB) from peers; resumed at step
-    8 in 0.41 s``."""
+    8 in 0.41 s``. ``logs``: where the workers' stderr went (the survivors' complaints about
+    their lost peer are there, not on the console)."""
     parts = [what if resumed_step is None else f"{what} at step {resumed_step + redone}"]
     if plan.policy == "reroute":
         peers = sorted({s.device for r in plan.reroute for s in r.peers})
@@ -163,4 +164,6 @@ def recovery_line(what: str, plan: Any, *, inplace: bool, started: int, moved_la
     if resumed_step is not None:
         tail = f"resumed at step {resumed_step}"
         parts.append(tail if seconds is None else f"{tail} in {seconds:.2f} s")
+    if logs:
+        parts.append(f"workers' stderr in {logs}")
     return "; ".join(parts)

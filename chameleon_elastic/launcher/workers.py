@@ -29,6 +29,7 @@ class Exit:
     exitcode: int
     failure: ProcessFailure | None  # torch's record (error file) for a non-zero exit
     worker: Any                     # torch's Worker: its ranks when it ended
+    stderr: str = ""                # the file its stderr went to ("": the console)
 
 
 @dataclass
@@ -82,7 +83,8 @@ class WorkerProcesses:
                                          error_file=live.context.error_files[live.local_rank])
             else:
                 self.succeeded.add(device)
-            ended.append(Exit(device, live.local_rank, code, failure, live.worker))
+            ended.append(Exit(device, live.local_rank, code, failure, live.worker,
+                              live.context.stderrs.get(live.local_rank, "")))
         for e in ended:
             del self._live[e.device]
         return ended

@@ -67,7 +67,7 @@ class StepResult:
     step_s: float
     allreduces: int
     timings: tuple[OpTiming, ...] = ()
-    redone: bool = False  # the step is trained again after a rollback to a checkpoint
+    redone: bool = False  # trained again after a rollback (to a checkpoint, or to step 0)
 
 
 @dataclass(frozen=True)

@@ -66,6 +66,10 @@ def test_kill9_worker_under_job_excludes_device_and_replans(tmp_path, launch):
     assert all(c["score"] is not None for c in chosen[0]["candidates"].values())
     recovered = [e for e in events if e["event"] == "recovered"]
     assert recovered and recovered[0]["restarts_used"] == 0  # a lost device costs no restart
+    # the workers' stderr went to one file per process (none overwritten), named in the line
+    assert f"workers' stderr in {state / 'logs'}" in run.log.read_text()
+    assert sorted(p.name.split(".stderr")[0] for p in (state / "logs").glob("*.stderr.log")) == [
+        "device0.0", "device0.1", "device1.0", "device2.0", "device2.1", "device3.0", "device3.1"]
 
 
 @pytest.mark.timeout(90)
@@ -90,6 +94,21 @@ def test_exception_in_worker_restarts_on_the_same_device(tmp_path, launch):
     crash = [e for e in events if e["event"] == "failure_seen"]
     assert [(e["device"], e["kind"], e["exitcode"]) for e in crash] == [(2, "crash", 1)]
     assert not [e for e in events if e["event"] == "plan_chosen"]
+
+
+@pytest.mark.timeout(60)
+def test_a_crash_under_a_job_is_one_sentence_naming_the_workers_stderr_log(tmp_path, launch):
+    out, state = tmp_path / "out", tmp_path / "state"
+    out.mkdir()
+    run = launch("chameleon", ["--standalone", "--nproc-per-node", "4", "--preset", "tiny-cpu",
+                               "--state-dir", str(state), "--no-status",
+                               PROBE, str(out), "raise", "2"])
+    assert run.wait(50) == 1
+    console = run.log.read_text()
+    log = state / "logs" / "device2.0.stderr.log"
+    assert f"its stderr (and traceback) is in {log}" in console.strip().splitlines()[-1], console
+    assert "Traceback" not in console
+    assert "ValueError: probe on device 2 raised on purpose" in log.read_text()
 
 
 @pytest.mark.timeout(60)

@@ -73,6 +73,11 @@ def main() -> None:
         return
     if mode == "fail":
         sys.exit(1)
+    if mode == "raise":   # a bug in the script: a traceback on stderr, exit 1
+        if device == int(sys.argv[3]):
+            raise ValueError(f"probe on device {device} raised on purpose")
+        hold(out)
+        return
     if mode == "hold":
         hold(out)
         return
