@@ -6,7 +6,9 @@ broken hardware or a driver) is taken as the loss of its device: the device is e
 planner chooses a layout without it. A Python exception (exit code 1, or any other non-zero
 code) is a crash on a healthy device: the same plan is restarted on the same devices, budgeted
 by ``--max-restarts`` exactly as torchrun does. SIGTERM / SIGINT / SIGHUP mean "someone asked
-the worker to stop" and count as a crash, never as a lost device.
+the worker to stop" and count as a crash, never as a lost device. So does SIGABRT: the program
+aborted itself (C++ ``std::terminate``, a failed assert, NCCL's watchdog); seen after a Python
+exception when a native thread is still alive at exit, which must not cost the device.
 
 Shells report a signal death as ``128 + signo``; that spelling is recognised as well.
 """
@@ -21,6 +23,7 @@ __all__ = ["FailureEvent", "FailureKind", "Trigger", "WorkerFailure", "classify_
 
 _POLITE_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT})
 _POLITE_NAMES = frozenset(s.name for s in _POLITE_SIGNALS)
+_SELF_INFLICTED = frozenset({signal.SIGABRT})
 
 
 class FailureKind(str, enum.Enum):
@@ -61,11 +64,14 @@ def _signal_of(exitcode: int) -> signal.Signals | None:
 def classify_exit(exitcode: int, device: int, local_rank: int) -> WorkerFailure:
     """Classify a worker's exit code (negative = killed by that signal, Popen convention)."""
     sig = _signal_of(exitcode)
-    if sig is not None and sig not in _POLITE_SIGNALS:
+    if sig is not None and sig not in _POLITE_SIGNALS | _SELF_INFLICTED:
         return WorkerFailure(device, local_rank, exitcode, sig.name, FailureKind.DEVICE_LOST,
                              f"worker killed by {sig.name}")
     name = sig.name if sig is not None else None
-    reason = f"worker stopped by {name}" if name else f"worker exited with code {exitcode}"
+    if sig in _SELF_INFLICTED:
+        reason = f"worker aborted ({name})"
+    else:
+        reason = f"worker stopped by {name}" if name else f"worker exited with code {exitcode}"
     return WorkerFailure(device, local_rank, exitcode, name, FailureKind.CRASH, reason)
 
 

@@ -156,7 +156,8 @@ def recovery_line(what: str, plan: Any, *, inplace: bool, started: int, moved_la
     elif source == "checkpoint" and resumed_step is not None:
         parts.append(f"restored from the checkpoint of step {resumed_step}")
     elif source == "init" and redone:
-        parts.append("no state survived and there is no checkpoint: training starts over")
+        parts.append("some layers exist nowhere now and there is no checkpoint yet: training "
+                     "starts over")
     if redone and resumed_step is not None:
         last = resumed_step + redone - 1
         span = f"step {resumed_step}" if redone == 1 else f"steps {resumed_step}-{last}"

@@ -143,7 +143,8 @@ def _check_event(plan: ExecutionPlan, failed: list[int]) -> None:
             )
     if live and set(failed) >= live:
         raise RequestError(
-            f"all {len(live)} live devices would fail; at least one must survive to continue."
+            ("the last live device would fail" if len(live) == 1 else
+             f"all {len(live)} live devices would fail") + "; at least one must survive to continue."
         )
 
 

@@ -520,7 +520,8 @@ def check_event(spec: JobSpec, current: ExecutionPlan, failed: Collection[int],
             )
     if live and set(failed) >= live:
         raise PlanningError(
-            f"all {len(live)} live devices would fail; at least one must survive to continue."
+            ("the last live device would fail" if len(live) == 1 else
+             f"all {len(live)} live devices would fail") + "; at least one must survive to continue."
         )
     for d in joined:
         if d in live or not 0 <= d < spec.cluster.devices:

@@ -150,7 +150,8 @@ class PipelineTrainer:
     fresh world starts or when no live process holds some layer. ``link``: the agent channel
     (``chameleon-run --job``), which makes recovery in place possible. ``on_phase(step, phase)``
     is a fault-injection hook for tests, called before each phase of a step (``forward``,
-    ``backward``, ``sync``, ``vote``, ``apply``) and after ``apply`` (``applied``).
+    ``backward``, ``sync``, ``vote``, ``apply``) and after ``apply`` (``applied``), and with
+    ``enter`` as the process starts entering a plan (``step``: steps committed, -1 when fresh).
     """
 
     def __init__(self, model: PipelineModel, plan: ExecutionPlan, device: int, *,
@@ -254,6 +255,7 @@ class PipelineTrainer:
     def enter(self, plan: ExecutionPlan, reported: int | None) -> Entry:
         """Agree, restore, move and rebuild for ``plan`` (collective over its world).
         ``reported``: the last step the agents know was reported (None: unknown)."""
+        self._phase(-1 if self.committed is None else self.committed, "enter")
         plan.validate()
         if plan.num_layers != self.model.num_layers:
             raise PipelineRuntimeError(
@@ -311,11 +313,20 @@ class PipelineTrainer:
             self._install(wanted, {}, fresh=True)
             self.committed = 0
             return "init", 0, 0.0, True
-        if any(not t.from_checkpoint and set(t.layers) & set(orphans) for t in plan.transfers):
+        present = {r.device for r in rows}
+        if any(not t.from_checkpoint and t.src not in present and set(t.layers) & set(orphans)
+               for t in plan.transfers):
             # the plan counted on a holder that died while it was being made: its agent will
             # see the exit and publish the next generation, which knows
             raise PeerLost(f"device {self.device}: a holder of layers {_ranges(tuple(orphans))} "
                            f"left before plan generation {plan.generation} could use it")
+        # Every replica of some layers is gone (the plan may not know it: it was made from a
+        # layout whose own transition a second loss cut short). Every rank sees the same rows,
+        # so all take the same branch.
+        if self.checkpoint_dir is not None:   # a checkpointing job before its first one
+            self._install(wanted, {}, fresh=True)
+            self.committed = 0
+            return "init", 0, 0.0, True
         raise StateLost(
             f"layers {_ranges(tuple(orphans))} were lost with every process that held them "
             f"and there is no checkpoint to restore them from (step {resume} was committed); "

@@ -158,6 +158,21 @@ def test_every_replica_lost_before_the_first_checkpoint_starts_over_from_step_0(
 
 
 @pytest.mark.timeout(90)
+def test_a_second_loss_during_the_first_ones_transition_starts_over_in_place(tmp_path, launch):
+    """Device 1 dies as it enters the plan made for device 3's loss: the next plan is made from
+    a layout that never came to be, so it believes layers 4-7 (held by 1 and 3 only) still
+    exist. The workers find out from the rows they agree on and start over from step 0."""
+    run, out, state = _launch_mlp(launch, tmp_path, 5, "3:1:forward:kill", "1:1:enter:kill",
+                                  "--checkpoint-dir", str(tmp_path / "ckpt"))
+    assert run.wait(80) == 0, run.log.read_text()[-3000:]
+    steps = [r["step"] for r in _reported(out)]
+    assert steps[-5:] == [0, 1, 2, 3, 4] and steps.count(0) == 2   # step 0 said twice
+    assert "Traceback" not in run.log.read_text()
+    recovered = [e for e in read_events(state / "events.jsonl") if e["event"] == "recovered"]
+    assert recovered[-1]["source"] == "init" and recovered[-1]["resumed_step"] == 0
+
+
+@pytest.mark.timeout(90)
 def test_a_device_that_comes_back_joins_in_place_and_receives_its_layers(tmp_path, launch):
     health = tmp_path / "bad-devices"
     run, out, state = _launch_mlp(launch, tmp_path, 14, "--pace", "0.2",

@@ -48,6 +48,7 @@ def _rerouted() -> ExecutionPlan:
     (2, FailureKind.CRASH, None),
     (-signal.SIGTERM, FailureKind.CRASH, "SIGTERM"),
     (-signal.SIGINT, FailureKind.CRASH, "SIGINT"),
+    (-signal.SIGABRT, FailureKind.CRASH, "SIGABRT"),   # the program aborted itself
 ])
 def test_classify_exit(code, kind, sig):
     f = classify_exit(code, device=5, local_rank=1)

@@ -4,7 +4,8 @@ chosen phases of chosen steps: the commit protocol's test bed.
     mlp_faults.py OUT STEPS [DEVICE:STEP:PHASE:ACTION ...] [--checkpoint-dir DIR] [--pace S]
                   [--min-world N]
 
-PHASE is one of the trainer's phases (forward, backward, sync, vote, apply, applied). ACTION:
+PHASE is one of the trainer's phases (forward, backward, sync, vote, apply, applied, or
+enter: as the process starts entering a plan, STEP being the steps it has committed). ACTION:
 ``kill`` - the process SIGKILLs itself there (a lost device); ``lose-vote`` - this rank acts as
 if its vote had failed although the vote completed elsewhere (what a rank sees when a dying
 peer's last message of the all-reduce never arrives): it abandons the step before applying;

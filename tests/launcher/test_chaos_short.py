@@ -1,0 +1,32 @@
+"""The chaos benchmark's short version (issue #16 asks the suite to run one): one trial of
+chameleon-run on 2 nodes x 2 gloo workers with a three-member etcd cluster, a worker
+``kill -9`` and the etcd leader killed, against the failure-free run's losses."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.timeout(90)
+def test_one_chaos_trial_finishes_with_the_failure_free_losses(tmp_path):
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "chaos.py"), "--trials", "1",
+         "--launchers", "chameleon", "--faults", "worker-kill,etcd-leader", "--steps", "14",
+         "--stall", "45", "--deadline", "80", "--no-netns", "--json"],
+        capture_output=True, text=True, timeout=85, cwd=tmp_path, check=False)
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(run.stdout)
+    (trial,) = report["results"]
+    assert trial["outcome"] == "finished", trial
+    kinds = [f["kind"] for f in trial["faults"]]
+    assert kinds == ["worker-kill", "etcd-leader"]
+    kill = trial["faults"][0]
+    assert kill["detect_s"] is not None and kill["recovery_s"] is not None
+    assert trial["losses_differ"] == 0   # every printed step, 4 decimals
