@@ -168,7 +168,8 @@ class ChameleonAgent(LocalElasticAgent):
         self._exits: dict[int, Any] = {}        # global rank -> Exit, of the last poll
         self._trouble_since: float | None = None
         self._beats: dict[int, tuple[int, float]] = {}  # device -> (progress count, since)
-        self._awake: dict[int, float] = {}   # device -> first look awake without progress
+        # device -> (first look awake without progress, its CPU seconds then)
+        self._awake: dict[int, tuple[float, float]] = {}
         self._watch: NodeWatch | None = None    # our lease and the others' (etcd-v3)
         self._channel: Any = None               # this node's agent <-> worker store
         self._channel_address = ""
@@ -685,8 +686,9 @@ class ChameleonAgent(LocalElasticAgent):
         asleep. A worker blocked on a hung peer sleeps in its transfer; the hung one is stopped,
         stuck in the kernel, or spinning. Only "stopped" is conclusive at one look: a peer of a
         dead worker runs briefly while it reacts, so the other states must last
-        ``_HANG_CONFIRM_S`` of consecutive looks. Scripts that never report progress are never
-        hung."""
+        ``_HANG_CONFIRM_S`` of consecutive looks, and "running" must have used at least half a
+        core meanwhile (a process starved of a core by other load is runnable, not spinning).
+        Scripts that never report progress are never hung."""
         limit = self._timeouts.hang_s
         if not limit or self._channel is None:
             return []
@@ -704,14 +706,20 @@ class ChameleonAgent(LocalElasticAgent):
             if now - seen[1] < limit:
                 continue
             try:
-                state = psutil.Process(self._procs.pid(device)).status()
+                proc = psutil.Process(self._procs.pid(device))
+                state = proc.status()
+                cpu = sum(proc.cpu_times()[:2])
             except psutil.Error:
                 continue   # gone: the next poll reports its exit
             if state in (psutil.STATUS_SLEEPING, psutil.STATUS_IDLE):
                 self._awake.pop(device, None)
                 continue
-            since = self._awake.setdefault(device, now)
+            since, cpu_then = self._awake.setdefault(device, (now, cpu))
             if state != psutil.STATUS_STOPPED and now - since < _HANG_CONFIRM_S:
+                continue
+            if state == psutil.STATUS_RUNNING and cpu - cpu_then < (now - since) / 2:
+                # runnable but hardly run: starved of a core by other load, not spinning
+                self._awake[device] = (now, cpu)
                 continue
             nproc = self._nproc()
             hung.append(WorkerFailure(device, device % nproc, -signal.SIGKILL, None,

@@ -234,6 +234,19 @@ def test_a_stopped_worker_is_declared_hung_killed_and_recovered_in_place(tmp_pat
 
 
 @pytest.mark.timeout(90)
+def test_a_spinning_worker_is_declared_hung_too(tmp_path, launch):
+    """A hang that burns a core: running, not stopped, and using its core (so not merely
+    starved of one by other load): hung once the confirmation second has passed."""
+    run, out, state = _launch_mlp(launch, tmp_path, 8, "1:3:forward:spin",
+                                  flags=("--hang-timeout", "3"))
+    assert run.wait(80) == 0, run.log.read_text()[-3000:]
+    assert_single_process_results(out, [0, 2, 3], 8)
+    seen = [e for e in read_events(state / "events.jsonl") if e["event"] == "failure_seen"]
+    assert [e["device"] for e in seen] == [1]
+    assert seen[0]["reason"] == "hung: no progress for 3 s, process running"
+
+
+@pytest.mark.timeout(90)
 def test_a_crashed_worker_is_replaced_in_place_and_its_peers_keep_their_state(tmp_path, launch):
     """A worker that raises is a crash (restart budget spent, as torchrun), but only it starts
     again: its peers keep their processes, and the new process takes its layers from them."""

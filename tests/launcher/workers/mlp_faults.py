@@ -10,7 +10,7 @@ enter: as the process starts entering a plan, STEP being the steps it has commit
 if its vote had failed although the vote completed elsewhere (what a rank sees when a dying
 peer's last message of the all-reduce never arrives): it abandons the step before applying;
 ``raise`` - a bug: the script raises (only in the first process of the device, so the process
-that replaces it trains on).
+that replaces it trains on); ``spin`` - a hang that keeps a core busy.
 
 ``--pace S`` makes every step last at least S seconds (a sleep before its forward), so that a
 test can act while training runs. ``--min-world N``: a worker started in a smaller world waits
@@ -64,6 +64,9 @@ def main() -> None:
             raise PeerLost("injected: this rank's vote result was lost")
         elif action == "raise" and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
             raise ValueError("injected: a bug in the training script")
+        elif action == "spin":
+            while True:   # a hang that burns a core (a stuck kernel polling, a livelock)
+                pass
 
     def report(result) -> None:
         with open(os.path.join(out, "steps.jsonl"), "a") as fh:
