@@ -14,13 +14,13 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(150)   # about 45 s on 2 quiet cores; the timeouts leave room for load
 def test_one_chaos_trial_finishes_with_the_failure_free_losses(tmp_path):
     run = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "chaos.py"), "--trials", "1",
          "--launchers", "chameleon", "--faults", "worker-kill,etcd-leader", "--steps", "14",
          "--stall", "45", "--deadline", "80", "--no-netns", "--json"],
-        capture_output=True, text=True, timeout=85, cwd=tmp_path, check=False)
+        capture_output=True, text=True, timeout=140, cwd=tmp_path, check=False)
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(run.stdout)
     (trial,) = report["results"]
