@@ -74,12 +74,12 @@ def main(argv: list[str] | None = None) -> int:
                    f"{dev}, {torch.cuda.get_device_name(dev)}, {stats.total / 2**30:.0f} GiB"))
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = Path(tmp) / "ckpt"
-        gpu, gpu_s = _train("nccl", dev, args.steps, ckpt)
+        gpu, gpu_s = _train(cuda.dist_backend, dev, args.steps, ckpt)
         cuda.synchronize(0)
         peak = cuda.memory_stats(0).peak
         cpu, cpu_s = _train("gloo", None, args.steps, None)
         worst = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(gpu, cpu, strict=True))
-        checks.append((f"trainer on cuda + nccl, {args.steps} steps = CPU + gloo",
+        checks.append((f"trainer on cuda ({cuda.dist_backend}), {args.steps} steps = CPU + gloo",
                        worst < 1e-4, (f"max relative loss difference {worst:.1e}; "
                        f"{gpu_s:.2f} s on the GPU, {cpu_s:.2f} s on the CPU; peak "
                        f"{peak / 2**20:.1f} MiB")))
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
                        saved == args.steps and len(more) == 2,
                        f"checkpoint of step {saved}; resumed for {len(more)} more steps"))
     os.environ["MASTER_PORT"] = "29518"
-    dist.init_process_group("nccl", rank=0, world_size=1, device_id=dev)
+    dist.init_process_group(cuda.dist_backend, rank=0, world_size=1, device_id=dev)
     t = torch.ones(4, device=dev)
     dist.all_reduce(t)
     began = time.perf_counter()
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     abort_s = time.perf_counter() - began
     gone = not dist.is_initialized()
     os.environ["MASTER_PORT"] = "29519"
-    dist.init_process_group("nccl", rank=0, world_size=1, device_id=dev)
+    dist.init_process_group(cuda.dist_backend, rank=0, world_size=1, device_id=dev)
     t = torch.ones(4, device=dev)
     dist.all_reduce(t)
     again = bool(t.sum().item() == 4)

@@ -1,4 +1,5 @@
-"""CUDA back-end: nccl, one GPU per local rank, figures from torch's caching allocator."""
+"""CUDA back-end: nccl (plus gloo for CPU tensors), one GPU per local rank, figures from
+torch's caching allocator."""
 
 from __future__ import annotations
 
@@ -11,7 +12,10 @@ __all__ = ["CudaBackend"]
 
 class CudaBackend(DeviceBackend):
     name = "cuda"
-    dist_backend = "nccl"
+    # nccl for tensors on the GPU, gloo for the runtime's small CPU tensors (the rows every
+    # rank agrees on, votes): an nccl-only group refuses CPU tensors ("No backend type
+    # associated with device type cpu", seen on an H200 by benchmarks/cuda_smoke.py)
+    dist_backend = "cpu:gloo,cuda:nccl"
 
     def is_available(self) -> bool:
         try:

@@ -142,7 +142,8 @@ def test_trainer_needs_an_initialised_process_group():
 def test_backend_factory_names_aliases_and_errors():
     assert backend_names() == ("cpu", "cuda", "npu")
     assert get_backend("gloo").name == "cpu" and get_backend("cpu").dist_backend == "gloo"
-    assert get_backend("nccl").dist_backend == "nccl" and get_backend("hccl").name == "npu"
+    assert get_backend("nccl").dist_backend == "cpu:gloo,cuda:nccl"   # CPU tensors: gloo
+    assert get_backend("hccl").name == "npu"
     assert get_backend(None).is_available()
     with pytest.raises(PluginError, match="unknown device back-end 'tpu'"):
         get_backend("tpu")
