@@ -250,6 +250,9 @@ class Recovery:
             log.info("device %d: generation %d failed too (%s)", self.link.device,
                      gen.generation, failed.splitlines()[0])
             self.abort()
+            # say so: if no worker died (a peer that could not connect in time), no agent
+            # would otherwise form the next generation, and everyone would wait for it
+            self.link.trouble(gen.generation)
             after = gen.generation
         self.started(entry, regroup_s=time.perf_counter() - began - entry.transfer_s,
                      noticed_at=noticed_at)

@@ -173,6 +173,20 @@ def test_a_second_loss_during_the_first_ones_transition_starts_over_in_place(tmp
 
 
 @pytest.mark.timeout(90)
+def test_a_generation_that_a_live_worker_cannot_enter_is_followed_by_another(tmp_path, launch):
+    """Device 1 fails to enter the plan made for device 3's loss but stays alive (what a
+    connect that times out looks like). Nobody died, so only the workers' word can make the
+    agent form the next generation; they say so, and everyone enters that one."""
+    run, out, state = _launch_mlp(launch, tmp_path, 6, "3:3:forward:kill", "1:3:enter:lose-vote")
+    assert run.wait(80) == 0, run.log.read_text()[-3000:]
+    assert_single_process_results(out, [0, 1, 2], 6)
+    events = read_events(state / "events.jsonl")
+    assert [e.get("kind") for e in events if e["event"] == "failure_seen"] == [
+        "device_lost", "peer_lost"]
+    assert [e["generation"] for e in events if e["event"] == "plan_chosen"] == [1, 2]
+
+
+@pytest.mark.timeout(90)
 def test_a_device_that_comes_back_joins_in_place_and_receives_its_layers(tmp_path, launch):
     health = tmp_path / "bad-devices"
     run, out, state = _launch_mlp(launch, tmp_path, 14, "--pace", "0.2",
