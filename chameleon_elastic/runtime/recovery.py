@@ -127,7 +127,9 @@ class WorkerLink:
                 f"(CHAMELEON_GENERATION_TIMEOUT_S); no agent saw a device fail, so a peer may "
                 "be hung rather than dead."
             ) from exc
-        return self.current()
+        # the agent writes the generation's key before NEWEST: a worker woken by the key may
+        # still read the old NEWEST, and must not join the old generation's (closed) store
+        return self.generation(max(self.newest(), than + 1))
 
     def register(self, generation: int) -> None:
         channel.write(self.store, channel.worker_key(self.device),
