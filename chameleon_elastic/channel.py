@@ -63,6 +63,7 @@ REPORTED = "reported"
 CHECKPOINT = "checkpoint"
 CHECKPOINTS = "checkpoints"
 TROUBLE = "trouble"
+ENDED = "ended"          # a worker found that training cannot go on: the sentence that says why
 
 CHAMELEON_VARS: tuple[str, ...] = (
     "CHAMELEON_PLAN_GENERATION",

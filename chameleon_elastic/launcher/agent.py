@@ -817,6 +817,10 @@ class ChameleonAgent(LocalElasticAgent):
             self._recover(news, self._inplace_wanted)
             return None
         if state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
+            ended = channel.read(self._channel, channel.ENDED) if self._channel else None
+            if ended is not None:   # a worker found that training cannot go on, and said why
+                self._emit(Event.PLANNING_FAILED, error=ended)
+                raise LauncherPlanningError(ended)
             failures = self._classify(result) + hung
             for f in failures:
                 self._emit(Event.FAILURE_SEEN, device=f.device, local_rank=f.local_rank,

@@ -54,6 +54,7 @@ from chameleon_elastic.plan import ExecutionPlan
 from chameleon_elastic.timeouts import Timeouts
 
 from .abort import GroupSockets, Watchdog, new_sockets
+from .commit import StateLost
 from .errors import PeerLost, PipelineRuntimeError
 
 if TYPE_CHECKING:
@@ -152,6 +153,11 @@ class WorkerLink:
         asleep waiting for a peer) hung past ``--hang-timeout``."""
         self.store.add(channel.beat_key(self.device), 1)
 
+    def ended(self, sentence: str) -> None:
+        """Training cannot go on (some layer's state exists nowhere): the agent ends the job with
+        this sentence instead of reporting a crashed worker."""
+        channel.write(self.store, channel.ENDED, sentence)
+
     def trouble(self, generation: int) -> None:
         """A peer failed us: the agent should look now. Also progress, since a worker busy
         reacting to its peer's loss has not beaten since it blocked on that peer."""
@@ -247,6 +253,9 @@ class Recovery:
                 entry = self.trainer.enter(read_plan(gen.plan_file), gen.reported)
             except PeerLost as again:
                 failed = str(again)
+            except StateLost as lost:
+                self.link.ended(str(lost))
+                raise
             if failed is None:
                 break
             log.info("device %d: generation %d failed too (%s)", self.link.device,

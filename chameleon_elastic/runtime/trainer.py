@@ -328,9 +328,10 @@ class PipelineTrainer:
             self.committed = 0
             return "init", 0, 0.0, True
         raise StateLost(
-            f"layers {_ranges(tuple(orphans))} were lost with every process that held them "
-            f"and there is no checkpoint to restore them from (step {resume} was committed); "
-            "pass a checkpoint directory to keep such a job alive."
+            f"layers {_ranges(tuple(orphans))} were lost with every device that held them and "
+            f"the job has no checkpoint to restore them from (step {resume} was committed); "
+            "training cannot go on. Give the script a checkpoint directory to survive such a "
+            "loss."
         )
 
     def _settle_reporting(self, source: str, agreement: Agreement,

@@ -173,6 +173,20 @@ def test_a_second_loss_during_the_first_ones_transition_starts_over_in_place(tmp
 
 
 @pytest.mark.timeout(90)
+def test_a_second_loss_during_the_first_ones_transition_without_a_checkpoint_ends_the_job(
+        tmp_path, launch):
+    """As above, without a checkpoint: the workers find that layers 4-7 exist nowhere (the plan
+    did not know), and the job ends with their sentence, not a crashed worker's."""
+    run, _, state = _launch_mlp(launch, tmp_path, 5, "3:1:forward:kill", "1:1:enter:kill")
+    assert run.wait(80) == 1
+    lines = run.log.read_text().strip().splitlines()
+    assert "layers 4-7 were lost with every device that held them" in lines[-2], lines
+    assert "Traceback" not in "".join(lines)
+    events = read_events(state / "events.jsonl")
+    assert [e["event"] for e in events][-2:] == ["planning_failed", "job_finished"]
+
+
+@pytest.mark.timeout(90)
 def test_a_generation_that_a_live_worker_cannot_enter_is_followed_by_another(tmp_path, launch):
     """Device 1 fails to enter the plan made for device 3's loss but stays alive (what a
     connect that times out looks like). Nobody died, so only the workers' word can make the
