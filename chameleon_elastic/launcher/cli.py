@@ -425,7 +425,6 @@ def _torch_logging_untouched(args: argparse.Namespace) -> bool:
 def _failure_sentence(exc: Any) -> str:
     """One sentence for ``ChildFailedError``: who failed, how, and where the details are (the
     worker's stderr log under --job; otherwise its output above and its error file)."""
-
     rank, first = exc.get_first_failure()
     how = (f"was killed by {first.signal_name()}" if first.exitcode < 0
            else f"exited with code {first.exitcode}")
