@@ -488,6 +488,12 @@ class ChameleonAgent(LocalElasticAgent):
 
         self._setup_local_watchdog(envs=envs)
         self._setup_healthcheck()
+        if self._channel is not None:
+            # a new process is hang-checked from its own first beat: its dead predecessor's
+            # count, standing still, made a slow start (imports on a busy machine) look hung
+            for worker, _ in todo:
+                device = device_id(node, worker.local_rank, spec.local_world_size)
+                self._channel.delete_key(channel.beat_key(device))
         entrypoint = spec.entrypoint
         if isinstance(entrypoint, str):
             wrapped = {i: guarded_command(entrypoint, a) for i, a in args.items()}

@@ -275,6 +275,19 @@ def test_a_spinning_worker_is_declared_hung_too(tmp_path, launch):
 
 
 @pytest.mark.timeout(90)
+def test_a_replacement_workers_start_is_not_a_hang(tmp_path, launch):
+    """The process that replaces a crashed worker is busy starting for longer than
+    --hang-timeout (as heavy imports on a busy machine are): it is hang-checked from its own
+    first beat, not by its predecessor's count standing still."""
+    run, out, state = _launch_mlp(launch, tmp_path, 8, "2:4:backward:raise", "--busy-start", "5",
+                                  flags=("--max-restarts", "1", "--hang-timeout", "3"))
+    assert run.wait(80) == 0, run.log.read_text()[-3000:]
+    assert_single_process_results(out, [0, 1, 2, 3], 8, restarted=(2,))
+    seen = [e for e in read_events(state / "events.jsonl") if e["event"] == "failure_seen"]
+    assert [(e["device"], e["kind"]) for e in seen] == [(2, "crash")]
+
+
+@pytest.mark.timeout(90)
 def test_a_crashed_worker_is_replaced_in_place_and_its_peers_keep_their_state(tmp_path, launch):
     """A worker that raises is a crash (restart budget spent, as torchrun), but only it starts
     again: its peers keep their processes, and the new process takes its layers from them."""

@@ -12,7 +12,8 @@ peer's last message of the all-reduce never arrives): it abandons the step befor
 ``raise`` - a bug: the script raises (only in the first process of the device, so the process
 that replaces it trains on); ``spin`` - a hang that keeps a core busy.
 
-``--pace S`` makes every step last at least S seconds (a sleep before its forward), so that a
+``--busy-start S``: a process that replaces an earlier one of its device spins S seconds before
+it starts. ``--pace S`` makes every step last at least S seconds (a sleep before its forward), so that a
 test can act while training runs. ``--min-world N``: a worker started in a smaller world waits
 without training until the launcher replaces it (a multi-node test's way around the start-up
 window in which one node may begin alone). Writes ``OUT/steps.jsonl`` (one line per reported step, from the reporting process),
@@ -35,7 +36,7 @@ from chameleon_elastic.runtime.toy import mlp_model
 def main() -> None:
     args = sys.argv[1:]
     options = {}
-    for flag in ("--checkpoint-dir", "--pace", "--min-world"):
+    for flag in ("--checkpoint-dir", "--pace", "--min-world", "--busy-start"):
         if flag in args:
             i = args.index(flag)
             options[flag] = args[i + 1]
@@ -46,8 +47,13 @@ def main() -> None:
     if int(os.environ["WORLD_SIZE"]) < int(options.get("--min-world", 0)):
         time.sleep(3600)   # stopped by the launcher when the other node arrives
     device = int(os.environ["CHAMELEON_DEVICE"])
+    replacement = os.path.exists(os.path.join(out, f"pid-{device}"))
     with open(os.path.join(out, f"pid-{device}"), "a") as fh:
         fh.write(f"{os.getpid()}\n")
+    if replacement:   # a slow start that burns a core, as heavy imports on a busy machine do
+        until = time.monotonic() + float(options.get("--busy-start", 0))
+        while time.monotonic() < until:
+            pass
     mine = {}
     for spec in faults:
         d, step, phase, action = spec.split(":")
