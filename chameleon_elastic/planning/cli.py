@@ -13,7 +13,15 @@ from typing import TYPE_CHECKING, get_args
 from ..console import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, CliParser, help_epilog, make_console
 from ..plan import ExecutionPlan
 from ..spec import RECOVERY_MODES, JobSpec, SpecError, load_job, preset_names
-from .search import Decision, PlanningError, PolicyChoice, compact_ids, decide, initial_plan
+from .search import (
+    Decision,
+    PlanningError,
+    PolicyChoice,
+    check_event,
+    compact_ids,
+    decide,
+    initial_plan,
+)
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -131,21 +139,13 @@ def _events(args: argparse.Namespace, spec: JobSpec) -> list[list[int]]:
     return events
 
 
-def _check_event(plan: ExecutionPlan, failed: list[int]) -> None:
+def _check_event(spec: JobSpec, plan: ExecutionPlan, failed: list[int]) -> None:
     """A failure the plan cannot have is the request's fault, not the planner's: said here,
     before the planner, so that exit 1 only ever means "no plan"."""
-    live = set(plan.live_devices)
-    for d in failed:
-        if d not in live:
-            raise RequestError(
-                f"device {d} cannot fail: it is not live in plan generation {plan.generation} "
-                f"(live devices: {compact_ids(sorted(live))}); name a live device."
-            )
-    if live and set(failed) >= live:
-        raise RequestError(
-            ("the last live device would fail" if len(live) == 1 else
-             f"all {len(live)} live devices would fail") + "; at least one must survive to continue."
-        )
+    try:
+        check_event(spec, plan, failed, ())
+    except PlanningError as exc:
+        raise RequestError(str(exc)) from exc
 
 
 def _decision_record(failed: list[int], d: Decision) -> dict:
@@ -168,7 +168,7 @@ def run(args: argparse.Namespace) -> tuple[ExecutionPlan, JobSpec, list[dict]]:
     plan = initial_plan(spec)
     records = []
     for failed in _events(args, spec):
-        _check_event(plan, failed)
+        _check_event(spec, plan, failed)
         decision = decide(spec, plan, failed, policy=args.policy)
         records.append(_decision_record(failed, decision))
         plan = decision.chosen
