@@ -78,7 +78,7 @@ def job_spec(args: argparse.Namespace, bandwidth: float) -> JobSpec:
     profile = profile_layers(make_model(args), repeats=5)
     return JobSpec.from_dict({
         "name": "estimator-accuracy",
-        "model": profile.model_table(),
+        "model": profile.model.table(),   # measured [model] figures, named as the spec's keys
         "cluster": {"devices": 8, "device_memory_bytes": 64e9, "bandwidth_bytes_per_s": bandwidth,
                     "restart_s": 1.0, "failure_rate_per_hour": 0.1},
         "training": {"dp": 4, "pp": 2, "global_micro_batches": 8, "micro_batch_size": 1},

@@ -138,10 +138,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="FAKE device health check for CPU/tests: a file listing device ids "
                             "marked bad, one per line.")
     group.add_argument("--profile", action=env, type=str, default=None,
-                       help="Measured profile (from --profile-out) whose per-layer figures "
+                       help="Measured profile (written by --profile-out, or by "
+                            "python -m chameleon_elastic.runtime.profiler) whose figures "
                             "replace the job file's guesses.")
     group.add_argument("--profile-out", "--profile_out", action=env, type=str, default=None,
-                       help="Write the measured profile (step time, memory per device) here.")
+                       help="Write the measured profile (per-layer times from step times, "
+                            "regroup time, memory per device) here.")
     group.add_argument("--no-status", "--no_status", action=check_env,
                        help="Do not print the status line.")
     return parser
@@ -175,17 +177,21 @@ def _register_backends() -> None:
 
 def _make_session(parser: argparse.ArgumentParser, args: argparse.Namespace, nproc: int,
                   max_nodes: int, state_dir: Path):
+    from chameleon_elastic.profile import MeasuredProfile, ProfileError
     from chameleon_elastic.spec import SpecError, load_job
 
-    from .profiler import apply_profile, load_profile
     from .session import JobSession, LauncherPlanningError
 
     try:
         spec = load_job(args.job, args.preset)
         if args.profile:
-            spec = apply_profile(spec, load_profile(args.profile))
+            measured = MeasuredProfile.load(args.profile)   # either producer's file
+            try:
+                spec = measured.apply(spec)
+            except SpecError as exc:
+                raise SpecError(f"--profile {args.profile}: {exc}") from exc
         spec = spec.with_recovery(args.recovery)  # the flag wins, for the planner too
-    except (SpecError, ValueError) as exc:
+    except (SpecError, ProfileError) as exc:
         parser.error(str(exc))
     world = nproc * max_nodes
     if world != spec.cluster.devices:

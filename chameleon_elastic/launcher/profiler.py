@@ -1,19 +1,20 @@
-"""Profiler: measured step time and memory per device, turned into figures the planner uses.
+"""Agent-side profiler: a whole script's step times and memory, written as a measured profile.
 
 Who writes what:
 
 - workers (optional, one line in the training loop): ``record_step(seconds)`` appends a JSON
-  line to ``$CHAMELEON_PROFILE_DIR/device-<d>.jsonl``; a script that never calls it still gets
-  memory figures. Without ``CHAMELEON_PROFILE_DIR`` the call does nothing.
+  line to ``$CHAMELEON_PROFILE_DIR/device-<d>.jsonl``, with the device's peak memory when the
+  script passes it (``torch.cuda.max_memory_allocated()``, say: only the worker's own process
+  can see its device allocations). A script that never calls it still gets resident-memory
+  figures. Without ``CHAMELEON_PROFILE_DIR`` the call does nothing.
 - the agent: samples every worker's resident set size (psutil, the process and its children)
-  about once a second, and device memory through ``chameleon_elastic.plugins`` for cuda / npu
-  when that back-end is importable (looked up lazily; absent back-ends are skipped).
-- at the end the agent writes ``--profile-out`` (JSON): per device the peak RSS, the peak device
-  memory and the median step time, plus per-layer forward / backward seconds derived from the
-  step times and the plan in force (1F1B: t_step = (N_pp + N_m - 1) (T_f + T_b), with the job
-  file's forward:backward ratio). ``--profile FILE`` feeds such a file back: its per-layer times
-  replace the job file's guesses before the first plan is made, and the measured cost of an
-  in-place recovery (median regroup time, transfers excluded) replaces ``cluster.regroup_s``.
+  about once a second, and notes the fixed cost of each in-place recovery.
+- at the end the agent writes ``--profile-out`` as a :class:`~chameleon_elastic.profile.
+  MeasuredProfile` with ``how = "steps"``: per device the peak RSS, the peak device memory
+  reported and the median step time; per layer forward / backward seconds derived from the step
+  times under the plan in force (:func:`per_layer_times`); the median regroup time as
+  ``cluster.regroup_s``. The format is the one ``runtime.profiler.profile_layers`` writes, and
+  ``chameleon-run --profile`` takes either (``MeasuredProfile.load(path).apply(spec)``).
 """
 
 from __future__ import annotations
@@ -21,20 +22,23 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
 from chameleon_elastic.plan import ExecutionPlan
+from chameleon_elastic.profile import (
+    ClusterFigures,
+    DeviceFigures,
+    Figure,
+    MeasuredProfile,
+    ModelFigures,
+)
 from chameleon_elastic.spec import JobSpec
 
 __all__ = [
     "PROFILE_DIR_VAR",
     "Profiler",
-    "apply_profile",
-    "load_profile",
     "per_layer_times",
     "record_step",
 ]
@@ -43,76 +47,61 @@ PROFILE_DIR_VAR = "CHAMELEON_PROFILE_DIR"
 _SAMPLE_EVERY_S = 1.0
 
 
-def record_step(seconds: float) -> None:
-    """Called by a worker after each training step; cheap, and a no-op outside chameleon-run."""
+def record_step(seconds: float, device_memory_peak_bytes: int | None = None) -> None:
+    """Called by a worker after each training step; cheap, and a no-op outside chameleon-run
+    ``--profile-out``. ``device_memory_peak_bytes``: the device's peak so far, if known."""
     directory = os.environ.get(PROFILE_DIR_VAR)
     if not directory:
         return
     device = os.environ.get("CHAMELEON_DEVICE", os.environ.get("RANK", "0"))
-    line = json.dumps({"ts": time.time(), "step_s": float(seconds),
-                       "generation": os.environ.get("CHAMELEON_PLAN_GENERATION")})
+    record: dict[str, object] = {"ts": time.time(), "step_s": float(seconds),
+                                 "generation": os.environ.get("CHAMELEON_PLAN_GENERATION")}
+    if device_memory_peak_bytes is not None:
+        record["device_memory_peak_bytes"] = int(device_memory_peak_bytes)
     with open(Path(directory) / f"device-{device}.jsonl", "a") as fh:
-        fh.write(line + "\n")
+        fh.write(json.dumps(record) + "\n")
 
 
-def per_layer_times(spec: JobSpec, plan: ExecutionPlan,
-                    step_s: Mapping[int, float]) -> tuple[float, float] | None:
-    """(forward_s, backward_s) per layer that explain the measured step times under ``plan``."""
-    per_layer = []
-    roles = {r.device: r for r in plan.roles()}
-    for device, t in step_s.items():
-        role = roles.get(device)
-        if role is None or t <= 0:
+def per_layer_times(spec: JobSpec, plan: ExecutionPlan, step_s: Mapping[int, float]
+                    ) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
+    """Per-layer (forward_s, backward_s) that explain the measured step times under ``plan``.
+
+    Step times give a scale, not a shape: the job file's own figures say which layers are
+    heavier and how forward and backward split, and the measurement says by how much they were
+    off. Under 1F1B a device's step takes ``N_pp + N_m - 1`` slots of its pipeline's slowest
+    stage (``N_m`` counting the micro-batches it serves for dead peers), so each device gives
+    ``k = (step / slots) / guessed slowest stage``; the median ``k`` over devices multiplies
+    every layer's guess. None when no working device reported a step.
+    """
+    model = spec.model
+    guess = [f + b for f, b in zip(model.forward_s, model.backward_s)]
+    slowest = [max(sum(guess[a:b]) for a, b in pipe.layers) for pipe in plan.pipelines]
+    ratios = []
+    for role in plan.roles():
+        t = step_s.get(role.device)
+        if t is None or t <= 0:
             continue
         slots = role.num_stages + role.micro_batches - 1
-        layers = role.layer_end - role.layer_start
-        per_layer.append(t / slots / layers)
-    if not per_layer:
+        ratios.append(t / slots / slowest[role.pipeline])
+    if not ratios:
         return None
-    fb = statistics.median(per_layer)
-    f_share = sum(spec.model.forward_s) / (sum(spec.model.forward_s) + sum(spec.model.backward_s))
-    return fb * f_share, fb * (1 - f_share)
+    k = statistics.median(ratios)
+    return (tuple(k * f for f in model.forward_s), tuple(k * b for b in model.backward_s))
 
 
-def load_profile(path: str | Path) -> dict[str, Any]:
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(
-            f"cannot read measured profile {str(path)!r} ({exc}); pass a file written by "
-            "chameleon-run --profile-out, or drop --profile to use the job file's figures."
-        ) from exc
-    if not isinstance(data, dict) or "model" not in data:
-        raise ValueError(f"measured profile {str(path)!r} has no 'model' section; "
-                         "pass a file written by chameleon-run --profile-out.")
-    return data
-
-
-def apply_profile(spec: JobSpec, profile: Mapping[str, Any]) -> JobSpec:
-    """The spec with the profile's measured per-layer figures in place of the guesses."""
-    data = spec.to_dict()
-    measured = profile.get("model", {})
-    for key in ("forward_s", "backward_s", "activation_bytes", "param_bytes"):
-        value = measured.get(key)
-        if value is not None:
-            data["model"][key] = value
-    regroup = profile.get("cluster", {}).get("regroup_s")
-    if regroup is not None:
-        data["cluster"]["regroup_s"] = regroup
-    data["name"] = spec.name
-    return JobSpec.from_dict(data, name=spec.name)
+def _per_layer(values: Sequence[float]) -> Figure:
+    """One number when every layer is alike (readable files), else one per layer."""
+    return values[0] if len(set(values)) == 1 else tuple(values)
 
 
 class Profiler:
     """Agent side: memory sampling, step-time collection, and the profile file."""
 
-    def __init__(self, directory: str | Path, backend: str | None = None) -> None:
+    def __init__(self, directory: str | Path) -> None:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
-        self.backend = backend
         self._pids: dict[int, int] = {}          # device -> pid
         self._rss_peak: dict[int, int] = {}
-        self._device_peak: dict[int, int] = {}
         self._regroups: list[float] = []
         self._last_sample = 0.0
 
@@ -142,67 +131,74 @@ class Profiler:
             except (psutil.Error, OSError):
                 continue
             self._rss_peak[device] = max(self._rss_peak.get(device, 0), rss)
-        used = self._device_memory()
-        for device, value in used.items():
-            self._device_peak[device] = max(self._device_peak.get(device, 0), value)
 
-    def _device_memory(self) -> dict[int, int]:
-        if self.backend in (None, "cpu", "gloo"):
-            return {}
-        try:
-            from chameleon_elastic.plugins import get_backend  # runtime engineer's module
-
-            stats = get_backend(self.backend).memory_stats()
-        except Exception:  # noqa: BLE001 - optional back-end; memory figures are best effort
-            return {}
-        out = {}
-        if isinstance(stats, Mapping):
-            for key, value in stats.items():
-                try:
-                    out[int(key)] = int(value)
-                except (TypeError, ValueError):
-                    continue
-        return out
-
-    def step_times(self) -> dict[int, float]:
-        out = {}
+    def _records(self) -> dict[int, list[dict[str, object]]]:
+        """What each device's worker reported through :func:`record_step`."""
+        out: dict[int, list[dict[str, object]]] = {}
         for path in self.directory.glob("device-*.jsonl"):
             try:
                 device = int(path.stem.split("-", 1)[1])
-                values = [json.loads(line)["step_s"] for line in path.read_text().splitlines()
-                          if line.strip()]
-            except (ValueError, KeyError, OSError):
+                lines = path.read_text().splitlines()
+            except (ValueError, OSError):
                 continue
-            if values:
-                out[device] = statistics.median(values)
+            records = []
+            for line in lines:
+                try:
+                    record = json.loads(line)
+                except ValueError:   # a line cut short by a killed worker
+                    continue
+                if isinstance(record, dict) and isinstance(record.get("step_s"), (int, float)):
+                    records.append(record)
+            if records:
+                out[device] = records
         return out
 
-    def write(self, path: str | Path, spec: JobSpec | None,
-              plan: ExecutionPlan | None) -> dict[str, Any]:
+    def step_times(self) -> dict[int, float]:
+        """Median reported step time per device."""
+        return {d: statistics.median(_step_s(r) for r in records)
+                for d, records in self._records().items()}
+
+    def measured(self, spec: JobSpec | None, plan: ExecutionPlan | None) -> MeasuredProfile:
+        """Everything seen so far as a profile; per-layer times need the job and its plan."""
         self.sample(force=True)
+        records = self._records()
         steps = self.step_times()
-        devices = sorted(set(self._rss_peak) | set(steps) | set(self._device_peak))
-        profile: dict[str, Any] = {
-            "kind": "chameleon-measured-profile",
-            "job": None if spec is None else spec.name,
-            "devices": {
-                str(d): {"rss_peak_bytes": self._rss_peak.get(d),
-                         "device_memory_peak_bytes": self._device_peak.get(d),
-                         "step_time_s": steps.get(d)}
-                for d in devices
-            },
-            "model": {},
-            "cluster": {} if not self._regroups else {
-                "regroup_s": statistics.median(self._regroups)},
-        }
+        device_peak: dict[int, int] = {}
+        for d, rs in records.items():
+            peaks = [int(v) for v in (r.get("device_memory_peak_bytes") for r in rs)
+                     if isinstance(v, (int, float)) and not isinstance(v, bool)]
+            if peaks:
+                device_peak[d] = max(peaks)
+        devices = {d: DeviceFigures(rss_peak_bytes=self._rss_peak.get(d),
+                                    device_memory_peak_bytes=device_peak.get(d),
+                                    step_time_s=steps.get(d))
+                   for d in sorted(set(self._rss_peak) | set(steps) | set(device_peak))}
+        model = ModelFigures()
         if spec is not None and plan is not None:
             times = per_layer_times(spec, plan, steps)
             if times is not None:
-                profile["model"] = {"forward_s": times[0], "backward_s": times[1]}
-        target = Path(path)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".profile-", dir=target.parent)
-        with os.fdopen(fd, "w") as fh:
-            json.dump(profile, fh, indent=2)
-        os.replace(tmp, target)
+                model = ModelFigures(layers=spec.model.layers, forward_s=_per_layer(times[0]),
+                                     backward_s=_per_layer(times[1]))
+        regroup = statistics.median(self._regroups) if self._regroups else None
+        return MeasuredProfile(
+            how="steps",
+            precision="fp32" if spec is None else spec.training.precision,
+            micro_batch_size=None if spec is None else spec.training.micro_batch_size,
+            model=model,
+            cluster=ClusterFigures(regroup_s=regroup),
+            devices=devices,
+            job=None if spec is None else spec.name,
+        )
+
+    def write(self, path: str | Path, spec: JobSpec | None,
+              plan: ExecutionPlan | None) -> MeasuredProfile:
+        """Write the profile to ``path`` (the file ``--profile`` takes back) and return it."""
+        profile = self.measured(spec, plan)
+        profile.write(path)
         return profile
+
+
+def _step_s(record: Mapping[str, object]) -> float:
+    value = record["step_s"]
+    assert isinstance(value, (int, float))   # checked when the line was read
+    return float(value)

@@ -19,8 +19,14 @@ from chameleon_elastic.launcher.plan_env import (
     local_assignments,
     write_plan_file,
 )
-from chameleon_elastic.launcher.profiler import apply_profile, per_layer_times
+from chameleon_elastic.launcher.profiler import (
+    PROFILE_DIR_VAR,
+    Profiler,
+    per_layer_times,
+    record_step,
+)
 from chameleon_elastic.plan import ExecutionPlan, PeerShare, Pipeline, Reroute
+from chameleon_elastic.profile import ClusterFigures, MeasuredProfile, ModelFigures
 from chameleon_elastic.spec import JobSpec
 
 
@@ -114,13 +120,90 @@ def test_profile_round_trip_replaces_guesses():
     times = per_layer_times(spec, plan, {0: 0.2, 1: 0.2, 2: 0.2, 3: 0.2})
     assert times is not None
     f, b = times
-    assert f + b == pytest.approx(0.2 / 5 / 4)
-    assert f / b == pytest.approx(0.002 / 0.004)
-    tuned = apply_profile(spec, {"model": {"forward_s": f, "backward_s": b}})
-    assert tuned.model.forward_s == (pytest.approx(f),) * 8
+    assert [x + y for x, y in zip(f, b)] == pytest.approx([0.2 / 5 / 4] * 8)
+    assert f[0] / b[0] == pytest.approx(0.002 / 0.004)
+    tuned = MeasuredProfile("steps", model=ModelFigures(forward_s=f, backward_s=b)).apply(spec)
+    assert tuned.model.forward_s == pytest.approx(f)
     assert tuned.cluster == spec.cluster
-    regrouped = apply_profile(spec, {"model": {}, "cluster": {"regroup_s": 0.12}})
+    regrouped = MeasuredProfile("steps", cluster=ClusterFigures(regroup_s=0.12)).apply(spec)
     assert regrouped.cluster.regroup_s == 0.12 and regrouped.cluster.switch_s == 0.12
+
+
+def test_per_layer_times_keep_the_job_files_shape():
+    """Step times give the scale; the job file says which layers are heavier. The slowest
+    stage (layers 4-7, last one 3x heavier) sets the pipeline's pace."""
+    data = JobSpec.preset("tiny-cpu").to_dict()
+    data["model"]["forward_s"] = [0.001] * 7 + [0.003]
+    data["model"]["backward_s"] = [0.002] * 7 + [0.006]
+    spec = JobSpec.from_dict(data)
+    f, b = per_layer_times(spec, _plan_2x2(), {0: 0.2, 2: 0.2, 3: 0.2})   # device 1 silent
+    slow_stage = sum(f[4:]) + sum(b[4:])
+    assert slow_stage == pytest.approx(0.2 / 5)
+    assert f[7] == pytest.approx(3 * f[0]) and b[7] == pytest.approx(2 * f[7])
+    assert per_layer_times(spec, _plan_2x2(), {}) is None
+
+
+def _steps_profile(tmp_path, monkeypatch, spec, plan) -> Path:
+    """What chameleon-run --profile-out writes, without processes: workers' record_step lines,
+    one regroup, the agent's write at the end."""
+    profiler = Profiler(tmp_path / "profile")
+    monkeypatch.setenv(PROFILE_DIR_VAR, str(profiler.directory))
+    for device in range(4):
+        monkeypatch.setenv("CHAMELEON_DEVICE", str(device))
+        for seconds in (0.1, 0.2, 0.3):
+            record_step(seconds, device_memory_peak_bytes=1000 * (device + 1))
+    with open(profiler.directory / "device-0.jsonl", "a") as fh:
+        fh.write('{"step_s": 0.')                          # cut short by a kill -9
+    profiler.note_regroup(0.4)
+    profiler.note_regroup(0.2)
+    profiler.note_regroup(0.3)
+    path = tmp_path / "measured.json"
+    profiler.write(path, spec, plan)
+    return path
+
+
+def test_agent_profile_feeds_the_planner(tmp_path, monkeypatch):
+    spec = JobSpec.preset("tiny-cpu")
+    path = _steps_profile(tmp_path, monkeypatch, spec, _plan_2x2())
+    measured = MeasuredProfile.load(path)
+    assert (measured.how, measured.job, measured.precision) == ("steps", "tiny-cpu", "fp32")
+    assert measured.devices[2].step_time_s == 0.2
+    assert measured.devices[2].device_memory_peak_bytes == 3000
+    assert measured.cluster.regroup_s == 0.3
+    tuned = measured.apply(spec)
+    assert tuned.model.forward_s == pytest.approx((0.2 / 5 / 4 / 3,) * 8)
+    assert tuned.model.backward_s == pytest.approx((0.2 / 5 / 4 * 2 / 3,) * 8)
+    assert tuned.cluster.regroup_s == 0.3
+    assert tuned.model.param_bytes == spec.model.param_bytes      # step times say nothing of it
+
+
+def _session_with_profile(path: Path, tmp_path: Path):
+    from chameleon_elastic.launcher.cli import _make_session, build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(["--preset", "tiny-cpu", "--nproc-per-node", "4", "--plan-cache",
+                              "0", "--profile", str(path), "x.py"])
+    return _make_session(parser, args, 4, 1, tmp_path / "state")
+
+
+def test_both_producers_profiles_load_through_chameleon_run_profile(tmp_path, monkeypatch):
+    import torch
+
+    from chameleon_elastic.runtime.profiler import profile_layers
+    from chameleon_elastic.runtime.toy import mlp_model
+
+    spec = JobSpec.preset("tiny-cpu")
+    steps = _steps_profile(tmp_path, monkeypatch, spec, _plan_2x2())
+    session = _session_with_profile(steps, tmp_path)
+    assert session.spec.cluster.regroup_s == 0.3
+    assert session.spec.model.forward_s == pytest.approx((0.2 / 5 / 4 / 3,) * 8)
+
+    layers = profile_layers(mlp_model(layers=8, width=8, dtype=torch.float32), repeats=1,
+                            warmup=0).write(tmp_path / "layers.json")
+    session = _session_with_profile(layers, tmp_path)
+    assert session.spec.model.boundary_bytes == (8 * 4.0,) * 8
+    assert session.spec.cluster.regroup_s == spec.cluster.regroup_s
+    assert session.plan.num_layers == 8
 
 
 def test_recovery_line_says_what_was_lost_what_moved_and_where_training_resumed():
@@ -164,6 +247,8 @@ def _run_cli(argv, capsys, monkeypatch, tmp_path):
     (["--policy", "replan", "x.py"], "--policy only applies with --job", 2),
     (["--preset", "tiny-cpu", "--nproc-per-node", "4", "--plan-cache", "-1", "x.py"],
      "--plan-cache -1 is invalid", 2),
+    (["--preset", "tiny-cpu", "--nproc-per-node", "4", "--profile", "none.json", "x.py"],
+     "cannot read measured profile 'none.json'", 2),
     # torchrun's own validation (a ValueError, exit 1 there too), as one sentence
     (["--nnodes", "3:1", "x.py"], "invalid launch configuration", 1),
 ])
@@ -174,6 +259,22 @@ def test_usage_errors_end_in_one_line_without_traceback(argv, needle, code, caps
     assert needle in err
     assert "Traceback" not in err
     assert len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("profile,needle", [
+    (MeasuredProfile("layers", model=ModelFigures(layers=5)).to_json(),
+     ("--profile p.json: the measured profile covers 5 layers but job 'tiny-cpu' has "
+      "model.layers = 8")),
+    (MeasuredProfile("steps", cluster=ClusterFigures(regroup_s=0.1)).to_json()[:40],
+     "measured profile 'p.json' is not valid JSON"),
+])
+def test_a_profile_that_cannot_be_used_is_a_usage_error(profile, needle, capsys, monkeypatch,
+                                                         tmp_path):
+    (tmp_path / "p.json").write_text(profile)
+    got, err = _run_cli(["--preset", "tiny-cpu", "--nproc-per-node", "4", "--profile", "p.json",
+                         "x.py"], capsys, monkeypatch, tmp_path)
+    assert got == 2 and needle in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_help_lists_torchrun_and_our_flags(capsys, monkeypatch):
