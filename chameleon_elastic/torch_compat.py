@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 __all__ = ["AGENT_HOOKS", "PRIVATE_ATTRIBUTES", "abort_process_group", "addr_and_port",
-           "entrypoint_name", "stop_heartbeats"]
+           "entrypoint_name", "fake_tensor_mode", "stop_heartbeats"]
 
 # LocalElasticAgent / SimpleElasticAgent methods ChameleonAgent overrides (O) or calls (C),
 # with the parameters (after self) that our code relies on.
@@ -68,3 +68,12 @@ def abort_process_group(group: Any = None) -> None:
     from torch.distributed.distributed_c10d import _abort_process_group
 
     _abort_process_group(group)
+
+
+def fake_tensor_mode() -> Any:
+    """A mode in which tensors have shapes, dtypes, devices and autograd flags but no data:
+    the runtime sizes stage boundaries with it. Unlike the meta device, fake tensors keep their
+    device, so autocast applies to them and the dtypes come out as in training."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=True)

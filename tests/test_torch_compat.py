@@ -45,3 +45,14 @@ def test_private_helpers_exist():
     assert callable(api._get_addr_and_port) and callable(api._get_entrypoint_name)
     assert callable(distributed_c10d._abort_process_group)
     assert callable(DynamicRendezvousHandler._stop_heartbeats)
+
+
+def test_fake_tensor_mode_sizes_a_forward_under_autocast_without_data():
+    import torch
+
+    with torch_compat.fake_tensor_mode():
+        layer = torch.nn.Linear(4, 3)
+        x = torch.zeros(2, 4)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = layer(x)
+        assert (tuple(y.shape), y.dtype, y.requires_grad) == ((2, 3), torch.bfloat16, True)

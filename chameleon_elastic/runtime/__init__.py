@@ -15,11 +15,19 @@ from .checkpoint import latest_step, load_checkpoint, load_layers, save_checkpoi
 from .commit import Agreement, ProtocolError, Row, StateLost, agree
 from .data import global_micro_batch, sample_ids, step_sample_ids
 from .errors import PeerLost, PipelineRuntimeError
-from .executor import OpTiming, PipelineExecutor, StepOutcome, TensorSpec, boundary_shape
+from .executor import (
+    BoundarySpec,
+    OpTiming,
+    PipelineExecutor,
+    StepOutcome,
+    TensorSpec,
+    boundary_spec,
+)
 from .grad_sync import SyncMode, sync_gradients
 from .groups import GroupTable
 from .layer_state import LayerState, export_layer, import_layer
-from .model import PipelineModel, build_layers, collate
+from .model import PipelineModel, Tie, build_layers, collate
+from .precision import PRECISIONS, LossScale, Precision
 from .recovery import Recovery, WorkerLink
 from .topology import (
     RankMap,
@@ -39,16 +47,20 @@ from .trainer import (
 )
 
 __all__ = [
+    "PRECISIONS",
     "Agreement",
+    "BoundarySpec",
     "Entry",
     "GroupTable",
     "LayerState",
+    "LossScale",
     "OpTiming",
     "PeerLost",
     "PipelineExecutor",
     "PipelineModel",
     "PipelineRuntimeError",
     "PipelineTrainer",
+    "Precision",
     "ProtocolError",
     "RankMap",
     "Recovery",
@@ -57,10 +69,11 @@ __all__ = [
     "StepOutcome",
     "StepResult",
     "SyncMode",
+    "Tie",
     "TensorSpec",
     "WorkerLink",
     "agree",
-    "boundary_shape",
+    "boundary_spec",
     "build_layers",
     "check_world",
     "collate",

@@ -4,7 +4,9 @@ A plan change (re-plan after a failure, restart by the launcher) moves layers be
 so a checkpoint is stored per layer, not per rank: ``step-<N>/layer-<i>.pt`` holds layer
 ``i``'s parameters and its optimizer state (one dict per parameter, in ``parameters()``
 order). Every holder of a layer has identical weights after the gradient sync, so only one
-writes it: the lowest device id among its holders.
+writes it: the lowest device id among its holders. The little per-step state that is not a
+layer's lives beside them in ``trainer.json`` (fp16's loss scale; the learning-rate schedule
+needs nothing, it is replayed up to the checkpoint's step).
 
 Commit protocol: each writer saves to a temporary name and renames (a file is whole or absent);
 then all ranks meet at a barrier; then rank 0 atomically replaces ``latest`` with ``N`` and
@@ -15,6 +17,7 @@ in force, so a loader never sees a mix of two steps. Files are read with
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -26,8 +29,9 @@ import torch.distributed as dist
 
 from .errors import PeerLost, PipelineRuntimeError
 from .layer_state import LayerState, export_layer, import_layer
+from .precision import LossScale, Precision
 
-__all__ = ["latest_step", "load_checkpoint", "load_layers", "save_checkpoint"]
+__all__ = ["latest_step", "load_checkpoint", "load_layers", "load_loss_scale", "save_checkpoint"]
 
 
 def _step_dir(directory: Path, step: int) -> Path:
@@ -70,6 +74,10 @@ def save_checkpoint(trainer, directory: str | Path, step: int) -> None:
             continue
         state = export_layer(layer, module, trainer.optimizer).to_dict()
         _atomic_write(target / f"layer-{layer}.pt", lambda tmp, s=state: torch.save(s, tmp))
+    if dist.get_rank() == 0:   # every rank holds the same scale
+        scale = trainer.loss_scale
+        text = json.dumps({"loss_scale": scale.scale, "loss_scale_good": scale.good})
+        _atomic_write(target / "trainer.json", lambda tmp: Path(tmp).write_text(text))
     _barrier(trainer.device)
     if dist.get_rank() == 0:
         _atomic_write(directory / "latest", lambda tmp: Path(tmp).write_text(f"{step}\n"))
@@ -103,6 +111,19 @@ def load_layers(directory: str | Path, step: int, layers: Iterable[int]) -> dict
     return out
 
 
+def load_loss_scale(directory: str | Path, step: int, precision: Precision) -> LossScale:
+    """fp16's loss scale at checkpoint ``step`` (a checkpoint written without one, or any other
+    precision: the precision's starting scale)."""
+    fresh = LossScale.for_precision(precision)
+    if fresh.fixed:
+        return fresh
+    try:
+        saved = json.loads((_step_dir(Path(directory), step) / "trainer.json").read_text())
+        return LossScale(float(saved["loss_scale"]), int(saved["loss_scale_good"]), fixed=False)
+    except (OSError, ValueError, KeyError, TypeError):
+        return fresh
+
+
 def load_checkpoint(trainer, directory: str | Path) -> int:
     """Load this device's layers and optimizer state from the last committed checkpoint;
     returns the number of completed steps (0 when there is no checkpoint). Every rank must call
@@ -113,4 +134,6 @@ def load_checkpoint(trainer, directory: str | Path) -> int:
     for layer, state in load_layers(directory, step, trainer.layers).items():
         import_layer(state, trainer.layers[layer], trainer.optimizer)
     trainer.committed = step
+    trainer.loss_scale = load_loss_scale(directory, step, trainer.precision)
+    trainer.scheduler = trainer._move_schedule(trainer.optimizer, None, step)
     return step

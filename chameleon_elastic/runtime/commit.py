@@ -8,8 +8,10 @@ phase      what                                          afterwards
 forward    this device's 1F1B forwards (point to point)
 backward   its backwards (point to point)
 sync       gradients summed over each layer's holders    ``synced = t``: .grad holds the sums
-vote       all-reduce of the loss over the whole world   the COMMIT POINT
-apply      ``optimizer.step()``                          ``committed = t + 1``
+vote       all-reduce of the loss and the squared        the COMMIT POINT
+           gradient norm over the whole world
+apply      clip by the norm, ``optimizer.step()``,       ``committed = t + 1``
+           loss scale and LR schedule move on
 =========  ============================================  ======================================
 
 The vote's value is the step's loss; its *completion* is the vote. A rank contributes to it only
@@ -24,8 +26,11 @@ contributed. Two facts follow:
 
 After a failure the new world all-gathers one :class:`Row` per rank and :func:`agree` computes,
 identically on every rank, the step to resume at, ``R = max committed``; ranks at ``R - 1``
-roll forward. Then every live replica of every layer holds step R's state, bit for bit what its
-peers computed (the same summed gradients through the same optimizer). A rank at ``R - 1``
+roll forward. A rank that rolls forward did not see step R - 1's vote complete, so the rows of
+the ranks at R carry that vote's gradient norm (for clipping and fp16's overflow test) and the
+loss scale to continue with. Then every live replica of every layer holds step R's state, bit
+for bit what its peers computed (the same summed gradients, clipped by the same norm, through
+the same optimizer). A rank at ``R - 1``
 without step ``R - 1``'s gradients would contradict fact 1: that is a :class:`ProtocolError`,
 never papered over. Where a layer has no live holder at all, state comes from the last committed
 checkpoint, for every layer (one consistent step), and the steps since are redone and said so.
@@ -43,7 +48,7 @@ from .errors import PipelineRuntimeError
 
 __all__ = ["Agreement", "ProtocolError", "Row", "StateLost", "agree"]
 
-_FIELDS = 8
+_FIELDS = 11
 
 
 class ProtocolError(PipelineRuntimeError):
@@ -66,13 +71,17 @@ class Row:
     last_loss: float            # loss of step committed - 1, NaN when unknown
     reported: int               # last step this rank handed to a report callback, -1 for none
     checkpoint: int | None      # step of the newest committed checkpoint it can read
+    last_norm: float = math.nan     # gradient norm of step committed - 1 (from its vote)
+    scale: float = 1.0              # loss scale for step committed (fp16; 1 otherwise)
+    scale_good: int = 0             # clean steps since the scale last changed
 
     def to_tensor(self) -> torch.Tensor:
         def num(x: int | None) -> float:
             return -1.0 if x is None else float(x)
 
         return torch.tensor([self.device, num(self.committed), num(self.synced), *self.held,
-                             self.last_loss, self.reported, num(self.checkpoint)],
+                             self.last_loss, self.reported, num(self.checkpoint),
+                             self.last_norm, self.scale, self.scale_good],
                             dtype=torch.float64)
 
     @classmethod
@@ -83,7 +92,7 @@ class Row:
             return None if x < 0 else int(x)
 
         return cls(int(v[0]), opt(v[1]), opt(v[2]), (int(v[3]), int(v[4])), v[5], int(v[6]),
-                   opt(v[7]))
+                   opt(v[7]), v[8], v[9], int(v[10]))
 
     @staticmethod
     def width() -> int:
@@ -100,6 +109,8 @@ class Agreement:
     last_loss: float                   # loss of step R - 1 as a holder of step R knows it
     reported: int                      # last step reported by anyone, -1 for none
     checkpoint: int | None             # newest committed checkpoint any rank can read
+    last_norm: float = math.nan        # step R - 1's gradient norm (from its vote)
+    scale: tuple[float, int] = (1.0, 0)  # loss scale and clean-step count at step R
 
     def orphans(self, num_layers: int) -> list[int]:
         """Layers no live process holds at step R."""
@@ -125,13 +136,16 @@ def agree(rows: Sequence[Row]) -> Agreement:
     for r in stateful:
         for layer in range(*r.held):
             holders.setdefault(layer, []).append(r.device)
-    ahead = [r.last_loss for r in stateful if r.committed == resume and not math.isnan(r.last_loss)]
+    ahead = [r for r in stateful if r.committed == resume]
+    known = [r for r in ahead if not math.isnan(r.last_loss)]
     checkpoints = [r.checkpoint for r in rows if r.checkpoint is not None]
     return Agreement(
         resume=resume,
         roll_forward=frozenset(roll),
         holders={layer: tuple(sorted(d)) for layer, d in sorted(holders.items())},
-        last_loss=ahead[0] if ahead else math.nan,
+        last_loss=known[0].last_loss if known else math.nan,
         reported=max((r.reported for r in rows), default=-1),
         checkpoint=max(checkpoints) if checkpoints else None,
+        last_norm=known[0].last_norm if known else math.nan,
+        scale=(ahead[0].scale, ahead[0].scale_good) if ahead else (1.0, 0),
     )

@@ -16,12 +16,20 @@ A rerouted micro-batch is an operation whose ``device`` is a data-parallel peer 
 device; the peer holds the same layers, so it runs them on its own copy and the gradients land
 there, to be summed with the other holders' at the gradient sync.
 
-Point-to-point messages carry a tag unique to (pipeline, micro-batch, consuming stage,
-direction), so a receive can never take another micro-batch's tensor even when two devices
-walk their orders differently. Receives block; sends are asynchronous and awaited at the end
-of the step, which is what the schedule's no-deadlock guarantee assumes. Receive buffers are
-sized from the stage's input shape (known before the step, see ``boundary_shape``) and, for
-gradients, from the output this device produced.
+What crosses a boundary is one tensor or a tuple / list / dict of tensors (:mod:`.tensors`),
+sent leaf by leaf; gradients go back for the leaves that require one (hidden states), not for
+the others (an attention mask, token ids). Point-to-point messages carry a tag unique to
+(pipeline, micro-batch, consuming stage, direction, leaf), so a receive can never take another
+micro-batch's tensor even when two devices walk their orders differently. Receives block; sends
+are asynchronous and awaited at the end of the step, which is what the schedule's no-deadlock
+guarantee assumes. Receive buffers are sized from the stage's input (known before the step, see
+:func:`boundary_spec`) and, for gradients, from the output this device produced.
+
+Forwards and the loss run under the trainer's precision (:mod:`.precision`: autocast for
+bf16/fp16). A stage the plan marks for recomputation runs its layers under torch's
+non-reentrant activation checkpointing: per micro-batch in flight it keeps only its input, and
+runs the forward again, under the same autocast and RNG state, just before that micro-batch's
+backward.
 """
 
 from __future__ import annotations
@@ -29,25 +37,42 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from chameleon_elastic.plan import ExecutionPlan
+from chameleon_elastic.torch_compat import fake_tensor_mode
 
 from .data import sample_ids
 from .errors import PeerLost, PipelineRuntimeError
 from .model import PipelineModel, collate
+from .precision import Precision, autocast
+from .tensors import Structure, flatten, leaf_map, unflatten
 from .topology import RankMap
 
-__all__ = ["OpTiming", "PipelineExecutor", "StepOutcome", "TensorSpec", "boundary_shape"]
+__all__ = ["BoundarySpec", "OpTiming", "PipelineExecutor", "StepOutcome", "TensorSpec",
+           "boundary_spec"]
+
+MAX_LEAVES = 64  # tensors per stage boundary; part of every message tag
 
 
 @dataclass(frozen=True)
 class TensorSpec:
     shape: tuple[int, ...]
     dtype: torch.dtype
+    requires_grad: bool = False
+
+
+@dataclass(frozen=True)
+class BoundarySpec:
+    """What enters a layer for one micro-batch: the tree's structure and one spec per leaf."""
+
+    structure: Structure
+    leaves: tuple[TensorSpec, ...]
 
 
 @dataclass(frozen=True)
@@ -68,65 +93,86 @@ class StepOutcome:
     timings: tuple[OpTiming, ...] = ()
 
 
-def boundary_shape(model: PipelineModel, layer: int, micro_batch_size: int) -> TensorSpec:
-    """Shape and dtype of the tensor entering ``layer`` for one micro-batch.
+def boundary_spec(model: PipelineModel, layer: int, micro_batch_size: int,
+                  precision: Precision = "fp32",
+                  device: torch.device | None = None) -> BoundarySpec:
+    """Structure, shapes, dtypes and gradient flags of what enters ``layer``, per micro-batch.
 
-    Layers ``[0, layer)`` are built on the meta device and run on a meta copy of sample 0's
-    micro-batch: no memory, no arithmetic, the same answer on every device.
+    Layers ``[0, layer)`` run on fake tensors (no memory, no arithmetic, the same answer on
+    every device) under the training precision's autocast, which decides the dtypes; a fake
+    parameter requires gradients as a real one does, so the flags say which leaves carry a
+    gradient back.
     """
     inputs, _ = collate(model, range(micro_batch_size))
-    if layer == 0:
-        return TensorSpec(tuple(inputs.shape), inputs.dtype)
+    device = device or torch.device("cpu")
     try:
-        with torch.device("meta"):
+        with fake_tensor_mode():
             layers = [model.build_layer(i) for i in range(layer)]
-        x = inputs.to("meta")
-        with torch.no_grad():
-            for m in layers:
-                x = m(x)
+            x = leaf_map(lambda t: t.to(device), inputs)
+            with torch.enable_grad(), autocast(precision, device):
+                for m in layers:
+                    x = m(x)
+            leaves, structure = flatten(x, f"the output of layer {layer - 1}")
+            specs = tuple(TensorSpec(tuple(t.shape), t.dtype, bool(t.requires_grad))
+                          for t in leaves)
+    except PipelineRuntimeError:
+        raise
     except Exception as exc:
         raise PipelineRuntimeError(
-            f"cannot infer the shape entering layer {layer} on the meta device ({exc}); make "
-            "build_layer honour torch's default device (create tensors without device=...), "
-            "so stage boundaries can be sized without running the model."
+            f"cannot infer what enters layer {layer} without running the model ({exc}); "
+            "layers must not depend on tensor values for their shapes (no .item(), no "
+            "data-dependent branches), so stage boundaries can be sized in advance."
         ) from exc
-    if not isinstance(x, torch.Tensor):
+    if len(specs) > MAX_LEAVES:
         raise PipelineRuntimeError(
-            f"layer {layer - 1} returns {type(x).__name__}; pipeline stages exchange exactly "
-            "one tensor, so every layer must return a single tensor."
+            f"layer {layer} receives {len(specs)} tensors; at most {MAX_LEAVES} may cross a "
+            "stage boundary: pack them into fewer tensors."
         )
-    return TensorSpec(tuple(x.shape), x.dtype)
+    return BoundarySpec(structure, specs)
 
 
 class PipelineExecutor:
-    """Executes the operation orders of one device; owns no process groups."""
+    """Executes the operation orders of one device; owns no process groups.
+
+    ``input_spec``: what enters this stage (:func:`boundary_spec` of its first layer; None for
+    the first stage). ``recompute``: run the stage under activation checkpointing.
+    ``loss_scale``: multiplies each micro-batch's loss before backward (fp16).
+    """
 
     def __init__(self, plan: ExecutionPlan, device: int, model: PipelineModel,
-                 layers: nn.ModuleList | None, layer_start: int, micro_batch_size: int,
-                 ranks: RankMap, torch_device: torch.device | None = None) -> None:
+                 layers: nn.ModuleList | None, micro_batch_size: int, ranks: RankMap, *,
+                 input_spec: BoundarySpec | None = None, torch_device: torch.device | None = None,
+                 precision: Precision = "fp32", recompute: bool = False) -> None:
         self.plan = plan
         self.device = device
         self.model = model
-        self.layer_start = layer_start
         self.layers = layers if layers is not None else nn.ModuleList()
         self.micro_batch_size = micro_batch_size
         self.ranks = ranks
         self.torch_device = torch_device or torch.device("cpu")
+        self.precision = precision
+        self.recompute = recompute
+        self._input_spec = input_spec
         self._max_quota = max(p.micro_batches for p in plan.pipelines) or 1
         self._max_stages = max(p.num_stages for p in plan.pipelines)
-        self._input_spec = (boundary_shape(model, layer_start, micro_batch_size)
-                            if layer_start > 0 else None)
 
     # ------------------------------------------------------------------ helpers
 
-    def _tag(self, pipeline: int, micro_batch: int, consumer_stage: int, backward: bool) -> int:
+    def _tag(self, pipeline: int, micro_batch: int, consumer_stage: int, backward: bool,
+             leaf: int) -> int:
         key = (pipeline * self._max_quota + micro_batch) * self._max_stages + consumer_stage
-        return key * 2 + int(backward)
+        return (key * 2 + int(backward)) * MAX_LEAVES + leaf
 
-    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _layers(self, x: Any) -> Any:
         for layer in self.layers:
             x = layer(x)
         return x
+
+    def _forward(self, x: Any) -> Any:
+        with autocast(self.precision, self.torch_device):
+            if self.recompute:
+                return checkpoint(self._layers, x, use_reentrant=False)
+            return self._layers(x)
 
     def _recv(self, spec: TensorSpec, device: int, tag: int) -> torch.Tensor:
         buf = torch.empty(spec.shape, dtype=spec.dtype, device=self.torch_device)
@@ -148,17 +194,32 @@ class PipelineExecutor:
     def _batch(self, step: int, pipeline: int, micro_batch: int):
         ids = sample_ids(step, self.plan, pipeline, micro_batch, self.micro_batch_size)
         inputs, targets = collate(self.model, ids)
-        return inputs.to(self.torch_device), targets.to(self.torch_device)
+        move = lambda t: t.to(self.torch_device)  # noqa: E731
+        return leaf_map(move, inputs), leaf_map(move, targets)
+
+    def _receive_input(self, op) -> tuple[Any, list[torch.Tensor]]:
+        """The stage input from ``op.source``, and the leaves that will want a gradient."""
+        assert self._input_spec is not None
+        leaves, wanting = [], []
+        for i, spec in enumerate(self._input_spec.leaves):
+            x = self._recv(spec, op.source, self._tag(op.pipeline, op.micro_batch, op.stage,
+                                                      False, i))
+            if spec.requires_grad:
+                x.requires_grad_(True)
+                wanting.append(x)
+            leaves.append(x)
+        return unflatten(leaves, self._input_spec.structure), wanting
 
     # ------------------------------------------------------------------ one step
 
     def run(self, step: int, ops: Sequence, record: bool = False,
-            on_phase: Callable[[int, str], None] | None = None) -> StepOutcome:
+            on_phase: Callable[[int, str], None] | None = None,
+            loss_scale: float = 1.0) -> StepOutcome:
         """Execute ``ops`` (this device's order) for ``step``; gradients accumulate in place.
         ``on_phase(step, "forward" | "backward")`` runs before the first operation of each kind
         (the trainer's fault-injection hook)."""
         scale = 1.0 / self.plan.global_micro_batches
-        stash: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        stash: dict[tuple[int, int], tuple[list[torch.Tensor], Any]] = {}
         pending: list = []
         timings: list[OpTiming] = []
         loss_sum = 0.0
@@ -178,26 +239,27 @@ class PipelineExecutor:
                 targets = None
                 if op.source is None:
                     x, targets = self._batch(step, op.pipeline, op.micro_batch)
+                    wanting: list[torch.Tensor] = []
                 else:
-                    assert self._input_spec is not None
-                    x = self._recv(self._input_spec, op.source,
-                                   self._tag(op.pipeline, op.micro_batch, op.stage, False))
-                    x.requires_grad_(True)
+                    x, wanting = self._receive_input(op)
                 out = self._forward(x)
                 if op.dest is None:
                     if targets is None:
                         _, targets = self._batch(step, op.pipeline, op.micro_batch)
-                    loss = self.model.loss(out, targets)
+                    with autocast(self.precision, self.torch_device):
+                        loss = self.model.loss(out, targets)
                     loss_sum += float(loss.detach()) * scale
-                    stash[key] = (x, loss * scale)
+                    stash[key] = (wanting, loss * (scale * loss_scale))
                 else:
-                    self._send(out, op.dest,
-                               self._tag(op.pipeline, op.micro_batch, op.stage + 1, False),
-                               pending)
-                    stash[key] = (x, out)
+                    leaves, _ = flatten(out, f"device {self.device}'s stage output")
+                    for i, leaf in enumerate(leaves):
+                        self._send(leaf, op.dest,
+                                   self._tag(op.pipeline, op.micro_batch, op.stage + 1, False, i),
+                                   pending)
+                    stash[key] = (wanting, out)
             elif op.kind == "B":
                 try:
-                    x, out = stash.pop(key)
+                    wanting, out = stash.pop(key)
                 except KeyError:
                     raise PipelineRuntimeError(
                         f"backward of pipeline {op.pipeline} micro-batch {op.micro_batch} comes "
@@ -206,18 +268,27 @@ class PipelineExecutor:
                 if op.source is None:
                     out.backward()
                 else:
-                    grad = self._recv(TensorSpec(tuple(out.shape), out.dtype), op.source,
-                                      self._tag(op.pipeline, op.micro_batch, op.stage, True))
-                    torch.autograd.backward(out, grad)
+                    leaves, _ = flatten(out)
+                    outs, grads = [], []
+                    for i, leaf in enumerate(leaves):
+                        if leaf.requires_grad:
+                            outs.append(leaf)
+                            grads.append(self._recv(
+                                TensorSpec(tuple(leaf.shape), leaf.dtype), op.source,
+                                self._tag(op.pipeline, op.micro_batch, op.stage, True, i)))
+                    if outs:
+                        torch.autograd.backward(outs, grads)
                 if op.dest is not None:
-                    if x.grad is None:
-                        raise PipelineRuntimeError(
-                            f"stage input of device {self.device} got no gradient; the first "
-                            "layer of a stage must use its input differentiably."
-                        )
-                    self._send(x.grad, op.dest,
-                               self._tag(op.pipeline, op.micro_batch, op.stage - 1, True),
-                               pending)
+                    assert self._input_spec is not None
+                    wanted = iter(wanting)
+                    for i, spec in enumerate(self._input_spec.leaves):
+                        if not spec.requires_grad:
+                            continue
+                        x = next(wanted)
+                        grad = x.grad if x.grad is not None else torch.zeros_like(x)
+                        self._send(grad, op.dest,
+                                   self._tag(op.pipeline, op.micro_batch, op.stage - 1, True, i),
+                                   pending)
             else:
                 raise PipelineRuntimeError(f"unknown operation kind {op.kind!r}")
             if record:

@@ -14,11 +14,23 @@ with the lowest round is, for each of its members, the next one it waits on.
 Weighting happens in the loss (each micro-batch's loss is divided by the global micro-batch
 count), so a SUM over the holders yields the mean over the global batch whatever the quotas.
 The serial baseline (``mode="serial"``) issues one blocking all-reduce per layer in layer order.
+
+Tied weights (:class:`~.model.Tie`) stay out of the buckets. After the rounds, each tie's copies
+are summed over every device that holds any of them, straight from the micro-batch sums each
+device accumulated: every micro-batch's use of the weight happened on exactly one device, so
+this SUM is the whole gradient of the one shared weight, counted once, and every copy receives
+it (copies stay equal). Ties go in model order after all rounds on every rank, so they cannot
+deadlock either.
+
+:func:`square_share` is this device's part of the job-wide squared gradient norm (for
+clipping): each layer's gradients are counted by one holder only (the lowest device), each tie
+once, by the lowest device holding a copy; the trainer sums the shares in its vote.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -29,11 +41,28 @@ from chameleon_elastic.plan import AllReduceGroup
 
 from .errors import PeerLost
 from .groups import GroupTable
+from .model import PipelineModel, tied_parameter
 from .topology import RankMap
 
-__all__ = ["SyncMode", "bucket_rank_sets", "layer_holder_rank_sets", "sync_gradients"]
+__all__ = ["SyncMode", "TiedCopies", "bucket_rank_sets", "layer_holder_rank_sets",
+           "square_share", "sync_gradients", "tied_copies"]
 
 SyncMode = Literal["rounds", "serial"]
+
+
+@dataclass(frozen=True)
+class TiedCopies:
+    """One tie under a plan: its ``(layer, name)`` members and every live device holding any."""
+
+    members: tuple[tuple[int, str], ...]
+    devices: tuple[int, ...]
+
+
+def tied_copies(model: PipelineModel,
+                holders: Mapping[int, Sequence[int]]) -> tuple[TiedCopies, ...]:
+    return tuple(
+        TiedCopies(tie.members, tuple(sorted({d for x in tie.layers for d in holders.get(x, ())})))
+        for tie in model.tied)
 
 
 def bucket_rank_sets(rounds: Sequence[Sequence[AllReduceGroup]],
@@ -46,14 +75,17 @@ def layer_holder_rank_sets(holders: Mapping[int, Sequence[int]],
     return [ranks.ranks(tuple(devs)) for devs in holders.values()]
 
 
-def _grads(layers: Mapping[int, nn.Module], layer_ids: Sequence[int]) -> list[torch.Tensor]:
-    out = []
-    for i in layer_ids:
-        for p in layers[i].parameters():
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            out.append(p.grad)
-    return out
+def _grad(p: torch.Tensor) -> torch.Tensor:
+    if p.grad is None:
+        p.grad = torch.zeros_like(p)
+    return p.grad
+
+
+def _grads(layers: Mapping[int, nn.Module], layer_ids: Sequence[int],
+           tied: Mapping[int, frozenset[str]]) -> list[torch.Tensor]:
+    """The untied gradients of ``layer_ids``, in a fixed order every holder shares."""
+    return [_grad(p) for i in layer_ids for name, p in layers[i].named_parameters()
+            if name not in tied.get(i, ())]
 
 
 def _start(grads: list[torch.Tensor], group) -> tuple[object, torch.Tensor, list[torch.Tensor]]:
@@ -80,13 +112,18 @@ def _finish(work, flat: torch.Tensor, grads: list[torch.Tensor]) -> None:
 def sync_gradients(layers: Mapping[int, nn.Module], device: int, ranks: RankMap,
                    groups: GroupTable, rounds: Sequence[Sequence[AllReduceGroup]] = (),
                    holders: Mapping[int, Sequence[int]] | None = None,
-                   mode: SyncMode = "rounds") -> int:
-    """Sum each held layer's gradients over its holders; returns the all-reduces issued here.
+                   mode: SyncMode = "rounds", ties: Sequence[TiedCopies] = ()) -> int:
+    """Sum each held layer's gradients over its holders, then each tie's over its copies'
+    holders; returns the all-reduces issued here.
 
     ``layers`` maps global layer index -> module for the layers this device holds. ``rounds``
     are the plan's colour rounds (mode ``rounds``); ``holders`` maps layer -> holder devices
-    (mode ``serial``).
+    (mode ``serial``); ``ties``: :func:`tied_copies` under the plan.
     """
+    tied: dict[int, frozenset[str]] = {}
+    for t in ties:
+        for layer, name in t.members:
+            tied[layer] = tied.get(layer, frozenset()) | {name}
     issued = 0
     if mode == "rounds":
         for rnd in rounds:
@@ -94,24 +131,58 @@ def sync_gradients(layers: Mapping[int, nn.Module], device: int, ranks: RankMap,
             for bucket in rnd:
                 if device not in bucket.devices or len(bucket.devices) < 2:
                     continue
-                grads = _grads(layers, bucket.layers)
+                grads = _grads(layers, bucket.layers, tied)
                 if grads:
                     group = groups.get(ranks.ranks(bucket.devices))
                     pending.append(_start(grads, group))
                     issued += 1
             for item in pending:
                 _finish(*item)
-        return issued
-    if mode == "serial":
+    elif mode == "serial":
         if holders is None:
             raise ValueError("serial gradient sync needs the holders of every layer")
         for layer in sorted(layers):
             devs = holders[layer]
             if len(devs) < 2:
                 continue
-            grads = _grads(layers, [layer])
+            grads = _grads(layers, [layer], tied)
             if grads:
                 _finish(*_start(grads, groups.get(ranks.ranks(tuple(devs)))))
                 issued += 1
-        return issued
-    raise ValueError(f"unknown gradient sync mode {mode!r}; expected 'rounds' or 'serial'")
+    else:
+        raise ValueError(f"unknown gradient sync mode {mode!r}; expected 'rounds' or 'serial'")
+    for t in ties:
+        if device not in t.devices:
+            continue
+        copies = [_grad(tied_parameter(layers[x], x, name)) for x, name in t.members
+                  if x in layers]
+        total = copies[0].clone()
+        for g in copies[1:]:
+            total += g
+        if len(t.devices) > 1:
+            _finish(*_start([total], groups.get(ranks.ranks(t.devices))))
+            issued += 1
+        for g in copies:
+            g.copy_(total)
+    return issued
+
+
+def square_share(layers: Mapping[int, nn.Module], device: int,
+                 holders: Mapping[int, Sequence[int]], ties: Sequence[TiedCopies] = ()) -> float:
+    """This device's part of the squared job-wide gradient norm (float64; inf or nan when a
+    gradient is not finite): each layer by its lowest holder, each tie by its lowest device."""
+    tied: dict[int, set[str]] = {}
+    total = torch.zeros((), dtype=torch.float64)
+    for t in ties:
+        for layer, name in t.members:
+            tied.setdefault(layer, set()).add(name)
+        if t.devices and t.devices[0] == device:
+            x, name = next((x, n) for x, n in t.members if x in layers)
+            total += _grad(tied_parameter(layers[x], x, name)).double().square().sum()
+    for layer, module in layers.items():
+        if min(holders[layer]) != device:
+            continue
+        for name, p in module.named_parameters():
+            if name not in tied.get(layer, ()):
+                total += _grad(p).double().square().sum()
+    return float(total)

@@ -31,9 +31,10 @@ from .errors import PipelineRuntimeError
 
 __all__ = ["PRELOAD", "LocalWorldError", "run_local_world"]
 
-# torch._decomp/_dynamo: the first meta-device op (executor.boundary_shape) imports them, which
-# costs seconds per process; importing them once in the forkserver makes it free in workers.
+# torch._decomp, _dynamo, fake tensors: sizing a stage boundary (executor.boundary_spec) imports
+# them, which costs seconds per process; importing them once in the forkserver makes it free.
 PRELOAD = ("torch", "torch.distributed", "torch._decomp", "torch._dynamo",
+           "torch._subclasses.fake_tensor",
            "chameleon_elastic.runtime", "chameleon_elastic.planning.schedule",
            "chameleon_elastic.planning.restorer")
 

@@ -5,6 +5,12 @@ layers of its stage, seeding torch's generator with ``(seed, i)`` just for that 
 ``i`` starts with the same weights on every device that holds it, under every plan, and in a
 single-process reference. The loss is computed per micro-batch on the last stage (a mean over
 the micro-batch's samples); data is a pure function of the global sample index.
+
+Tied weights (an embedding reused by the output head) are declared, not shared by reference:
+every layer that uses the weight keeps its own copy, because the layers may sit on different
+devices. The copies start equal (the first member's initial value), the trainer sums their
+gradients over every device that holds any of them, and so they stay equal, step after step,
+exactly as one shared parameter would evolve in a single process.
 """
 
 from __future__ import annotations
@@ -17,13 +23,28 @@ import torch
 from torch import nn
 
 from .errors import PipelineRuntimeError
+from .tensors import stack
 
-__all__ = ["PipelineModel", "build_layers", "collate"]
+__all__ = ["PipelineModel", "Tie", "build_layers", "collate", "tied_parameter"]
 
 LayerFactory = Callable[[int], nn.Module]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
-SampleFn = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
+SampleFn = Callable[[int], tuple[Any, Any]]
+SchedulerFactory = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
+
+
+@dataclass(frozen=True)
+class Tie:
+    """One weight used by several layers: ``members`` are ``(layer, parameter name)`` pairs,
+    e.g. ``Tie(((0, "tokens.weight"), (7, "out.weight")))`` for tied embeddings. The first
+    member's initial value is every copy's initial value."""
+
+    members: tuple[tuple[int, str], ...]
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        return tuple(layer for layer, _ in self.members)
 
 
 @dataclass(frozen=True)
@@ -35,7 +56,11 @@ class PipelineModel:
     micro-batch. ``sample(index)`` returns ``(input, target)`` of one global sample.
     ``make_optimizer(params)`` builds the optimizer of one device's layers; optimizers whose
     update of a parameter depends only on that parameter (SGD, Adam, AdamW, ...) give the same
-    result however the layers are split.
+    result however the layers are split (global gradient-norm clipping is the trainer's
+    ``max_grad_norm``, which sees the whole job). ``make_scheduler(optimizer)``: an optional
+    learning-rate schedule (any of torch's ``LRScheduler``; its state must be a function of
+    the step count, so ``ReduceLROnPlateau`` is refused). ``tied``: weights shared between
+    layers (:class:`Tie`).
     """
 
     num_layers: int
@@ -44,12 +69,33 @@ class PipelineModel:
     make_optimizer: OptimizerFactory
     sample: SampleFn
     seed: int = 0
+    make_scheduler: SchedulerFactory | None = None
+    tied: tuple[Tie, ...] = ()
 
     def __post_init__(self) -> None:
         if self.num_layers < 1:
             raise PipelineRuntimeError(
                 f"PipelineModel.num_layers = {self.num_layers}; a model needs at least one layer."
             )
+        seen: set[tuple[int, str]] = set()
+        for tie in self.tied:
+            if len(tie.members) < 2 or len(set(tie.layers)) != len(tie.layers):
+                raise PipelineRuntimeError(
+                    f"tie {tie.members} must name at least two different layers; a weight "
+                    "used twice inside one layer is already shared by torch."
+                )
+            for layer, name in tie.members:
+                if not 0 <= layer < self.num_layers or (layer, name) in seen:
+                    raise PipelineRuntimeError(
+                        f"tie member ({layer}, {name!r}) is outside the model's "
+                        f"{self.num_layers} layers or in two ties; name each tied parameter "
+                        "once, by an existing layer."
+                    )
+                seen.add((layer, name))
+
+    def tied_names(self, layer: int) -> frozenset[str]:
+        """Names of ``layer``'s parameters that are tied to another layer's."""
+        return frozenset(name for tie in self.tied for x, name in tie.members if x == layer)
 
 
 def build_layers(model: PipelineModel, start: int, end: int) -> nn.ModuleList:
@@ -70,12 +116,50 @@ def build_layers(model: PipelineModel, start: int, end: int) -> nn.ModuleList:
                 f"build_layer({i}) returned {type(layer).__name__}; it must return an nn.Module."
             )
         layers.append(layer)
+    _tie_initial_values(model, start, layers)
     return nn.ModuleList(layers)
 
 
+def tied_parameter(module: nn.Module, layer: int, name: str) -> nn.Parameter:
+    try:
+        return module.get_parameter(name)
+    except AttributeError as exc:
+        raise PipelineRuntimeError(
+            f"layer {layer} has no parameter {name!r} to tie; name it as "
+            f"layer.named_parameters() does ({', '.join(n for n, _ in module.named_parameters())})."
+        ) from exc
+
+
+def _tie_initial_values(model: PipelineModel, start: int, layers: Sequence[nn.Module]) -> None:
+    """Give every tied copy built here the first member's initial value (building the first
+    member's layer under its seed when it is not among these)."""
+    for tie in model.tied:
+        (first, first_name), *rest = tie.members
+        mine = [(x, n) for x, n in rest if start <= x < start + len(layers)]
+        if not mine:
+            continue
+        if start <= first < start + len(layers):
+            owner = layers[first - start]
+        else:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(model.seed * 1_000_003 + first)
+                owner = model.build_layer(first)
+        value = tied_parameter(owner, first, first_name).detach()
+        for x, name in mine:
+            param = tied_parameter(layers[x - start], x, name)
+            if param.shape != value.shape or param.dtype != value.dtype:
+                raise PipelineRuntimeError(
+                    f"tied parameters ({first}, {first_name!r}) and ({x}, {name!r}) differ "
+                    f"({tuple(value.shape)} {value.dtype} vs {tuple(param.shape)} "
+                    f"{param.dtype}); a tie needs the same shape and dtype."
+                )
+            with torch.no_grad():
+                param.copy_(value)
+
+
 def collate(model: PipelineModel, sample_ids: Sequence[int]) -> tuple[Any, Any]:
-    """Stack the samples ``sample_ids`` into one micro-batch ``(inputs, targets)``."""
+    """Stack the samples ``sample_ids`` into one micro-batch ``(inputs, targets)``; inputs and
+    targets may be tensors or tuples / dicts of tensors (stacked leaf by leaf)."""
     pairs = [model.sample(int(i)) for i in sample_ids]
-    inputs = torch.stack([torch.as_tensor(x) for x, _ in pairs])
-    targets = torch.stack([torch.as_tensor(y) for _, y in pairs])
-    return inputs, targets
+    return (stack([x for x, _ in pairs], "a sample's input"),
+            stack([y for _, y in pairs], "a sample's target"))

@@ -11,15 +11,18 @@ pipeline timing can be studied on a CPU machine with fewer cores than devices.
 from __future__ import annotations
 
 import functools
+import math
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from .model import PipelineModel
 
-__all__ = ["EmulatedLayer", "emulated_model", "mlp_model", "reference_training"]
+__all__ = ["EmulatedLayer", "Reference", "emulated_model", "featured_model", "mlp_model",
+           "reference_run", "reference_training", "warmup_cosine"]
 
 
 class _Dense(nn.Module):
@@ -59,6 +62,70 @@ def mlp_model(layers: int = 7, width: int = 16, dtype: torch.dtype = torch.float
         make_optimizer=functools.partial(_sgd, lr=lr, momentum=momentum),
         sample=functools.partial(_regression_sample, width=width, dtype=dtype, seed=seed),
         seed=seed,
+    )
+
+
+class _Gated(nn.Module):
+    """A layer of :func:`featured_model`: the hidden state travels with a mask (no gradient)
+    and a step counter (an integer), as a tuple on even boundaries and a dict on odd ones."""
+
+    def __init__(self, i: int, layers: int, width: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.i, self.last = i, i == layers - 1
+        self.linear = nn.Linear(width, width, dtype=dtype)
+
+    def forward(self, x):
+        if self.i == 0:
+            h, mask, count = x, (x > 0).to(x.dtype), torch.zeros(x.shape[0], dtype=torch.int64)
+        elif isinstance(x, dict):
+            h, mask, count = x["h"], x["mask"], x["count"]
+        else:
+            h, mask, count = x
+        h = torch.tanh(self.linear(h)) * (0.5 + 0.5 * mask) if not self.last else self.linear(h)
+        if self.last:
+            return h
+        count = count + 1
+        return {"h": h, "mask": mask, "count": count} if self.i % 2 else (h, mask, count)
+
+
+def _gated(i: int, layers: int, width: int, dtype: torch.dtype) -> nn.Module:
+    return _Gated(i, layers, width, dtype)
+
+
+def _adamw(params: Iterable[nn.Parameter], lr: float) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
+
+
+def warmup_cosine(optimizer: torch.optim.Optimizer, warmup: int,
+                  total: int) -> torch.optim.lr_scheduler.LRScheduler:
+    """Linear warm-up, then cosine decay: torch's chainable schedules, stepped once a step."""
+    sched = torch.optim.lr_scheduler
+    return sched.SequentialLR(optimizer, [
+        sched.LinearLR(optimizer, start_factor=0.1, total_iters=warmup),
+        sched.CosineAnnealingLR(optimizer, T_max=max(1, total - warmup)),
+    ], milestones=[warmup])
+
+
+def featured_model(layers: int = 7, width: int = 8, dtype: torch.dtype = torch.float64,
+                   seed: int = 0, lr: float = 0.05, tie: bool = True, schedule: bool = True,
+                   structured: bool = True) -> PipelineModel:
+    """A model with what real training brings: the first and last layers' weights tied, a
+    warm-up + cosine schedule, AdamW, and stages that pass (hidden, mask, counter) as tuples
+    and dicts (``structured``; else plain tensors through :func:`mlp_model`'s layers)."""
+    from .model import Tie
+
+    build = (functools.partial(_gated, layers=layers, width=width, dtype=dtype) if structured
+             else functools.partial(_dense, width=width, dtype=dtype))
+    return PipelineModel(
+        num_layers=layers,
+        build_layer=build,
+        loss=_mse,
+        make_optimizer=functools.partial(_adamw, lr=lr),
+        sample=functools.partial(_regression_sample, width=width, dtype=dtype, seed=seed),
+        seed=seed,
+        make_scheduler=(functools.partial(warmup_cosine, warmup=2, total=8) if schedule
+                        else None),
+        tied=((Tie(((0, "linear.weight"), (layers - 1, "linear.weight"))),) if tie else ()),
     )
 
 
@@ -113,30 +180,77 @@ def emulated_model(layers: int, forward_s: float, backward_s: float, width: int 
     )
 
 
-def reference_training(model: PipelineModel, steps: int, global_micro_batches: int,
-                       micro_batch_size: int = 1) -> tuple[list[float], nn.ModuleList]:
-    """Single-process training on the same global batches: the ground truth for equivalence.
+@dataclass(frozen=True)
+class Reference:
+    """Single-process ground truth: per-step loss, gradient norm (before clipping) and
+    learning rate, and the layers after training (tied weights truly shared)."""
+
+    losses: list[float]
+    grad_norms: list[float]
+    lrs: list[float]
+    layers: nn.ModuleList
+
+
+def reference_run(model: PipelineModel, steps: int, global_micro_batches: int,
+                  micro_batch_size: int = 1, *, max_grad_norm: float | None = None,
+                  precision: str = "fp32") -> Reference:
+    """Single-process training on the same global batches, with torch's own tools: one shared
+    parameter per tie, ``clip_grad_norm_``, autocast, ``GradScaler`` for fp16, the model's
+    schedule stepped once per step.
 
     Per step, the loss is the mean over the global batch computed as the sum of per-micro-batch
     mean losses divided by the micro-batch count, exactly the runtime's weighting.
     """
     from .data import step_sample_ids
-    from .model import build_layers, collate
+    from .model import build_layers, collate, tied_parameter
+    from .precision import autocast, check_precision
 
+    precision = check_precision(precision)
+    device = torch.device("cpu")
     layers = build_layers(model, 0, model.num_layers)
-    optimizer = model.make_optimizer(layers.parameters())
-    losses = []
+    for tie in model.tied:  # one parameter, as a single-process model would have it
+        (first, first_name), *rest = tie.members
+        shared = tied_parameter(layers[first], first, first_name)
+        for x, name in rest:
+            owner, _, leaf = name.rpartition(".")
+            target = layers[x].get_submodule(owner) if owner else layers[x]
+            setattr(target, leaf, shared)
+    params = list(layers.parameters())  # each shared parameter once
+    optimizer = model.make_optimizer(params)
+    scheduler = model.make_scheduler(optimizer) if model.make_scheduler else None
+    scaler = torch.amp.GradScaler("cpu") if precision == "fp16" else None
+    out = Reference([], [], [], layers)
     for step in range(steps):
         optimizer.zero_grad()
         ids = list(step_sample_ids(step, global_micro_batches, micro_batch_size))
         total = 0.0
         for g in range(global_micro_batches):
             x, y = collate(model, ids[g * micro_batch_size:(g + 1) * micro_batch_size])
-            for layer in layers:
-                x = layer(x)
-            loss = model.loss(x, y) / global_micro_batches
-            loss.backward()
+            with autocast(precision, device):
+                for layer in layers:
+                    x = layer(x)
+                loss = model.loss(x, y) / global_micro_batches
+            (scaler.scale(loss) if scaler else loss).backward()
             total += float(loss.detach())
-        optimizer.step()
-        losses.append(total)
-    return losses, layers
+        if scaler:
+            scaler.unscale_(optimizer)
+        norm = torch.nn.utils.clip_grad_norm_(
+            params, max_grad_norm if max_grad_norm is not None else math.inf)
+        out.lrs.append(float(optimizer.param_groups[0]["lr"]))
+        if scaler:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+        out.losses.append(total)
+        out.grad_norms.append(float(norm))
+    return out
+
+
+def reference_training(model: PipelineModel, steps: int, global_micro_batches: int,
+                       micro_batch_size: int = 1, **options) -> tuple[list[float], nn.ModuleList]:
+    """:func:`reference_run`'s losses and layers (``options``: its keyword arguments)."""
+    ref = reference_run(model, steps, global_micro_batches, micro_batch_size, **options)
+    return ref.losses, ref.layers

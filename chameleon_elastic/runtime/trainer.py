@@ -8,10 +8,20 @@ peers with their optimizer state (:mod:`.migrate`; from the checkpoint only when
 holds some layer; built from the seed at step 0), and the bucket groups and the 1F1B executor
 are rebuilt for the plan. A training step is then
 
-1. zero gradients; run this device's 1F1B order (:mod:`.executor`);
-2. sum gradients over each bucket's holders by colour rounds (:mod:`.grad_sync`);
-3. vote: all-reduce the loss over the world (the commit point, see :mod:`.commit`);
-4. apply: optimizer step; the step is committed.
+1. zero gradients; run this device's 1F1B order (:mod:`.executor`), forwards under the
+   training precision (:mod:`.precision`);
+2. sum gradients over each bucket's holders by colour rounds, and each tied weight's over its
+   copies (:mod:`.grad_sync`); unscale them (fp16);
+3. vote: all-reduce the loss and each device's share of the squared gradient norm over the
+   world (the commit point, see :mod:`.commit`);
+4. apply: clip by the job-wide norm (``max_grad_norm``), optimizer step (skipped by every rank
+   when an fp16 step overflowed), loss scale and learning-rate schedule move on; the step is
+   committed.
+
+Per-step state other than the layers' (the learning-rate schedule, fp16's loss scale) is a
+function of the committed steps: a schedule is carried over to the optimizer of a new plan, or
+replayed up to the committed step in a process that has none (a joiner, a checkpoint restore);
+the loss scale travels in the commit rows and the checkpoint.
 
 :meth:`PipelineTrainer.run` is the fault-tolerant loop: under ``chameleon-run --job`` a broken
 transfer or collective (:class:`~.errors.PeerLost`) never reaches the caller; the trainer
@@ -25,6 +35,7 @@ from __future__ import annotations
 import math
 import os
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,15 +49,24 @@ from chameleon_elastic.plan import AllReduceGroup, ExecutionPlan, Pipeline
 from chameleon_elastic.timeouts import Timeouts
 
 from .abort import GroupSockets, new_sockets
-from .checkpoint import latest_step, load_layers, save_checkpoint
+from .checkpoint import latest_step, load_layers, load_loss_scale, save_checkpoint
 from .commit import Agreement, Row, StateLost, agree
 from .errors import PeerLost, PipelineRuntimeError, say_peer_loss_in_one_line
-from .executor import OpTiming, PipelineExecutor
-from .grad_sync import SyncMode, bucket_rank_sets, layer_holder_rank_sets, sync_gradients
+from .executor import BoundarySpec, OpTiming, PipelineExecutor, boundary_spec
+from .grad_sync import (
+    SyncMode,
+    TiedCopies,
+    bucket_rank_sets,
+    layer_holder_rank_sets,
+    square_share,
+    sync_gradients,
+    tied_copies,
+)
 from .groups import GroupTable
 from .layer_state import export_layer, import_layer
 from .migrate import move_layers, plan_moves, stage_layers
 from .model import PipelineModel, build_layers
+from .precision import LossScale, Precision, check_precision
 from .recovery import Recovery, WorkerLink
 from .topology import RankMap, check_world, device_from_env, plan_from_env
 
@@ -68,6 +88,9 @@ class StepResult:
     allreduces: int
     timings: tuple[OpTiming, ...] = ()
     redone: bool = False  # trained again after a rollback (to a checkpoint, or to step 0)
+    grad_norm: float = math.nan  # job-wide gradient norm before clipping (each weight once)
+    lr: float = math.nan         # learning rate the step was applied with (first param group)
+    skipped: bool = False        # fp16: a gradient overflowed, no rank applied the step
 
 
 @dataclass(frozen=True)
@@ -152,13 +175,18 @@ class PipelineTrainer:
     is a fault-injection hook for tests, called before each phase of a step (``forward``,
     ``backward``, ``sync``, ``vote``, ``apply``) and after ``apply`` (``applied``), and with
     ``enter`` as the process starts entering a plan (``step``: steps committed, -1 when fresh).
+    ``max_grad_norm``: clip the job-wide gradient norm to it (as
+    ``torch.nn.utils.clip_grad_norm_`` over the whole model). ``precision``: ``fp32``, ``bf16``
+    or ``fp16`` (:mod:`.precision`). Stages run with activation recomputation where the plan
+    says so.
     """
 
     def __init__(self, model: PipelineModel, plan: ExecutionPlan, device: int, *,
                  micro_batch_size: int = 1, sync_mode: SyncMode = "rounds",
                  torch_device: torch.device | None = None, timeouts: Timeouts | None = None,
                  checkpoint_dir: str | Path | None = None, link: WorkerLink | None = None,
-                 on_phase: PhaseHook | None = None) -> None:
+                 on_phase: PhaseHook | None = None, max_grad_norm: float | None = None,
+                 precision: Precision | str = "fp32") -> None:
         if not dist.is_initialized():
             raise PipelineRuntimeError(
                 "torch.distributed is not initialised; call "
@@ -172,9 +200,17 @@ class PipelineTrainer:
         self.timeouts = timeouts or Timeouts.resolve()
         self.checkpoint_dir = None if checkpoint_dir is None else Path(checkpoint_dir)
         self.on_phase = on_phase
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise PipelineRuntimeError(
+                f"max_grad_norm = {max_grad_norm!r}; pass a positive norm, or None not to clip.")
+        self.max_grad_norm = max_grad_norm
+        self.precision = check_precision(precision)
+        self._boundaries: dict[int, BoundarySpec] = {}   # layer -> what enters it (per model)
         # training state: survives plan changes
         self.layers: dict[int, nn.Module] = {}
         self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+        self.loss_scale = LossScale.for_precision(self.precision)
         self.committed: int | None = None   # steps applied here; None: no state yet
         self.synced: int | None = None      # the step whose summed gradients sit in .grad
         self.results: dict[int, StepResult] = {}
@@ -189,6 +225,7 @@ class PipelineTrainer:
         self.orders: tuple = ()
         self.rounds: tuple[tuple[AllReduceGroup, ...], ...] = ()
         self.holders: dict[int, tuple[int, ...]] = {}
+        self.ties: tuple[TiedCopies, ...] = ()
         self.recovery: Recovery | None = None
         if link is not None:
             from chameleon_elastic.plugins import get_backend
@@ -225,6 +262,7 @@ class PipelineTrainer:
                                       global_micro_batches)
         mbs = micro_batch_size or int(os.environ.get("CHAMELEON_MICRO_BATCH_SIZE", "1"))
         kwargs.setdefault("link", WorkerLink.from_env(kwargs.get("timeouts")))
+        kwargs.setdefault("precision", os.environ.get("CHAMELEON_PRECISION", "fp32"))
         device = device_from_env(plan)
         if kwargs["link"] is not None:   # under chameleon-run: its agent handles lost peers
             say_peer_loss_in_one_line(device)
@@ -268,9 +306,12 @@ class PipelineTrainer:
         agreement = agree(rows)
         rolled = self.device in agreement.roll_forward
         if rolled:   # the interrupted step was committed elsewhere: apply its summed gradients
-            self._apply()
+            lr = self._lr()
+            skipped = self._apply(agreement.last_norm)
             step = self.committed - 1
-            self.results[step] = StepResult(step, agreement.last_loss, 0.0, 0.0, 0.0, 0)
+            self.results[step] = StepResult(step, agreement.last_loss, 0.0, 0.0, 0.0, 0,
+                                            grad_norm=agreement.last_norm, lr=lr,
+                                            skipped=skipped)
         began = time.perf_counter()
         source, moved_layers, moved_bytes, planned = self._restore(plan, rows, agreement, ranks)
         transfer_s = time.perf_counter() - began
@@ -294,8 +335,9 @@ class PipelineTrainer:
             moves, planned = plan_moves(plan, agreement, held)
             received = move_layers(moves, self.device, ranks, self._export,
                                    self.torch_device or torch.device("cpu"))
-            self._install(wanted, received)
+            self._install(wanted, received, step=resume)
             self.committed = resume
+            self.loss_scale = LossScale(*agreement.scale, fixed=self.loss_scale.fixed)
             return ("peers" if moves else "none", sum(len(m.layers) for m in moves),
                     float(sum(s.nbytes for s in received.values())), planned)
         if agreement.checkpoint is not None:
@@ -305,13 +347,14 @@ class PipelineTrainer:
                     f"the checkpoint of step {agreement.checkpoint}; give every worker the same "
                     "checkpoint directory."
                 )
-            self._install(wanted, load_layers(self.checkpoint_dir, agreement.checkpoint,
-                                              wanted), fresh=True)
-            self.committed = agreement.checkpoint
+            step = agreement.checkpoint
+            self._install(wanted, load_layers(self.checkpoint_dir, step, wanted), fresh=True,
+                          step=step)
+            self.committed = step
+            self.loss_scale = load_loss_scale(self.checkpoint_dir, step, self.precision)
             return "checkpoint", 0, 0.0, True
         if not resume:   # nobody holds state, or only step 0's: the seeded start
-            self._install(wanted, {}, fresh=True)
-            self.committed = 0
+            self._start_afresh(wanted)
             return "init", 0, 0.0, True
         present = {r.device for r in rows}
         if any(not t.from_checkpoint and t.src not in present and set(t.layers) & set(orphans)
@@ -324,8 +367,7 @@ class PipelineTrainer:
         # layout whose own transition a second loss cut short). Every rank sees the same rows,
         # so all take the same branch.
         if self.checkpoint_dir is not None:   # a checkpointing job before its first one
-            self._install(wanted, {}, fresh=True)
-            self.committed = 0
+            self._start_afresh(wanted)
             return "init", 0, 0.0, True
         raise StateLost(
             f"layers {_ranges(tuple(orphans))} were lost with every device that held them and "
@@ -352,12 +394,20 @@ class PipelineTrainer:
         self.reported = min(known, start - 1)
         return 0
 
+    def _start_afresh(self, wanted: tuple[int, ...]) -> None:
+        """Step 0's state: layers from their seeds, a new schedule and loss scale."""
+        self._install(wanted, {}, fresh=True, step=0)
+        self.committed = 0
+        self.loss_scale = LossScale.for_precision(self.precision)
+
     def _row(self) -> Row:
         held = (min(self.layers), max(self.layers) + 1) if self.layers else (0, 0)
         last = self.results.get(self.committed - 1) if self.committed else None
         return Row(self.device, self.committed, self.synced, held,
                    math.nan if last is None else last.loss, self.reported,
-                   None if self.checkpoint_dir is None else latest_step(self.checkpoint_dir))
+                   None if self.checkpoint_dir is None else latest_step(self.checkpoint_dir),
+                   math.nan if last is None else last.grad_norm,
+                   self.loss_scale.scale, self.loss_scale.good)
 
     def _gather(self, row: Row) -> list[Row]:
         mine = row.to_tensor()
@@ -373,12 +423,14 @@ class PipelineTrainer:
     def _export(self, layer: int):
         return export_layer(layer, self.layers[layer], self.optimizer)
 
-    def _install(self, wanted: tuple[int, ...], received: dict, fresh: bool = False) -> None:
-        """Hold exactly ``wanted``: keep what is held, add what arrived, drop the rest; one new
-        optimizer over them that keeps every kept parameter's state. ``fresh``: start from
-        nothing held (layers not received are built from their seed: the state of step 0)."""
+    def _install(self, wanted: tuple[int, ...], received: dict, *, step: int,
+                 fresh: bool = False) -> None:
+        """Hold exactly ``wanted`` at ``step`` committed steps: keep what is held, add what
+        arrived, drop the rest; one new optimizer over them that keeps every kept parameter's
+        state, and the schedule moved onto it. ``fresh``: start from nothing held (layers not
+        received are built from their seed: the state of step 0)."""
         if fresh:
-            self.layers, self.optimizer = {}, None
+            self.layers, self.optimizer, self.scheduler = {}, None, None
         old = self.optimizer
         modules: dict[int, nn.Module] = {}
         for layer in wanted:
@@ -402,7 +454,44 @@ class PipelineTrainer:
                 for p in module.parameters():
                     if p in old.state:
                         optimizer.state[p] = old.state[p]
+        self.scheduler = self._move_schedule(optimizer, old, step)
         self.layers, self.optimizer = modules, optimizer
+
+    def _move_schedule(self, optimizer: torch.optim.Optimizer | None,
+                       old: torch.optim.Optimizer | None,
+                       step: int) -> torch.optim.lr_scheduler.LRScheduler | None:
+        """The learning-rate schedule on ``optimizer`` at ``step`` committed steps: the current
+        one carried over (its state and the hyper-parameters it set on the old optimizer's
+        groups), or, in a process that has none at that step, a new one stepped ``step`` times.
+        Both give what one schedule stepped once per committed step would."""
+        if self.model.make_scheduler is None or optimizer is None:
+            return None
+        with warnings.catch_warnings():  # torch warns of a schedule stepped without a step
+            warnings.simplefilter("ignore", UserWarning)
+            scheduler = self.model.make_scheduler(optimizer)
+            if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+                raise PipelineRuntimeError(
+                    "ReduceLROnPlateau depends on the losses seen, not on the step, so a process "
+                    "that joins cannot rebuild it; use a schedule that is a function of the step "
+                    "(LambdaLR, CosineAnnealingLR, SequentialLR, ...).")
+            current = self.scheduler
+            if (current is not None and old is not None and current.last_epoch == step
+                    and len(old.param_groups) == len(optimizer.param_groups)):
+                scheduler.load_state_dict(current.state_dict())
+                for new_group, old_group in zip(optimizer.param_groups, old.param_groups):
+                    new_group.update({k: v for k, v in old_group.items() if k != "params"})
+            else:
+                for _ in range(step):
+                    scheduler.step()
+        return scheduler
+
+    def _boundary(self, layer: int) -> BoundarySpec:
+        """What enters ``layer`` (sized once per layer for the whole run: plans change, the
+        model does not)."""
+        if layer not in self._boundaries:
+            self._boundaries[layer] = boundary_spec(self.model, layer, self.micro_batch_size,
+                                                    self.precision, self.torch_device)
+        return self._boundaries[layer]
 
     def _build(self, plan: ExecutionPlan, ranks: RankMap) -> None:
         from chameleon_elastic.planning.schedule import device_orders
@@ -410,18 +499,24 @@ class PipelineTrainer:
         self.plan, self.ranks = plan, ranks
         self.rounds = plan_rounds(plan)
         self.holders = layer_holders(plan)
+        self.ties = tied_copies(self.model, self.holders)
         rank_sets = (bucket_rank_sets(self.rounds, ranks) if self.sync_mode == "rounds"
                      else layer_holder_rank_sets(self.holders, ranks))
+        rank_sets += [ranks.ranks(t.devices) for t in self.ties]
         with new_sockets() as sockets:
             self.groups = GroupTable(rank_sets, timeout=self.timeouts.delta("collective_s"))
         self.group_sockets = frozenset(sockets) | GroupSockets.get(dist.group.WORLD, frozenset())
         self.executor, self.orders = None, ()
         if self.working:
             pipeline, stage = plan.locate(self.device)
-            start = plan.pipelines[pipeline].layers[stage][0]
+            pipe = plan.pipelines[pipeline]
+            start = pipe.layers[stage][0]
             stack = nn.ModuleList([self.layers[x] for x in self.layer_ids])
-            self.executor = PipelineExecutor(plan, self.device, self.model, stack, start,
-                                             self.micro_batch_size, ranks, self.torch_device)
+            self.executor = PipelineExecutor(
+                plan, self.device, self.model, stack, self.micro_batch_size, ranks,
+                input_spec=self._boundary(start) if start > 0 else None,
+                torch_device=self.torch_device, precision=self.precision,
+                recompute=bool(pipe.recompute and pipe.recompute[stage]))
             orders = device_orders(plan)
             self.orders = tuple(orders[self.device])
             _check_message_matching(orders)
@@ -441,13 +536,33 @@ class PipelineTrainer:
         if self.on_phase is not None:
             self.on_phase(step, phase)
 
-    def _apply(self) -> None:
+    def _lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"]) if self.optimizer else math.nan
+
+    def _apply(self, norm: float) -> bool:
+        """Apply the summed gradients of step ``committed`` given the step's job-wide gradient
+        norm: clip, step (unless an fp16 step overflowed: every rank skips it), move the loss
+        scale and the schedule on. Returns whether the optimizer step was skipped."""
         if self.committed is None or self.synced != self.committed:
             raise PipelineRuntimeError("internal: apply without the step's summed gradients")
-        if self.optimizer is not None:
+        skipped = self.loss_scale.skips(norm)
+        if self.optimizer is not None and not skipped:
+            if self.max_grad_norm is not None:
+                coefficient = self.max_grad_norm / (norm + 1e-6)
+                if coefficient < 1.0:
+                    for group in self.optimizer.param_groups:
+                        for p in group["params"]:
+                            if p.grad is not None:
+                                p.grad.mul_(coefficient)
             self.optimizer.step()
+        self.loss_scale = self.loss_scale.after(norm)
+        if self.scheduler is not None:
+            with warnings.catch_warnings():  # skipped fp16 steps: the schedule moves on anyway
+                warnings.simplefilter("ignore", UserWarning)
+                self.scheduler.step()
         self.committed += 1
         self.synced = None
+        return skipped
 
     def step(self, step: int, record: bool = False) -> StepResult:
         """Train global step ``step``, which must be the next one (collective). A broken
@@ -460,6 +575,7 @@ class PipelineTrainer:
             )
         began = time.perf_counter()
         loss_sum = 0.0
+        square = 0.0
         timings: tuple[OpTiming, ...] = ()
         issued = 0
         compute_done = began
@@ -467,27 +583,38 @@ class PipelineTrainer:
             assert self.optimizer is not None and self.groups is not None
             self.optimizer.zero_grad(set_to_none=False)
             outcome = self.executor.run(step, self.orders, record=record,
-                                        on_phase=self._phase)
+                                        on_phase=self._phase, loss_scale=self.loss_scale.scale)
             loss_sum, timings = outcome.loss_sum, outcome.timings
             compute_done = time.perf_counter()
             self._phase(step, "sync")
             issued = sync_gradients(self.layers, self.device, self.ranks, self.groups,
                                     rounds=self.rounds, holders=self.holders,
-                                    mode=self.sync_mode)
+                                    mode=self.sync_mode, ties=self.ties)
+            if not self.loss_scale.fixed:
+                factor = self.loss_scale.unscale_factor()
+                for module in self.layers.values():
+                    for p in module.parameters():
+                        if p.grad is not None:
+                            p.grad.mul_(factor)
+            square = square_share(self.layers, self.device, self.holders, self.ties)
         self.synced = step
         synced = time.perf_counter()
         self._phase(step, "vote")
-        total = torch.tensor([loss_sum], dtype=torch.float64)
+        total = torch.tensor([loss_sum, square], dtype=torch.float64)
         try:
             dist.all_reduce(total)
         except RuntimeError as exc:
             raise PeerLost(f"device {self.device} lost a peer in step {step}'s vote: "
                            f"{exc}") from exc
+        loss, norm = (float(x) for x in total.tolist())
+        norm = math.sqrt(norm) if norm >= 0 else math.nan
         self._phase(step, "apply")
-        self._apply()
-        result = StepResult(step, float(total.item()), compute_done - began, synced - compute_done,
+        lr = self._lr()
+        skipped = self._apply(norm)
+        result = StepResult(step, loss, compute_done - began, synced - compute_done,
                             time.perf_counter() - began, issued, timings,
-                            redone=step < self.redo_below)
+                            redone=step < self.redo_below, grad_norm=norm, lr=lr,
+                            skipped=skipped)
         self.results[step] = result
         self.results.pop(step - 8, None)
         self._phase(step, "applied")

@@ -23,11 +23,19 @@ def row(device, committed, synced=None, held=(0, 0), loss=NAN, reported=-1, ckpt
 
 
 def test_rows_round_trip_through_the_exchanged_tensor():
-    r = row(5, 12, 11, (3, 7), 0.25, 11, 10)
+    r = Row(5, 12, 11, (3, 7), 0.25, 11, 10, last_norm=0.75, scale=1024.0, scale_good=3)
     assert Row.from_tensor(r.to_tensor()) == r
     fresh = row(2, None)
     back = Row.from_tensor(fresh.to_tensor())
     assert back.committed is None and back.checkpoint is None and math.isnan(back.last_loss)
+
+
+def test_the_ranks_ahead_tell_the_rolled_forward_ones_the_norm_and_the_loss_scale():
+    ahead = Row(0, 8, None, (0, 4), 0.5, 7, None, last_norm=2.5, scale=512.0, scale_good=9)
+    behind = Row(1, 7, 7, (4, 8), 0.6, 6, None, last_norm=1.0, scale=1024.0, scale_good=8)
+    a = agree([behind, ahead])
+    assert a.roll_forward == {1}
+    assert (a.last_loss, a.last_norm, a.scale) == (0.5, 2.5, (512.0, 9))
 
 
 def test_resume_at_the_newest_commit_and_roll_forward_the_ranks_one_behind():

@@ -17,7 +17,8 @@ from chameleon_elastic.runtime import (
     PipelineRuntimeError,
     PipelineTrainer,
     RankMap,
-    boundary_shape,
+    TensorSpec,
+    boundary_spec,
     build_layers,
     data_parallel_plan,
     dense_rank_map,
@@ -27,7 +28,7 @@ from chameleon_elastic.runtime import (
     sample_ids,
     step_sample_ids,
 )
-from chameleon_elastic.runtime.toy import mlp_model
+from chameleon_elastic.runtime.toy import featured_model, mlp_model
 
 
 def plans_with_eight_micro_batches() -> list[ExecutionPlan]:
@@ -68,23 +69,37 @@ def test_a_layer_has_the_same_weights_whoever_builds_it():
         build_layers(model, 2, 6)
 
 
-def test_boundary_shape_is_inferred_without_running_the_model():
+def test_boundary_spec_is_inferred_without_running_the_model():
     model = mlp_model(width=12)
-    spec = boundary_shape(model, 3, micro_batch_size=5)
-    assert spec.shape == (5, 12) and spec.dtype == torch.float64
+    spec = boundary_spec(model, 3, micro_batch_size=5)
+    assert spec.structure is None
+    assert spec.leaves == (TensorSpec((5, 12), torch.float64, requires_grad=True),)
 
 
-class _Pair(nn.Module):
+def test_boundary_spec_of_structured_stages_and_low_precision():
+    model = featured_model(width=6, dtype=torch.float32)
+    tuple_in = boundary_spec(model, 1, micro_batch_size=3)   # layer 0 returns a tuple
+    assert tuple_in.structure == ("tuple", (None, None, None))
+    assert [(s.shape, s.dtype, s.requires_grad) for s in tuple_in.leaves] == [
+        ((3, 6), torch.float32, True), ((3, 6), torch.float32, False),
+        ((3,), torch.int64, False)]
+    dict_in = boundary_spec(model, 2, micro_batch_size=3, precision="bf16")
+    assert dict_in.structure[:2] == ("dict", ("h", "mask", "count"))
+    # under autocast the linear runs in bf16; the mask (fp32) promotes the product to fp32
+    assert [s.dtype for s in dict_in.leaves] == [torch.float32, torch.float32, torch.int64]
+
+
+class _Labelled(nn.Module):
     def forward(self, x):
-        return x, x
+        return x, "label"
 
 
-def test_a_layer_returning_two_tensors_is_refused():
+def test_a_layer_returning_something_else_than_tensors_is_refused():
     base = mlp_model()
-    model = type(base)(num_layers=3, build_layer=lambda i: _Pair(), loss=base.loss,
+    model = type(base)(num_layers=3, build_layer=lambda i: _Labelled(), loss=base.loss,
                        make_optimizer=base.make_optimizer, sample=base.sample)
-    with pytest.raises(PipelineRuntimeError, match="exactly one tensor"):
-        boundary_shape(model, 2, 1)
+    with pytest.raises(PipelineRuntimeError, match="holds a str"):
+        boundary_spec(model, 2, 1)
 
 
 def test_plan_and_device_come_from_the_environment(tmp_path):
@@ -128,7 +143,7 @@ def test_executor_refuses_another_devices_operations():
     plan = plans_with_eight_micro_batches()[0]
     from chameleon_elastic.planning.schedule import device_orders
 
-    executor = PipelineExecutor(plan, 0, mlp_model(), None, 0, 1, dense_rank_map(plan))
+    executor = PipelineExecutor(plan, 0, mlp_model(), None, 1, dense_rank_map(plan))
     with pytest.raises(PipelineRuntimeError, match="belongs to device 1"):
         executor.run(0, device_orders(plan)[1])
 
