@@ -26,13 +26,14 @@ in the weights flip some roundings to bf16/fp16 and AdamW amplifies them: measur
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from chameleon_elastic.plan import ExecutionPlan, PeerShare, Pipeline, Reroute
-from chameleon_elastic.runtime import PipelineTrainer, dense_rank_map
+from chameleon_elastic.runtime import LossScale, PipelineTrainer, dense_rank_map, save_checkpoint
 from chameleon_elastic.runtime.local_world import run_local_world
 from chameleon_elastic.runtime.toy import featured_model, mlp_model, reference_run
 
@@ -76,8 +77,8 @@ def plans() -> dict[str, ExecutionPlan]:
         Pipeline((2, 3), ((0, 3), (3, 7)), 1),
         Pipeline((4, 5, 6), ((0, 2), (2, 5), (5, 7)), 3)))
     four = tuple(Pipeline((2 * p, 2 * p + 1), split, q) for p, q in enumerate((2, 2, 1, 1)))
-    rerouted = ExecutionPlan("reroute", 1, four, failed_devices=(3,), reroute=(
-        Reroute(3, 1, 1, (PeerShare(1, 1), PeerShare(5, 1), PeerShare(7, 0))),))
+    rerouted = ExecutionPlan("reroute", 1, four, failed_devices=(7,), reroute=(
+        Reroute(7, 3, 1, (PeerShare(1, 1), PeerShare(3, 0), PeerShare(5, 0))),))
     return {"symmetric": symmetric.validate(), "asymmetric": asymmetric.validate(),
             "rerouted": rerouted.validate()}
 
@@ -136,3 +137,72 @@ def test_feature_trains_like_single_process_under_every_plan_kind(name, runs):
                     np.testing.assert_allclose(value, ref_state[layer][pname], rtol=rtol,
                                                atol=atol, err_msg=f"{name} {kind} {layer} {pname}")
     assert not math.isnan(ref.grad_norms[0])
+
+
+CHAINED = ("all", "bf16", "fp16")
+
+
+def _chain(rank: int, world: int, directory: str):
+    """Per config: 2 steps under each plan kind in the same live trainer (layers, tied copies,
+    optimizer state, schedule and loss scale move with every plan change), a checkpoint, then
+    a fresh trainer that restores it and trains 2 more steps."""
+    out = {}
+    for name in CHAINED:
+        _, options, recompute = CONFIGS[name]
+        kinds = list(plans().values())
+        if recompute:
+            kinds = [_recomputing(p) for p in kinds]
+        device = dense_rank_map(kinds[0]).device_of_rank[rank]
+        trainer = PipelineTrainer(model_for(name), kinds[0], device, micro_batch_size=MBS,
+                                  **options)
+        steps = []
+        for i, plan in enumerate(kinds):
+            if i:
+                trainer.release_groups()
+                assert dense_rank_map(plan).device_of_rank[rank] == device
+                trainer.enter(plan, None)
+            steps += [trainer.step(trainer.committed) for _ in range(2)]
+        save_checkpoint(trainer, Path(directory) / name, trainer.committed)
+        trainer.close()
+        restored = PipelineTrainer(model_for(name), kinds[0], device, micro_batch_size=MBS,
+                                   checkpoint_dir=Path(directory) / name, **options)
+        assert restored.committed == 2 * len(kinds)
+        steps += [restored.step(restored.committed) for _ in range(2)]
+        restored.close()
+        out[name] = [(r.loss, r.grad_norm, r.lr) for r in steps]
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_features_survive_plan_changes_in_place_and_a_checkpoint(tmp_path):
+    chains = run_local_world(_chain, 7, str(tmp_path), timeout_s=100)
+    for name in CHAINED:
+        _, options, _ = CONFIGS[name]
+        ref = reference_run(model_for(name), 8, 6, MBS, **options)
+        exact = "precision" not in options
+        losses, norms, lrs = (list(x) for x in zip(*chains[0][name]))   # rank 0 works always
+        np.testing.assert_allclose(losses, ref.losses, rtol=1e-9 if exact else 2e-3,
+                                   err_msg=f"{name} losses across plan changes and a restore")
+        np.testing.assert_allclose(norms, ref.grad_norms, rtol=1e-9 if exact else 1e-2,
+                                   err_msg=f"{name} gradient norms")
+        assert lrs == pytest.approx(ref.lrs, rel=1e-12), f"{name} schedule"
+
+
+def test_loss_scale_follows_torchs_grad_scaler():
+    """Same scale as torch's GradScaler (defaults) over overflows and a growth interval."""
+    param = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([param], lr=0.0)
+    scaler = torch.amp.GradScaler("cpu")
+    ours = LossScale.for_precision("fp16")
+    pattern = [math.inf, 1.0, math.nan, *([1.0] * (LossScale.GROWTH_INTERVAL + 3)), math.inf]
+    for norm in pattern:
+        scaler.scale(torch.ones(()))   # lazily creates the scale, as a real loss would
+        param.grad = torch.tensor([norm * scaler.get_scale()])
+        scaler.unscale_(optimizer)
+        scaler.step(optimizer)
+        scaler.update()
+        assert ours.skips(norm) == (not math.isfinite(norm))
+        ours = ours.after(norm)
+        assert ours.scale == scaler.get_scale()
+    assert ours.scale == 2.0 ** 14   # two halvings, one doubling, one halving from 2^16
+    assert LossScale.for_precision("bf16").after(math.inf).scale == 1.0
