@@ -11,6 +11,12 @@ stage order with the half-open layer range ``[start, end)`` each stage holds. Un
 listed in ``failed_devices``, and each dead device's micro-batches are served by the live
 devices that hold exactly the same layers in other pipelines (its data-parallel peers).
 
+Each stage carries a recomputation flag (``Pipeline.recompute``): a recomputing device keeps
+only its stage's input per micro-batch in flight and runs the forward again before each
+backward (activation checkpointing). The flag belongs to the device: it applies to every
+micro-batch the device runs, its own and those it absorbs for a dead peer, so a dead stage's
+own flag is never used.
+
 A transfer's source is a live device, or ``CHECKPOINT`` for layers that no live device holds
 any more (every replica died): the receiver loads those from the last checkpoint.
 """
@@ -20,6 +26,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from functools import cache
 from typing import Any, Literal
 
 __all__ = [
@@ -47,11 +54,33 @@ class PlanError(ValueError):
     """A plan that breaks a structural invariant (bad layer cover, duplicate device, ...)."""
 
 
+@cache
+def _none_recomputed(stages: int) -> tuple[bool, ...]:
+    """All-False flags, one tuple per length: the pipelines of a layout then share one object,
+    which the estimator's per-shape memo keys on."""
+    return (False,) * stages
+
+
 @dataclass(frozen=True)
 class Pipeline:
+    """Devices in stage order, the layers ``[start, end)`` each holds, the micro-batch quota,
+    and per stage whether it recomputes its activations in the backward.
+
+    ``recompute`` may be left out (``()``): no stage recomputes, which is what every plan
+    meant before the flag existed; it is then stored as one False per stage, so two ways of
+    saying the same pipeline compare equal.
+    """
+
     devices: tuple[int, ...]
     layers: tuple[tuple[int, int], ...]
     micro_batches: int
+    recompute: tuple[bool, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.recompute:
+            object.__setattr__(self, "recompute", _none_recomputed(len(self.devices)))
+        elif type(self.recompute) is not tuple:  # a list would make the plan unhashable
+            object.__setattr__(self, "recompute", tuple(self.recompute))
 
     @property
     def num_stages(self) -> int:
@@ -65,14 +94,20 @@ class Pipeline:
             "devices": list(self.devices),
             "layers": [list(r) for r in self.layers],
             "micro_batches": self.micro_batches,
+            "recompute": list(self.recompute),
         }
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Pipeline:
+        flags = d.get("recompute", ())
+        if not isinstance(flags, (list, tuple)) or not all(isinstance(f, bool) for f in flags):
+            raise PlanError(f"recompute {flags!r} is invalid; expected a list of true/false, "
+                            "one per stage")
         return cls(
             devices=tuple(int(x) for x in d["devices"]),
             layers=tuple((int(a), int(b)) for a, b in d["layers"]),
             micro_batches=int(d["micro_batches"]),
+            recompute=tuple(flags),
         )
 
 
@@ -203,6 +238,7 @@ class DeviceRole:
     layer_start: int
     layer_end: int
     micro_batches: int  # own pipeline's quota plus what it serves for dead peers
+    recompute: bool = False  # recomputes activations for every micro-batch it runs
 
 
 @dataclass(frozen=True)
@@ -278,7 +314,7 @@ class ExecutionPlan:
                     continue
                 start, end = p.layers[s]
                 found.append(DeviceRole(d, i, s, p.num_stages, start, end,
-                                        p.micro_batches + absorbed.get(d, 0)))
+                                        p.micro_batches + absorbed.get(d, 0), p.recompute[s]))
         return iter(sorted(found, key=lambda r: r.device))
 
     # ------------------------------------------------------------------ validation
@@ -294,6 +330,11 @@ class ExecutionPlan:
         for i, p in enumerate(self.pipelines):
             if len(p.devices) == 0 or len(p.devices) != len(p.layers):
                 raise PlanError(f"pipeline {i} needs one layer range per device")
+            if len(p.recompute) != len(p.layers):
+                raise PlanError(
+                    f"pipeline {i} has {len(p.recompute)} recompute flags for "
+                    f"{len(p.devices)} stages; give one per stage"
+                )
             if p.micro_batches < 0:
                 raise PlanError(f"pipeline {i} has a negative micro-batch quota")
             expected = 0

@@ -4,6 +4,11 @@ A spec comes from a TOML file (``--job``) or a built-in preset (``--preset``). E
 validated on load so that a typo fails at once with one sentence naming the key, the value and
 what was expected, instead of surfacing later as a nonsensical plan. Per-layer figures may be a
 scalar (every layer alike) or a list of length ``model.layers`` (a heavier embedding or head).
+
+Precision: ``model.precision`` says at which precision the per-layer byte figures were measured
+or given, ``training.precision`` what the job trains with; the estimator converts activation
+bytes between the two (docs/estimator.md). Times are never converted: measure them at the
+training precision.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from importlib import resources
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, Literal, cast
 
 if sys.version_info >= (3, 11):
@@ -22,11 +28,18 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 __all__ = [
+    "ELEMENT_BYTES",
+    "OPTIONAL_PER_LAYER_KEYS",
+    "PER_LAYER_KEYS",
+    "PRECISIONS",
+    "RECOMPUTE_POLICIES",
     "RECOVERY_MODES",
     "ClusterSpec",
     "JobSpec",
     "ModelProfile",
     "PlannerSpec",
+    "Precision",
+    "RecomputePolicy",
     "Recovery",
     "SpecError",
     "TrainingSpec",
@@ -39,7 +52,24 @@ class SpecError(ValueError):
     """A job spec that cannot be used; the message names the key and the fix."""
 
 
+#: The per-layer figures every job file must give.
 PER_LAYER_KEYS = ("forward_s", "backward_s", "param_bytes", "optimizer_bytes", "activation_bytes")
+#: Per-layer figures a job file may give; each has a documented default when absent.
+OPTIONAL_PER_LAYER_KEYS = ("boundary_bytes",)
+
+#: Element types a job can train with: ``fp32``, or torch autocast to ``bf16`` / ``fp16`` with
+#: fp32 master weights and optimizer state.
+Precision = Literal["fp32", "bf16", "fp16"]
+PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16")
+#: Bytes of one element at each precision: what activation figures scale by between the
+#: precision they were measured at and the one the job trains with.
+ELEMENT_BYTES: Mapping[str, int] = MappingProxyType({"fp32": 4, "bf16": 2, "fp16": 2})
+
+#: When the planner recomputes a stage's activations in its backward (activation
+#: checkpointing): ``auto`` only for a stage that would not fit in device memory otherwise,
+#: ``never``, or ``always`` (every stage).
+RecomputePolicy = Literal["auto", "never", "always"]
+RECOMPUTE_POLICIES: tuple[str, ...] = ("auto", "never", "always")
 
 #: How the processes move to a re-planned layout: ``inplace`` (the live processes regroup and
 #: receive state from peers) or ``relaunch`` (every process restarts).
@@ -49,7 +79,17 @@ RECOVERY_MODES: tuple[str, ...] = ("inplace", "relaunch")
 
 @dataclass(frozen=True)
 class ModelProfile:
-    """Per-layer cost figures (index = layer). Gradients take ``param_bytes`` per layer."""
+    """Per-layer cost figures (index = layer). Gradients take ``param_bytes`` per layer.
+
+    ``param_bytes`` and ``optimizer_bytes`` are the fp32 master copies a holder keeps whatever
+    the training precision. ``activation_bytes`` (what one micro-batch keeps for the backward)
+    and ``boundary_bytes`` (the layer's output for one micro-batch: all a recomputed stage
+    starting after this layer keeps per micro-batch) are at ``precision``. ``boundary_bytes``
+    is None when the job file leaves it out; ``boundary_figures`` then falls back on
+    ``activation_bytes``, an upper bound, resolved at use so that replacing the activations
+    (a measured profile) never leaves a stale copy behind. Frozen and hashable: the estimator
+    memoises on it.
+    """
 
     layers: int
     forward_s: tuple[float, ...]
@@ -57,6 +97,13 @@ class ModelProfile:
     param_bytes: tuple[float, ...]
     optimizer_bytes: tuple[float, ...]
     activation_bytes: tuple[float, ...]
+    boundary_bytes: tuple[float, ...] | None = None
+    precision: Precision = "fp32"
+
+    @property
+    def boundary_figures(self) -> tuple[float, ...]:
+        """Output bytes of each layer for one micro-batch, at ``precision``."""
+        return self.activation_bytes if self.boundary_bytes is None else self.boundary_bytes
 
     def state_bytes(self, layer: int) -> float:
         """Parameters + gradients + optimizer state of one layer: what a holder keeps resident."""
@@ -97,21 +144,29 @@ class ClusterSpec:
 
 @dataclass(frozen=True)
 class TrainingSpec:
+    """The initial layout, the global batch every plan preserves, and the training precision
+    (``fp32``, or ``bf16`` / ``fp16`` autocast with fp32 master weights and optimizer state):
+    it decides how large the activations are and whether a low-precision weight copy is held."""
+
     dp: int
     pp: int
     global_micro_batches: int
     micro_batch_size: int = 1
+    precision: Precision = "fp32"
 
 
 @dataclass(frozen=True)
 class PlannerSpec:
     """Search ranges (the paper's R_dp and R_pp), whether pipeline-length templates widen
-    them (``planning.search._candidate_shapes``), and the plan-cache depth."""
+    them (``planning.search._candidate_shapes``), the plan-cache depth, and when a stage
+    recomputes its activations: recomputation trades a second forward in the backward for
+    memory, so by default (``auto``) the planner only pays it where a stage would not fit."""
 
     dp_radius: int = 2
     pp_radius: int = 2
     templates: bool = True
     cache_failures: int = 2
+    recompute: RecomputePolicy = "auto"
 
 
 @dataclass(frozen=True)
@@ -163,9 +218,11 @@ class JobSpec:
         return replace(self, cluster=replace(self.cluster, recovery=cast(Recovery, mode)))
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain data; per-layer figures stay lists so the result reloads with from_dict."""
+        """Plain data; per-layer figures stay lists so the result reloads with from_dict. An
+        absent ``boundary_bytes`` stays absent (it follows ``activation_bytes``)."""
         out = asdict(self)
-        out["model"] = {k: (list(v) if isinstance(v, tuple) else v) for k, v in out["model"].items()}
+        out["model"] = {k: (list(v) if isinstance(v, tuple) else v)
+                        for k, v in out["model"].items() if v is not None}
         return out
 
 
@@ -258,6 +315,17 @@ def _per_layer(section: Mapping[str, Any], key: str, layers: int, *,
                strict: bool) -> tuple[float, ...]:
     if key not in section:
         raise SpecError(f"missing key model.{key}; add it to the [model] table.")
+    return _layer_figures(section, key, layers, strict=strict)
+
+
+def _optional_per_layer(section: Mapping[str, Any], key: str, layers: int
+                        ) -> tuple[float, ...] | None:
+    """A per-layer byte figure that may be left out (None: the model's default applies)."""
+    return _layer_figures(section, key, layers, strict=False) if key in section else None
+
+
+def _layer_figures(section: Mapping[str, Any], key: str, layers: int, *,
+                   strict: bool) -> tuple[float, ...]:
     value = section[key]
     relation = "> 0" if strict else ">= 0"
     expected = f"a finite number {relation} or a list of {layers} such numbers (one per layer)"
@@ -287,7 +355,7 @@ def _parse(data: Mapping[str, Any], name: str) -> JobSpec:
                 "[training], optionally [planner], and an optional name."
             )
     m = _section(data, "model")
-    _reject_unknown(m, "model", ("layers",) + PER_LAYER_KEYS)
+    _reject_unknown(m, "model", ("layers", "precision") + PER_LAYER_KEYS + OPTIONAL_PER_LAYER_KEYS)
     layers = _integer(m, "model", "layers")
     model = ModelProfile(
         layers=layers,
@@ -296,6 +364,8 @@ def _parse(data: Mapping[str, Any], name: str) -> JobSpec:
         param_bytes=_per_layer(m, "param_bytes", layers, strict=False),
         optimizer_bytes=_per_layer(m, "optimizer_bytes", layers, strict=False),
         activation_bytes=_per_layer(m, "activation_bytes", layers, strict=False),
+        boundary_bytes=_optional_per_layer(m, "boundary_bytes", layers),
+        precision=cast(Precision, _choice(m, "model", "precision", PRECISIONS, default="fp32")),
     )
 
     c = _section(data, "cluster")
@@ -314,12 +384,15 @@ def _parse(data: Mapping[str, Any], name: str) -> JobSpec:
     )
 
     t = _section(data, "training")
-    _reject_unknown(t, "training", ("dp", "pp", "global_micro_batches", "micro_batch_size"))
+    _reject_unknown(t, "training", ("dp", "pp", "global_micro_batches", "micro_batch_size",
+                                    "precision"))
     training = TrainingSpec(
         dp=_integer(t, "training", "dp"),
         pp=_integer(t, "training", "pp"),
         global_micro_batches=_integer(t, "training", "global_micro_batches"),
         micro_batch_size=_integer(t, "training", "micro_batch_size", default=1),
+        precision=cast(Precision, _choice(t, "training", "precision", PRECISIONS,
+                                          default="fp32")),
     )
     if training.dp * training.pp > cluster.devices:
         raise SpecError(
@@ -339,12 +412,15 @@ def _parse(data: Mapping[str, Any], name: str) -> JobSpec:
         )
 
     p = _section(data, "planner", required=False)
-    _reject_unknown(p, "planner", ("dp_radius", "pp_radius", "templates", "cache_failures"))
+    _reject_unknown(p, "planner", ("dp_radius", "pp_radius", "templates", "cache_failures",
+                                   "recompute"))
     planner = PlannerSpec(
         dp_radius=_integer(p, "planner", "dp_radius", minimum=0, default=2),
         pp_radius=_integer(p, "planner", "pp_radius", minimum=0, default=2),
         templates=_boolean(p, "planner", "templates", default=True),
         cache_failures=_integer(p, "planner", "cache_failures", minimum=0, default=2),
+        recompute=cast(RecomputePolicy, _choice(p, "planner", "recompute", RECOMPUTE_POLICIES,
+                                                default="auto")),
     )
     job_name = data.get("name", name)
     if not isinstance(job_name, str):

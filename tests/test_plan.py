@@ -40,7 +40,7 @@ def test_json_round_trip_keeps_everything():
     assert back.estimate == plan.estimate
     data = plan.to_dict()
     assert data["pipelines"][0] == {"devices": [0, 1], "layers": [[0, 3], [3, 6]],
-                                    "micro_batches": 5}
+                                    "micro_batches": 5, "recompute": [False, False]}
     assert data["reroute"][0]["peers"] == [{"device": 1, "micro_batches": 3},
                                            {"device": 5, "micro_batches": 2}]
 
@@ -107,3 +107,32 @@ def test_a_transfer_source_is_a_device_or_the_checkpoint(src):
         ExecutionPlan.from_dict(data)
     with pytest.raises(PlanError, match="expected a device id or 'checkpoint'"):
         Transfer("disk", 0, (1,), 1.0)
+
+
+def test_recompute_flags_round_trip_and_default_to_none():
+    pipe = Pipeline((0, 1), ((0, 3), (3, 6)), 5, (True, False))
+    plan = ExecutionPlan("initial", 0, (pipe,)).validate()
+    data = plan.to_dict()
+    assert data["pipelines"][0]["recompute"] == [True, False]
+    assert ExecutionPlan.from_json(plan.to_json()) == plan
+    # Old JSON without the key: no stage recomputes; the same as saying so.
+    del data["pipelines"][0]["recompute"]
+    old = ExecutionPlan.from_dict(data)
+    assert old.pipelines[0].recompute == (False, False)
+    assert old.pipelines[0] == Pipeline((0, 1), ((0, 3), (3, 6)), 5, (False, False))
+    roles = {r.device: r.recompute for r in plan.roles()}
+    assert roles == {0: True, 1: False}
+
+
+@pytest.mark.parametrize("flags, words", [
+    ([True], "1 recompute flags for 2 stages"),
+    ([True, False, True], "3 recompute flags"),
+    (["yes", False], "list of true/false"),
+    ([1, 0], "list of true/false"),
+    ("true", "list of true/false"),
+])
+def test_bad_recompute_flags_are_rejected(flags, words):
+    data = rerouted_plan().to_dict()
+    data["pipelines"][1]["recompute"] = flags
+    with pytest.raises(PlanError, match=words):
+        ExecutionPlan.from_dict(data)

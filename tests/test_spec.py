@@ -77,6 +77,18 @@ def test_scalar_and_list_per_layer_figures(tmp_path):
          ["cluster.regroup_s", "'fast'", "finite number >= 0"]),
         (("restart_s = 5.0", "restart_s = 5.0\nregroup_s = inf"),
          ["cluster.regroup_s", "inf", "finite number >= 0"]),
+        (("global_micro_batches = 64", "global_micro_batches = 64\nprecision = 'fp8'"),
+         ["training.precision", "'fp8'", "fp32, bf16, fp16"]),
+        (("layers = 4", "layers = 4\nprecision = 16"),
+         ["model.precision", "16", "fp32, bf16, fp16"]),
+        (("layers = 4", "layers = 4\nboundary_bytes = [1e6, 1e6]"),
+         ["model.boundary_bytes", "2 entries", "model.layers = 4"]),
+        (("layers = 4", "layers = 4\nboundary_bytes = -1"),
+         ["model.boundary_bytes", "-1", ">= 0"]),
+        (("global_micro_batches = 64", "global_micro_batches = 64\n[planner]\nrecompute = 'yes'"),
+         ["planner.recompute", "'yes'", "auto, never, always"]),
+        (("global_micro_batches = 64", "global_micro_batches = 64\n[planner]\nrecompute = true"),
+         ["planner.recompute", "True", "auto, never, always"]),
     ],
 )
 def test_bad_values_name_key_value_and_expectation(tmp_path, change, words):
@@ -145,3 +157,33 @@ def test_presets_state_how_they_recover():
         assert cluster.recovery == "relaunch" and cluster.switch_s == cluster.restart_s
     tiny = JobSpec.preset("tiny-cpu").cluster
     assert tiny.recovery == "inplace" and tiny.switch_s == tiny.regroup_s == 0.3
+
+
+def test_precision_recompute_and_boundary_defaults(tmp_path):
+    spec = JobSpec.from_toml(write(tmp_path, GOOD))
+    assert (spec.training.precision, spec.model.precision) == ("fp32", "fp32")
+    assert spec.planner.recompute == "auto"
+    # Absent boundary bytes follow the activations (an upper bound), and stay absent in
+    # to_dict, so a measured profile that replaces the activations moves them too.
+    assert spec.model.boundary_bytes is None
+    assert spec.model.boundary_figures == spec.model.activation_bytes
+    assert "boundary_bytes" not in spec.to_dict()["model"]
+    data = spec.to_dict()
+    data["model"]["activation_bytes"] = 3.0e8
+    assert JobSpec.from_dict(data).model.boundary_figures == (3.0e8,) * 4
+
+
+def test_precision_recompute_and_boundary_round_trip(tmp_path):
+    text = (GOOD.replace("layers = 4", "layers = 4\nprecision = 'bf16'\n"
+                         "boundary_bytes = [1e6, 2e6, 2e6, 0]")
+            .replace("global_micro_batches = 64", "global_micro_batches = 64\nprecision = 'fp16'")
+            + "[planner]\nrecompute = 'never'\n")
+    spec = JobSpec.from_toml(write(tmp_path, text))
+    assert spec.model.precision == "bf16" and spec.training.precision == "fp16"
+    assert spec.model.boundary_bytes == spec.model.boundary_figures == (1e6, 2e6, 2e6, 0.0)
+    assert spec.planner.recompute == "never"
+    assert JobSpec.from_dict(spec.to_dict(), spec.name) == spec
+    assert hash(spec.model) == hash(JobSpec.from_dict(spec.to_dict()).model)  # an lru_cache key
+    scalar = JobSpec.from_toml(write(tmp_path, GOOD.replace("layers = 4",
+                                                            "layers = 4\nboundary_bytes = 5")))
+    assert scalar.model.boundary_bytes == (5.0,) * 4

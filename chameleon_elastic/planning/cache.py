@@ -228,7 +228,8 @@ def relabel(plan: ExecutionPlan, mapping: dict[int, int],
     return replace(
         plan,
         pipelines=tuple(p if moved.isdisjoint(p.devices)
-                        else Pipeline(ids(p.devices, True), p.layers, p.micro_batches)
+                        else Pipeline(ids(p.devices, True), p.layers, p.micro_batches,
+                                      p.recompute)
                         for p in plan.pipelines),
         spare_devices=ids(plan.spare_devices, False),
         failed_devices=ids(plan.failed_devices, False),

@@ -64,7 +64,10 @@ def _epilog() -> str:
         [(p, POLICY_HELP.get(p, "")) for p in get_args(PolicyChoice)],
         ["When a stage loses every replica, the re-plan loads those layers from the checkpoint:",
          'the transfers table shows "checkpoint" as their source, and the failure\'s summary',
-         "names them. Tables are as wide as their cells when the output is not a terminal."],
+         "names them. Stages that recompute their activations in the backward (the job's",
+         "planner.recompute) are listed per pipeline in the layout's recompute column, and as",
+         "per-stage flags in the JSON's pipelines[].recompute. Tables are as wide as their",
+         "cells when the output is not a terminal."],
         [(EXIT_OK, "success (a re-plan from the checkpoint included)"),
          (EXIT_FAILURE, "no plan: the model fits no layout, or the forced --policy is impossible"),
          (EXIT_USAGE, ("usage error (one line on stderr): unknown flag or preset, bad job file,\n"
@@ -199,6 +202,14 @@ def _transfer_table(plan: ExecutionPlan) -> Table:
     return table
 
 
+def _recomputing(flags: Sequence[bool]) -> str:
+    """The stages that recompute, e.g. 'stages 0-1', or '-' when none does."""
+    stages = [s for s, flag in enumerate(flags) if flag]
+    if not stages:
+        return "-"
+    return f"stage{'s' if len(stages) > 1 else ''} {compact_ids(stages)}"
+
+
 def _render(plan: ExecutionPlan, spec: JobSpec, records: list[dict]) -> None:
     from rich.table import Table
 
@@ -208,15 +219,17 @@ def _render(plan: ExecutionPlan, spec: JobSpec, records: list[dict]) -> None:
     console.print(f"[bold]{spec.name}[/]: generation {plan.generation}, policy [bold]{plan.policy}"
                   f"[/], {live}/{spec.cluster.devices} devices live, "
                   f"{plan.global_micro_batches} micro-batches per step, "
-                  f"recovery {spec.cluster.recovery}")
+                  f"recovery {spec.cluster.recovery}, precision {spec.training.precision}, "
+                  f"recompute {spec.planner.recompute}")
     table = Table(title="layout")
-    for col in ("pipeline", "devices (stage order)", "layers per stage", "micro-batches"):
+    for col in ("pipeline", "devices (stage order)", "layers per stage", "micro-batches",
+                "recompute"):
         table.add_column(col)
     dead = set(plan.failed_devices)
     for i, p in enumerate(plan.pipelines):
         devs = " ".join(f"[red]x{d}[/]" if d in dead else str(d) for d in p.devices)
         layers = " ".join(f"[{a},{b})" for a, b in p.layers)
-        table.add_row(str(i), devs, layers, str(p.micro_batches))
+        table.add_row(str(i), devs, layers, str(p.micro_batches), _recomputing(p.recompute))
     console.print(table)
     if plan.spare_devices:
         console.print(f"spare devices: {' '.join(map(str, plan.spare_devices))}")

@@ -36,6 +36,16 @@ at stage ``i`` under plain 1F1B (the paper's ``(N_pp - i) N_l_i m_a``), and coun
 merged order for a peer that also serves a dead device's micro-batches
 (``schedule.streams_in_flight_peak``, memoised per pattern of served streams).
 
+Recomputation and precision (docs/estimator.md has the formulas). A device whose stage
+recomputes (``Pipeline.recompute``) keeps per micro-batch in flight only its input, the
+boundary bytes of the layer before its first (nothing at layer 0: the input is data), plus
+one micro-batch's full activations while it recomputes before a backward; its backward takes
+``T_b + T_f``. The flag is the device's, so a peer runs the micro-batches it absorbs with its
+own flag. Parameters, gradients and optimizer state are fp32 master copies as given;
+activation and boundary bytes scale by the element size of ``training.precision`` over that of
+``model.precision``; below fp32 a device also holds autocast's half-size copy of its weights.
+Times are taken as given (measured at the training precision).
+
 Transition: initial and reroute cost nothing (no reconfiguration); a re-plan costs its weight
 transfer (the busiest device's bytes in or out over the bandwidth) plus the fixed cost of
 switching, ``cluster.switch_s``: rebuilding the process groups in the live processes
@@ -56,7 +66,7 @@ from collections.abc import Iterable, Sequence
 from functools import lru_cache
 
 from ..plan import AllReduceGroup, Estimate, ExecutionPlan, Pipeline, Transfer
-from ..spec import JobSpec, ModelProfile
+from ..spec import ELEMENT_BYTES, JobSpec, ModelProfile
 from .schedule import (
     Lane,
     Stream,
@@ -71,6 +81,7 @@ __all__ = [
     "compute_time",
     "evaluate",
     "fits_in_memory",
+    "in_flight",
     "peak_memory",
     "pipeline_fits",
     "pipeline_makespan",
@@ -93,42 +104,66 @@ class EstimatorError(ValueError):
 # --------------------------------------------------------------------------- building blocks
 
 
-def stage_times(spec: JobSpec, start: int, end: int) -> tuple[float, float]:
-    """``(T_f, T_b)`` of one micro-batch through layers ``[start, end)``: per-layer sums."""
-    tf, tb, _, _ = _stage_figures(spec.model, start, end)
-    return tf, tb
+def stage_times(spec: JobSpec, start: int, end: int, recompute: bool = False
+                ) -> tuple[float, float]:
+    """``(T_f, T_b)`` of one micro-batch through layers ``[start, end)``: per-layer sums. A
+    recomputing stage runs its forward again before the backward: ``T_b + T_f``."""
+    tf, tb = _stage_figures(spec.model, start, end)
+    return (tf, tb + tf) if recompute else (tf, tb)
 
 
-def stage_memory(spec: JobSpec, start: int, end: int, in_flight: int) -> float:
+def stage_memory(spec: JobSpec, start: int, end: int, in_flight: int,
+                 recompute: bool = False) -> float:
     """Peak bytes of a device holding layers ``[start, end)`` with ``in_flight`` micro-batches.
 
-    Layer state ``2 * param + optimizer`` plus the activations of ``in_flight`` micro-batches.
-    Stage ``i`` of a plain 1F1B pipeline has ``min(N_pp - i, N_m)`` in flight, which gives the
-    paper's ``N_l (m_p + m_o + m_g) + (N_pp - i) N_l m_a`` when ``N_m >= N_pp``.
+    Layer state ``2 * param + optimizer`` (plus autocast's weight copy below fp32) and then,
+    without recomputation, the activations of ``in_flight`` micro-batches; stage ``i`` of a
+    plain 1F1B pipeline has ``min(N_pp - i, N_m)`` in flight, which gives the paper's
+    ``N_l (m_p + m_o + m_g) + (N_pp - i) N_l m_a`` when ``N_m >= N_pp``. With recomputation,
+    only the stage's input (``boundary_bytes`` of layer ``start - 1``) per micro-batch in
+    flight, plus one micro-batch's activations rebuilt for the backward under way.
     """
-    _, _, resident, activation = _stage_figures(spec.model, start, end)
-    return resident + in_flight * activation
+    resident, activation, boundary = _stage_bytes(spec.model, spec.training.precision,
+                                                  start, end)
+    if not recompute:
+        return resident + in_flight * activation
+    return resident + in_flight * boundary + (activation if in_flight > 0 else 0.0)
 
 
-def pipeline_fits(spec: JobSpec, layers: Sequence[tuple[int, int]], micro_batches: int) -> bool:
+def pipeline_fits(spec: JobSpec, layers: Sequence[tuple[int, int]], micro_batches: int,
+                  recompute: Sequence[bool] | None = None) -> bool:
     """True if every stage of a plain 1F1B pipeline holding ``layers`` fits in device memory
-    (stage ``i`` holds ``min(N_pp - i, N_m)`` micro-batches in flight)."""
+    (stage ``i`` holds ``min(N_pp - i, N_m)`` micro-batches in flight); ``recompute`` gives the
+    stages' flags (None: no stage recomputes)."""
     memory = spec.cluster.device_memory_bytes
     n = len(layers)
-    return all(stage_memory(spec, a, b, min(n - i, micro_batches)) <= memory
-               for i, (a, b) in enumerate(layers))
+    flags = recompute if recompute is not None else (False,) * n
+    return all(stage_memory(spec, a, b, min(n - i, micro_batches), r) <= memory
+               for i, ((a, b), r) in enumerate(zip(layers, flags)))
 
 
-def pipeline_time(spec: JobSpec, layers: Sequence[tuple[int, int]], micro_batches: int) -> float:
-    """Makespan of one 1F1B pipeline whose stages hold ``layers`` (one range per stage)."""
-    return _pipeline_time_of(spec.model, tuple((a, b) for a, b in layers), micro_batches)
+def pipeline_time(spec: JobSpec, layers: Sequence[tuple[int, int]], micro_batches: int,
+                  recompute: Sequence[bool] | None = None) -> float:
+    """Makespan of one 1F1B pipeline whose stages hold ``layers`` (one range per stage) with
+    the stages' recomputation flags (None: no stage recomputes)."""
+    flags = tuple(recompute) if recompute is not None else (False,) * len(layers)
+    return _pipeline_time_of(spec.model, tuple((a, b) for a, b in layers), micro_batches, flags)
 
 
 @lru_cache(maxsize=1 << 16)
 def _pipeline_time_of(model: ModelProfile, layers: tuple[tuple[int, int], ...],
-                      micro_batches: int) -> float:
-    times = tuple(_stage_figures(model, a, b)[:2] for a, b in layers)
-    return pipeline_makespan(times, micro_batches)
+                      micro_batches: int, recompute: tuple[bool, ...]) -> float:
+    return pipeline_makespan(_flagged_times(model, layers, recompute), micro_batches)
+
+
+def _flagged_times(model: ModelProfile, layers: tuple[tuple[int, int], ...],
+                   recompute: tuple[bool, ...]) -> tuple[tuple[float, float], ...]:
+    """Per stage ``(T_f, T_b)``, ``T_b + T_f`` where the stage recomputes."""
+    out = []
+    for (a, b), r in zip(layers, recompute):
+        tf, tb = _stage_figures(model, a, b)
+        out.append((tf, tb + tf) if r else (tf, tb))
+    return tuple(out)
 
 
 @lru_cache(maxsize=1 << 16)
@@ -205,14 +240,16 @@ def compute_time(spec: JobSpec, plan: ExecutionPlan, *, simulate_reroute: bool =
     coupled = {p for comp in components for p in comp}
     rest = [pipe for p, pipe in enumerate(plan.pipelines) if p not in coupled]
     times: dict[tuple[tuple[int, int], ...], tuple[tuple[float, float], ...]] = {}
-    return max([*(_component_makespan(_lanes(spec, plan, comp, times)) for comp in components),
+    return max([*(_component_makespan(*_lanes(spec, plan, comp, times)) for comp in components),
                 *([_slowest_alone(spec, rest)] if rest else [])])
 
 
 def reroute_closed_form(spec: JobSpec, plan: ExecutionPlan) -> float | None:
     """The paper's rerouting step time, or None where its assumptions do not hold.
 
-    Assumptions: every pipeline has the same layer split and quota, every stage takes the same
+    Assumptions: every pipeline has the same layer split, quota and recomputation flags (every
+    stage recomputes or none: the flag is a device's, and peers with different flags would run
+    a dead stage's micro-batches at different speeds), every stage then takes the same
     ``(T_f, T_b)``, and each dead device's micro-batches go to all live holders of its layers
     (or, when it has fewer micro-batches than live holders, to as many holders as it has).
     The paper's extra term for a group with ``F_g`` of ``N_g`` holders dead is the fractional
@@ -221,10 +258,13 @@ def reroute_closed_form(spec: JobSpec, plan: ExecutionPlan) -> float | None:
     whenever the shares come out even and is never less.
     """
     first = plan.pipelines[0]
+    flags = first.recompute
     if any(p.layers != first.layers or p.micro_batches != first.micro_batches
-           for p in plan.pipelines):
+           or (p.recompute is not flags and p.recompute != flags) for p in plan.pipelines):
         return None
-    times = _times(spec, first)
+    if len(set(flags)) > 1:  # stages then differ in speed: no closed form
+        return None
+    times = _flagged_times(spec.model, first.layers, flags)
     if any(t != times[0] for t in times):
         return None
     nm = first.micro_batches
@@ -268,28 +308,44 @@ def step_time(spec: JobSpec, plan: ExecutionPlan, *, simulate_reroute: bool = Fa
 
 
 def peak_memory(spec: JobSpec, plan: ExecutionPlan) -> dict[int, float]:
-    """Peak bytes per working device (spares and dead devices are absent)."""
+    """Peak bytes per working device (spares and dead devices are absent), each device with its
+    own stage's recomputation flag."""
     _check_plan(spec, plan)
-    memo: dict[tuple[int, int, int], float] = {}  # a few distinct stages, thousands of devices
+    memo: dict[tuple[int, int, int, bool], float] = {}  # a few distinct stages, many devices
 
-    def memory(layers: tuple[int, int], in_flight: int) -> float:
-        key = (*layers, in_flight)
+    def memory(layers: tuple[int, int], in_flight: int, recompute: bool) -> float:
+        key = (*layers, in_flight, recompute)
         if key not in memo:
-            memo[key] = stage_memory(spec, *layers, in_flight)
+            memo[key] = stage_memory(spec, *layers, in_flight, recompute)
         return memo[key]
 
-    plain: dict[tuple[tuple[tuple[int, int], ...], int], list[float]] = {}  # per shape
+    # Per pipeline shape. Keyed by the identity of the split and flag tuples, which the
+    # pipelines of one layout share (the plan keeps them alive): hashing their contents for
+    # each of thousands of pipelines would cost more than the rest of this loop.
+    plain: dict[tuple[int, int, int], list[float]] = {}
     out: dict[int, float] = {}
     for pipe in plan.pipelines:  # plain 1F1B: min(N_pp - s, N_m) micro-batches in flight
-        shape = (pipe.layers, pipe.micro_batches)
+        shape = (id(pipe.layers), pipe.micro_batches, id(pipe.recompute))
         if shape not in plain:
             n = pipe.num_stages
-            plain[shape] = [memory(rng, min(n - s, pipe.micro_batches))
-                            for s, rng in enumerate(pipe.layers)]
+            plain[shape] = [memory(rng, min(n - s, pipe.micro_batches), r)
+                            for s, (rng, r) in enumerate(zip(pipe.layers, pipe.recompute))]
         out.update(zip(pipe.devices, plain[shape]))
     # A peer's foreign activations are of its own layers: count its micro-batches in flight.
-    for d, (layers, streams) in _served_streams(plan).items():
-        out[d] = memory(layers, streams_in_flight_peak(streams))
+    for d, (layers, recompute, streams) in _served_streams(plan).items():
+        out[d] = memory(layers, streams_in_flight_peak(streams), recompute)
+    for d in plan.failed_devices:
+        out.pop(d, None)
+    return {d: out[d] for d in sorted(out)}
+
+
+def in_flight(plan: ExecutionPlan) -> dict[int, int]:
+    """Most micro-batches in flight on each working device: ``min(N_pp - i, N_m)`` at stage
+    ``i`` of plain 1F1B, counted from the merged order for a peer serving a dead device. The
+    planner uses it to decide which peers of a reroute must recompute to fit."""
+    out = {d: min(p.num_stages - s, p.micro_batches)
+           for p in plan.pipelines for s, d in enumerate(p.devices)}
+    out.update({d: count for d, (_, _, count) in _peer_loads(plan).items()})
     for d in plan.failed_devices:
         out.pop(d, None)
     return {d: out[d] for d in sorted(out)}
@@ -333,24 +389,45 @@ def evaluate(spec: JobSpec, plan: ExecutionPlan) -> Estimate:
 
 
 @lru_cache(maxsize=1 << 16)
-def _stage_figures(model: ModelProfile, start: int, end: int) -> tuple[float, float, float, float]:
-    """``(T_f, T_b, resident bytes, activation bytes per micro-batch)`` of layers [start, end).
+def _stage_figures(model: ModelProfile, start: int, end: int) -> tuple[float, float]:
+    """``(T_f, T_b)`` of layers [start, end), without recomputation.
 
     Memoised: a search asks for the same few ranges thousands of times. ``math.fsum`` makes
     equal multisets of layer figures sum to equal floats, so uniform stages compare equal and
-    take the closed forms.
+    take the closed forms. Times do not depend on the training precision: they are measured
+    at it.
     """
+    _check_range(model, start, end)
+    return math.fsum(model.forward_s[start:end]), math.fsum(model.backward_s[start:end])
+
+
+@lru_cache(maxsize=1 << 16)
+def _stage_bytes(model: ModelProfile, precision: str, start: int, end: int
+                 ) -> tuple[float, float, float]:
+    """``(resident, activations per micro-batch, input per micro-batch)`` bytes of layers
+    [start, end) when training at ``precision``.
+
+    Resident: the fp32 state ``2 * param + optimizer`` and, below fp32, autocast's copy of the
+    weights at the training precision (``param * element / 4``; ``param_bytes`` are fp32).
+    Activations and the input (``boundary_bytes`` of layer ``start - 1``; 0 at layer 0, whose
+    input is data) scale from the model's precision to the training one.
+    """
+    _check_range(model, start, end)
+    element = ELEMENT_BYTES[precision]
+    scale = element / ELEMENT_BYTES[model.precision]
+    resident = math.fsum(model.state_bytes(layer) for layer in range(start, end))
+    if element < ELEMENT_BYTES["fp32"]:
+        resident += math.fsum(model.param_bytes[start:end]) * element / ELEMENT_BYTES["fp32"]
+    boundary = model.boundary_figures[start - 1] if start > 0 else 0.0
+    return resident, scale * math.fsum(model.activation_bytes[start:end]), scale * boundary
+
+
+def _check_range(model: ModelProfile, start: int, end: int) -> None:
     if not 0 <= start < end <= model.layers:
         raise EstimatorError(
             f"layer range [{start}, {end}) is not a non-empty part of the model's "
             f"{model.layers} layers; use 0 <= start < end <= {model.layers}."
         )
-    return (
-        math.fsum(model.forward_s[start:end]),
-        math.fsum(model.backward_s[start:end]),
-        math.fsum(model.state_bytes(layer) for layer in range(start, end)),
-        math.fsum(model.activation_bytes[start:end]),
-    )
 
 
 def _check_plan(spec: JobSpec, plan: ExecutionPlan) -> None:
@@ -361,16 +438,18 @@ def _check_plan(spec: JobSpec, plan: ExecutionPlan) -> None:
         )
 
 
-def _times(spec: JobSpec, pipe: Pipeline) -> tuple[tuple[float, float], ...]:
+def _base_times(spec: JobSpec, pipe: Pipeline) -> tuple[tuple[float, float], ...]:
+    """Per stage ``(T_f, T_b)`` without recomputation: in coupled pipelines a stage's
+    micro-batches may run on devices with different flags (``coupled_makespan`` adds them)."""
     return tuple(stage_times(spec, a, b) for a, b in pipe.layers)
 
 
 def _slowest_alone(spec: JobSpec, pipelines: Iterable[Pipeline]) -> float:
     """Makespan of the slowest of pipelines that share no device, each priced once per
-    distinct ``(layers, quota)``: hundreds of pipelines, a handful of shapes, and every memo
-    lookup hashes the whole model profile."""
-    shapes = {(pipe.layers, pipe.micro_batches) for pipe in pipelines}
-    return max(_pipeline_time_of(spec.model, layers, nm) for layers, nm in shapes)
+    distinct ``(layers, quota, flags)``: hundreds of pipelines, a handful of shapes, and every
+    memo lookup hashes the whole model profile."""
+    shapes = {(pipe.layers, pipe.micro_batches, pipe.recompute) for pipe in pipelines}
+    return max(_pipeline_time_of(spec.model, layers, nm, flags) for layers, nm, flags in shapes)
 
 
 def _ring_time(spec: JobSpec, group: AllReduceGroup) -> float:
@@ -406,13 +485,18 @@ def _coupled_components(plan: ExecutionPlan) -> list[list[int]]:
 
 def _lanes(spec: JobSpec, plan: ExecutionPlan, component: Sequence[int],
            times: dict[tuple[tuple[int, int], ...], tuple[tuple[float, float], ...]]
-           ) -> tuple[Lane, ...]:
-    """A component as position-free lanes: devices renumbered by their home (lane, stage), so
-    the same shape anywhere in any plan gives the same key. ``times`` memoises stage times per
-    layer split across the components of one plan."""
+           ) -> tuple[tuple[Lane, ...], frozenset[int]]:
+    """A component as position-free lanes, and the (renumbered) devices that recompute:
+    devices renumbered by their home (lane, stage), so the same shape anywhere in any plan
+    gives the same key. ``times`` memoises stage times per layer split across the components
+    of one plan."""
     local: dict[int, int] = {}
+    recompute: set[int] = set()
     for p in component:
-        for d in plan.pipelines[p].devices:
+        pipe = plan.pipelines[p]
+        for d, r in zip(pipe.devices, pipe.recompute):
+            if r:
+                recompute.add(len(local))
             local[d] = len(local)
     reroutes = {r.device: r for r in plan.reroute}
     lanes = []
@@ -421,9 +505,10 @@ def _lanes(spec: JobSpec, plan: ExecutionPlan, component: Sequence[int],
         servers = tuple(tuple(local[share.device] for share in reroutes[d].peers)
                         if d in reroutes else (local[d],) for d in pipe.devices)
         if pipe.layers not in times:
-            times[pipe.layers] = _times(spec, pipe)
+            times[pipe.layers] = _base_times(spec, pipe)
         lanes.append((times[pipe.layers], pipe.micro_batches, servers))
-    return tuple(lanes)
+    dead = {local[d] for d in reroutes if d in local}  # their flags are never used
+    return tuple(lanes), frozenset(recompute - dead)
 
 
 _MEMO_LANES = 32
@@ -432,21 +517,28 @@ pipelines coupled the same way at many places and events); a large one is reshuf
 nearly every failure, so keeping it would only hold hundreds of kilobytes per entry."""
 
 
-def _component_makespan(lanes: tuple[Lane, ...]) -> float:
+def _component_makespan(lanes: tuple[Lane, ...], recompute: frozenset[int]) -> float:
     if len(lanes) > _MEMO_LANES:
-        return coupled_makespan(lanes)
-    return _small_component_makespan(lanes)
+        return coupled_makespan(lanes, recompute)
+    return _small_component_makespan(lanes, recompute)
 
 
 @lru_cache(maxsize=1 << 12)
-def _small_component_makespan(lanes: tuple[Lane, ...]) -> float:
-    return coupled_makespan(lanes)
+def _small_component_makespan(lanes: tuple[Lane, ...], recompute: frozenset[int]) -> float:
+    return coupled_makespan(lanes, recompute)
+
+
+def _peer_loads(plan: ExecutionPlan) -> dict[int, tuple[tuple[int, int], bool, int]]:
+    """Per peer device serving a dead device: its layers, its own recomputation flag (which it
+    applies to the micro-batches it absorbs too) and its most micro-batches in flight."""
+    return {d: (layers, flag, streams_in_flight_peak(streams))
+            for d, (layers, flag, streams) in _served_streams(plan).items()}
 
 
 def _served_streams(plan: ExecutionPlan
-                    ) -> dict[int, tuple[tuple[int, int], tuple[Stream, ...]]]:
-    """Per peer device, its layers and its streams: its own stage plus the parts of the dead
-    stages it serves.
+                    ) -> dict[int, tuple[tuple[int, int], bool, tuple[Stream, ...]]]:
+    """Per peer device, its layers, its recomputation flag and its streams: its own stage plus
+    the parts of the dead stages it serves.
 
     Pipelines are ranked among those the device touches (ties in nominal start go by pipeline
     index), which makes equal patterns at different places share ``streams_in_flight_peak``.
@@ -459,7 +551,7 @@ def _served_streams(plan: ExecutionPlan
     dead_stage = [(r.pipeline, (pipes[r.pipeline].num_stages, r.stage,
                                 pipes[r.pipeline].micro_batches, len(r.peers)))
                   for r in plan.reroute]
-    out: dict[int, tuple[tuple[int, int], tuple[Stream, ...]]] = {}
+    out: dict[int, tuple[tuple[int, int], bool, tuple[Stream, ...]]] = {}
     for p, pipe in enumerate(pipes):
         for s, d in enumerate(pipe.devices):
             mine = parts.get(d)
@@ -471,8 +563,8 @@ def _served_streams(plan: ExecutionPlan
                 q, shape = dead_stage[i]
                 other = (*shape, tuple(positions))
                 if p != q:
-                    out[d] = (pipe.layers[s], ((0, *own), (1, *other)) if p < q
-                              else ((0, *other), (1, *own)))
+                    out[d] = (pipe.layers[s], pipe.recompute[s],
+                              ((0, *own), (1, *other)) if p < q else ((0, *other), (1, *own)))
                     continue
             found = [(p, *own)]
             found.extend((dead_stage[i][0], *dead_stage[i][1], tuple(js))
@@ -484,5 +576,5 @@ def _served_streams(plan: ExecutionPlan
                 if q != previous:
                     rank, previous = rank + 1, q
                 ranked.append((rank, *rest))
-            out[d] = (pipe.layers[s], tuple(ranked))
+            out[d] = (pipe.layers[s], pipe.recompute[s], tuple(ranked))
     return out

@@ -418,7 +418,8 @@ def place(spec: JobSpec, current: ExecutionPlan, layout: Sequence[Pipeline],
         if lacking:
             needs[d] = lacking
     pipelines = tuple(
-        Pipeline(tuple(device_of[s] for s in p.devices), tuple(p.layers), p.micro_batches)
+        Pipeline(tuple(device_of[s] for s in p.devices), tuple(p.layers), p.micro_batches,
+                 p.recompute)
         for p in layout
     )
     spares = tuple(d for d, slot in zip(live_sorted, taken) if slot is None)

@@ -52,7 +52,7 @@ makespan and ``streams_in_flight_peak`` for a peer's in-flight micro-batches.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Literal
@@ -397,7 +397,7 @@ def simulate(orders: Mapping[int, Sequence[Op]], duration: Callable[[Op], float]
     return Timeline(start=start, end=end, makespan=makespan)
 
 
-def coupled_makespan(lanes: Sequence[Lane]) -> float:
+def coupled_makespan(lanes: Sequence[Lane], recompute: Collection[int] = ()) -> float:
     """Makespan of pipelines that share devices, timed in the orders ``device_orders`` gives.
 
     ``lanes`` in plan order (the order breaks ties between equal nominal starts). Equal to
@@ -405,7 +405,13 @@ def coupled_makespan(lanes: Sequence[Lane]) -> float:
     float for float: the recurrence is evaluated once per operation in merge-key order (see
     the module docstring), where ``simulate`` needs ``Op`` objects, dictionaries and a
     worklist; the estimator calls this on every rerouted plan.
+
+    ``recompute``: devices that recompute activations. A backward they run takes its stage's
+    ``T_b + T_f`` (the forward runs again), whichever pipeline's micro-batch it is: the flag
+    is a device's, so the micro-batches of one dead stage may take different times on
+    different peers.
     """
+    flagged = frozenset(recompute)
     shapes: dict[tuple[int, int], list[int]] = {}  # lanes of one shape share their groups
     states = []
     devices = 0
@@ -415,7 +421,10 @@ def coupled_makespan(lanes: Sequence[Lane]) -> float:
         for srv in servers:
             server.extend(srv * nm if len(srv) == 1 else [srv[m % len(srv)] for m in range(nm)])
         devices = max(devices, max(server, default=0))
-        states.append(([0.0] * (2 * len(times) * nm + 1), server, _flat_durations(times, nm)))
+        duration = _flat_durations(times, nm)
+        if flagged and not flagged.isdisjoint(server):
+            duration = _recomputed(duration, times, nm, server, flagged)
+        states.append(([0.0] * (2 * len(times) * nm + 1), server, duration))
     by_start: dict[float, list[tuple[list[int], tuple[tuple[int, int, int], ...]]]] = {}
     for shape, members in shapes.items():
         for t, ops in _nominal_groups(*shape):
@@ -438,6 +447,18 @@ def coupled_makespan(lanes: Sequence[Lane]) -> float:
                 begin = free_at if free_at > ready_at else ready_at  # noqa: FURB136
                 end[own] = clock[d] = begin + duration[own]
     return max(clock, default=0.0)
+
+
+def _recomputed(duration: Sequence[float], times: Sequence[tuple[float, float]], nm: int,
+                server: Sequence[int], recompute: Collection[int]) -> tuple[float, ...]:
+    """``duration`` (laid out as in ``_flat_durations``) with ``T_f`` added to every backward
+    that a recomputing device runs."""
+    out = list(duration)
+    size = len(times) * nm
+    for cell, d in enumerate(server):
+        if d in recompute:
+            out[size + cell] += times[cell // nm][0]
+    return tuple(out)
 
 
 @lru_cache(maxsize=1 << 14)

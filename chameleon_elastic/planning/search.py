@@ -34,6 +34,15 @@ the costly placement (assignment, weight sources) is skipped. The chosen plan is
 When a stage lost every replica, rerouting is impossible and the re-plan loads the layers no
 live device holds from the checkpoint (``ExecutionPlan.checkpoint_layers``): still an ordinary
 candidate, priced like any other.
+
+Recomputation (``planner.recompute``). Wherever a layer split would be dropped because a stage
+overflows, ``auto`` first tries that stage with recomputation (``stage_recompute``): the split
+survives with the slower backward priced in, so it competes on time with splits that need
+none; among splits equally fast, fewer recomputing stages win. ``never`` is the search as it
+was; ``always`` recomputes every stage. A reroute keeps the layout's flags, except that under
+``auto`` (and ``always``) a peer that would overflow with the micro-batches it absorbs turns
+recomputation on when that makes it fit; a peer that fits even so stays as it was, and one
+that fits neither way makes rerouting impossible, as before.
 """
 
 from __future__ import annotations
@@ -60,10 +69,12 @@ __all__ = [
     "decide",
     "distribute_batches",
     "initial_plan",
+    "recompute_flags",
     "replan",
     "reroute_plan",
     "split_counts",
     "split_layers",
+    "stage_recompute",
 ]
 
 PolicyChoice = Literal["auto", "reroute", "replan"]
@@ -124,33 +135,68 @@ def _structured_choices(stages: int, extra: int) -> list[tuple[int, ...]]:
 
 
 def _uniform(model: ModelProfile) -> bool:
-    return all(len(set(getattr(model, key))) <= 1 for key in PER_LAYER_KEYS)
+    return (all(len(set(getattr(model, key))) <= 1 for key in PER_LAYER_KEYS)
+            and len(set(model.boundary_figures)) <= 1)
+
+
+def stage_recompute(spec: JobSpec, start: int, end: int, in_flight: int) -> bool | None:
+    """Whether a stage holding layers ``[start, end)`` with ``in_flight`` micro-batches
+    recomputes under ``planner.recompute``, or None when it fits in device memory neither way
+    the policy allows: ``never`` only without, ``always`` only with, ``auto`` without when that
+    fits (recomputation costs a forward per backward), else with."""
+    limit = spec.cluster.device_memory_bytes
+    policy = spec.planner.recompute
+    if policy != "always" and estimator.stage_memory(spec, start, end, in_flight) <= limit:
+        return False
+    if policy != "never" and estimator.stage_memory(spec, start, end, in_flight, True) <= limit:
+        return True
+    return None
+
+
+def recompute_flags(spec: JobSpec, layers: Sequence[tuple[int, int]], micro_batches: int
+                    ) -> tuple[bool, ...] | None:
+    """Per stage of a plain 1F1B pipeline holding ``layers`` (stage ``i`` with
+    ``min(N_pp - i, N_m)`` micro-batches in flight), ``stage_recompute``; None when some stage
+    fits in no way the policy allows, which is what drops a split from the search."""
+    n = len(layers)
+    flags = []
+    for i, (a, b) in enumerate(layers):
+        flag = stage_recompute(spec, a, b, min(n - i, micro_batches))
+        if flag is None:
+            return None
+        flags.append(flag)
+    return tuple(flags)
 
 
 @lru_cache(maxsize=4096)
-def _split_layers_cached(spec: JobSpec, stages: int, quota: int):
+def _split_layers_cached(spec: JobSpec, stages: int, quota: int
+                         ) -> tuple[Split, tuple[bool, ...]] | None:
     base, extra = divmod(spec.model.layers, stages)
+    unchecked = (spec.planner.recompute == "always",) * stages  # the flags if memory were free
 
     def fastest(choices: Iterable[Collection[int]], must_fit: bool = True):
-        """The first split (in the given order) with the least pipeline time."""
-        best, best_time = None, math.inf
+        """The first split (in the given order) with the least pipeline time, and its flags;
+        on equal times the one with fewer recomputing stages."""
+        best, best_key = None, (math.inf, math.inf)
         for chosen in choices:
             picked = set(chosen)
             layers = _ranges(base + (1 if s in picked else 0) for s in range(stages))
-            if must_fit and not estimator.pipeline_fits(spec, layers, quota):
+            flags = recompute_flags(spec, layers, quota) if must_fit else unchecked
+            if flags is None:
                 continue
-            t = estimator.pipeline_time(spec, layers, quota)
-            if t < best_time - 1e-12:
-                best, best_time = layers, t
+            t, n = estimator.pipeline_time(spec, layers, quota, flags), sum(flags)
+            if t < best_key[0] - 1e-12 or (t <= best_key[0] + 1e-12 and n < best_key[1]):
+                best, best_key = (layers, flags), (t, n)
         return best
 
     structured = _structured_choices(stages, extra)
     if _uniform(spec.model):
         # With identical layers the fastest split is always a structured one, and the very one
         # the enumeration below picks, ties included (test_search_candidates.py checks both):
-        # when that split fits, the C(N_pp, r) walk is not needed.
+        # when that split fits with the flags it would have in unlimited memory, no split can
+        # be faster (recomputation only slows one down) and the C(N_pp, r) walk is not needed.
         best = fastest(structured, must_fit=False)
-        if best is not None and estimator.pipeline_fits(spec, best, quota):
+        if best is not None and recompute_flags(spec, best[0], quota) == unchecked:
             return best
     if math.comb(stages, extra) <= MAX_SPLIT_ENUMERATION:
         return fastest(itertools.combinations(range(stages), extra))
@@ -159,7 +205,14 @@ def _split_layers_cached(spec: JobSpec, stages: int, quota: int):
 
 def split_layers(spec: JobSpec, stages: int, quota: int) -> tuple[tuple[int, int], ...] | None:
     """Even split; the r = L mod N_pp leftover layers go to the choice of stages that fits in
-    memory with the least pipeline time; None when no choice fits."""
+    memory (recomputing where ``planner.recompute`` says, ``recompute_flags``) with the least
+    pipeline time; None when no choice fits."""
+    found = _split_of(spec, stages, quota)
+    return None if found is None else found[0]
+
+
+def _split_of(spec: JobSpec, stages: int, quota: int) -> tuple[Split, tuple[bool, ...]] | None:
+    """``split_layers`` with the split's recomputation flags."""
     if stages > spec.model.layers or stages < 1:
         return None
     return _split_layers_cached(spec, stages, max(quota, 1))
@@ -182,10 +235,13 @@ def balanced_shape(devices: int, dp: int) -> Shape:
 @dataclass(frozen=True)
 class _Layout:
     """A candidate layout on slot numbers, before devices are placed: runs of identical
-    pipelines ``(layer split, quota, how many)`` in slot order, and the slowest one's time."""
+    pipelines ``(layer split, quota, how many)`` in slot order, the slowest one's time, and
+    per run its stages' recomputation flags (a function of split and quota, kept apart so
+    that runs stay the classes the all-reduce pricing counts)."""
 
     runs: tuple[tuple[Split, int, int], ...]
     compute_s: float
+    recompute: tuple[tuple[bool, ...], ...] = ()
 
     @property
     def num_pipelines(self) -> int:
@@ -196,16 +252,17 @@ class _Layout:
         """The layout spelt out, slots numbered 0 .. n-1 in order: only for the winner."""
         out: list[Pipeline] = []
         first = 0
-        for split, quota, count in self.runs:
+        flags = self.recompute or ((),) * len(self.runs)
+        for (split, quota, count), recompute in zip(self.runs, flags):
             n = len(split)
             for _ in range(count):
-                out.append(Pipeline(tuple(range(first, first + n)), split, quota))
+                out.append(Pipeline(tuple(range(first, first + n)), split, quota, recompute))
                 first += n
         return tuple(out)
 
 
-#: (stages, quota) -> (layer split, pipeline time) of one job.
-_ShapeMemo = dict[tuple[int, int], tuple[Split | None, float]]
+#: (stages, quota) -> (layer split, its recomputation flags, pipeline time) of one job.
+_ShapeMemo = dict[tuple[int, int], tuple[Split | None, tuple[bool, ...], float]]
 
 
 @lru_cache(maxsize=16)
@@ -216,14 +273,19 @@ def _shape_memo(spec: JobSpec) -> _ShapeMemo:
     return {}
 
 
-def _figures(spec: JobSpec, memo: _ShapeMemo, n: int, q: int) -> tuple[Split | None, float]:
-    """(layer split, pipeline time) of ``n`` stages running ``q`` micro-batches, via ``memo``
-    (``_shape_memo(spec)``, fetched once by the caller: hashing the spec costs more than this)."""
+def _figures(spec: JobSpec, memo: _ShapeMemo, n: int, q: int
+             ) -> tuple[Split | None, tuple[bool, ...], float]:
+    """(layer split, its recomputation flags, pipeline time) of ``n`` stages running ``q``
+    micro-batches, via ``memo`` (``_shape_memo(spec)``, fetched once by the caller: hashing the
+    spec costs more than this)."""
     found = memo.get((n, q))
     if found is None:
-        split = split_layers(spec, n, q)
-        found = memo[(n, q)] = (split, math.inf if split is None
-                                else estimator.pipeline_time(spec, split, q))
+        chosen = _split_of(spec, n, q)
+        if chosen is None:
+            found = memo[(n, q)] = (None, (), math.inf)
+        else:
+            split, flags = chosen
+            found = memo[(n, q)] = (split, flags, estimator.pipeline_time(spec, split, q, flags))
     return found
 
 
@@ -234,22 +296,24 @@ def _layout_for(spec: JobSpec, shape: Shape) -> _Layout | None:
     if sum(count for _, count in shape) > total:
         return None
     memo = _shape_memo(spec)
-    runs = _allocate(shape, total, lambda n, q: _figures(spec, memo, n, q)[1])
+    runs = _allocate(shape, total, lambda n, q: _figures(spec, memo, n, q)[2])
     if runs is None:
         return None
-    return _Layout(tuple((_figures(spec, memo, n, q)[0], q, count) for n, q, count in runs),
-                   max(_figures(spec, memo, n, q)[1] for n, q, _ in runs))
+    figures = [_figures(spec, memo, n, q) for n, q, _ in runs]
+    return _Layout(tuple((split, q, count) for (split, _, _), (_, q, count) in zip(figures, runs)),
+                   max(t for _, _, t in figures), tuple(flags for _, flags, _ in figures))
 
 
 def _compute_floor(spec: JobSpec, shape: Shape) -> float:
     """No layout of this shape computes faster: some pipeline takes at least ceil(B / dp)
-    micro-batches, and a pipeline's time never drops as its quota grows."""
+    micro-batches, and a pipeline's time never drops as its quota grows (more micro-batches in
+    flight never need less recomputation)."""
     dp = sum(count for _, count in shape)
     total = spec.training.global_micro_batches
     if dp > total:
         return math.inf
     memo = _shape_memo(spec)
-    return min(_figures(spec, memo, n, -(-total // dp))[1] for n, _ in shape)
+    return min(_figures(spec, memo, n, -(-total // dp))[2] for n, _ in shape)
 
 
 def _allocate(shape: Shape, total: int, time_of: Callable[[int, int], float]
@@ -336,6 +400,12 @@ def _finish(spec: JobSpec, plan: ExecutionPlan) -> ExecutionPlan:
     return replace(plan, estimate=estimator.evaluate(spec, plan)).validate()
 
 
+def _recompute_note(spec: JobSpec) -> str:
+    """What the memory check allowed, for the no-fit sentences."""
+    return {"auto": ", even with recomputation", "always": ", with recomputation",
+            "never": ", planner.recompute = never"}[spec.planner.recompute]
+
+
 def _memory_ok(spec: JobSpec, plan: ExecutionPlan) -> tuple[bool, str]:
     peaks = plan.estimate.peak_memory_bytes
     limit = spec.cluster.device_memory_bytes
@@ -357,8 +427,9 @@ def initial_plan(spec: JobSpec) -> ExecutionPlan:
     if layout is None:
         raise PlanningError(
             f"the model does not fit the initial layout dp={dp} x pp={pp}: some stage exceeds "
-            f"cluster.device_memory_bytes = {spec.cluster.device_memory_bytes:g}; raise "
-            "training.pp (more stages, fewer layers each) or the device memory."
+            f"cluster.device_memory_bytes = {spec.cluster.device_memory_bytes:g}"
+            f"{_recompute_note(spec)}; raise training.pp (more stages, fewer layers each) or "
+            "the device memory."
         )
     pipelines = tuple(
         replace(p, devices=tuple(i * pp + s for s in range(pp)))
@@ -430,9 +501,40 @@ def reroute_plan(spec: JobSpec, current: ExecutionPlan, failed: Collection[int],
     else:
         plan = _finish(spec, plan)
     ok, why = _memory_ok(spec, plan)
+    if not ok:  # only then is recomputation for the peers worth a look (and a second estimate)
+        flagged = _peers_recompute(spec, plan, where)
+        if flagged is not None:
+            plan = _finish(spec, flagged)
+            ok, why = _memory_ok(spec, plan)
     if not ok:
         raise PlanningError(f"cannot reroute: {why}; re-plan instead.")
     return plan
+
+
+def _peers_recompute(spec: JobSpec, plan: ExecutionPlan,
+                     where: Mapping[int, tuple[int, int]]) -> ExecutionPlan | None:
+    """``plan`` (estimated) with recomputation turned on for the rerouting peers that overflow
+    with the micro-batches they absorb and fit with it (``stage_recompute``; never under
+    ``never``), or None when no peer can be helped so. Every other flag is the layout's: a
+    device that fits keeps running as it did. ``where``: device -> (pipeline, stage)."""
+    if spec.planner.recompute == "never" or plan.estimate is None:
+        return None
+    limit = spec.cluster.device_memory_bytes
+    peers = {share.device for r in plan.reroute for share in r.peers}
+    over = [d for d, peak in plan.estimate.peak_memory_bytes.items() if peak > limit and d in peers]
+    if not over:
+        return None
+    loads = estimator.in_flight(plan)
+    pipelines = list(plan.pipelines)
+    for d in over:
+        p, s = where[d]
+        pipe = pipelines[p]
+        if not pipe.recompute[s] and stage_recompute(spec, *pipe.layers[s], loads[d]) is True:
+            pipelines[p] = replace(pipe, recompute=pipe.recompute[:s] + (True,)
+                                   + pipe.recompute[s + 1:])
+    if all(a is b for a, b in zip(pipelines, plan.pipelines)):
+        return None
+    return replace(plan, pipelines=tuple(pipelines), allreduce_rounds=(), estimate=None)
 
 
 def replan(spec: JobSpec, current: ExecutionPlan, failed: Collection[int],
@@ -466,7 +568,8 @@ def _best_layout(spec: JobSpec, current: ExecutionPlan, failed: Collection[int],
     if not priced:
         raise PlanningError(
             f"no layout of {len(live)} live devices fits in memory (cluster.device_memory_bytes "
-            f"= {spec.cluster.device_memory_bytes:g}) within the search ranges; widen "
+            f"= {spec.cluster.device_memory_bytes:g}{_recompute_note(spec)}) within the search "
+            "ranges; widen "
             "planner.pp_radius / planner.dp_radius (or set planner.templates = true), add "
             "devices, or lower the model footprint."
         )

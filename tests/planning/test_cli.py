@@ -143,3 +143,32 @@ def test_recovery_flag_overrides_the_jobs_switch_cost(capsys):
         transition[mode] = out["estimate"]["transition_time_s"] - transfer_s
     assert transition["inplace"] == pytest.approx(0.3)
     assert transition["relaunch"] == pytest.approx(2.0)
+
+
+RECOMPUTE_JOB = (
+    'name = "tight"\n'
+    "[model]\nlayers = 2\nforward_s = 1.0\nbackward_s = 2.0\nparam_bytes = 10\n"
+    "optimizer_bytes = 20\nactivation_bytes = 100\nboundary_bytes = 5\n"
+    "[cluster]\ndevices = 2\ndevice_memory_bytes = 200\nbandwidth_bytes_per_s = 1e9\n"
+    "restart_s = 3.0\nfailure_rate_per_hour = 0.1\n"
+    "[training]\ndp = 1\npp = 2\nglobal_micro_batches = 3\n"
+)
+
+
+def test_recomputing_stages_are_shown_in_the_table_and_the_json(tmp_path, capsys):
+    # Stage 0 holds 2 micro-batches: 240 bytes without recomputation, 140 with; stage 1 fits.
+    job = tmp_path / "tight.toml"
+    job.write_text(RECOMPUTE_JOB)
+    assert main(["--job", str(job), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["pipelines"][0]["recompute"] == [True, False]
+    assert out["estimate"]["step_time_s"] == 14.0
+    assert main(["--job", str(job)]) == 0
+    text = capsys.readouterr().out
+    rows = [line.split("│")[1:-1] for line in text.splitlines() if line.startswith("│ 0")]
+    assert [cell.strip() for cell in rows[0]][-1] == "stage 0"
+    assert "recompute auto" in " ".join(text.split())
+    assert main(["--preset", "tiny-cpu"]) == 0
+    rows = [line.split("│")[1:-1] for line in capsys.readouterr().out.splitlines()
+            if line.startswith("│ 0")]
+    assert [cell.strip() for cell in rows[0]][-1] == "-"

@@ -342,6 +342,30 @@ def test_coupled_makespan_and_streams_match_the_built_orders(plan: ExecutionPlan
         assert streams_in_flight_peak(streams) == in_flight_peak(order)
 
 
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(plans(), st.randoms(use_true_random=False))
+def test_coupled_makespan_with_recomputing_devices_matches_the_built_orders(
+        plan: ExecutionPlan, rnd: random.Random) -> None:
+    """A recomputing device runs every backward it serves (its own stage's or a dead peer's)
+    in ``T_b + T_f``: the one-pass timing against ``simulate`` with those durations."""
+    times = [tuple((rnd.choice([0.25, 0.5, 1.0]), rnd.choice([0.5, 1.0, 2.0]))
+                   for _ in pipe.devices) for pipe in plan.pipelines]
+    recompute = frozenset(d for d in plan.working_devices if rnd.random() < 0.4)
+    reroutes = {r.device: r for r in plan.reroute}
+    lanes = [(times[p], pipe.micro_batches,
+              tuple(tuple(sh.device for sh in reroutes[d].peers) if d in reroutes else (d,)
+                    for d in pipe.devices))
+             for p, pipe in enumerate(plan.pipelines)]
+
+    def duration(op) -> float:
+        tf, tb = times[op.pipeline][op.stage]
+        return tf if op.kind == "F" else tb + (tf if op.device in recompute else 0.0)
+
+    expected = simulate(device_orders(plan), duration)
+    assert coupled_makespan(lanes, recompute) == expected.makespan
+    assert coupled_makespan(lanes, ()) == coupled_makespan(lanes)
+
+
 def test_a_repeated_peer_runs_each_operation_once() -> None:
     pipes = (Pipeline((0, 1), ((0, 1), (1, 2)), 3), Pipeline((2, 3), ((0, 1), (1, 2)), 3))
     plan = ExecutionPlan("reroute", 1, pipes, failed_devices=(1,), reroute=(

@@ -16,6 +16,7 @@ from chameleon_elastic.planning.estimator import pipeline_time
 from chameleon_elastic.planning.search import (
     _layout_for,
     distribute_batches,
+    recompute_flags,
     replan,
     reroute_plan,
     split_layers,
@@ -77,7 +78,7 @@ def test_quotas_minimise_the_slowest_pipeline(lengths, total, last_fwd, activati
             layers = split_layers(spec, n, q)
             if layers is None:
                 return float("inf")
-            worst = max(worst, pipeline_time(spec, layers, q))
+            worst = max(worst, pipeline_time(spec, layers, q, recompute_flags(spec, layers, q)))
         return worst
 
     best = min((slowest(qs) for qs in itertools.product(range(1, total + 1), repeat=len(lengths))

@@ -19,6 +19,7 @@ from chameleon_elastic.planning.search import (
     _candidate_shapes,
     _layout_for,
     _ranges,
+    recompute_flags,
     split_counts,
     split_layers,
 )
@@ -26,7 +27,7 @@ from chameleon_elastic.spec import JobSpec
 
 
 def job(*, layers=16, devices=8, dp=4, pp=2, mbs=16, memory=64e9, param=1e6, activation=1e6,
-        bandwidth=25e9, templates=True, fwd=0.01) -> JobSpec:
+        bandwidth=25e9, templates=True, fwd=0.01, recompute="auto") -> JobSpec:
     return JobSpec.from_dict({
         "model": {"layers": layers, "forward_s": fwd, "backward_s": 2 * fwd if
                   isinstance(fwd, float) else [2 * f for f in fwd],
@@ -36,33 +37,57 @@ def job(*, layers=16, devices=8, dp=4, pp=2, mbs=16, memory=64e9, param=1e6, act
                     "bandwidth_bytes_per_s": bandwidth, "restart_s": 5.0,
                     "failure_rate_per_hour": 0.1},
         "training": {"dp": dp, "pp": pp, "global_micro_batches": mbs},
-        "planner": {"templates": templates},
+        "planner": {"templates": templates, "recompute": recompute},
     })
 
 
 def enumerated_split(spec: JobSpec, stages: int, quota: int):
     """The definition: every choice of stages for the leftover layers, the first fastest that
-    fits in memory."""
+    fits in memory with the stages recomputing as the policy says; on equal times, fewer
+    recomputing stages."""
     base, extra = divmod(spec.model.layers, stages)
-    best, best_time = None, math.inf
+    best, best_key = None, (math.inf, math.inf)
     for chosen in itertools.combinations(range(stages), extra):
         layers = _ranges(base + (1 if s in chosen else 0) for s in range(stages))
-        if pipeline_fits(spec, layers, quota):
-            t = pipeline_time(spec, layers, quota)
-            if t < best_time - 1e-12:
-                best, best_time = layers, t
+        flags = recompute_flags(spec, layers, quota)
+        if flags is None:
+            continue
+        assert pipeline_fits(spec, layers, quota, flags)
+        t = pipeline_time(spec, layers, quota, flags)
+        if t < best_key[0] - 1e-12 or (t <= best_key[0] + 1e-12 and sum(flags) < best_key[1]):
+            best, best_key = layers, (t, sum(flags))
     return best
 
 
 @settings(max_examples=150, deadline=None)
 @given(layers=st.integers(2, 30), stages=st.integers(1, 14), quota=st.integers(1, 40),
-       activation=st.sampled_from([1e5, 4e6, 1.2e7]))
-def test_uniform_layers_split_like_the_full_enumeration(layers, stages, quota, activation):
+       activation=st.sampled_from([1e5, 4e6, 1.2e7]),
+       recompute=st.sampled_from(["auto", "never", "always"]))
+def test_uniform_layers_split_like_the_full_enumeration(layers, stages, quota, activation,
+                                                        recompute):
     stages = min(stages, layers)
     if math.comb(stages, layers % stages) > 2048:
         return
-    # 6e7 bytes: with the larger activations some splits overflow, which forces the fallback.
-    spec = job(layers=layers, memory=6e7, activation=activation)
+    # 6e7 bytes: with the larger activations some splits overflow, which forces the fallback
+    # (and, under auto, recomputation).
+    spec = job(layers=layers, memory=6e7, activation=activation, recompute=recompute)
+    assert split_layers(spec, stages, quota) == enumerated_split(spec, stages, quota)
+
+
+@settings(max_examples=100, deadline=None)
+@given(layers=st.integers(2, 12), stages=st.integers(1, 6), quota=st.integers(1, 12),
+       data=st.data())
+def test_non_uniform_boundaries_split_like_the_full_enumeration(layers, stages, quota, data):
+    """Recomputed stages keep their input, so where the split falls changes their memory:
+    the uniform-layer shortcut must not apply when the boundaries differ."""
+    stages = min(stages, layers)
+    boundary = data.draw(st.lists(st.sampled_from([0.0, 1e5, 8e6]), min_size=layers,
+                                  max_size=layers))
+    base = job(layers=layers, memory=data.draw(st.sampled_from([2e7, 4e7])), activation=4e6,
+               recompute=data.draw(st.sampled_from(["auto", "always"])))
+    spec = replace(base, model=replace(base.model, boundary_bytes=tuple(boundary)),
+                   training=replace(base.training,
+                                    precision=data.draw(st.sampled_from(["fp32", "bf16"]))))
     assert split_layers(spec, stages, quota) == enumerated_split(spec, stages, quota)
 
 

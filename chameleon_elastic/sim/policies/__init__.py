@@ -3,7 +3,10 @@
 Each model answers every trace event with a :class:`~chameleon_elastic.sim.engine.Reaction`.
 ``chameleon`` and ``hybrid`` decide with the launcher's planner; the baselines build their
 plans by their own rules and are timed by the same estimator (see each module's docstring for
-the assumptions, and docs/sim.md for where every constant comes from).
+the assumptions, and docs/sim.md for where every constant comes from). Activation
+recomputation reaches a model only through the planner: ``chameleon``, ``hybrid``, ``recycle``
+and ``checkpoint`` run the planner's layouts (flags included), while ``oobleck``'s own templates
+ignore it.
 """
 
 from __future__ import annotations

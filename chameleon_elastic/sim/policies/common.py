@@ -78,7 +78,8 @@ def symmetric_plan(spec: JobSpec, devices: Sequence[int], generation: int) -> Ex
         return None
     ids = sorted(devices)
     pipelines = tuple(
-        Pipeline(tuple(ids[i * pp + s] for s in range(pp)), p.layers, p.micro_batches)
+        Pipeline(tuple(ids[i * pp + s] for s in range(pp)), p.layers, p.micro_batches,
+                 p.recompute)
         for i, p in enumerate(template.pipelines)
     )
     plan = ExecutionPlan("initial", generation, pipelines, spare_devices=tuple(ids[dp * pp:]))

@@ -21,6 +21,10 @@ Model (after Jang et al., SOSP 2023, reduced to what a step-time model can expre
 * Cost: a fixed reconfiguration time (``BaselineConstants.reconfigure_s``) plus the estimator's
   busiest-link transfer time; the step in flight is lost. Repaired devices are not taken back
   (no scale-up).
+* Recomputation: ignored. Templates are sized, fitted and timed without activation
+  recomputation (whatever ``planner.recompute`` says); only the starting layout, the
+  planner's ``initial_plan``, may carry recomputing stages. A job that fits only with
+  recomputation therefore has fewer templates here than the planner considers.
 
 At 2048 devices "every feasible k" is a thousand mixes per failure, so each mix is priced from
 its two pipeline classes (quotas per class, all-reduce from class counts, the estimator's own
