@@ -17,7 +17,10 @@ torchrun with ``--rdzv-backend c10d`` on the first node and ``--max-restarts 3``
 30 s collective timeout. Measured per fault: **detection** (the fault -> chameleon-run's first
 ``failure_seen`` after it; torchrun logs none) and **recovery** (the fault -> the first step that
 had not been printed before it), and per run the steps whose loss differs from a failure-free run
-(4 decimals; a step printed twice counts once, by its last value). A run *finishes* (every
+(4 decimals; a step printed twice counts once, by its last value). The GPT trains in fp32 here
+(``--precision fp32``): a re-plan changes the order of fp32 gradient sums, and under the
+example's default bf16 that can move the 4th decimal of later steps, which is rounding, not a
+lost step. A run *finishes* (every
 launcher left exits 0, every step printed), *ends* (exit 1 with one sentence, as when too few
 devices remain), *fails* (another exit, or a traceback) or *hangs* (no new step for ``--stall``
 seconds, or past ``--deadline``).
@@ -112,7 +115,7 @@ def launch(launcher: str, index: int, hosts, endpoint: str, steps: int, tmp: Pat
     host = hosts[index]
     addr = host.ip if host is not None else "127.0.0.1"
     script = [GPT, "--steps", str(steps), "--log-every", "1", "--checkpoint-dir",
-              str(tmp / "ckpt"), "--checkpoint-every", "10"]
+              str(tmp / "ckpt"), "--checkpoint-every", "10", "--precision", "fp32"]
     if launcher == "chameleon":
         cmd = [sys.executable, "-m", "chameleon_elastic.launcher.cli", "--nnodes", "1:2",
                "--nproc-per-node", "2", "--rdzv-backend", "etcd-v3", "--rdzv-endpoint",

@@ -14,7 +14,10 @@ live process holds some layer any more, or when the workers are relaunched.
 The model is a list of layers, which is all the runtime needs to cut it into pipeline stages:
 layer 0 embeds bytes and positions, layers 1..N are pre-norm transformer blocks, the last layer
 is the final norm and the byte head; so ``--blocks N`` gives N + 2 layers (the job's
-``model.layers`` must match; by default N is taken from the plan). The corpus is the Python
+``model.layers`` must match; by default N is taken from the plan). It trains as large models
+are trained: the head reuses the byte embedding (tied weights, wherever the two layers sit),
+bf16 autocast over fp32 master weights, the gradient norm clipped to 1 over the whole model,
+and AdamW under a linear warm-up then cosine decay; each is a flag. The corpus is the Python
 standard library's own source, present on every machine that runs this script; sample ``i``
 is a fixed window of it, so which text a step trains on depends only on the step number, never
 on the plan or the number of workers.
@@ -37,10 +40,12 @@ from torch.nn import functional as F
 
 from chameleon_elastic.launcher.profiler import record_step
 from chameleon_elastic.runtime import (
+    PRECISIONS,
     PipelineModel,
     PipelineRuntimeError,
     PipelineTrainer,
     StepResult,
+    Tie,
     init_distributed,
     plan_from_env,
 )
@@ -78,6 +83,10 @@ class Embed(nn.Module):
         super().__init__()
         self.tokens = nn.Embedding(VOCAB, width)
         self.positions = nn.Embedding(context, width)
+        # GPT-2's scale: the head reuses these weights, and N(0, 1) logits would start far
+        # from the uniform guess
+        nn.init.normal_(self.tokens.weight, std=0.02)
+        nn.init.normal_(self.positions.weight, std=0.02)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         pos = torch.arange(x.shape[1], device=x.device)
@@ -130,8 +139,23 @@ def adamw(params, lr: float) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
 
 
+def warmup_cosine(step: int, warmup: int, total: int) -> float:
+    """Learning-rate factor: linear warm-up over ``warmup`` steps, then cosine decay to 10%."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return 0.1 + 0.45 * (1.0 + math.cos(math.pi * progress))
+
+
+def schedule(optimizer: torch.optim.Optimizer, warmup: int,
+             total: int) -> torch.optim.lr_scheduler.LRScheduler:
+    factor = functools.partial(warmup_cosine, warmup=warmup, total=total)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
 def gpt_model(blocks: int, context: int, width: int, heads: int, lr: float,
-              corpus: torch.Tensor, seed: int) -> PipelineModel:
+              corpus: torch.Tensor, seed: int, *, tie: bool = True, warmup: int = 0,
+              total_steps: int = 0) -> PipelineModel:
     return PipelineModel(
         num_layers=blocks + 2,
         build_layer=functools.partial(build_layer, blocks=blocks, context=context, width=width,
@@ -140,6 +164,9 @@ def gpt_model(blocks: int, context: int, width: int, heads: int, lr: float,
         make_optimizer=functools.partial(adamw, lr=lr),
         sample=functools.partial(window, corpus=corpus, context=context),
         seed=seed,
+        make_scheduler=(functools.partial(schedule, warmup=warmup, total=total_steps)
+                        if total_steps else None),
+        tied=(Tie(((0, "tokens.weight"), (blocks + 1, "out.weight"))),) if tie else (),
     )
 
 
@@ -153,7 +180,15 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--width", type=int, default=64)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--context", type=int, default=64)
-    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    ap.add_argument("--warmup-steps", type=int, default=5,
+                    help="linear warm-up steps before the cosine decay (0: no schedule)")
+    ap.add_argument("--max-grad-norm", type=float, default=1.0,
+                    help="clip the whole model's gradient norm to this (0: no clipping)")
+    ap.add_argument("--precision", choices=PRECISIONS, default="bf16",
+                    help="bf16/fp16: autocast over fp32 master weights (fp16 scales the loss)")
+    ap.add_argument("--no-tie", action="store_true",
+                    help="give the head its own weights instead of reusing the embedding")
     ap.add_argument("--micro-batch-size", type=int, default=4)
     ap.add_argument("--global-micro-batches", type=int, default=8,
                     help="used only without a plan (plain torchrun data parallelism)")
@@ -169,6 +204,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                  "global_micro_batches", "corpus_bytes", "log_every", "checkpoint_every"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    for name in ("warmup_steps", "max_grad_norm"):
+        if getattr(args, name) < 0:
+            ap.error(f"--{name.replace('_', '-')} must be >= 0")
     if args.width % args.heads:
         ap.error(f"--width {args.width} must be a multiple of --heads {args.heads}")
     return args
@@ -184,11 +222,15 @@ def main(argv: list[str] | None = None) -> int:
                          "(embedding, one block, head): set model.layers >= 3 in the job.")
     init_distributed()
     model = gpt_model(blocks, args.context, args.width, args.heads, args.lr,
-                      stdlib_corpus(args.corpus_bytes), args.seed)
+                      stdlib_corpus(args.corpus_bytes), args.seed, tie=not args.no_tie,
+                      warmup=args.warmup_steps,
+                      total_steps=args.steps if args.warmup_steps else 0)
     try:
         trainer = PipelineTrainer.from_env(model, global_micro_batches=args.global_micro_batches,
                                            micro_batch_size=args.micro_batch_size,
-                                           checkpoint_dir=args.checkpoint_dir)
+                                           checkpoint_dir=args.checkpoint_dir,
+                                           max_grad_norm=args.max_grad_norm or None,
+                                           precision=args.precision)
     except PipelineRuntimeError as exc:
         raise SystemExit(str(exc)) from None
     where = ("spare" if not trainer.working else
@@ -207,8 +249,8 @@ def main(argv: list[str] | None = None) -> int:
         if step % args.log_every == 0 or step == args.steps - 1 or result.redone:
             again = "  (trained again)" if result.redone else ""   # the recovery line says why
             print(f"step {step:4d}  loss {result.loss:.4f}  (bits/byte "
-                  f"{result.loss / math.log(2):.3f})  {result.step_s * 1e3:.0f} ms{again}",
-                  flush=True)
+                  f"{result.loss / math.log(2):.3f})  lr {result.lr:.2e}  |g| "
+                  f"{result.grad_norm:.2f}  {result.step_s * 1e3:.0f} ms{again}", flush=True)
 
     try:
         trainer.run(args.steps, report, checkpoint_every=args.checkpoint_every)
