@@ -40,16 +40,19 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from chameleon_elastic.plan import DeviceRole, ExecutionPlan
+from chameleon_elastic.spec import JobSpec
 
 __all__ = [
     "AGENT_STORE_ENV",
     "CHAMELEON_VARS",
+    "JOB_VARS",
     "Generation",
     "Registration",
     "Resumed",
     "beat_key",
     "chameleon_env",
     "generation_key",
+    "job_env",
     "read",
     "read_int",
     "resumed_key",
@@ -79,6 +82,16 @@ CHAMELEON_VARS: tuple[str, ...] = (
     "CHAMELEON_PLAN_FILE",
     "CHAMELEON_DEVICE",
 )
+
+
+#: What every worker of a job learns of the job itself (not of its plan): how the runtime
+#: should train by default, so a script follows the job file the planner priced.
+JOB_VARS: tuple[str, ...] = ("CHAMELEON_MICRO_BATCH_SIZE", "CHAMELEON_PRECISION")
+
+
+def job_env(spec: JobSpec) -> dict[str, str]:
+    return {"CHAMELEON_MICRO_BATCH_SIZE": str(spec.training.micro_batch_size),
+            "CHAMELEON_PRECISION": spec.training.precision}
 
 
 def chameleon_env(plan: ExecutionPlan, role: DeviceRole, plan_file: str) -> dict[str, str]:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import functools
 import math
+import os
 import sys
 import sysconfig
 import time
@@ -185,8 +186,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                     help="linear warm-up steps before the cosine decay (0: no schedule)")
     ap.add_argument("--max-grad-norm", type=float, default=1.0,
                     help="clip the whole model's gradient norm to this (0: no clipping)")
-    ap.add_argument("--precision", choices=PRECISIONS, default="bf16",
-                    help="bf16/fp16: autocast over fp32 master weights (fp16 scales the loss)")
+    ap.add_argument("--precision", choices=PRECISIONS, default=None,
+                    help="bf16/fp16: autocast over fp32 master weights (fp16 scales the loss); "
+                         "default: the job's training.precision under chameleon-run, else bf16")
     ap.add_argument("--no-tie", action="store_true",
                     help="give the head its own weights instead of reusing the embedding")
     ap.add_argument("--micro-batch-size", type=int, default=4)
@@ -230,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
                                            micro_batch_size=args.micro_batch_size,
                                            checkpoint_dir=args.checkpoint_dir,
                                            max_grad_norm=args.max_grad_norm or None,
-                                           precision=args.precision)
+                                           precision=args.precision or os.environ.get(
+                                               "CHAMELEON_PRECISION", "bf16"))
     except PipelineRuntimeError as exc:
         raise SystemExit(str(exc)) from None
     where = ("spare" if not trainer.working else

@@ -477,6 +477,7 @@ class ChameleonAgent(LocalElasticAgent):
             if session is not None and assignment is not None:
                 env.update(channel.chameleon_env(session.plan, assignment.role,
                                                  session.plan_file))
+                env.update(channel.job_env(session.spec))
                 env[channel.AGENT_STORE_ENV] = self._channel_address
             if self._profiler is not None:
                 env.update(self._profiler.worker_env())

@@ -122,7 +122,8 @@ def test_profile_round_trip_replaces_guesses():
     f, b = times
     assert [x + y for x, y in zip(f, b)] == pytest.approx([0.2 / 5 / 4] * 8)
     assert f[0] / b[0] == pytest.approx(0.002 / 0.004)
-    tuned = MeasuredProfile("steps", model=ModelFigures(forward_s=f, backward_s=b)).apply(spec)
+    tuned = MeasuredProfile("steps", precision=spec.training.precision,
+                            model=ModelFigures(forward_s=f, backward_s=b)).apply(spec)
     assert tuned.model.forward_s == pytest.approx(f)
     assert tuned.cluster == spec.cluster
     regrouped = MeasuredProfile("steps", cluster=ClusterFigures(regroup_s=0.12)).apply(spec)
@@ -166,7 +167,7 @@ def test_agent_profile_feeds_the_planner(tmp_path, monkeypatch):
     spec = JobSpec.preset("tiny-cpu")
     path = _steps_profile(tmp_path, monkeypatch, spec, _plan_2x2())
     measured = MeasuredProfile.load(path)
-    assert (measured.how, measured.job, measured.precision) == ("steps", "tiny-cpu", "fp32")
+    assert (measured.how, measured.job, measured.precision) == ("steps", "tiny-cpu", "bf16")
     assert measured.devices[2].step_time_s == 0.2
     assert measured.devices[2].device_memory_peak_bytes == 3000
     assert measured.cluster.regroup_s == 0.3
@@ -199,9 +200,9 @@ def test_both_producers_profiles_load_through_chameleon_run_profile(tmp_path, mo
     assert session.spec.model.forward_s == pytest.approx((0.2 / 5 / 4 / 3,) * 8)
 
     layers = profile_layers(mlp_model(layers=8, width=8, dtype=torch.float32), repeats=1,
-                            warmup=0).write(tmp_path / "layers.json")
-    session = _session_with_profile(layers, tmp_path)
-    assert session.spec.model.boundary_bytes == (8 * 4.0,) * 8
+                            warmup=0, precision="bf16").write(tmp_path / "layers.json")
+    session = _session_with_profile(layers, tmp_path)   # tiny-cpu trains in bf16
+    assert session.spec.model.boundary_bytes == (8 * 2.0,) * 8
     assert session.spec.cluster.regroup_s == spec.cluster.regroup_s
     assert session.plan.num_layers == 8
 
