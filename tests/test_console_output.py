@@ -35,7 +35,7 @@ TIMEOUT_S = 90
 #: Small and quick: 8 devices, one simulated hour, two seeds, in this process.
 SIM_FAST = ("--preset", "llama2-7b-910b", "--hours", "1", "--failure-rate", "0.5", "--seeds", "2",
             "--jobs", "1", "--no-progress")
-PLAN_HEADERS = [["pipeline", "devices (stage order)", "layers per stage", "micro-batches"],
+PLAN_HEADERS = [["pipeline", "devices (stage order)", "layers per stage", "micro-batches", "recompute"],
                 ["source", "receiver", "layers", "size"]]
 SIM_HEADERS = [["policy", "throughput (samples/s)", "vs fault-free", "paused (s)",
                 "lost work (s)", "working at end", "decide (ms, mean)"]]

@@ -194,7 +194,7 @@ class PipelineExecutor:
     def _batch(self, step: int, pipeline: int, micro_batch: int):
         ids = sample_ids(step, self.plan, pipeline, micro_batch, self.micro_batch_size)
         inputs, targets = collate(self.model, ids)
-        move = lambda t: t.to(self.torch_device)  # noqa: E731
+        move = lambda t: t.to(self.torch_device)
         return leaf_map(move, inputs), leaf_map(move, targets)
 
     def _receive_input(self, op) -> tuple[Any, list[torch.Tensor]]:

@@ -21,18 +21,25 @@ MLP_FAULTS = str(Path(__file__).parent / "workers" / "mlp_faults.py")
 
 
 @functools.cache
-def mlp_reference(steps: int) -> tuple[list[float], dict[int, dict]]:
-    """Single-process training of mlp_faults.py's model (float64): losses and final layers."""
-    from chameleon_elastic.runtime.toy import mlp_model, reference_training
+def mlp_reference(steps: int, featured: bool = False) -> tuple[list[float], dict[int, dict]]:
+    """Single-process training of mlp_faults.py's model (float64): losses and final layers
+    (``featured``: its --featured model, clipped as it clips)."""
+    from chameleon_elastic.runtime.toy import featured_model, mlp_model, reference_training
 
-    losses, layers = reference_training(mlp_model(layers=8), steps, 8)
+    if featured:
+        from .workers.mlp_faults import FEATURED_CLIP
+
+        losses, layers = reference_training(featured_model(layers=8), steps, 8,
+                                            max_grad_norm=FEATURED_CLIP)
+    else:
+        losses, layers = reference_training(mlp_model(layers=8), steps, 8)
     return losses, {i: {k: v.detach() for k, v in m.state_dict().items()}
                     for i, m in enumerate(layers)}
 
 
 def assert_single_process_results(out: Path, survivors: list[int], steps: int,
                                   reporter_node_lost: bool = False,
-                                  restarted: tuple[int, ...] = ()) -> None:
+                                  restarted: tuple[int, ...] = (), featured: bool = False) -> None:
     """What mlp_faults.py left in ``out``: every step reported once and none redone, losses
     and every survivor's final layers equal to single-process training (rtol 1e-9), every
     layer held by some survivor, and each survivor ran in one process the whole time.
@@ -44,7 +51,7 @@ def assert_single_process_results(out: Path, survivors: list[int], steps: int,
     import numpy as np
     import torch
 
-    ref_losses, ref_params = mlp_reference(steps)
+    ref_losses, ref_params = mlp_reference(steps, featured)
     reported = [json.loads(x) for x in (out / "steps.jsonl").read_text().splitlines()]
     by_step = {r["step"]: r for r in reported}
     assert sorted(by_step) == list(range(steps))

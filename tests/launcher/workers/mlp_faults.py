@@ -12,6 +12,10 @@ peer's last message of the all-reduce never arrives): it abandons the step befor
 ``raise`` - a bug: the script raises (only in the first process of the device, so the process
 that replaces it trains on); ``spin`` - a hang that keeps a core busy.
 
+``--featured``: the model brings what real training does (tied first and last layers, tuples
+and dicts between stages, warm-up + cosine schedule, AdamW) and the trainer clips the gradient
+norm to ``FEATURED_CLIP``; still float64.
+
 ``--busy-start S``: a process that replaces an earlier one of its device spins S seconds before
 it starts. ``--pace S`` makes every step last at least S seconds (a sleep before its forward), so that a
 test can act while training runs. ``--min-world N``: a worker started in a smaller world waits
@@ -30,11 +34,16 @@ import time
 import torch
 
 from chameleon_elastic.runtime import PeerLost, PipelineTrainer, init_distributed
-from chameleon_elastic.runtime.toy import mlp_model
+from chameleon_elastic.runtime.toy import featured_model, mlp_model
+
+FEATURED_CLIP = 0.08
 
 
 def main() -> None:
     args = sys.argv[1:]
+    featured = "--featured" in args
+    if featured:
+        args.remove("--featured")
     options = {}
     for flag in ("--checkpoint-dir", "--pace", "--min-world", "--busy-start"):
         if flag in args:
@@ -80,8 +89,9 @@ def main() -> None:
                                  "redone": result.redone, "device": device}) + "\n")
 
     init_distributed()
-    trainer = PipelineTrainer.from_env(mlp_model(layers=8), on_phase=on_phase,
-                                       checkpoint_dir=checkpoint)
+    model = featured_model(layers=8) if featured else mlp_model(layers=8)
+    trainer = PipelineTrainer.from_env(model, on_phase=on_phase, checkpoint_dir=checkpoint,
+                                       max_grad_norm=FEATURED_CLIP if featured else None)
     trainer.run(steps, report, checkpoint_every=2 if checkpoint else 0)
     torch.save(trainer.state(), os.path.join(out, f"params-{device}.pt"))
     trainer.close()
