@@ -130,20 +130,31 @@ def featured_model(layers: int = 7, width: int = 8, dtype: torch.dtype = torch.f
 
 
 class _Timed(torch.autograd.Function):
+    """Occupies the "device" for a fixed time. It keeps a tensor for its backward, as a real
+    kernel does, so activation recomputation replays it too (torch stops recomputing after the
+    last saved tensor)."""
+
     @staticmethod
     def forward(ctx, x, forward_s: float, backward_s: float):
         ctx.backward_s = backward_s
         time.sleep(forward_s)
-        return x.clone()
+        out = x.clone()
+        ctx.save_for_backward(out)
+        return out
 
     @staticmethod
     def backward(ctx, grad):
+        ctx.saved_tensors  # noqa: B018 - unpacking is what triggers a recomputation
         time.sleep(ctx.backward_s)
         return grad, None, None
 
 
 class EmulatedLayer(nn.Module):
-    """Linear + tanh whose forward/backward take at least ``forward_s``/``backward_s``."""
+    """Linear + tanh whose forward/backward take at least ``forward_s``/``backward_s``.
+
+    The timed node sits after the weights, so its backward runs whenever the layer has
+    gradients to compute, as a real layer's weight-gradient kernels do, even in the first stage
+    where nothing needs the input's gradient."""
 
     def __init__(self, width: int, forward_s: float, backward_s: float,
                  params: int = 0) -> None:
@@ -155,7 +166,7 @@ class EmulatedLayer(nn.Module):
         self.extra = nn.Parameter(torch.zeros(params)) if params else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.tanh(self.linear(_Timed.apply(x, self.forward_s, self.backward_s)))
+        y = _Timed.apply(torch.tanh(self.linear(x)), self.forward_s, self.backward_s)
         if self.extra is not None:
             y = y + self.extra.sum() * 0.0
         return y
