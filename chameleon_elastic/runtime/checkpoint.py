@@ -4,7 +4,8 @@ A plan change (re-plan after a failure, restart by the launcher) moves layers be
 so a checkpoint is stored per layer, not per rank: ``step-<N>/layer-<i>.pt`` holds layer
 ``i``'s parameters and its optimizer state (one dict per parameter, in ``parameters()``
 order). Every holder of a layer has identical weights after the gradient sync, so only one
-writes it: the lowest device id among its holders. The little per-step state that is not a
+writes it: the lowest device id among its holders (under tensor parallelism its unit gathers the
+whole tensors and its card 0 writes them, so a checkpoint loads under any degree). The little per-step state that is not a
 layer's lives beside them in ``trainer.json`` (fp16's loss scale; the learning-rate schedule
 needs nothing, it is replayed up to the checkpoint's step).
 
@@ -69,11 +70,13 @@ def save_checkpoint(trainer, directory: str | Path, step: int) -> None:
     directory = Path(directory)
     target = _step_dir(directory, step)
     target.mkdir(parents=True, exist_ok=True)
-    for layer, module in trainer.layers.items():
+    for layer, module in sorted(trainer.layers.items()):
         if min(trainer.holders[layer]) != trainer.device:
             continue
-        state = export_layer(layer, module, trainer.optimizer).to_dict()
-        _atomic_write(target / f"layer-{layer}.pt", lambda tmp, s=state: torch.save(s, tmp))
+        # whole tensors: the unit gathers its shards (every card takes part), card 0 writes
+        state = export_layer(layer, module, trainer.optimizer, whole=True).to_dict()
+        if trainer.tp_rank == 0:
+            _atomic_write(target / f"layer-{layer}.pt", lambda tmp, s=state: torch.save(s, tmp))
     if dist.get_rank() == 0:   # every rank holds the same scale
         scale = trainer.loss_scale
         text = json.dumps({"loss_scale": scale.scale, "loss_scale_good": scale.good})

@@ -48,7 +48,7 @@ from .errors import PipelineRuntimeError
 
 __all__ = ["Agreement", "ProtocolError", "Row", "StateLost", "agree"]
 
-_FIELDS = 11
+_FIELDS = 12
 
 
 class ProtocolError(PipelineRuntimeError):
@@ -74,6 +74,7 @@ class Row:
     last_norm: float = math.nan     # gradient norm of step committed - 1 (from its vote)
     scale: float = 1.0              # loss scale for step committed (fp16; 1 otherwise)
     scale_good: int = 0             # clean steps since the scale last changed
+    tp_rank: int = 0                # this card's place in its unit (tensor parallelism)
 
     def to_tensor(self) -> torch.Tensor:
         def num(x: int | None) -> float:
@@ -81,7 +82,7 @@ class Row:
 
         return torch.tensor([self.device, num(self.committed), num(self.synced), *self.held,
                              self.last_loss, self.reported, num(self.checkpoint),
-                             self.last_norm, self.scale, self.scale_good],
+                             self.last_norm, self.scale, self.scale_good, self.tp_rank],
                             dtype=torch.float64)
 
     @classmethod
@@ -92,7 +93,7 @@ class Row:
             return None if x < 0 else int(x)
 
         return cls(int(v[0]), opt(v[1]), opt(v[2]), (int(v[3]), int(v[4])), v[5], int(v[6]),
-                   opt(v[7]), v[8], v[9], int(v[10]))
+                   opt(v[7]), v[8], v[9], int(v[10]), int(v[11]))
 
     @staticmethod
     def width() -> int:
@@ -104,7 +105,7 @@ class Agreement:
     """The outcome every rank computes from the same rows."""
 
     resume: int | None                 # R = max committed; None when nobody holds state
-    roll_forward: frozenset[int]       # devices at R - 1 that apply their summed gradients
+    roll_forward: frozenset[tuple[int, int]]  # (device, tp rank) of the cards at R - 1: they apply
     holders: dict[int, tuple[int, ...]]  # layer -> devices holding it at step R
     last_loss: float                   # loss of step R - 1 as a holder of step R knows it
     reported: int                      # last step reported by anyone, -1 for none
@@ -131,11 +132,11 @@ def agree(rows: Sequence[Row]) -> Agreement:
                 f"step {r.synced}) while another survivor has committed {resume}; the commit "
                 "protocol allows only a roll forward by one step with that step's gradients."
             )
-        roll.add(r.device)
-    holders: dict[int, list[int]] = {}
-    for r in stateful:
+        roll.add((r.device, r.tp_rank))
+    holders: dict[int, set[int]] = {}
+    for r in stateful:   # every card of a unit holds its device's layers: count the device once
         for layer in range(*r.held):
-            holders.setdefault(layer, []).append(r.device)
+            holders.setdefault(layer, set()).add(r.device)
     ahead = [r for r in stateful if r.committed == resume]
     known = [r for r in ahead if not math.isnan(r.last_loss)]
     checkpoints = [r.checkpoint for r in rows if r.checkpoint is not None]

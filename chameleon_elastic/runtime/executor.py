@@ -136,13 +136,16 @@ class PipelineExecutor:
 
     ``input_spec``: what enters this stage (:func:`boundary_spec` of its first layer; None for
     the first stage). ``recompute``: run the stage under activation checkpointing.
-    ``loss_scale``: multiplies each micro-batch's loss before backward (fp16).
+    ``loss_scale``: multiplies each micro-batch's loss before backward (fp16). ``tp_rank``:
+    this card's place in its unit; it talks to the cards of the same rank, and only card 0 of
+    the last stage counts the loss (every card of a unit computes it).
     """
 
     def __init__(self, plan: ExecutionPlan, device: int, model: PipelineModel,
                  layers: nn.ModuleList | None, micro_batch_size: int, ranks: RankMap, *,
                  input_spec: BoundarySpec | None = None, torch_device: torch.device | None = None,
-                 precision: Precision = "fp32", recompute: bool = False) -> None:
+                 precision: Precision = "fp32", recompute: bool = False,
+                 tp_rank: int = 0) -> None:
         self.plan = plan
         self.device = device
         self.model = model
@@ -152,6 +155,7 @@ class PipelineExecutor:
         self.torch_device = torch_device or torch.device("cpu")
         self.precision = precision
         self.recompute = recompute
+        self.tp_rank = tp_rank
         self._input_spec = input_spec
         self._max_quota = max(p.micro_batches for p in plan.pipelines) or 1
         self._max_stages = max(p.num_stages for p in plan.pipelines)
@@ -177,7 +181,7 @@ class PipelineExecutor:
     def _recv(self, spec: TensorSpec, device: int, tag: int) -> torch.Tensor:
         buf = torch.empty(spec.shape, dtype=spec.dtype, device=self.torch_device)
         try:
-            dist.recv(buf, src=self.ranks.rank(device), tag=tag)
+            dist.recv(buf, src=self.ranks.rank(device, self.tp_rank), tag=tag)
         except RuntimeError as exc:
             raise PeerLost(f"device {self.device} timed out or failed receiving from device "
                            f"{device} (tag {tag}): {exc}") from exc
@@ -186,7 +190,7 @@ class PipelineExecutor:
     def _send(self, tensor: torch.Tensor, device: int, tag: int, pending: list) -> None:
         tensor = tensor.detach().contiguous()
         try:
-            work = dist.isend(tensor, dst=self.ranks.rank(device), tag=tag)
+            work = dist.isend(tensor, dst=self.ranks.rank(device, self.tp_rank), tag=tag)
         except RuntimeError as exc:
             raise PeerLost(f"device {self.device} could not send to device {device}: {exc}") from exc
         pending.append((work, tensor))
@@ -248,7 +252,8 @@ class PipelineExecutor:
                         _, targets = self._batch(step, op.pipeline, op.micro_batch)
                     with autocast(self.precision, self.torch_device):
                         loss = self.model.loss(out, targets)
-                    loss_sum += float(loss.detach()) * scale
+                    if self.tp_rank == 0:
+                        loss_sum += float(loss.detach()) * scale
                     stash[key] = (wanting, loss * (scale * loss_scale))
                 else:
                     leaves, _ = flatten(out, f"device {self.device}'s stage output")

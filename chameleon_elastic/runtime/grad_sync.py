@@ -42,6 +42,7 @@ from chameleon_elastic.plan import AllReduceGroup
 from .errors import PeerLost
 from .groups import GroupTable
 from .model import PipelineModel, tied_parameter
+from .tensor_parallel import local, replicated
 from .topology import RankMap
 
 __all__ = ["SyncMode", "TiedCopies", "bucket_rank_sets", "layer_holder_rank_sets",
@@ -67,12 +68,13 @@ def tied_copies(model: PipelineModel,
 
 def bucket_rank_sets(rounds: Sequence[Sequence[AllReduceGroup]],
                      ranks: RankMap) -> list[tuple[int, ...]]:
-    return [ranks.ranks(g.devices) for rnd in rounds for g in rnd]
+    """Every bucket's group, once per tensor-parallel rank (every rank creates every group)."""
+    return [rs for rnd in rounds for g in rnd for rs in ranks.every_tp_rank(g.devices)]
 
 
 def layer_holder_rank_sets(holders: Mapping[int, Sequence[int]],
                            ranks: RankMap) -> list[tuple[int, ...]]:
-    return [ranks.ranks(tuple(devs)) for devs in holders.values()]
+    return [rs for devs in holders.values() for rs in ranks.every_tp_rank(tuple(devs))]
 
 
 def _grad(p: torch.Tensor) -> torch.Tensor:
@@ -83,8 +85,9 @@ def _grad(p: torch.Tensor) -> torch.Tensor:
 
 def _grads(layers: Mapping[int, nn.Module], layer_ids: Sequence[int],
            tied: Mapping[int, frozenset[str]]) -> list[torch.Tensor]:
-    """The untied gradients of ``layer_ids``, in a fixed order every holder shares."""
-    return [_grad(p) for i in layer_ids for name, p in layers[i].named_parameters()
+    """The untied gradients of ``layer_ids`` (this card's shards), in a fixed order every
+    holder shares."""
+    return [local(_grad(p)) for i in layer_ids for name, p in layers[i].named_parameters()
             if name not in tied.get(i, ())]
 
 
@@ -112,13 +115,15 @@ def _finish(work, flat: torch.Tensor, grads: list[torch.Tensor]) -> None:
 def sync_gradients(layers: Mapping[int, nn.Module], device: int, ranks: RankMap,
                    groups: GroupTable, rounds: Sequence[Sequence[AllReduceGroup]] = (),
                    holders: Mapping[int, Sequence[int]] | None = None,
-                   mode: SyncMode = "rounds", ties: Sequence[TiedCopies] = ()) -> int:
+                   mode: SyncMode = "rounds", ties: Sequence[TiedCopies] = (),
+                   tp_rank: int = 0) -> int:
     """Sum each held layer's gradients over its holders, then each tie's over its copies'
     holders; returns the all-reduces issued here.
 
     ``layers`` maps global layer index -> module for the layers this device holds. ``rounds``
     are the plan's colour rounds (mode ``rounds``); ``holders`` maps layer -> holder devices
-    (mode ``serial``); ``ties``: :func:`tied_copies` under the plan.
+    (mode ``serial``); ``ties``: :func:`tied_copies` under the plan. Under tensor
+    parallelism this card sums with the cards of rank ``tp_rank`` of the other holders.
     """
     tied: dict[int, frozenset[str]] = {}
     for t in ties:
@@ -133,7 +138,7 @@ def sync_gradients(layers: Mapping[int, nn.Module], device: int, ranks: RankMap,
                     continue
                 grads = _grads(layers, bucket.layers, tied)
                 if grads:
-                    group = groups.get(ranks.ranks(bucket.devices))
+                    group = groups.get(ranks.ranks(bucket.devices, tp_rank))
                     pending.append(_start(grads, group))
                     issued += 1
             for item in pending:
@@ -147,20 +152,20 @@ def sync_gradients(layers: Mapping[int, nn.Module], device: int, ranks: RankMap,
                 continue
             grads = _grads(layers, [layer], tied)
             if grads:
-                _finish(*_start(grads, groups.get(ranks.ranks(tuple(devs)))))
+                _finish(*_start(grads, groups.get(ranks.ranks(tuple(devs), tp_rank))))
                 issued += 1
     else:
         raise ValueError(f"unknown gradient sync mode {mode!r}; expected 'rounds' or 'serial'")
     for t in ties:
         if device not in t.devices:
             continue
-        copies = [_grad(tied_parameter(layers[x], x, name)) for x, name in t.members
+        copies = [local(_grad(tied_parameter(layers[x], x, name))) for x, name in t.members
                   if x in layers]
         total = copies[0].clone()
         for g in copies[1:]:
             total += g
         if len(t.devices) > 1:
-            _finish(*_start([total], groups.get(ranks.ranks(t.devices))))
+            _finish(*_start([total], groups.get(ranks.ranks(t.devices, tp_rank))))
             issued += 1
         for g in copies:
             g.copy_(total)
@@ -168,9 +173,15 @@ def sync_gradients(layers: Mapping[int, nn.Module], device: int, ranks: RankMap,
 
 
 def square_share(layers: Mapping[int, nn.Module], device: int,
-                 holders: Mapping[int, Sequence[int]], ties: Sequence[TiedCopies] = ()) -> float:
-    """This device's part of the squared job-wide gradient norm (float64; inf or nan when a
-    gradient is not finite): each layer by its lowest holder, each tie by its lowest device."""
+                 holders: Mapping[int, Sequence[int]], ties: Sequence[TiedCopies] = (),
+                 tp_rank: int = 0) -> float:
+    """This card's part of the squared job-wide gradient norm (float64; inf or nan when a
+    gradient is not finite): each layer by its lowest holder, each tie by its lowest device;
+    inside a unit each card counts its shards, card 0 alone the replicated parameters."""
+
+    def counts(p: torch.Tensor) -> bool:
+        return tp_rank == 0 or not replicated(p)
+
     tied: dict[int, set[str]] = {}
     total = torch.zeros((), dtype=torch.float64)
     for t in ties:
@@ -178,11 +189,13 @@ def square_share(layers: Mapping[int, nn.Module], device: int,
             tied.setdefault(layer, set()).add(name)
         if t.devices and t.devices[0] == device:
             x, name = next((x, n) for x, n in t.members if x in layers)
-            total += _grad(tied_parameter(layers[x], x, name)).double().square().sum()
+            param = tied_parameter(layers[x], x, name)
+            if counts(param):
+                total += local(_grad(param)).double().square().sum()
     for layer, module in layers.items():
         if min(holders[layer]) != device:
             continue
         for name, p in module.named_parameters():
-            if name not in tied.get(layer, ()):
-                total += _grad(p).double().square().sum()
+            if name not in tied.get(layer, ()) and counts(p):
+                total += local(_grad(p)).double().square().sum()
     return float(total)

@@ -4,7 +4,9 @@ A plan change moves layers between devices, so state travels per layer, never pe
 layer's state is its ``state_dict`` plus, for each parameter in ``parameters()`` order, the
 optimizer's per-parameter state (Adam's moments and step count, SGD's momentum, ...). The same
 value is written to checkpoints (``torch.save``, read back with ``weights_only=True``) and sent
-between live processes.
+between live processes. Under tensor parallelism a transfer carries one card's shards (card
+``t`` to card ``t``) and a checkpoint the whole tensors; loading cuts whichever it gets to the
+receiving card's piece (:mod:`.tensor_parallel`).
 
 On the wire a layer is a few messages: the length of a JSON header, the header (names, shapes,
 dtypes, plain scalars) and one flat buffer per dtype holding every tensor of that dtype end to
@@ -22,6 +24,10 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
+
+from .errors import PipelineRuntimeError
+from .tensor_parallel import full, local, local_piece
 
 __all__ = ["LayerState", "export_layer", "import_layer", "recv_layer", "send_layer"]
 
@@ -52,29 +58,53 @@ class LayerState:
         return cls(int(d["layer"]), dict(d["params"]), list(d["optimizer"]))
 
 
-def export_layer(layer: int, module: nn.Module,
-                 optimizer: torch.optim.Optimizer | None) -> LayerState:
+def export_layer(layer: int, module: nn.Module, optimizer: torch.optim.Optimizer | None,
+                 whole: bool = False) -> LayerState:
+    """Detached copies of the layer's state. A tensor-parallel layer gives this card's shards,
+    or, with ``whole``, the whole tensors (a collective over its unit: every card of the unit
+    must export the same layers in the same order)."""
+    take = full if whole else local
+
+    def copy(v: Any) -> Any:
+        return take(v).detach().clone() if isinstance(v, torch.Tensor) else v
+
     opt_state = [] if optimizer is None else [
-        {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v)
-         for k, v in optimizer.state.get(p, {}).items()}
-        for p in module.parameters()
-    ]
-    return LayerState(layer, {k: v.detach().clone() for k, v in module.state_dict().items()},
-                      opt_state)
+        {k: copy(v) for k, v in optimizer.state.get(p, {}).items()} for p in module.parameters()]
+    return LayerState(layer, {k: copy(v) for k, v in module.state_dict().items()}, opt_state)
 
 
 def import_layer(state: LayerState, module: nn.Module,
                  optimizer: torch.optim.Optimizer | None) -> None:
-    """Load ``state`` into ``module`` and, per parameter, into ``optimizer``'s state."""
-    module.load_state_dict(state.params)
+    """Load ``state`` (this card's shards, or whole tensors: each is cut to this card's piece)
+    into ``module`` and, per parameter, into ``optimizer``'s state."""
+    targets = module.state_dict(keep_vars=True)
+    if set(targets) != set(state.params):
+        raise PipelineRuntimeError(
+            f"layer {state.layer}'s saved state has {sorted(state.params)} but the layer has "
+            f"{sorted(targets)}; the state was saved from another model."
+        )
+    with torch.no_grad():
+        for name, target in targets.items():
+            local(target).copy_(local_piece(state.params[name], target))
     if optimizer is None:
         return
     for p, saved in zip(module.parameters(), state.optimizer):
         if saved:
-            # optimizers keep their step counter where they made it (the CPU, for Adam)
-            optimizer.state[p] = {
-                k: (v.to(p.device) if isinstance(v, torch.Tensor) and k != "step" else v)
-                for k, v in saved.items()}
+            optimizer.state[p] = {k: _like(v, p, k) for k, v in saved.items()}
+
+
+def _like(value: Any, param: torch.Tensor, key: str) -> Any:
+    """An optimizer state entry for ``param``: per-element state (moments) as the parameter is
+    held (its shard, a ``DTensor`` on its mesh); scalars stay where the optimizer keeps them (the
+    CPU, for Adam's step counter)."""
+    if not isinstance(value, torch.Tensor) or key == "step":
+        return value
+    if value.dim() == 0:
+        return value.to(local(param).device)
+    piece = local_piece(value, param).to(local(param).device)
+    if isinstance(param, DTensor):
+        return DTensor.from_local(piece, param.device_mesh, param.placements, run_check=False)
+    return piece
 
 
 # --------------------------------------------------------------------------- the wire

@@ -78,20 +78,23 @@ def plan_moves(plan: ExecutionPlan, agreement: Agreement,
 
 
 def move_layers(moves: Sequence[Move], device: int, ranks: RankMap,
-                export: Callable[[int], LayerState], torch_device: torch.device) -> dict[int, LayerState]:
-    """Send what ``device`` must send, receive what it must receive; returns layer -> state."""
+                export: Callable[[int], LayerState], torch_device: torch.device,
+                tp_rank: int = 0) -> dict[int, LayerState]:
+    """Send what ``device`` must send, receive what it must receive; returns layer -> state.
+    Under tensor parallelism every card moves its own shards, to and from the cards of the same
+    tensor-parallel rank."""
     pending = []
     try:
         for m in moves:
             if m.src == device:
                 for layer in m.layers:
-                    pending += send_layer(export(layer), ranks.rank(m.dst), layer, torch_device,
+                    pending += send_layer(export(layer), ranks.rank(m.dst, tp_rank), layer, torch_device,
                                           dist.isend)
         received = {}
         for m in sorted(moves, key=lambda m: (m.src, m.layers)):
             if m.dst == device:
                 for layer in m.layers:
-                    received[layer] = recv_layer(ranks.rank(m.src), layer, torch_device,
+                    received[layer] = recv_layer(ranks.rank(m.src, tp_rank), layer, torch_device,
                                                  dist.recv)
         for work, _ in pending:
             work.wait()

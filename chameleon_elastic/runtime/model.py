@@ -15,7 +15,7 @@ exactly as one shared parameter would evolve in a single process.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +32,9 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 SampleFn = Callable[[int], tuple[Any, Any]]
 SchedulerFactory = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
+#: Layer -> its tensor-parallel plan: submodule name -> torch ``ParallelStyle``
+#: (``ColwiseParallel()``, ``RowwiseParallel()``, ...), or None to replicate the layer.
+TensorParallelPlan = Callable[[int], "Mapping[str, Any] | None"]
 
 
 @dataclass(frozen=True)
@@ -60,7 +63,10 @@ class PipelineModel:
     ``max_grad_norm``, which sees the whole job). ``make_scheduler(optimizer)``: an optional
     learning-rate schedule (any of torch's ``LRScheduler``; its state must be a function of
     the step count, so ``ReduceLROnPlateau`` is refused). ``tied``: weights shared between
-    layers (:class:`Tie`).
+    layers (:class:`Tie`). ``tp_plan(i)``: how layer ``i`` is sharded over a unit of cards
+    under ``training.tp > 1`` (torch's ``parallelize_module`` plan; see
+    :mod:`.tensor_parallel`); the layer's code must work on the local shards (take head counts
+    from tensor shapes, not from constants).
     """
 
     num_layers: int
@@ -71,6 +77,7 @@ class PipelineModel:
     seed: int = 0
     make_scheduler: SchedulerFactory | None = None
     tied: tuple[Tie, ...] = ()
+    tp_plan: TensorParallelPlan | None = None
 
     def __post_init__(self) -> None:
         if self.num_layers < 1:

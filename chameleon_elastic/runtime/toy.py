@@ -21,8 +21,8 @@ from torch import nn
 
 from .model import PipelineModel
 
-__all__ = ["EmulatedLayer", "Reference", "emulated_model", "featured_model", "mlp_model",
-           "reference_run", "reference_training", "warmup_cosine"]
+__all__ = ["EmulatedLayer", "Reference", "emulated_model", "featured_model", "megatron_plan",
+           "mlp_model", "reference_run", "reference_training", "tp_mlp_model", "warmup_cosine"]
 
 
 class _Dense(nn.Module):
@@ -126,6 +126,43 @@ def featured_model(layers: int = 7, width: int = 8, dtype: torch.dtype = torch.f
         make_scheduler=(functools.partial(warmup_cosine, warmup=2, total=8) if schedule
                         else None),
         tied=((Tie(((0, "linear.weight"), (layers - 1, "linear.weight"))),) if tie else ()),
+    )
+
+
+class _MegatronMLP(nn.Module):
+    """A residual MLP block as Megatron shards it: ``up`` column-wise, ``down`` row-wise."""
+
+    def __init__(self, width: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.up = nn.Linear(width, 2 * width, dtype=dtype)
+        self.down = nn.Linear(2 * width, width, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.tanh(self.up(x)))
+
+
+def _mlp_block(i: int, width: int, dtype: torch.dtype) -> nn.Module:
+    return _MegatronMLP(width, dtype)
+
+
+def megatron_plan(i: int) -> dict:
+    """The tensor-parallel plan of every :func:`tp_mlp_model` layer."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return {"up": ColwiseParallel(), "down": RowwiseParallel()}
+
+
+def tp_mlp_model(layers: int = 6, width: int = 8, dtype: torch.dtype = torch.float64,
+                 seed: int = 0, lr: float = 0.05) -> PipelineModel:
+    """Residual MLP blocks with a tensor-parallel plan (``megatron_plan``), AdamW."""
+    return PipelineModel(
+        num_layers=layers,
+        build_layer=functools.partial(_mlp_block, width=width, dtype=dtype),
+        loss=_mse,
+        make_optimizer=functools.partial(_adamw, lr=lr),
+        sample=functools.partial(_regression_sample, width=width, dtype=dtype, seed=seed),
+        seed=seed,
+        tp_plan=megatron_plan,
     )
 
 

@@ -68,7 +68,8 @@ from .migrate import move_layers, plan_moves, stage_layers
 from .model import PipelineModel, build_layers
 from .precision import LossScale, Precision, check_precision
 from .recovery import Recovery, WorkerLink
-from .topology import RankMap, check_world, device_from_env, plan_from_env
+from .tensor_parallel import full, make_mesh, shard_layer
+from .topology import RankMap, check_world, device_from_env, plan_from_env, tp_from_env
 
 __all__ = ["Entry", "PipelineTrainer", "StepResult", "data_parallel_plan", "layer_holders",
            "plan_rounds"]
@@ -178,7 +179,9 @@ class PipelineTrainer:
     ``max_grad_norm``: clip the job-wide gradient norm to it (as
     ``torch.nn.utils.clip_grad_norm_`` over the whole model). ``precision``: ``fp32``, ``bf16``
     or ``fp16`` (:mod:`.precision`). Stages run with activation recomputation where the plan
-    says so.
+    says so. ``tp_size`` > 1: the plan's ``device`` is a unit of that many cards, this process
+    is card ``tp_rank`` of it, and the layers are sharded by the model's ``tp_plan``
+    (:mod:`.tensor_parallel`).
     """
 
     def __init__(self, model: PipelineModel, plan: ExecutionPlan, device: int, *,
@@ -186,7 +189,8 @@ class PipelineTrainer:
                  torch_device: torch.device | None = None, timeouts: Timeouts | None = None,
                  checkpoint_dir: str | Path | None = None, link: WorkerLink | None = None,
                  on_phase: PhaseHook | None = None, max_grad_norm: float | None = None,
-                 precision: Precision | str = "fp32") -> None:
+                 precision: Precision | str = "fp32", tp_rank: int = 0,
+                 tp_size: int = 1) -> None:
         if not dist.is_initialized():
             raise PipelineRuntimeError(
                 "torch.distributed is not initialised; call "
@@ -205,6 +209,13 @@ class PipelineTrainer:
                 f"max_grad_norm = {max_grad_norm!r}; pass a positive norm, or None not to clip.")
         self.max_grad_norm = max_grad_norm
         self.precision = check_precision(precision)
+        if not 0 <= tp_rank < tp_size:
+            raise PipelineRuntimeError(
+                f"tensor-parallel rank {tp_rank} of a unit of {tp_size} cards; pass "
+                "0 <= tp_rank < tp_size.")
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.tp_groups: GroupTable | None = None   # one per unit, rebuilt with every plan
+        self.mesh = None                            # this unit's DeviceMesh (tp_size > 1)
         self._boundaries: dict[int, BoundarySpec] = {}   # layer -> what enters it (per model)
         # training state: survives plan changes
         self.layers: dict[int, nn.Module] = {}
@@ -221,6 +232,7 @@ class PipelineTrainer:
         self.ranks: RankMap = RankMap(())
         self.groups: GroupTable | None = None
         self.group_sockets: frozenset[int] = frozenset()   # see runtime/abort.py
+        self._unit_sockets: frozenset[int] = frozenset()
         self.executor: PipelineExecutor | None = None
         self.orders: tuple = ()
         self.rounds: tuple[tuple[AllReduceGroup, ...], ...] = ()
@@ -263,6 +275,9 @@ class PipelineTrainer:
         mbs = micro_batch_size or int(os.environ.get("CHAMELEON_MICRO_BATCH_SIZE", "1"))
         kwargs.setdefault("link", WorkerLink.from_env(kwargs.get("timeouts")))
         kwargs.setdefault("precision", os.environ.get("CHAMELEON_PRECISION", "fp32"))
+        tp_rank, tp_size = tp_from_env()
+        kwargs.setdefault("tp_rank", tp_rank)
+        kwargs.setdefault("tp_size", tp_size)
         device = device_from_env(plan)
         if kwargs["link"] is not None:   # under chameleon-run: its agent handles lost peers
             say_peer_loss_in_one_line(device)
@@ -280,12 +295,15 @@ class PipelineTrainer:
 
     @property
     def is_reporter(self) -> bool:
-        """The lowest rank reports for the job: the lowest working device, under any plan."""
-        return bool(self.ranks.device_of_rank) and self.ranks.device_of_rank[0] == self.device
+        """The lowest rank reports for the job: card 0 of the lowest working device, under any
+        plan."""
+        return bool(self.ranks.device_of_rank) and self.ranks.device_of_rank[0] == self.device \
+            and self.tp_rank == 0
 
     def state(self) -> dict[int, dict[str, torch.Tensor]]:
-        """Layer -> its parameters (detached copies), for checks and transfers."""
-        return {i: {k: v.detach().clone() for k, v in m.state_dict().items()}
+        """Layer -> its parameters, whole (detached copies), for checks. Under tensor
+        parallelism a collective over the unit: every card of it must call it."""
+        return {i: {k: full(v).detach().clone() for k, v in m.state_dict().items()}
                 for i, m in sorted(self.layers.items())}
 
     # ------------------------------------------------------------------ entering a plan
@@ -301,10 +319,15 @@ class PipelineTrainer:
                 f"model has {self.model.num_layers}; make the job's model.layers match the model."
             )
         rows = self._gather(self._row())
-        ranks = RankMap(tuple(r.device for r in rows))
-        check_world(plan, ranks.device_of_rank)
+        ranks = RankMap(tuple(r.device for r in rows), tuple(r.tp_rank for r in rows))
+        check_world(plan, ranks)
+        if ranks.tp_size != self.tp_size:
+            raise PipelineRuntimeError(
+                f"this card runs units of {self.tp_size} cards but the world's units have "
+                f"{ranks.tp_size}; give every worker the same CHAMELEON_TP_SIZE (training.tp).")
+        self._form_units(ranks)
         agreement = agree(rows)
-        rolled = self.device in agreement.roll_forward
+        rolled = (self.device, self.tp_rank) in agreement.roll_forward
         if rolled:   # the interrupted step was committed elsewhere: apply its summed gradients
             lr = self._lr()
             skipped = self._apply(agreement.last_norm)
@@ -334,7 +357,7 @@ class PipelineTrainer:
             held = {r.device: r.held for r in rows if r.committed is not None}
             moves, planned = plan_moves(plan, agreement, held)
             received = move_layers(moves, self.device, ranks, self._export,
-                                   self.torch_device or torch.device("cpu"))
+                                   self.torch_device or torch.device("cpu"), self.tp_rank)
             self._install(wanted, received, step=resume)
             self.committed = resume
             self.loss_scale = LossScale(*agreement.scale, fixed=self.loss_scale.fixed)
@@ -407,7 +430,7 @@ class PipelineTrainer:
                    math.nan if last is None else last.loss, self.reported,
                    None if self.checkpoint_dir is None else latest_step(self.checkpoint_dir),
                    math.nan if last is None else last.grad_norm,
-                   self.loss_scale.scale, self.loss_scale.good)
+                   self.loss_scale.scale, self.loss_scale.good, self.tp_rank)
 
     def _gather(self, row: Row) -> list[Row]:
         mine = row.to_tensor()
@@ -432,10 +455,17 @@ class PipelineTrainer:
         if fresh:
             self.layers, self.optimizer, self.scheduler = {}, None, None
         old = self.optimizer
+        kept = self.layers
+        if self.mesh is not None:
+            # a sharded layer lives on one generation's mesh: build every held layer again on
+            # the new one, with the shards this card holds
+            received = {**{x: export_layer(x, m, old) for x, m in kept.items()
+                           if x in wanted and x not in received}, **received}
+            kept = {}
         modules: dict[int, nn.Module] = {}
         for layer in wanted:
-            if layer in self.layers and layer not in received:
-                modules[layer] = self.layers[layer]
+            if layer in kept and layer not in received:
+                modules[layer] = kept[layer]
             else:
                 if not fresh and layer not in received:
                     raise PipelineRuntimeError(
@@ -444,6 +474,8 @@ class PipelineTrainer:
                 module = build_layers(self.model, layer, layer + 1)[0]
                 if self.torch_device is not None:
                     module = module.to(self.torch_device)
+                if self.mesh is not None and self.model.tp_plan is not None:
+                    module = shard_layer(module, layer, self.model.tp_plan(layer), self.mesh)
                 modules[layer] = module
         optimizer = (self.model.make_optimizer([p for x in wanted for p in modules[x].parameters()])
                      if wanted else None)
@@ -493,6 +525,20 @@ class PipelineTrainer:
                                                     self.precision, self.torch_device)
         return self._boundaries[layer]
 
+    def _form_units(self, ranks: RankMap) -> None:
+        """The units' process groups for this world (every rank creates every unit's group),
+        and this unit's mesh; nothing without tensor parallelism."""
+        if self.tp_groups is not None:
+            self.tp_groups.destroy()
+        with new_sockets() as sockets:
+            self.tp_groups = GroupTable((ranks.unit(d) for d in set(ranks.device_of_rank)),
+                                        timeout=self.timeouts.delta("collective_s"))
+        self._unit_sockets = frozenset(sockets)
+        self.mesh = None
+        if self.tp_size > 1:
+            device_type = (self.torch_device or torch.device("cpu")).type
+            self.mesh = make_mesh(self.tp_groups.get(ranks.unit(self.device)), device_type)
+
     def _build(self, plan: ExecutionPlan, ranks: RankMap) -> None:
         from chameleon_elastic.planning.schedule import device_orders
 
@@ -502,10 +548,11 @@ class PipelineTrainer:
         self.ties = tied_copies(self.model, self.holders)
         rank_sets = (bucket_rank_sets(self.rounds, ranks) if self.sync_mode == "rounds"
                      else layer_holder_rank_sets(self.holders, ranks))
-        rank_sets += [ranks.ranks(t.devices) for t in self.ties]
+        rank_sets += [rs for t in self.ties for rs in ranks.every_tp_rank(t.devices)]
         with new_sockets() as sockets:
             self.groups = GroupTable(rank_sets, timeout=self.timeouts.delta("collective_s"))
-        self.group_sockets = frozenset(sockets) | GroupSockets.get(dist.group.WORLD, frozenset())
+        self.group_sockets = (frozenset(sockets) | self._unit_sockets
+                              | GroupSockets.get(dist.group.WORLD, frozenset()))
         self.executor, self.orders = None, ()
         if self.working:
             pipeline, stage = plan.locate(self.device)
@@ -516,15 +563,17 @@ class PipelineTrainer:
                 plan, self.device, self.model, stack, self.micro_batch_size, ranks,
                 input_spec=self._boundary(start) if start > 0 else None,
                 torch_device=self.torch_device, precision=self.precision,
-                recompute=bool(pipe.recompute and pipe.recompute[stage]))
+                recompute=bool(pipe.recompute and pipe.recompute[stage]), tp_rank=self.tp_rank)
             orders = device_orders(plan)
             self.orders = tuple(orders[self.device])
             _check_message_matching(orders)
 
     def release_groups(self) -> None:
-        """Drop this plan's bucket groups (the default group stays; see recovery.abort)."""
-        if self.groups is not None:
-            self.groups.destroy()
+        """Drop this plan's bucket and unit groups (the default group stays; see
+        recovery.abort)."""
+        for table in (self.groups, self.tp_groups):
+            if table is not None:
+                table.destroy()
 
     # ------------------------------------------------------------------ one step
 
@@ -589,14 +638,15 @@ class PipelineTrainer:
             self._phase(step, "sync")
             issued = sync_gradients(self.layers, self.device, self.ranks, self.groups,
                                     rounds=self.rounds, holders=self.holders,
-                                    mode=self.sync_mode, ties=self.ties)
+                                    mode=self.sync_mode, ties=self.ties, tp_rank=self.tp_rank)
             if not self.loss_scale.fixed:
                 factor = self.loss_scale.unscale_factor()
                 for module in self.layers.values():
                     for p in module.parameters():
                         if p.grad is not None:
                             p.grad.mul_(factor)
-            square = square_share(self.layers, self.device, self.holders, self.ties)
+            square = square_share(self.layers, self.device, self.holders, self.ties,
+                                  self.tp_rank)
         self.synced = step
         synced = time.perf_counter()
         self._phase(step, "vote")

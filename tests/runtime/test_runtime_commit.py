@@ -34,7 +34,7 @@ def test_the_ranks_ahead_tell_the_rolled_forward_ones_the_norm_and_the_loss_scal
     ahead = Row(0, 8, None, (0, 4), 0.5, 7, None, last_norm=2.5, scale=512.0, scale_good=9)
     behind = Row(1, 7, 7, (4, 8), 0.6, 6, None, last_norm=1.0, scale=1024.0, scale_good=8)
     a = agree([behind, ahead])
-    assert a.roll_forward == {1}
+    assert a.roll_forward == {(1, 0)}
     assert (a.last_loss, a.last_norm, a.scale) == (0.5, 2.5, (512.0, 9))
 
 
@@ -42,7 +42,7 @@ def test_resume_at_the_newest_commit_and_roll_forward_the_ranks_one_behind():
     rows = [row(0, 8, None, (0, 4), 0.5, 7), row(1, 7, 7, (4, 8)), row(2, 8, None, (0, 4), 0.5),
             row(3, None)]
     a = agree(rows)
-    assert a.resume == 8 and a.roll_forward == {1} and a.last_loss == 0.5
+    assert a.resume == 8 and a.roll_forward == {(1, 0)} and a.last_loss == 0.5
     assert a.holders[0] == (0, 2) and a.holders[5] == (1,)
     assert a.orphans(8) == [] and a.reported == 7
 
