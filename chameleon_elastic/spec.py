@@ -9,13 +9,20 @@ Precision: ``model.precision`` says at which precision the per-layer byte figure
 or given, ``training.precision`` what the job trains with; the estimator converts activation
 bytes between the two (docs/estimator.md). Times are never converted: measure them at the
 training precision.
+
+Tensor parallelism: ``training.tp`` cards on one node form a *unit* that holds a stage's layers
+sharded over its cards, and the planner plans units, not cards (``planning.units.unit_spec``
+builds that view). ``cluster.devices`` keeps counting cards, and the ``[model]`` figures stay
+those of the whole, unsharded layer on one card, so one job file describes the same model
+whatever ``tp`` is. Card ``c`` belongs to unit ``c // tp`` (``unit_of``, ``cards_of``): a unit's
+cards are consecutive, as a node's local ranks are.
 """
 
 from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from importlib import resources
 from pathlib import Path
@@ -43,8 +50,11 @@ __all__ = [
     "Recovery",
     "SpecError",
     "TrainingSpec",
+    "cards_of",
     "load_job",
     "preset_names",
+    "unit_of",
+    "units_of",
 ]
 
 
@@ -128,6 +138,17 @@ class ClusterSpec:
     failure_rate_per_hour: float
     recovery: Recovery = "inplace"
     regroup_s: float = 1.0
+    tp_bandwidth_bytes_per_s: float | None = None
+
+    @property
+    def tp_bandwidth(self) -> float:
+        """The link inside a tensor-parallel unit (intra-node, e.g. HCCS or NVLink):
+        ``tp_bandwidth_bytes_per_s``, or ``bandwidth_bytes_per_s`` when the job file leaves it
+        out. Resolved at use, as ``ModelProfile.boundary_figures`` is, so that replacing the
+        bandwidth never leaves a stale copy behind."""
+        if self.tp_bandwidth_bytes_per_s is None:
+            return self.bandwidth_bytes_per_s
+        return self.tp_bandwidth_bytes_per_s
 
     @property
     def switch_s(self) -> float:
@@ -146,13 +167,20 @@ class ClusterSpec:
 class TrainingSpec:
     """The initial layout, the global batch every plan preserves, and the training precision
     (``fp32``, or ``bf16`` / ``fp16`` autocast with fp32 master weights and optimizer state):
-    it decides how large the activations are and whether a low-precision weight copy is held."""
+    it decides how large the activations are and whether a low-precision weight copy is held.
+
+    ``tp`` cards make one tensor-parallel unit, the planner's device; ``dp`` and ``pp`` count
+    units. ``tp_efficiency`` (0 < e <= 1) says how well a layer's compute scales over a unit:
+    on ``tp`` cards it runs ``tp * e`` times faster than on one, the unit's own all-reduces
+    aside (``planning.units`` prices one per layer per direction; ``e`` absorbs the rest)."""
 
     dp: int
     pp: int
     global_micro_batches: int
     micro_batch_size: int = 1
     precision: Precision = "fp32"
+    tp: int = 1
+    tp_efficiency: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -219,11 +247,29 @@ class JobSpec:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data; per-layer figures stay lists so the result reloads with from_dict. An
-        absent ``boundary_bytes`` stays absent (it follows ``activation_bytes``)."""
+        absent ``boundary_bytes`` or ``tp_bandwidth_bytes_per_s`` stays absent (each follows
+        another figure)."""
         out = asdict(self)
         out["model"] = {k: (list(v) if isinstance(v, tuple) else v)
                         for k, v in out["model"].items() if v is not None}
+        out["cluster"] = {k: v for k, v in out["cluster"].items() if v is not None}
         return out
+
+
+def unit_of(card: int, tp: int) -> int:
+    """The tensor-parallel unit card ``card`` belongs to: units are ``tp`` consecutive cards."""
+    return card // tp
+
+
+def cards_of(unit: int, tp: int) -> range:
+    """The cards of ``unit``, in order: the inverse of ``unit_of``."""
+    return range(unit * tp, (unit + 1) * tp)
+
+
+def units_of(cards: Iterable[int], tp: int) -> tuple[int, ...]:
+    """The units some cards belong to, sorted, each once: what losing those cards loses (a
+    unit cannot run a sharded layer without every one of its cards)."""
+    return tuple(sorted({unit_of(card, tp) for card in cards}))
 
 
 def preset_names() -> list[str]:
@@ -292,6 +338,16 @@ def _integer(section: Mapping[str, Any], name: str, key: str, *, minimum: int = 
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise SpecError(f"{name}.{key} = {value!r} is invalid; expected an integer >= {minimum}.")
     return value
+
+
+def _fraction(section: Mapping[str, Any], name: str, key: str, *, default: float) -> float:
+    """A number in (0, 1]: a share of an ideal, such as a speed-up's efficiency."""
+    value = section.get(key, default)
+    ok = (not isinstance(value, bool) and isinstance(value, (int, float))
+          and math.isfinite(value) and 0 < value <= 1)
+    if not ok:
+        raise SpecError(f"{name}.{key} = {value!r} is invalid; expected a number > 0 and <= 1.")
+    return float(value)
 
 
 def _boolean(section: Mapping[str, Any], name: str, key: str, *, default: bool) -> bool:
@@ -370,7 +426,7 @@ def _parse(data: Mapping[str, Any], name: str) -> JobSpec:
 
     c = _section(data, "cluster")
     keys = ("devices", "device_memory_bytes", "bandwidth_bytes_per_s", "restart_s",
-            "failure_rate_per_hour", "recovery", "regroup_s")
+            "failure_rate_per_hour", "recovery", "regroup_s", "tp_bandwidth_bytes_per_s")
     _reject_unknown(c, "cluster", keys)
     cluster = ClusterSpec(
         devices=_integer(c, "cluster", "devices"),
@@ -381,11 +437,13 @@ def _parse(data: Mapping[str, Any], name: str) -> JobSpec:
         recovery=cast(Recovery, _choice(c, "cluster", "recovery", RECOVERY_MODES,
                                         default="inplace")),
         regroup_s=_number(c, "cluster", "regroup_s", default=1.0),
+        tp_bandwidth_bytes_per_s=(_number(c, "cluster", "tp_bandwidth_bytes_per_s", strict=True)
+                                  if "tp_bandwidth_bytes_per_s" in c else None),
     )
 
     t = _section(data, "training")
     _reject_unknown(t, "training", ("dp", "pp", "global_micro_batches", "micro_batch_size",
-                                    "precision"))
+                                    "precision", "tp", "tp_efficiency"))
     training = TrainingSpec(
         dp=_integer(t, "training", "dp"),
         pp=_integer(t, "training", "pp"),
@@ -393,7 +451,21 @@ def _parse(data: Mapping[str, Any], name: str) -> JobSpec:
         micro_batch_size=_integer(t, "training", "micro_batch_size", default=1),
         precision=cast(Precision, _choice(t, "training", "precision", PRECISIONS,
                                           default="fp32")),
+        tp=_integer(t, "training", "tp", default=1),
+        tp_efficiency=_fraction(t, "training", "tp_efficiency", default=1.0),
     )
+    tp = training.tp
+    if cluster.devices % tp:
+        raise SpecError(
+            f"cluster.devices = {cluster.devices} is not a multiple of training.tp = {tp}; "
+            f"a unit is {tp} cards of one node, so give a multiple of {tp} cards or change tp."
+        )
+    if tp > 1 and training.dp * training.pp * tp > cluster.devices:
+        raise SpecError(
+            f"training.dp x training.pp x training.tp = {training.dp} x {training.pp} x {tp} = "
+            f"{training.dp * training.pp * tp} exceeds cluster.devices = {cluster.devices}; "
+            "lower dp, pp or tp, or add cards."
+        )
     if training.dp * training.pp > cluster.devices:
         raise SpecError(
             f"training.dp x training.pp = {training.dp} x {training.pp} = "

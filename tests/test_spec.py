@@ -4,7 +4,15 @@ from pathlib import Path
 
 import pytest
 
-from chameleon_elastic.spec import JobSpec, SpecError, load_job, preset_names
+from chameleon_elastic.spec import (
+    JobSpec,
+    SpecError,
+    cards_of,
+    load_job,
+    preset_names,
+    unit_of,
+    units_of,
+)
 
 GOOD = """
 [model]
@@ -187,3 +195,61 @@ def test_precision_recompute_and_boundary_round_trip(tmp_path):
     scalar = JobSpec.from_toml(write(tmp_path, GOOD.replace("layers = 4",
                                                             "layers = 4\nboundary_bytes = 5")))
     assert scalar.model.boundary_bytes == (5.0,) * 4
+
+
+# --------------------------------------------------------------------------- tensor parallelism
+
+
+def test_tensor_parallel_keys_default_to_one_card_per_unit(tmp_path):
+    spec = JobSpec.from_toml(write(tmp_path, GOOD))
+    assert (spec.training.tp, spec.training.tp_efficiency) == (1, 1.0)
+    # An absent intra-unit link is the cluster's link, resolved at use and absent in to_dict.
+    assert spec.cluster.tp_bandwidth_bytes_per_s is None
+    assert spec.cluster.tp_bandwidth == spec.cluster.bandwidth_bytes_per_s
+    assert "tp_bandwidth_bytes_per_s" not in spec.to_dict()["cluster"]
+    assert JobSpec.from_dict(spec.to_dict()) == spec
+
+
+def test_tensor_parallel_keys_round_trip(tmp_path):
+    text = (GOOD.replace("devices = 8", "devices = 16")
+            .replace("restart_s = 5.0", "restart_s = 5.0\ntp_bandwidth_bytes_per_s = 5.6e10")
+            .replace("dp = 4", "dp = 4\ntp = 2\ntp_efficiency = 0.8"))
+    spec = JobSpec.from_toml(write(tmp_path, text))
+    assert (spec.training.tp, spec.training.tp_efficiency) == (2, 0.8)
+    assert spec.cluster.tp_bandwidth == 5.6e10
+    assert spec.cluster.devices == 16  # cards, not units
+    assert JobSpec.from_dict(spec.to_dict(), spec.name) == spec
+
+
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        (("dp = 4", "dp = 4\ntp = 0"), ["training.tp", "0", "integer >= 1"]),
+        (("dp = 4", "dp = 4\ntp = 1.5"), ["training.tp", "1.5", "integer >= 1"]),
+        (("dp = 4", "dp = 4\ntp = 3"),
+         ["cluster.devices = 8", "not a multiple of training.tp = 3", "multiple of 3"]),
+        (("dp = 4", "dp = 4\ntp = 2"),
+         ["4 x 2 x 2 = 16", "exceeds cluster.devices = 8", "lower dp, pp or tp"]),
+        (("dp = 4", "dp = 4\ntp_efficiency = 0"), ["training.tp_efficiency", "0", "> 0 and <= 1"]),
+        (("dp = 4", "dp = 4\ntp_efficiency = 1.2"), ["training.tp_efficiency", "1.2", "<= 1"]),
+        (("dp = 4", "dp = 4\ntp_efficiency = 'high'"), ["training.tp_efficiency", "'high'"]),
+        (("restart_s = 5.0", "restart_s = 5.0\ntp_bandwidth_bytes_per_s = 0"),
+         ["cluster.tp_bandwidth_bytes_per_s", "0", "finite number > 0"]),
+    ],
+)
+def test_tensor_parallel_errors_are_one_sentence(tmp_path, change, words):
+    old, new = change
+    with pytest.raises(SpecError) as info:
+        JobSpec.from_toml(write(tmp_path, GOOD.replace(old, new)))
+    message = str(info.value)
+    for word in words:
+        assert word in message
+    assert "\n" not in message and message.endswith(".")
+
+
+def test_cards_and_units():
+    assert [unit_of(c, 8) for c in (0, 7, 8, 31)] == [0, 0, 1, 3]
+    assert list(cards_of(2, 8)) == list(range(16, 24))
+    assert all(unit_of(c, 4) == u for u in range(5) for c in cards_of(u, 4))
+    assert units_of([9, 0, 3, 15], 8) == (0, 1)
+    assert units_of([5, 2], 1) == (2, 5)  # tp = 1: a unit is a card

@@ -1,5 +1,10 @@
 """``chameleon-plan``: the planner on its own. What layout would this job run, and what would
-happen if these devices failed? Same code path as the launcher, no processes, no torch."""
+happen if these devices failed? Same code path as the launcher, no processes, no torch.
+
+With tensor parallelism (``training.tp > 1``) the planner plans units of ``tp`` cards
+(``planning.units.unit_spec``) while a person names the cards that fail: ``--fail`` and
+``--fail-count`` take card ids, a card's failure loses its whole unit, and the output names
+units with their cards. With ``tp = 1`` a unit is a card and nothing of this shows."""
 
 from __future__ import annotations
 
@@ -8,11 +13,21 @@ import json
 import random
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, get_args
 
 from ..console import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, CliParser, help_epilog, make_console
 from ..plan import ExecutionPlan
-from ..spec import RECOVERY_MODES, JobSpec, SpecError, load_job, preset_names
+from ..spec import (
+    RECOVERY_MODES,
+    JobSpec,
+    SpecError,
+    cards_of,
+    load_job,
+    preset_names,
+    unit_of,
+    units_of,
+)
 from .search import (
     Decision,
     PlanningError,
@@ -22,6 +37,7 @@ from .search import (
     decide,
     initial_plan,
 )
+from .units import unit_spec
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -53,6 +69,8 @@ EXAMPLES: tuple[tuple[str, str], ...] = (
      "two failures one after the other, as JSON"),
     ("chameleon-plan --preset llama2-7b-910b-32 --fail-count 4 --seed 1 --policy replan",
      "4 random devices fail, re-plan forced"),
+    ("chameleon-plan --preset llama2-7b-910b-tp8 --fail 0",
+     "tensor parallelism: card 0 fails and takes its 8-card unit with it"),
 )
 
 
@@ -67,7 +85,13 @@ def _epilog() -> str:
          "names them. Stages that recompute their activations in the backward (the job's",
          "planner.recompute) are listed per pipeline in the layout's recompute column, and as",
          "per-stage flags in the JSON's pipelines[].recompute. Tables are as wide as their",
-         "cells when the output is not a terminal."],
+         "cells when the output is not a terminal.",
+         "",
+         "With training.tp > 1 the planner's devices are units of tp cards on one node",
+         "(unit u = cards u*tp .. u*tp+tp-1). --fail and --fail-count take CARD ids; a card's",
+         "failure loses its whole unit. Tables name units with their cards, e.g. u0 (cards",
+         "0-7); the JSON keeps the plan in unit ids and adds \"tp\", \"units\" (unit -> its",
+         "cards) and each decision's \"failed_cards\"."],
         [(EXIT_OK, "success (a re-plan from the checkpoint included)"),
          (EXIT_FAILURE, "no plan: the model fits no layout, or the forced --policy is impossible"),
          (EXIT_USAGE, ("usage error (one line on stderr): unknown flag or preset, bad job file,\n"
@@ -110,10 +134,11 @@ def build_parser() -> CliParser:
     job.add_argument("--preset", metavar="NAME",
                      help=f"built-in job spec, one of: {', '.join(preset_names())}")
     p.add_argument("--fail", metavar="IDS", type=parse_ids, action="append", default=[],
-                   help="devices that fail together in one event (e.g. 3 or 1,4-6); repeat the "
-                        "flag for failures one after the other, each planned from the last state")
+                   help="devices (cards) that fail together in one event (e.g. 3 or 1,4-6); "
+                        "repeat the flag for failures one after the other, each planned from the "
+                        "last state; with training.tp > 1 a card's failure loses its whole unit")
     p.add_argument("--fail-count", metavar="K", type=int, default=0,
-                   help="one more event in which K live devices, drawn with --seed, fail")
+                   help="one more event in which K live devices (cards), drawn with --seed, fail")
     p.add_argument("--seed", type=int, default=0, help="seed for --fail-count (default 0)")
     p.add_argument("--policy", choices=get_args(PolicyChoice), default="auto",
                    help="auto (default) picks the higher score; reroute/replan force one")
@@ -126,20 +151,55 @@ def build_parser() -> CliParser:
     return p
 
 
-def _events(args: argparse.Namespace, spec: JobSpec) -> list[list[int]]:
+def _events(args: argparse.Namespace, job: JobSpec) -> list[list[int]]:
+    """The failure events as card ids (device ids when ``tp = 1``). ``--fail-count`` draws from
+    the cards still live after the ``--fail`` events: those of units no event has hit."""
     events = [list(ids) for ids in args.fail]
     if args.fail_count < 0:
         raise RequestError(f"--fail-count {args.fail_count} is negative; pass 0 or more.")
     if args.fail_count:
-        dead = {d for e in events for d in e}
-        live = [d for d in range(spec.cluster.devices) if d not in dead]
+        tp = job.training.tp
+        hit = set(units_of((c for e in events for c in e), tp))
+        live = [c for c in range(job.cluster.devices) if unit_of(c, tp) not in hit]
         if args.fail_count >= len(live):
+            what = "device" if tp == 1 else "card"
             raise RequestError(
-                f"--fail-count {args.fail_count} would leave no live device of {len(live)}; "
+                f"--fail-count {args.fail_count} would leave no live {what} of {len(live)}; "
                 "pass a smaller count."
             )
         events.append(sorted(random.Random(args.seed).sample(live, args.fail_count)))
     return events
+
+
+def _lost_units(job: JobSpec, plan: ExecutionPlan, cards: list[int]) -> list[int]:
+    """The units an event's cards take down, for the planner. Cards that do not exist, or whose
+    unit is gone already, are the request's fault (said in cards, which is what the person
+    named); with ``tp = 1`` cards are the planner's devices and ``check_event`` says it."""
+    tp = job.training.tp
+    if tp == 1:
+        return cards
+    total = job.cluster.devices
+    live = set(plan.live_devices)
+    for card in cards:
+        if not 0 <= card < total:
+            raise RequestError(
+                f"card {card} does not exist: the job has cards 0-{total - 1} (cluster.devices "
+                f"= {total}); name a card in that range."
+            )
+        if unit_of(card, tp) not in live:
+            live_cards = [c for u in sorted(live) for c in cards_of(u, tp)]
+            raise RequestError(
+                f"card {card} cannot fail: its unit {_unit_label(unit_of(card, tp), tp)} is not "
+                f"live in plan generation {plan.generation} (live cards: "
+                f"{compact_ids(live_cards)}); name a card of a live unit."
+            )
+    units = list(units_of(cards, tp))
+    if set(units) >= live:
+        raise RequestError(
+            f"cards {compact_ids(sorted(set(cards)))} would take all {len(live)} live units; "
+            "at least one unit must survive to continue."
+        )
+    return units
 
 
 def _check_event(spec: JobSpec, plan: ExecutionPlan, failed: list[int]) -> None:
@@ -151,9 +211,12 @@ def _check_event(spec: JobSpec, plan: ExecutionPlan, failed: list[int]) -> None:
         raise RequestError(str(exc)) from exc
 
 
-def _decision_record(failed: list[int], d: Decision) -> dict:
+def _decision_record(failed: list[int], d: Decision, cards: list[int] | None = None) -> dict:
+    """One decision as plain data; ``failed`` in the planner's ids (units), ``cards`` (the
+    ids the person named) only when tensor parallelism makes them differ."""
     return {
         "failed": failed,
+        **({} if cards is None else {"failed_cards": sorted(set(cards))}),
         "chosen": d.chosen.policy,
         "generation": d.chosen.generation,
         "scores": {k: p.estimate.score for k, p in d.candidates.items()},
@@ -165,37 +228,74 @@ def _decision_record(failed: list[int], d: Decision) -> dict:
 
 
 def run(args: argparse.Namespace) -> tuple[ExecutionPlan, JobSpec, list[dict]]:
-    """The final plan after every failure event, the spec, and one record per decision.
-    Raises SpecError / RequestError for a wrong request, PlanningError when there is no plan."""
-    spec = load_job(args.job, args.preset).with_recovery(args.recovery)
+    """The final plan after every failure event, the job as given (cards), and one record per
+    decision. Plans are made on the unit view of the job, so they name units (devices when
+    ``tp = 1``). Raises SpecError / RequestError for a wrong request, PlanningError when there
+    is no plan."""
+    job = load_job(args.job, args.preset).with_recovery(args.recovery)
+    spec = unit_spec(job)
+    tp = job.training.tp
     plan = initial_plan(spec)
     records = []
-    for failed in _events(args, spec):
+    for cards in _events(args, job):
+        failed = _lost_units(job, plan, cards)
         _check_event(spec, plan, failed)
         decision = decide(spec, plan, failed, policy=args.policy)
-        records.append(_decision_record(failed, decision))
+        records.append(_decision_record(failed, decision, cards if tp > 1 else None))
         plan = decision.chosen
-    return plan, spec, records
+    return plan, job, records
 
 
 def _gb(x: float) -> str:
     return f"{x / 1e9:.2f} GB"
 
 
+def _unit_label(unit: int, tp: int) -> str:
+    """``u3 (cards 24-31)``: a unit as a person finds it on the cluster."""
+    cards = cards_of(unit, tp)
+    return f"u{unit} (cards {cards[0]}-{cards[-1]})"
+
+
+@dataclass(frozen=True)
+class _Names:
+    """How the tables name the planner's devices: plain ids when a device is a card
+    (``tp = 1``, the output as it always was), else units (``u3``), with their cards where a
+    person must find them (``u3 (cards 24-31)``)."""
+
+    tp: int
+
+    @property
+    def units(self) -> bool:
+        return self.tp > 1
+
+    def short(self, device: int | str) -> str:
+        return f"u{device}" if self.units and isinstance(device, int) else str(device)
+
+    def full(self, device: int) -> str:
+        return _unit_label(device, self.tp) if self.units else str(device)
+
+
 #: Transfers listed in the table; the rest are counted (``--json`` has them all).
 MAX_TRANSFER_ROWS = 20
 
 
-def _transfer_table(plan: ExecutionPlan) -> Table:
-    """Who sends which layers to whom; ``checkpoint`` where no live device held them."""
+def _transfer_table(plan: ExecutionPlan, names: _Names) -> Table:
+    """Who sends which layers to whom; ``checkpoint`` where no live device held them. Between
+    units every card sends its own shard to its counterpart, so sizes are per card."""
     from rich.table import Table
 
     total = sum(t.bytes for t in plan.transfers)
-    table = Table(title=f"transfers: {len(plan.transfers)} links, {_gb(total)} in all")
-    for col in ("source", "receiver", "layers", "size"):
+    if names.units:
+        title = (f"transfers: {len(plan.transfers)} unit links, {_gb(total)} per card in all "
+                 f"(card i to card i, {names.tp} cards each)")
+    else:
+        title = f"transfers: {len(plan.transfers)} links, {_gb(total)} in all"
+    table = Table(title=title)
+    for col in ("source", "receiver", "layers", "size per card" if names.units else "size"):
         table.add_column(col)
     for t in plan.transfers[:MAX_TRANSFER_ROWS]:
-        table.add_row(str(t.src), str(t.dst), compact_ids(t.layers), _gb(t.bytes))
+        table.add_row(names.short(t.src), names.short(t.dst), compact_ids(t.layers),
+                      _gb(t.bytes))
     hidden = len(plan.transfers) - MAX_TRANSFER_ROWS
     if hidden > 0:
         table.caption = f"{hidden} more (--json lists them all)"
@@ -210,46 +310,57 @@ def _recomputing(flags: Sequence[bool]) -> str:
     return f"stage{'s' if len(stages) > 1 else ''} {compact_ids(stages)}"
 
 
-def _render(plan: ExecutionPlan, spec: JobSpec, records: list[dict]) -> None:
+def _render(plan: ExecutionPlan, job: JobSpec, records: list[dict]) -> None:
     from rich.table import Table
 
     console = make_console()
+    names = _Names(job.training.tp)
     est = plan.estimate
     live = len(plan.live_devices)
-    console.print(f"[bold]{spec.name}[/]: generation {plan.generation}, policy [bold]{plan.policy}"
-                  f"[/], {live}/{spec.cluster.devices} devices live, "
+    if names.units:
+        units = job.cluster.devices // names.tp
+        alive = (f"{live}/{units} units of {names.tp} cards live "
+                 f"({live * names.tp}/{job.cluster.devices} cards)")
+    else:
+        alive = f"{live}/{job.cluster.devices} devices live"
+    console.print(f"[bold]{job.name}[/]: generation {plan.generation}, policy [bold]{plan.policy}"
+                  f"[/], {alive}, "
                   f"{plan.global_micro_batches} micro-batches per step, "
-                  f"recovery {spec.cluster.recovery}, precision {spec.training.precision}, "
-                  f"recompute {spec.planner.recompute}")
+                  f"recovery {job.cluster.recovery}, precision {job.training.precision}, "
+                  f"recompute {job.planner.recompute}")
     table = Table(title="layout")
-    for col in ("pipeline", "devices (stage order)", "layers per stage", "micro-batches",
-                "recompute"):
+    for col in ("pipeline", f"{'units' if names.units else 'devices'} (stage order)",
+                "layers per stage", "micro-batches", "recompute"):
         table.add_column(col)
     dead = set(plan.failed_devices)
     for i, p in enumerate(plan.pipelines):
-        devs = " ".join(f"[red]x{d}[/]" if d in dead else str(d) for d in p.devices)
+        devs = " ".join(f"[red]x{names.full(d)}[/]" if d in dead else names.full(d)
+                        for d in p.devices)
         layers = " ".join(f"[{a},{b})" for a, b in p.layers)
         table.add_row(str(i), devs, layers, str(p.micro_batches), _recomputing(p.recompute))
     console.print(table)
     if plan.spare_devices:
-        console.print(f"spare devices: {' '.join(map(str, plan.spare_devices))}")
+        console.print(f"spare {'units' if names.units else 'devices'}: "
+                      f"{' '.join(map(names.full, plan.spare_devices))}")
     for r in plan.reroute:
-        shares = ", ".join(f"{s.device} takes {s.micro_batches}" for s in r.peers)
-        console.print(f"rerouted: device {r.device} (pipeline {r.pipeline}, stage {r.stage}): "
-                      f"{shares}")
+        shares = ", ".join(f"{names.short(s.device)} takes {s.micro_batches}" for s in r.peers)
+        console.print(f"rerouted: {'unit' if names.units else 'device'} {names.full(r.device)} "
+                      f"(pipeline {r.pipeline}, stage {r.stage}): {shares}")
     if plan.transfers:
-        console.print(_transfer_table(plan))
+        console.print(_transfer_table(plan, names))
     console.print(f"gradient all-reduce: {len(plan.allreduce_rounds)} round(s), "
                   f"{sum(len(r) for r in plan.allreduce_rounds)} group(s)")
     peak = max(est.peak_memory_bytes.values())
     console.print(
         f"estimate: step {est.step_time_s:.4f} s, throughput {est.throughput:.2f} samples/s, "
         f"transition {est.transition_time_s:.2f} s, peak memory {_gb(peak)} of "
-        f"{_gb(spec.cluster.device_memory_bytes)}, score {est.score:.3f}"
+        f"{_gb(job.cluster.device_memory_bytes)}{' per card' if names.units else ''}, "
+        f"score {est.score:.3f}"
     )
     for rec in records:
         scores = ", ".join(f"{k} {v:.3f}" for k, v in rec["scores"].items())
-        line = f"failure of {rec['failed']}: chose [bold]{rec['chosen']}[/] (scores: {scores})"
+        line = (f"failure of {_failed_label(rec, names)}: chose [bold]{rec['chosen']}[/] "
+                f"(scores: {scores})")
         other = [k for k in rec["scores"] if k != rec["chosen"]]
         for k in other:
             line += (f"; {rec['chosen']} step {rec['step_time_s'][rec['chosen']]:.4f} s + "
@@ -263,6 +374,27 @@ def _render(plan: ExecutionPlan, spec: JobSpec, records: list[dict]) -> None:
         console.print(line)
 
 
+def _failed_label(record: dict, names: _Names) -> str:
+    """``[1, 3]`` (devices), or with units: the cards named and the units they took down."""
+    if not names.units:
+        return str(record["failed"])
+    cards, units = record["failed_cards"], record["failed"]
+    return (f"card{'s' if len(cards) > 1 else ''} {compact_ids(cards)}, which lost "
+            f"unit{'s' if len(units) > 1 else ''} {', '.join(map(names.full, units))}")
+
+
+def _to_json(plan: ExecutionPlan, job: JobSpec, records: list[dict]) -> dict:
+    """The plan (in the planner's ids) and the decisions; with units, also ``tp`` and which
+    cards each unit is, so that a reader can map every id back to cards."""
+    out = plan.to_dict()
+    tp = job.training.tp
+    if tp > 1:
+        out["tp"] = tp
+        out["units"] = {str(u): list(cards_of(u, tp)) for u in range(job.cluster.devices // tp)}
+    out["decisions"] = records
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -273,9 +405,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except PlanningError as exc:
         return parser.failure(str(exc))
     if args.json:
-        out = plan.to_dict()
-        out["decisions"] = records
-        json.dump(out, sys.stdout, indent=2)
+        json.dump(_to_json(plan, spec, records), sys.stdout, indent=2)
         print()
     else:
         _render(plan, spec, records)

@@ -9,6 +9,12 @@ given trace (``--trace FILE.csv``). Every policy replays every trace. Prints a s
 runs.csv, the traces as CSV, throughput.png and devices.png. Usage errors exit 2 with one
 line and no traceback; a job the planner cannot start, or an ``--out`` that cannot be
 written, exits 1; nothing is written to ``--out`` unless the whole run succeeded.
+
+With tensor parallelism (``training.tp > 1``) every policy runs on the unit view of the job
+(``planning.units.unit_spec``): devices are units of ``tp`` cards, and a unit fails at ``tp``
+times the per-card rate. ``--failure-rate`` stays per card; a ``--trace`` file names cards and
+is mapped to units; the traces written to ``--out`` name cards too (each unit event as its
+first card's), so they replay to the same run.
 """
 
 from __future__ import annotations
@@ -25,11 +31,21 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..console import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, CliParser, help_epilog, make_console
+from ..planning.units import unit_spec
 from ..spec import RECOVERY_MODES, JobSpec, SpecError, load_job, preset_names
 from .constants import REROUTE_TIMINGS, BaselineConstants
 from .experiment import ExperimentResult, run_experiment
 from .policies import POLICY_NAMES, parse_policies
-from .traces import TRACE_MODELS, FailureTrace, TraceError, generate_trace, read_trace, write_trace
+from .traces import (
+    TRACE_MODELS,
+    FailureTrace,
+    TraceError,
+    cards_to_units,
+    generate_trace,
+    read_trace,
+    units_to_cards,
+    write_trace,
+)
 
 __all__ = ["DEFAULT_POLICIES", "EXAMPLES", "POLICY_HELP", "build_parser", "main"]
 
@@ -54,6 +70,8 @@ EXAMPLES: tuple[tuple[str, str], ...] = (
      "the paper's simulation (9 h, 0.1/device-hour); plus summary.json, runs.csv, plots"),
     ("chameleon-sim --preset tiny-cpu --hours 1 --trace-model hourly --mttr-s 600 --json",
      "hourly failures with repairs, JSON on stdout"),
+    ("chameleon-sim --preset llama2-7b-910b-tp8 --hours 1 --seeds 4",
+     "tensor parallelism: 32 cards as 4 units of 8, a unit lost with any of its cards"),
 )
 
 
@@ -63,7 +81,12 @@ def _epilog() -> str:
     return help_epilog(
         EXAMPLES, f"policies (--policies NAME,...; default {DEFAULT_POLICIES}):",
         [(n, POLICY_HELP.get(n, "")) for n in POLICY_NAMES],
-        ["Tables are as wide as their cells when the output is not a terminal."],
+        ["Tables are as wide as their cells when the output is not a terminal.",
+         "",
+         "With training.tp > 1 every policy plans and runs units of tp cards (unit u = cards",
+         "u*tp .. u*tp+tp-1): a unit fails at tp x the per-card --failure-rate, and working",
+         "devices, failures and decisions count units. A --trace file names CARDS (a unit is",
+         "down while any of its cards is); traces written to --out name cards too."],
         [(EXIT_OK, "success"),
          (EXIT_FAILURE, ("the planner cannot start the job (nothing fits), or --out is not "
                         "writable")),
@@ -88,7 +111,7 @@ def build_parser() -> CliParser:
     tr.add_argument("--hours", type=float, default=None,
                     help="simulated hours (default 9, or the --trace file's horizon)")
     tr.add_argument("--failure-rate", type=float, default=None, metavar="PER_DEVICE_HOUR",
-                    help="failures per device per hour (default: the job's "
+                    help="failures per device (card) per hour (default: the job's "
                          "cluster.failure_rate_per_hour); also what the planner assumes")
     tr.add_argument("--seeds", type=int, default=20, help="number of traces (default 20)")
     tr.add_argument("--seed-base", type=int, default=0, help="first seed (default 0)")
@@ -97,7 +120,9 @@ def build_parser() -> CliParser:
                          "per-hour Bernoulli at a uniform time (default poisson)")
     tr.add_argument("--mttr-s", type=float, default=None, metavar="S",
                     help="mean time to repair; failed devices rejoin (default: never)")
-    tr.add_argument("--trace", metavar="FILE", help="replay this CSV trace instead")
+    tr.add_argument("--trace", metavar="FILE",
+                    help="replay this CSV trace instead (time_s,device,event; devices are "
+                         "cards, mapped to units when training.tp > 1)")
     pol = p.add_argument_group("policies")
     pol.add_argument("--policies", default=DEFAULT_POLICIES,
                      help=f"comma-separated, from {', '.join(POLICY_NAMES)} "
@@ -136,11 +161,16 @@ def build_parser() -> CliParser:
     return p
 
 
-def _traces(args: argparse.Namespace, spec: JobSpec) -> list[tuple[int, FailureTrace]]:
+def _traces(args: argparse.Namespace, job: JobSpec) -> list[tuple[int, FailureTrace]]:
+    """The traces every policy replays, in the planner's devices: units of ``training.tp``
+    cards. A ``--trace`` file names cards and is mapped to units; generated traces are drawn
+    on the units directly, at the unit view's failure rate (tp x the card rate)."""
+    tp = job.training.tp
+    spec = unit_spec(job)
     if args.trace is not None:
         horizon = None if args.hours is None else args.hours * 3600.0
-        trace = read_trace(args.trace, devices=spec.cluster.devices, horizon_s=horizon)
-        return [(args.seed_base, trace)]
+        trace = read_trace(args.trace, devices=job.cluster.devices, horizon_s=horizon)
+        return [(args.seed_base, cards_to_units(trace, tp))]
     hours = 9.0 if args.hours is None else args.hours
     rate = spec.cluster.failure_rate_per_hour
     return [
@@ -168,8 +198,10 @@ def _check(args: argparse.Namespace, parser: CliParser) -> None:
 
 
 def _write_outputs(result: ExperimentResult, traces: Sequence[tuple[int, FailureTrace]],
-                   doc_setting: dict, out_dir: Path, bins: int) -> dict:
-    """Everything into a temporary folder first, then moved in: no half-written output."""
+                   doc_setting: dict, out_dir: Path, bins: int, tp: int = 1) -> dict:
+    """Everything into a temporary folder first, then moved in: no half-written output.
+    Traces are written in cards (``tp > 1``: each unit event as its first card's), the form
+    ``--trace`` reads."""
     from .plots import plot_experiment
     from .report import runs_csv, to_json_dict
 
@@ -178,8 +210,8 @@ def _write_outputs(result: ExperimentResult, traces: Sequence[tuple[int, Failure
     try:
         (tmp / "traces").mkdir()
         for seed, trace in traces:
-            write_trace(trace, tmp / "traces" / f"seed-{seed}.csv")
-        plot_experiment(result, tmp, bins)
+            write_trace(units_to_cards(trace, tp), tmp / "traces" / f"seed-{seed}.csv")
+        plot_experiment(result, tmp, bins, tp=tp)
         (tmp / "runs.csv").write_text(runs_csv(result))
         names = ["summary.json", "runs.csv", "throughput.png", "devices.png", "traces"]
         files = {n: str(out_dir / n) for n in names}
@@ -201,6 +233,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     _check(args, parser)
     try:
+        # The job as given (cards) first, overrides included; the policies then run on its
+        # unit view (itself when training.tp = 1).
         spec = load_job(args.job, args.preset).with_recovery(args.recovery)
         if args.failure_rate is not None:
             spec = replace(spec, cluster=replace(spec.cluster,
@@ -215,7 +249,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             planner = replace(planner, pp_radius=args.pp_radius)
         if args.no_templates:
             planner = replace(planner, templates=False)
-        spec = replace(spec, planner=planner)
+        job = replace(spec, planner=planner)
+        spec = unit_spec(job)
         policies = parse_policies(args.policies)
         constants = BaselineConstants(
             storage_bandwidth_bytes_per_s=args.storage_bandwidth,
@@ -224,7 +259,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             hybrid_interference=args.hybrid_interference,
             reroute_timing=args.reroute_timing,
         )
-        traces = _traces(args, spec)
+        traces = _traces(args, job)
     except (SpecError, TraceError, ValueError) as exc:
         parser.error(str(exc))
     jobs = args.jobs or len(os.sched_getaffinity(0))
@@ -238,9 +273,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:  # a trace for another number of devices
         parser.error(str(exc))
     setting = {
-        "devices": spec.cluster.devices,
+        "devices": job.cluster.devices,
+        **_unit_setting(job, spec),
         "hours": traces[0][1].horizon_s / 3600.0,
-        "failure_rate_per_hour": spec.cluster.failure_rate_per_hour,
+        "failure_rate_per_hour": job.cluster.failure_rate_per_hour,
         "trace_model": "file" if args.trace else args.trace_model,
         "mttr_s": args.mttr_s,
         "mean_failures": sum(t.failures for _, t in traces) / len(traces),
@@ -261,7 +297,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if args.out is not None:
         try:
-            doc = _write_outputs(result, traces, setting, Path(args.out), args.bins)
+            doc = _write_outputs(result, traces, setting, Path(args.out), args.bins,
+                                 job.training.tp)
         except OSError as exc:
             return parser.failure(f"cannot write --out {args.out}: {exc}; pass a writable "
                                   "directory.")
@@ -271,11 +308,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(doc, indent=2))
     else:
         console = make_console()
-        console.print(summary_table(result))
+        console.print(summary_table(result, tp=job.training.tp))
         if args.out is not None:
             console.print(f"wrote {args.out}/summary.json, runs.csv, throughput.png, devices.png, "
                           "traces/", markup=False, highlight=False)
     return EXIT_OK
+
+
+def _unit_setting(job: JobSpec, spec: JobSpec) -> dict:
+    """What the JSON setting adds under tensor parallelism (nothing when ``tp = 1``): the unit
+    size and count, and the rate a unit fails at; ``devices`` and ``failure_rate_per_hour``
+    stay the job's cards and per-card rate, while failures and working devices count units."""
+    tp = job.training.tp
+    if tp == 1:
+        return {}
+    return {"tp": tp, "units": spec.cluster.devices,
+            "unit_failure_rate_per_hour": spec.cluster.failure_rate_per_hour}
 
 
 def _run(spec: JobSpec, traces: Sequence[tuple[int, FailureTrace]], policies: Sequence[str],

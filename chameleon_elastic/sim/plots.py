@@ -54,8 +54,9 @@ def trace_curves(result: ExperimentResult, policy: str,
 
 
 def plot_experiment(result: ExperimentResult, out_dir: str | Path,
-                    bins: int = 108) -> dict[str, str]:
-    """Write throughput.png and devices.png into ``out_dir``; returns {name: path}."""
+                    bins: int = 108, tp: int = 1) -> dict[str, str]:
+    """Write throughput.png and devices.png into ``out_dir``; returns {name: path}. With
+    ``tp > 1`` the simulated devices are units of ``tp`` cards, and devices.png says so."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -67,7 +68,8 @@ def plot_experiment(result: ExperimentResult, out_dir: str | Path,
     title = f"{result.spec.name}, mean of {n} trace{'s' if n != 1 else ''}"
     paths: dict[str, str] = {}
     for key, index, ylabel in (("throughput", 1, "throughput (samples/s)"),
-                               ("devices", 2, "working devices")):
+                               ("devices", 2, "working devices" if tp == 1
+                                else f"working units ({tp} cards each)")):
         fig, (top, bottom) = plt.subplots(2, 1, figsize=(7.0, 5.6), dpi=100, sharex=True)
         for name in result.policies:
             colour, line = _STYLE.get(name, (None, "-"))

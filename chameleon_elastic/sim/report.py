@@ -68,14 +68,23 @@ def to_json_dict(result: ExperimentResult, setting: dict[str, Any],
     }
 
 
-def summary_table(result: ExperimentResult) -> Table:
+def summary_table(result: ExperimentResult, tp: int = 1) -> Table:
     """One row per policy (means over the seeds), the paired ratios as the caption. Print it
-    with :func:`chameleon_elastic.console.make_console`, which keeps it whole in a pipe."""
+    with :func:`chameleon_elastic.console.make_console`, which keeps it whole in a pipe.
+
+    ``tp > 1``: the simulated devices were units of ``tp`` cards (``planning.units``); the
+    title says how many cards and units, and the working count is in units."""
     n = len(result.seeds)
-    table = Table(title=f"{result.spec.name}: {n} seed{'s' if n != 1 else ''}, fault-free "
-                        f"{result.fault_free_throughput:.2f} samples/s")
+    title = (f"{result.spec.name}: {n} seed{'s' if n != 1 else ''}, fault-free "
+             f"{result.fault_free_throughput:.2f} samples/s")
+    if tp > 1:
+        units = result.spec.cluster.devices
+        title += (f", {units * tp} cards as {units} units of {tp} (a unit fails with any of "
+                  "its cards)")
+    table = Table(title=title)
     for col in ("policy", "throughput (samples/s)", "vs fault-free", "paused (s)",
-                "lost work (s)", "working at end", "decide (ms, mean)"):
+                "lost work (s)", "working at end" if tp == 1 else "units working at end",
+                "decide (ms, mean)"):
         # A policy's name is never cut ("chamele…" on a narrow terminal); numbers may wrap.
         table.add_column(col, justify="left" if col == "policy" else "right",
                          no_wrap=col == "policy")

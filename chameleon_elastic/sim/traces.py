@@ -15,6 +15,12 @@ rejoins (a ``join`` event); it can then fail again. Without it, a failure is per
 Traces are written and read as CSV (``time_s,device,event``) with ``#`` comment lines carrying
 the device count, the horizon and how the trace was made, so a trace from a real cluster log can
 be replayed by every policy.
+
+With tensor parallelism (``training.tp > 1``) the simulator runs on units of ``tp`` cards, but
+a cluster log names cards: ``cards_to_units`` turns a card trace into the unit trace the
+policies replay (a unit is down while any of its cards is), and ``units_to_cards`` writes a
+unit trace back as cards (each unit event as its first card's), so that a written trace
+replays to the same unit trace.
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ from typing import Literal
 
 import numpy as np
 
+from ..spec import cards_of, unit_of
+
 __all__ = [
     "TRACE_MODELS",
     "EventGroup",
@@ -37,10 +45,12 @@ __all__ = [
     "FailureTrace",
     "TraceError",
     "TraceEvent",
+    "cards_to_units",
     "generate_trace",
     "hourly_trace",
     "poisson_trace",
     "read_trace",
+    "units_to_cards",
     "write_trace",
 ]
 
@@ -225,6 +235,46 @@ def _sorted(events: list[TraceEvent]) -> tuple[TraceEvent, ...]:
     # A join and a later failure of the same device never tie in practice; order joins first
     # at equal times so that the alternation check holds.
     return tuple(sorted(events, key=lambda e: (e.time_s, e.kind != "join", e.device)))
+
+
+# --------------------------------------------------------------------------- cards and units
+
+
+def cards_to_units(trace: FailureTrace, tp: int) -> FailureTrace:
+    """The unit trace of a card trace: a unit fails when the first of its cards fails (it
+    cannot run a sharded layer without every card) and rejoins when its last failed card is
+    back. Other cards of an already failed unit change nothing. ``tp = 1``: the trace itself."""
+    if tp == 1:
+        return trace
+    if trace.devices % tp:
+        raise TraceError(
+            f"the trace covers {trace.devices} cards, not a multiple of training.tp = {tp}; "
+            "use a trace of the job's cluster.devices cards."
+        )
+    down = [0] * (trace.devices // tp)  # failed cards per unit
+    events = []
+    for e in trace.events:
+        unit = unit_of(e.device, tp)
+        before = down[unit]
+        down[unit] += 1 if e.kind == "fail" else -1
+        if (before == 0) != (down[unit] == 0):  # the unit went down, or came back whole
+            events.append(TraceEvent(e.time_s, unit, e.kind))
+    where = f"{trace.description}; " if trace.description else ""
+    # In the card trace's order, which is a valid order for the units too.
+    return FailureTrace(trace.devices // tp, trace.horizon_s, tuple(events),
+                        f"{where}units of tp={tp} cards")
+
+
+def units_to_cards(trace: FailureTrace, tp: int) -> FailureTrace:
+    """A unit trace written in cards, each unit event as its first card's: ``cards_to_units``
+    of the result is ``trace`` again. ``tp = 1``: the trace itself."""
+    if tp == 1:
+        return trace
+    events = tuple(TraceEvent(e.time_s, cards_of(e.device, tp)[0], e.kind)
+                   for e in trace.events)
+    note = f"unit events as each unit's first card, tp={tp}"
+    where = f"{trace.description}; " if trace.description else ""
+    return FailureTrace(trace.devices * tp, trace.horizon_s, events, f"{where}{note}")
 
 
 # --------------------------------------------------------------------------- CSV

@@ -172,3 +172,70 @@ def test_recomputing_stages_are_shown_in_the_table_and_the_json(tmp_path, capsys
     rows = [line.split("│")[1:-1] for line in capsys.readouterr().out.splitlines()
             if line.startswith("│ 0")]
     assert [cell.strip() for cell in rows[0]][-1] == "-"
+
+
+# --------------------------------------------------------------------------- tensor parallelism
+
+TP_PRESET = "llama2-7b-910b-tp8"  # 32 cards as 4 units of 8, (PP, DP, TP) = (2, 2, 8)
+
+
+def test_a_card_failure_loses_its_whole_unit_and_shows_the_new_layout():
+    proc = run_cli("--preset", TP_PRESET, "--fail", "0")
+    assert proc.returncode == 0, proc.stderr
+    text = " ".join(proc.stdout.split())  # the console may wrap long lines
+    assert "3/4 units of 8 cards live (24/32 cards)" in text
+    assert "failure of card 0, which lost unit u0 (cards 0-7): chose replan" in text
+    layout = [line for line in proc.stdout.splitlines() if line.startswith("│ ")]
+    assert any("units (stage order)" in line for line in proc.stdout.splitlines())
+    cells = " ".join(layout)
+    assert "u0 (cards 0-7)" not in cells  # the lost unit is gone from the layout
+    for unit in ("u1 (cards 8-15)", "u2 (cards 16-23)", "u3 (cards 24-31)"):
+        assert unit in cells
+    assert "size per card" in proc.stdout and "per card" in text
+
+
+def test_tp_json_keeps_unit_ids_and_maps_them_to_cards(capsys):
+    assert main(["--preset", TP_PRESET, "--fail", "12", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["tp"] == 8
+    assert out["units"] == {str(u): list(range(8 * u, 8 * u + 8)) for u in range(4)}
+    (decision,) = out["decisions"]
+    assert decision["failed"] == [1] and decision["failed_cards"] == [12]
+    live = {d for p in out["pipelines"] for d in p["devices"]} | set(out["spare_devices"])
+    assert live == {0, 2, 3}
+    assert sum(p["micro_batches"] for p in out["pipelines"]) == 64
+
+
+def test_tp_fail_count_draws_cards_of_live_units(capsys):
+    assert main(["--preset", TP_PRESET, "--fail", "3", "--fail-count", "1", "--seed", "4",
+                 "--json"]) == 0
+    first, second = json.loads(capsys.readouterr().out)["decisions"]
+    assert first["failed"] == [0]
+    (card,) = second["failed_cards"]
+    assert 8 <= card < 32 and second["failed"] == [card // 8]
+
+
+def test_one_json_without_tp_keys_for_tp_1(capsys):
+    assert main(["--preset", "llama2-7b-910b", "--fail", "1", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert "tp" not in out and "units" not in out and "failed_cards" not in out["decisions"][0]
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--fail", "32"], "card 32 does not exist: the job has cards 0-31"),
+    (["--fail", "0", "--fail", "7"], "card 7 cannot fail: its unit u0 (cards 0-7) is not live"),
+    (["--fail", "0,8,16,24"], "would take all 4 live units"),
+    (["--fail-count", "32"], "would leave no live card of 32"),
+])
+def test_tp_bad_cards_exit_2_in_one_line(args, words):
+    proc = run_cli("--preset", TP_PRESET, *args)
+    assert proc.returncode == 2
+    assert words in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.stderr.count("\n") == 1 and proc.stdout == ""
+
+
+def test_help_says_fail_takes_cards_with_tp():
+    proc = run_cli("--help")
+    text = " ".join(proc.stdout.split())
+    assert "--fail and --fail-count take CARD ids; a card's failure loses its whole unit" in text
+    assert TP_PRESET in text

@@ -228,3 +228,47 @@ def test_recovery_flag_sets_chameleons_switch_cost(tmp_path, capsys) -> None:
     oobleck = [docs[m]["policies"]["oobleck"] for m in docs]
     for key in ("avg_throughput", "transition_s", "lost_samples"):
         assert oobleck[0][key] == oobleck[1][key]
+
+
+@pytest.mark.timeout(60)
+def test_tensor_parallel_job_runs_on_units(tmp_path, capsys) -> None:
+    # 32 cards as 4 units of 8: a unit fails at 8 x the card rate, and the report says so.
+    out = tmp_path / "out"
+    assert main(["--preset", "llama2-7b-910b-tp8", "--hours", "1", "--seeds", "2",
+                 "--failure-rate", "0.02", "--no-progress", "--jobs", "1",
+                 "--policies", "chameleon,recycle", "--out", str(out), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    setting = doc["setting"]
+    assert (setting["devices"], setting["tp"], setting["units"]) == (32, 8, 4)
+    assert setting["failure_rate_per_hour"] == 0.02
+    assert setting["unit_failure_rate_per_hour"] == pytest.approx(0.16)
+    for entry in doc["policies"].values():
+        assert 0 < entry["avg_throughput"] and entry["final_working_devices"] <= 4
+    # Written traces name cards (each unit event as its unit's first card).
+    trace = read_trace(out / "traces" / "seed-0.csv")
+    assert trace.devices == 32 and all(e.device % 8 == 0 for e in trace.events)
+    assert main(["--preset", "llama2-7b-910b-tp8", "--hours", "1", "--seeds", "1",
+                 "--no-progress", "--jobs", "1", "--policies", "chameleon"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "32 cards as 4 units of 8" in text and "units working at end" in text
+
+
+@pytest.mark.timeout(60)
+def test_a_card_trace_is_replayed_on_units(tmp_path, capsys) -> None:
+    path = tmp_path / "cards.csv"
+    # Cards 3 and 5 are both in unit 0: one unit failure; card 20 takes unit 2.
+    write_trace(FailureTrace(32, 7200.0, (TraceEvent(300.0, 3, "fail"),
+                                          TraceEvent(400.0, 5, "fail"),
+                                          TraceEvent(900.0, 20, "fail"))), path)
+    assert main(["--preset", "llama2-7b-910b-tp8", "--trace", str(path), "--no-progress",
+                 "--policies", "chameleon,oobleck", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["setting"]["mean_failures"] == 2
+    for entry in doc["policies"].values():
+        assert entry["decisions_total"] == {"replan": 2} and entry["final_working_devices"] == 2
+    bad = tmp_path / "bad.csv"  # card 40 of 32
+    bad.write_text("# devices=32\n# horizon_s=3600\ntime_s,device,event\n10.0,40,fail\n")
+    with pytest.raises(SystemExit) as info:
+        main(["--preset", "llama2-7b-910b-tp8", "--trace", str(bad), "--no-progress"])
+    assert info.value.code == 2
+    assert "outside 0..31" in capsys.readouterr().err

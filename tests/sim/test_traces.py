@@ -11,10 +11,12 @@ from chameleon_elastic.sim.traces import (
     FailureTrace,
     TraceError,
     TraceEvent,
+    cards_to_units,
     generate_trace,
     hourly_trace,
     poisson_trace,
     read_trace,
+    units_to_cards,
     write_trace,
 )
 
@@ -119,3 +121,37 @@ def test_missing_file_and_bad_requests() -> None:
         poisson_trace(4, 0.1, 1, 0, mttr_s=0.0)
     with pytest.raises(TraceError, match="unknown trace model"):
         generate_trace("weibull", 4, 0.1, 1, 0)
+
+
+# --------------------------------------------------------------------------- cards and units
+
+
+def test_card_traces_map_to_units():
+    cards = FailureTrace(8, 100.0, (
+        TraceEvent(1.0, 1, "fail"),   # unit 0 goes down
+        TraceEvent(2.0, 0, "fail"),   # unit 0 already down: nothing
+        TraceEvent(3.0, 6, "fail"),   # unit 1 goes down
+        TraceEvent(4.0, 1, "join"),   # card 0 still down: unit 0 stays down
+        TraceEvent(5.0, 0, "join"),   # unit 0 whole again
+        TraceEvent(6.0, 5, "fail"),   # unit 1 already down
+    ))
+    units = cards_to_units(cards, 4)
+    assert units.devices == 2 and units.horizon_s == 100.0
+    assert [(e.time_s, e.device, e.kind) for e in units.events] == [
+        (1.0, 0, "fail"), (3.0, 1, "fail"), (5.0, 0, "join")]
+    assert cards_to_units(cards, 1) is cards
+
+
+def test_unit_traces_written_as_cards_replay_to_the_same_units(tmp_path):
+    units = poisson_trace(4, 0.8, 3.0, seed=5, mttr_s=1800.0)
+    cards = units_to_cards(units, 8)
+    assert cards.devices == 32 and all(e.device % 8 == 0 for e in cards.events)
+    write_trace(cards, tmp_path / "t.csv")
+    back = cards_to_units(read_trace(tmp_path / "t.csv"), 8)
+    assert back.events == units.events and back.devices == 4
+    assert units_to_cards(units, 1) is units
+
+
+def test_a_card_trace_that_is_not_whole_units_is_refused():
+    with pytest.raises(TraceError, match="not a multiple of training.tp = 4"):
+        cards_to_units(FailureTrace(6, 10.0, ()), 4)
