@@ -95,8 +95,8 @@ def _epilog() -> str:
         [(EXIT_OK, "success (a re-plan from the checkpoint included)"),
          (EXIT_FAILURE, "no plan: the model fits no layout, or the forced --policy is impossible"),
          (EXIT_USAGE, ("usage error (one line on stderr): unknown flag or preset, bad job file,\n"
-                      "     a device that is not live, every live device failing, --fail-count "
-                      "too large"))])
+                      "     a device (card) that does not exist or is not live, every live device "
+                      "failing,\n     --fail-count too large"))])
 
 
 def parse_ids(text: str) -> list[int]:
