@@ -81,6 +81,9 @@ CHAMELEON_VARS: tuple[str, ...] = (
     "CHAMELEON_GLOBAL_MICRO_BATCHES",
     "CHAMELEON_PLAN_FILE",
     "CHAMELEON_DEVICE",
+    "CHAMELEON_TP_RANK",
+    "CHAMELEON_TP_SIZE",
+    "CHAMELEON_TP_GROUP_RANKS",
 )
 
 
@@ -94,8 +97,11 @@ def job_env(spec: JobSpec) -> dict[str, str]:
             "CHAMELEON_PRECISION": spec.training.precision}
 
 
-def chameleon_env(plan: ExecutionPlan, role: DeviceRole, plan_file: str) -> dict[str, str]:
-    """The ``CHAMELEON_*`` variables of one worker (see docs/launcher.md for the table)."""
+def chameleon_env(plan: ExecutionPlan, role: DeviceRole, plan_file: str,
+                  unit_ranks: tuple[int, ...], tp_rank: int = 0) -> dict[str, str]:
+    """The ``CHAMELEON_*`` variables of one worker (see docs/launcher.md for the table): its
+    plan device (a unit of ``len(unit_ranks)`` cards under tensor parallelism), its place in the
+    unit and the global ranks of the unit's cards."""
     return {
         "CHAMELEON_PLAN_GENERATION": str(plan.generation),
         "CHAMELEON_POLICY": plan.policy,
@@ -109,6 +115,9 @@ def chameleon_env(plan: ExecutionPlan, role: DeviceRole, plan_file: str) -> dict
         "CHAMELEON_GLOBAL_MICRO_BATCHES": str(plan.global_micro_batches),
         "CHAMELEON_PLAN_FILE": plan_file,
         "CHAMELEON_DEVICE": str(role.device),
+        "CHAMELEON_TP_RANK": str(tp_rank),
+        "CHAMELEON_TP_SIZE": str(len(unit_ranks)),
+        "CHAMELEON_TP_GROUP_RANKS": ",".join(map(str, unit_ranks)),
     }
 
 
@@ -116,16 +125,20 @@ def generation_key(generation: int) -> str:
     return f"gen/{generation}"
 
 
-def worker_key(device: int) -> str:
-    return f"worker/{device}"
+# Per-worker keys name the worker's card: its process slot, ``node * nproc_per_node +
+# local_rank`` (the plan's device itself without tensor parallelism).
 
 
-def beat_key(device: int) -> str:
-    return f"beat/{device}"
+def worker_key(card: int) -> str:
+    return f"worker/{card}"
 
 
-def resumed_key(generation: int, device: int) -> str:
-    return f"resumed/{generation}/{device}"
+def beat_key(card: int) -> str:
+    return f"beat/{card}"
+
+
+def resumed_key(generation: int, card: int) -> str:
+    return f"resumed/{generation}/{card}"
 
 
 @dataclass(frozen=True)
@@ -133,9 +146,10 @@ class Generation:
     """One plan generation as its workers need it.
 
     ``world`` lists the devices of the generation's process group in rank order: working devices
-    (sorted), then spare devices that keep a live worker. ``reported`` is the last step the job
-    reported as far as the agents know (None: unknown), so a new reporter neither skips nor
-    repeats a step. ``inplace`` is False when the agents relaunch every worker.
+    (sorted), then spare devices that keep a live worker; each device is a unit of ``tp``
+    cards on consecutive ranks. ``reported`` is the last step the job reported as far as the
+    agents know (None: unknown), so a new reporter neither skips nor repeats a step.
+    ``inplace`` is False when the agents relaunch every worker.
     """
 
     generation: int
@@ -145,20 +159,28 @@ class Generation:
     world: tuple[int, ...]
     reported: int | None = None
     inplace: bool = True
+    tp: int = 1
 
     @property
     def prefix(self) -> str:
         return f"chameleon/gen/{self.generation}/"
 
-    def rank(self, device: int) -> int:
-        return self.world.index(device)
+    @property
+    def world_size(self) -> int:
+        return len(self.world) * self.tp
+
+    def rank(self, device: int, tp_rank: int = 0) -> int:
+        return self.world.index(device) * self.tp + tp_rank
+
+    def unit_ranks(self, device: int) -> tuple[int, ...]:
+        return tuple(self.rank(device, t) for t in range(self.tp))
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Generation:
         return cls(int(d["generation"]), str(d["plan_file"]), str(d["master_addr"]),
                    int(d["master_port"]), tuple(int(x) for x in d["world"]),
                    None if d.get("reported") is None else int(d["reported"]),
-                   bool(d.get("inplace", True)))
+                   bool(d.get("inplace", True)), int(d.get("tp", 1)))
 
 
 @dataclass(frozen=True)

@@ -95,22 +95,29 @@ class Embed(nn.Module):
 
 
 class Block(nn.Module):
+    """Pre-norm attention and MLP. Written for tensor parallelism too: under ``--tp`` the q, k,
+    v projections and the MLP's first layer are split by columns (whole heads per card), the
+    output projections by rows, so the head count is read from the local width."""
+
     def __init__(self, width: int, heads: int) -> None:
         super().__init__()
-        self.heads = heads
+        self.head_dim = width // heads
         self.norm1 = nn.LayerNorm(width)
-        self.qkv = nn.Linear(width, 3 * width)
+        self.q, self.k, self.v = (nn.Linear(width, width) for _ in range(3))
         self.proj = nn.Linear(width, width)
         self.norm2 = nn.LayerNorm(width)
         self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(),
                                  nn.Linear(4 * width, width))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = self.qkv(self.norm1(x)).split(c, dim=2)
-        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        b, t, _ = x.shape
+        h = self.norm1(x)
+        q, k, v = (z(h) for z in (self.q, self.k, self.v))
+        local = q.shape[-1]   # the whole width, or this card's heads under tensor parallelism
+        q, k, v = (z.view(b, t, local // self.head_dim, self.head_dim).transpose(1, 2)
+                   for z in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, local))
         return x + self.mlp(self.norm2(x))
 
 
@@ -130,6 +137,22 @@ def build_layer(i: int, blocks: int, context: int, width: int, heads: int) -> nn
     if i == blocks + 1:
         return Head(width)
     return Block(width, heads)
+
+
+def tensor_parallel_plan(i: int, blocks: int) -> dict:
+    """How layer ``i`` is split over a unit of cards (``training.tp`` > 1), Megatron's way:
+    the byte embedding by rows of its vocabulary, the head by the same rows (the tie stays
+    shard to shard) gathering its logits, each block's attention by heads and MLP by columns
+    then rows. The position embedding and the norms are replicated."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    if i == 0:
+        return {"tokens": RowwiseParallel(input_layouts=Replicate())}
+    if i == blocks + 1:
+        return {"out": ColwiseParallel(output_layouts=Replicate())}
+    return {"q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(),
+            "proj": RowwiseParallel(), "mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel()}
 
 
 def byte_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -168,6 +191,7 @@ def gpt_model(blocks: int, context: int, width: int, heads: int, lr: float,
         make_scheduler=(functools.partial(schedule, warmup=warmup, total=total_steps)
                         if total_steps else None),
         tied=(Tie(((0, "tokens.weight"), (blocks + 1, "out.weight"))),) if tie else (),
+        tp_plan=functools.partial(tensor_parallel_plan, blocks=blocks),
     )
 
 
@@ -222,6 +246,10 @@ def main(argv: list[str] | None = None) -> int:
     if blocks < 1:
         raise SystemExit(f"the plan has {blocks + 2} layers; this GPT needs at least 3 "
                          "(embedding, one block, head): set model.layers >= 3 in the job.")
+    tp = int(os.environ.get("CHAMELEON_TP_SIZE", "1"))
+    if args.heads % tp or VOCAB % tp:
+        raise SystemExit(f"--heads {args.heads} must be a multiple of training.tp = {tp}: "
+                         "tensor parallelism gives every card whole attention heads.")
     init_distributed()
     model = gpt_model(blocks, args.context, args.width, args.heads, args.lr,
                       stdlib_corpus(args.corpus_bytes), args.seed, tie=not args.no_tie,
@@ -239,8 +267,10 @@ def main(argv: list[str] | None = None) -> int:
     where = ("spare" if not trainer.working else
              f"pipeline {trainer.plan.locate(trainer.device)[0]} layers "
              f"{trainer.layer_ids[0]}-{trainer.layer_ids[-1]}")
-    print(f"[rank {dist.get_rank()}] device {trainer.device}: {where}; plan generation "
-          f"{trainer.plan.generation} ({trainer.plan.policy})", flush=True)
+    unit = f" (a unit of {tp} cards)" if tp > 1 else ""
+    if trainer.tp_rank == 0:   # one line per device, not per card
+        print(f"[rank {dist.get_rank()}] device {trainer.device}{unit}: {where}; plan "
+              f"generation {trainer.plan.generation} ({trainer.plan.policy})", flush=True)
     first = trainer.committed
     if trainer.is_reporter and first:
         print(f"resumed from the checkpoint after step {first - 1}", flush=True)

@@ -93,13 +93,18 @@ _HANG_CONFIRM_S = 1.0
 _STORE_LOST = (RendezvousConnectionError, dist.DistNetworkError)
 
 
-def _devices(ids: list[int]) -> str:
-    return f"device{'s' if len(ids) > 1 else ''} {', '.join(map(str, ids))}"
+def _devices(ids: list[int], tp: int = 1) -> str:
+    """``device 3`` / ``devices 2, 3``; under tensor parallelism ``unit 1 (cards 2-3)``."""
+    if tp == 1:
+        return f"device{'s' if len(ids) > 1 else ''} {', '.join(map(str, ids))}"
+    return f"unit{'s' if len(ids) > 1 else ''} " + ", ".join(
+        f"{u} (cards {u * tp}-{u * tp + tp - 1})" for u in ids)
 
 
 @dataclass
 class _DeviceBook:
-    """This node's devices out of the plan, and why: one home for what used to be four flags."""
+    """This node's devices (plan devices: units under tensor parallelism) out of the plan, and
+    why: one home for what used to be four flags."""
 
     lost: set[int]          # lost to a signal (for good) or to the health check
     unhealthy: set[int]     # the part of ``lost`` that the health check excluded
@@ -211,9 +216,23 @@ class ChameleonAgent(LocalElasticAgent):
     def _nproc(self) -> int:
         return self._worker_group.spec.local_world_size
 
+    @property
+    def _tp(self) -> int:
+        """Cards per plan device (``training.tp``; 1 without a job)."""
+        return self._session.tp if self._session is not None else 1
+
     def _local_device_ids(self) -> list[int]:
+        """This node's cards (its process slots)."""
         node = self._node or 0
         return [device_id(node, lr, self._nproc()) for lr in range(self._nproc())]
+
+    def _units(self, cards: set[int] | list[int]) -> set[int]:
+        """The plan devices (units of ``tp`` cards) of ``cards``."""
+        return {card // self._tp for card in cards}
+
+    def _cards(self, units: set[int]) -> set[int]:
+        """The cards of ``units`` that run here."""
+        return {c for c in self._local_device_ids() if c // self._tp in units}
 
     @property
     def _inplace_wanted(self) -> bool:
@@ -350,7 +369,7 @@ class ChameleonAgent(LocalElasticAgent):
         before = set(session.excluded)
         coordination.report(store, scope, group_rank, NodeReport(
             node=self._node, lost=tuple(sorted(self._book.lost - self._book.rejoining)),
-            live=tuple(sorted(live)), ready=not live or self._registered(live),
+            live=tuple(sorted(self._units(live))), ready=not live or self._registered(live),
             reported=channel.read_int(self._channel, channel.REPORTED),
             checkpoint=channel.read_int(self._channel, channel.CHECKPOINT),
             checkpoints=channel.read(self._channel, channel.CHECKPOINTS) is not None))
@@ -359,7 +378,7 @@ class ChameleonAgent(LocalElasticAgent):
             if group_rank == 0:
                 reports = coordination.collect(store, scope, group_world)
                 lost, joined = coordination.losses(reports, session.excluded, session.devices,
-                                                   self._nproc())
+                                                   self._nproc() // self._tp)
                 change = session.apply(lost=lost, joined=joined)
                 if change is None and coordination.inplace_possible(reports, inplace_wanted):
                     change = session.renew()   # the workers regroup: a new generation
@@ -383,7 +402,7 @@ class ChameleonAgent(LocalElasticAgent):
             if group_rank == 0:
                 coordination.publish(store, scope, Decision(None, (), (), False, None, str(exc)))
             raise
-        newly_remote = session.excluded - before - set(self._local_device_ids())
+        newly_remote = session.excluded - before - self._units(self._local_device_ids())
         if newly_remote and self._charged_crash:
             # the "crash" was our workers failing because a peer node died: that is a lost
             # node, which costs no restart (torchrun would have spent one)
@@ -418,10 +437,10 @@ class ChameleonAgent(LocalElasticAgent):
             plan = session.plan
             channel.write(self._channel, channel.generation_key(plan.generation), Generation(
                 plan.generation, session.plan_file, str(wg.master_addr), int(wg.master_port),
-                decision.world, decision.reported))
+                decision.world, decision.reported, tp=self._tp))
             channel.write(self._channel, channel.NEWEST, plan.generation)
             assigned = local_assignments(plan, self._node or 0, spec.local_world_size,
-                                         decision.world)
+                                         decision.world, self._tp)
             for device in self._procs.devices:   # kept workers: their ranks in the new world
                 self._procs.set_worker(device, self._worker_of(device, decision))
             todo = [(Worker(local_rank=a.local_rank, global_rank=a.global_rank,
@@ -433,12 +452,13 @@ class ChameleonAgent(LocalElasticAgent):
         self._update_status("running")
         return started
 
-    def _worker_of(self, device: int, decision: Decision) -> Worker:
-        rank = decision.world.index(device)
-        worker = Worker(local_rank=device - (self._node or 0) * self._nproc(), global_rank=rank,
-                        role_rank=rank, world_size=len(decision.world),
-                        role_world_size=len(decision.world))
-        worker.id = self._procs.pid(device)
+    def _worker_of(self, card: int, decision: Decision) -> Worker:
+        unit, tp_rank = divmod(card, self._tp)
+        rank = decision.world.index(unit) * self._tp + tp_rank
+        size = len(decision.world) * self._tp
+        worker = Worker(local_rank=card - (self._node or 0) * self._nproc(), global_rank=rank,
+                        role_rank=rank, world_size=size, role_world_size=size)
+        worker.id = self._procs.pid(card)
         return worker
 
     def _launch(self, todo: list[tuple[Worker, LocalAssignment | None]]) -> tuple[int, ...]:
@@ -476,7 +496,8 @@ class ChameleonAgent(LocalElasticAgent):
                 env["OMP_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"]
             if session is not None and assignment is not None:
                 env.update(channel.chameleon_env(session.plan, assignment.role,
-                                                 session.plan_file))
+                                                 session.plan_file, assignment.unit_ranks,
+                                                 assignment.tp_rank))
                 env.update(channel.job_env(session.spec))
                 env[channel.AGENT_STORE_ENV] = self._channel_address
             if self._profiler is not None:
@@ -554,10 +575,10 @@ class ChameleonAgent(LocalElasticAgent):
         lost, fenced = self._watch.changes()
         if fenced:   # _fence has stopped the workers and logged it
             return self._event(Trigger.FENCED)
-        nproc = self._nproc()
+        units = self._nproc() // self._tp
         excluded = self._session.excluded if self._session is not None else set()
         news = [info for info in lost if info.get("node") is None or not {
-            device_id(int(info["node"]), lr, nproc) for lr in range(nproc)} <= excluded]
+            device_id(int(info["node"]), u, units) for u in range(units)} <= excluded]
         for info in news:   # a node whose devices are out already is no news
             self._emit(Event.FAILURE_SEEN, kind="node_lost", node=info.get("node"),
                        reason=f"lease of {info['node_id']} expired")
@@ -590,12 +611,13 @@ class ChameleonAgent(LocalElasticAgent):
                 for _, e in sorted(self._exits.items())]
 
     def _health_tick(self) -> set[int]:
-        """Local working devices failing the health check now (only with --job)."""
+        """Local working devices (units) with a card failing the health check now (only with
+        --job; the check names cards)."""
         if self._session is None:
             return set()
-        bad = set(self._health.unhealthy(self._procs.devices))
+        bad = self._units(set(self._health.unhealthy(self._procs.devices)))
         if self._book.unhealthy:
-            still_bad = set(self._health.unhealthy(set(self._local_device_ids())))
+            still_bad = self._units(set(self._health.unhealthy(set(self._local_device_ids()))))
             self._book.rejoining |= self._book.unhealthy - still_bad
         return bad
 
@@ -676,16 +698,18 @@ class ChameleonAgent(LocalElasticAgent):
         event = p.event
         lost = sorted(p.change.lost) if p.change else sorted(event.lost)
         joined = sorted(p.change.joined) if p.change else sorted(event.joined)
-        signals = {f.device: f.signal or f.reason.split(":")[0] for f in event.failures}
+        tp = self._tp
+        signals = {f.device // tp: f.signal or f.reason.split(":")[0] for f in event.failures}
         parts = []
         if lost:
             why = sorted({signals.get(d) or ("health check" if d in event.lost else "node gone")
                           for d in lost})
-            parts.append(f"{_devices(lost)} lost ({', '.join(why)})")
+            parts.append(f"{_devices(lost, tp)} lost ({', '.join(why)})")
         if joined:
-            parts.append(f"{_devices(joined)} back")
+            parts.append(f"{_devices(joined, tp)} back")
         if not parts and event.failures:
-            parts.append("; ".join(f"device {f.device}: {f.reason}" for f in event.failures))
+            card = "device" if tp == 1 else "card"
+            parts.append("; ".join(f"{card} {f.device}: {f.reason}" for f in event.failures))
         return " and ".join(parts) or f"{event.reason}: no device changed"
 
     def _hung(self) -> list[WorkerFailure]:
@@ -838,7 +862,8 @@ class ChameleonAgent(LocalElasticAgent):
                            reason="device failed its health check", exitcode=None,
                            signal=None, local_rank=None)
             planned = self._session is not None and self._session.policy != "restart"
-            lost = {f.device for f in failures if f.kind is FailureKind.DEVICE_LOST} | bad
+            lost = self._units({f.device for f in failures
+                                if f.kind is FailureKind.DEVICE_LOST}) | bad
             crashed = any(f.kind is FailureKind.CRASH for f in failures)
             if hung and not planned:   # torchrun's way: a hung worker is a crash
                 self._procs.kill({f.device for f in hung})
@@ -847,7 +872,8 @@ class ChameleonAgent(LocalElasticAgent):
                                     failures=tuple(failures))
                 self._book.lost |= lost
                 self._book.unhealthy |= bad
-                self._procs.kill(bad | {f.device for f in hung})
+                # a unit is lost whole: its other cards cannot go on without the lost one
+                self._procs.kill(self._cards(lost) | {f.device for f in hung})
                 inplace = (self._inplace_wanted and not crashed and not self._procs.succeeded
                            and self._runtime)
                 self._recover(event, inplace)

@@ -200,6 +200,13 @@ def _make_session(parser: argparse.ArgumentParser, args: argparse.Namespace, npr
             f"launch starts {max_nodes} node(s) x {nproc} process(es) = {world} devices; make "
             "--nnodes (max) x --nproc-per-node equal to cluster.devices, or edit the job file."
         )
+    tp = spec.training.tp
+    if nproc % tp:
+        parser.error(
+            f"job {spec.name!r} has training.tp = {tp} cards per tensor-parallel unit, which "
+            f"does not divide --nproc-per-node {nproc}; a unit's cards must share a node, so "
+            "start a multiple of training.tp processes per node."
+        )
     if args.plan_cache is not None and args.plan_cache < 0:
         parser.error(f"--plan-cache {args.plan_cache} is invalid; pass an integer >= 0.")
     try:

@@ -1,9 +1,11 @@
 """From an execution plan to what each worker process is told: ranks and ``CHAMELEON_*``.
 
-Device ids are fixed by the initial world: ``device = node * nproc_per_node + local_rank``. A plan
-names the devices that work; only they get a worker. ``RANK`` / ``WORLD_SIZE`` are renumbered
-densely over the working devices in device order, so every agent computes the same numbering from
-the same plan without talking to the others, and an unmodified script sees an ordinary world.
+Card ids are fixed by the initial world: ``card = node * nproc_per_node + local_rank``. With
+``training.tp`` > 1 a plan's device is a unit of ``tp`` consecutive cards (``unit = card // tp``);
+otherwise a card is a device. A plan names the devices that work; only their cards get a worker.
+``RANK`` / ``WORLD_SIZE`` are renumbered densely over the working devices in device order, each
+device's cards on consecutive ranks, so every agent computes the same numbering from the same
+plan without talking to the others, and an unmodified script sees an ordinary world.
 
 Everything here is a pure function of its arguments (tested without processes).
 """
@@ -30,13 +32,16 @@ __all__ = [
 
 @dataclass(frozen=True)
 class LocalAssignment:
-    """One worker this node starts: its device slot and its dense global rank."""
+    """One worker this node starts: its card (process slot), its dense global rank, and its
+    plan device's role (``role.device``: the unit; ``tp_rank``: its place in it)."""
 
     local_rank: int
-    device: int
+    device: int                     # the card
     global_rank: int
     world_size: int
     role: DeviceRole
+    tp_rank: int = 0
+    unit_ranks: tuple[int, ...] = ()   # global ranks of the unit's cards
 
 
 def device_id(node: int, local_rank: int, nproc_per_node: int) -> int:
@@ -44,18 +49,22 @@ def device_id(node: int, local_rank: int, nproc_per_node: int) -> int:
 
 
 def local_assignments(plan: ExecutionPlan, node: int, nproc_per_node: int,
-                      world: tuple[int, ...] | None = None) -> tuple[LocalAssignment, ...]:
-    """Working devices of ``node`` under ``plan``, in local-rank order (spare / dead slots
-    skipped), ranked by their place in ``world`` (default: the working devices, sorted; an
-    in-place generation appends the spares that keep a live worker)."""
+                      world: tuple[int, ...] | None = None,
+                      tp: int = 1) -> tuple[LocalAssignment, ...]:
+    """Cards of ``node`` whose unit works under ``plan``, in local-rank order (spare / dead
+    slots skipped), ranked by their unit's place in ``world`` (default: the working devices,
+    sorted; an in-place generation appends the spares that keep a live worker)."""
     roles = {r.device: r for r in plan.roles()}
     world = tuple(sorted(roles)) if world is None else world
     rank_of = {d: i for i, d in enumerate(world)}
     out = []
     for local_rank in range(nproc_per_node):
-        d = device_id(node, local_rank, nproc_per_node)
-        if d in roles:
-            out.append(LocalAssignment(local_rank, d, rank_of[d], len(world), roles[d]))
+        card = device_id(node, local_rank, nproc_per_node)
+        unit, tp_rank = divmod(card, tp)
+        if unit in roles:
+            first = rank_of[unit] * tp
+            out.append(LocalAssignment(local_rank, card, first + tp_rank, len(world) * tp,
+                                       roles[unit], tp_rank, tuple(range(first, first + tp))))
     return tuple(out)
 
 

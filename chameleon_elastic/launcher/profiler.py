@@ -175,10 +175,15 @@ class Profiler:
                    for d in sorted(set(self._rss_peak) | set(steps) | set(device_peak))}
         model = ModelFigures()
         if spec is not None and plan is not None:
-            times = per_layer_times(spec, plan, steps)
+            from chameleon_elastic.planning.units import unit_spec, whole_layer_times
+
+            # the plan's devices are units of training.tp cards: explain the step times with
+            # the unit view, then state them as the job file does (a whole layer, one card)
+            times = per_layer_times(unit_spec(spec), plan, steps)
             if times is not None:
-                model = ModelFigures(layers=spec.model.layers, forward_s=_per_layer(times[0]),
-                                     backward_s=_per_layer(times[1]))
+                forward, backward = (whole_layer_times(spec, t) for t in times)
+                model = ModelFigures(layers=spec.model.layers, forward_s=_per_layer(forward),
+                                     backward_s=_per_layer(backward))
         regroup = statistics.median(self._regroups) if self._regroups else None
         return MeasuredProfile(
             how="steps",

@@ -10,6 +10,9 @@ In a multi-node job the group-rank-0 agent decides (``apply``) and publishes the
 other agents ``adopt`` it, so their sessions follow the same plans even when they joined late.
 
 ``policy = "restart"`` is torchrun's behaviour: the plan never changes, the whole group restarts.
+
+With ``training.tp`` > 1 the planner plans units of ``tp`` cards (``planning.units.unit_spec``):
+the session's devices, plans and excluded sets are units; the agent maps cards to them.
 """
 
 from __future__ import annotations
@@ -51,13 +54,11 @@ class PlanChange:
 
 def _planning_api() -> SimpleNamespace:
     """The planner's documented entry points (imported lazily: the launcher runs without it)."""
-    try:
-        from chameleon_elastic.planning import PlanCache, PlanningError, decide, initial_plan
-    except ImportError:  # package __init__ not re-exporting yet: use the documented modules
-        from chameleon_elastic.planning.cache import PlanCache
-        from chameleon_elastic.planning.search import PlanningError, decide, initial_plan
+    from chameleon_elastic.planning import PlanCache, PlanningError, decide, initial_plan
+    from chameleon_elastic.planning.units import unit_spec
+
     return SimpleNamespace(PlanCache=PlanCache, PlanningError=PlanningError, decide=decide,
-                           initial_plan=initial_plan)
+                           initial_plan=initial_plan, unit_spec=unit_spec)
 
 
 def _summary(plan: ExecutionPlan) -> dict[str, Any]:
@@ -81,13 +82,14 @@ class JobSession:
         planning = _planning_api()
         self._planning = planning
         self.spec = spec
+        self.planned = planning.unit_spec(spec)   # what the planner sees: units of tp cards
         self.policy = policy
         self.plan_dir = Path(plan_dir)
         self.cache_depth = spec.planner.cache_failures if cache_depth is None else cache_depth
         self.warm_cache = warm_cache
         self.excluded: set[int] = set()
         try:
-            self.plan: ExecutionPlan = planning.initial_plan(spec)
+            self.plan: ExecutionPlan = planning.initial_plan(self.planned)
         except planning.PlanningError as exc:
             raise LauncherPlanningError(f"no initial plan for job {spec.name!r}: {exc}") from exc
         self.plan_file = write_plan_file(self.plan, self.plan_dir)
@@ -96,14 +98,20 @@ class JobSession:
 
     @property
     def devices(self) -> int:
-        return self.spec.cluster.devices
+        """The planner's devices: units of ``tp`` cards (cards when ``tp`` is 1)."""
+        return self.planned.cluster.devices
+
+    @property
+    def tp(self) -> int:
+        return self.spec.training.tp
 
     def _refresh_cache(self) -> None:
         self._cache = None
         if self.policy == "restart" or self.cache_depth <= 0:
             return
         try:
-            self._cache = self._planning.PlanCache(self.spec, self.plan, depth=self.cache_depth)
+            self._cache = self._planning.PlanCache(self.planned, self.plan,
+                                                   depth=self.cache_depth)
             if self.warm_cache:
                 self._cache.warm_in_background()
         except Exception:  # noqa: BLE001 - a cache is an optimisation; decide() still works
@@ -151,8 +159,8 @@ class JobSession:
                 decision = self._cache.decide(lost, joined, policy=policy)
                 cached = True
             else:
-                decision = self._planning.decide(self.spec, self.plan, failed=lost, joined=joined,
-                                                 policy=policy)
+                decision = self._planning.decide(self.planned, self.plan, failed=lost,
+                                                 joined=joined, policy=policy)
         except self._planning.PlanningError as exc:
             raise LauncherPlanningError(
                 f"cannot continue after losing device(s) {list(lost)} "

@@ -42,12 +42,13 @@ parallelism, not even the object the planner memoises on.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 from functools import lru_cache
 
 from ..spec import ELEMENT_BYTES, JobSpec, ModelProfile
 
-__all__ = ["tp_allreduce_s", "unit_spec"]
+__all__ = ["tp_allreduce_s", "unit_spec", "whole_layer_times"]
 
 
 def unit_spec(spec: JobSpec) -> JobSpec:
@@ -72,6 +73,20 @@ def _unit_spec(spec: JobSpec) -> JobSpec:
                         failure_rate_per_hour=cluster.failure_rate_per_hour * tp),
         training=replace(spec.training, tp=1, tp_efficiency=1.0),
     )
+
+
+def whole_layer_times(spec: JobSpec, unit_times: Sequence[float]) -> tuple[float, ...]:
+    """Per-layer times measured on a unit (``--profile-out`` of a tensor-parallel job) as the
+    job file states them: the whole layer on one card, the inverse of the unit view's timing
+    (less the unit's all-reduce, times ``tp x tp_efficiency``). Where the measured time is less
+    than the modelled all-reduce, a tenth of it is kept as compute: the figure must stay
+    positive, and the link was evidently faster than modelled."""
+    tp = spec.training.tp
+    if tp == 1:
+        return tuple(unit_times)
+    speed = tp * spec.training.tp_efficiency
+    return tuple(max(t - tp_allreduce_s(spec, layer), 0.1 * t) * speed
+                 for layer, t in enumerate(unit_times))
 
 
 def tp_allreduce_s(spec: JobSpec, layer: int) -> float:

@@ -5,7 +5,14 @@ from __future__ import annotations
 import sys
 from types import TracebackType
 
-__all__ = ["PeerLost", "PipelineRuntimeError", "say_peer_loss_in_one_line"]
+__all__ = ["PeerLost", "PipelineRuntimeError", "communication_failure",
+           "say_peer_loss_in_one_line"]
+
+#: What torch says when a collective broke because a peer died or tore its groups down (gloo's
+#: socket errors, a timeout, NCCL/HCCL): the collectives inside a tensor-parallel layer raise
+#: torch's own errors, not ours.
+_BROKEN_LINK = ("/gloo/", "Connection closed by peer", "Connection reset by peer", "Broken pipe",
+                "timed out", "Timed out", "NCCL error", "HCCL")
 
 
 class PipelineRuntimeError(RuntimeError):
@@ -17,6 +24,15 @@ class PeerLost(PipelineRuntimeError):
     process groups down to recover (or the agent announced a new plan generation). Under
     chameleon-run this starts an in-place recovery; it reaches the user only without an agent
     to regroup with (plain torchrun, tests)."""
+
+
+def communication_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` is a broken collective or transfer (a lost peer), not a bug."""
+    import torch.distributed as dist
+
+    distributed = getattr(dist, "DistError", ())
+    return (distributed and isinstance(exc, distributed)) or any(
+        s in str(exc) for s in _BROKEN_LINK)
 
 
 def say_peer_loss_in_one_line(device: int) -> None:

@@ -42,7 +42,7 @@ from chameleon_elastic.plan import AllReduceGroup
 from .errors import PeerLost
 from .groups import GroupTable
 from .model import PipelineModel, tied_parameter
-from .tensor_parallel import local, replicated
+from .tensor_parallel import aligned, local, replicated
 from .topology import RankMap
 
 __all__ = ["SyncMode", "TiedCopies", "bucket_rank_sets", "layer_holder_rank_sets",
@@ -78,8 +78,12 @@ def layer_holder_rank_sets(holders: Mapping[int, Sequence[int]],
 
 
 def _grad(p: torch.Tensor) -> torch.Tensor:
+    """``p``'s gradient, laid out as ``p`` is (torch's embedding backward returns a replicated
+    gradient for a row-sharded table: this card keeps its rows, no communication)."""
     if p.grad is None:
         p.grad = torch.zeros_like(p)
+    else:
+        p.grad = aligned(p.grad, p)
     return p.grad
 
 

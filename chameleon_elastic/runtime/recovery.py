@@ -56,6 +56,7 @@ from chameleon_elastic.timeouts import Timeouts
 from .abort import GroupSockets, Watchdog, new_sockets
 from .commit import StateLost
 from .errors import PeerLost, PipelineRuntimeError
+from .topology import tp_from_env
 
 if TYPE_CHECKING:
     from .trainer import Entry, PipelineTrainer
@@ -66,13 +67,21 @@ log = logging.getLogger("chameleon_elastic.runtime.recovery")
 
 
 class WorkerLink:
-    """A worker's end of its agent's channel (a TCPStore client on loopback)."""
+    """A worker's end of its agent's channel (a TCPStore client on loopback). ``device`` is
+    the plan's device (a unit of ``tp`` cards under tensor parallelism), ``tp_rank`` this
+    worker's place in it; the channel knows the worker by its card."""
 
-    def __init__(self, store: Any, device: int, timeouts: Timeouts, address: str = "") -> None:
+    def __init__(self, store: Any, device: int, timeouts: Timeouts, address: str = "",
+                 tp_rank: int = 0, tp: int = 1) -> None:
         self.store = store
         self.device = device
         self.timeouts = timeouts
         self.address = address
+        self.tp_rank, self.tp = tp_rank, tp
+
+    @property
+    def card(self) -> int:
+        return self.device * self.tp + self.tp_rank
 
     @classmethod
     def from_env(cls, timeouts: Timeouts | None = None,
@@ -86,6 +95,7 @@ class WorkerLink:
         host, _, port = address.rpartition(":")
         try:
             device = int(env["CHAMELEON_DEVICE"])
+            tp_rank, tp = tp_from_env(env)
             store = dist.TCPStore(host, int(port), is_master=False,
                                   timeout=timeouts.delta("store_s"))
         except (KeyError, ValueError, RuntimeError) as exc:
@@ -94,14 +104,14 @@ class WorkerLink:
                 "agent is gone or the variables were copied from another run: start the script "
                 f"with chameleon-run, or unset {channel.AGENT_STORE_ENV}."
             ) from exc
-        return cls(store, device, timeouts, address)
+        return cls(store, device, timeouts, address, tp_rank, tp)
 
     def another(self) -> WorkerLink:
         """A second connection to the same channel, for another thread."""
         host, _, port = self.address.rpartition(":")
         store = dist.TCPStore(host, int(port), is_master=False,
                               timeout=self.timeouts.delta("store_s"))
-        return WorkerLink(store, self.device, self.timeouts, self.address)
+        return WorkerLink(store, self.device, self.timeouts, self.address, self.tp_rank, self.tp)
 
     def newest(self) -> int:
         value = channel.read_int(self.store, channel.NEWEST)
@@ -133,11 +143,11 @@ class WorkerLink:
         return self.generation(max(self.newest(), than + 1))
 
     def register(self, generation: int) -> None:
-        channel.write(self.store, channel.worker_key(self.device),
-                      Registration(self.device, os.getpid(), generation))
+        channel.write(self.store, channel.worker_key(self.card),
+                      Registration(self.card, os.getpid(), generation))
 
     def resumed(self, record: Resumed) -> None:
-        channel.write(self.store, channel.resumed_key(record.generation, self.device), record)
+        channel.write(self.store, channel.resumed_key(record.generation, self.card), record)
 
     def reported(self, step: int) -> None:
         channel.write(self.store, channel.REPORTED, step)
@@ -151,7 +161,7 @@ class WorkerLink:
     def beat(self) -> None:
         """Progress: the agent declares a worker whose count stops moving (and that is not
         asleep waiting for a peer) hung past ``--hang-timeout``."""
-        self.store.add(channel.beat_key(self.device), 1)
+        self.store.add(channel.beat_key(self.card), 1)
 
     def ended(self, sentence: str) -> None:
         """Training cannot go on (some layer's state exists nowhere): the agent ends the job with
@@ -165,30 +175,33 @@ class WorkerLink:
         self.beat()
 
 
-def join_generation(gen: Generation, device: int, backend: str, timeouts: Timeouts) -> None:
+def join_generation(gen: Generation, link: WorkerLink, backend: str, timeouts: Timeouts) -> None:
     """Make ``gen``'s world the default process group, on a store prefix of its own, and make
     this process's environment describe it (RANK, WORLD_SIZE, MASTER_*, CHAMELEON_*)."""
     preload_before_groups()
+    device, rank = link.device, gen.rank(link.device, link.tp_rank)
     store = dist.TCPStore(gen.master_addr, gen.master_port, is_master=False,
                           timeout=timeouts.delta("store_s"))
     try:
         with new_sockets() as sockets:
             dist.init_process_group(backend, store=dist.PrefixStore(gen.prefix, store),
-                                    rank=gen.rank(device), world_size=len(gen.world),
+                                    rank=rank, world_size=gen.world_size,
                                     timeout=timeouts.delta("collective_s"))
     except RuntimeError as exc:
         raise PeerLost(f"device {device} could not join generation {gen.generation}: "
                        f"{exc}") from exc
     GroupSockets[dist.group.WORLD] = frozenset(sockets)
     plan = read_plan(gen.plan_file)
-    env = {"RANK": str(gen.rank(device)), "WORLD_SIZE": str(len(gen.world)),
+    env = {"RANK": str(rank), "WORLD_SIZE": str(gen.world_size),
            "MASTER_ADDR": gen.master_addr, "MASTER_PORT": str(gen.master_port)}
     roles = {r.device: r for r in plan.roles()}
     if device in roles:
-        env.update(channel.chameleon_env(plan, roles[device], gen.plan_file))
+        env.update(channel.chameleon_env(plan, roles[device], gen.plan_file,
+                                         gen.unit_ranks(device), link.tp_rank))
     else:  # a spare keeps its worker: only the generation-wide variables change
         env.update(CHAMELEON_PLAN_GENERATION=str(plan.generation),
-                   CHAMELEON_POLICY=plan.policy, CHAMELEON_PLAN_FILE=gen.plan_file)
+                   CHAMELEON_POLICY=plan.policy, CHAMELEON_PLAN_FILE=gen.plan_file,
+                   CHAMELEON_TP_GROUP_RANKS=",".join(map(str, gen.unit_ranks(device))))
     os.environ.update(env)
 
 
@@ -248,8 +261,7 @@ class Recovery:
             began = time.perf_counter()
             failed = None
             try:
-                join_generation(gen, self.link.device, self.backend.dist_backend,
-                                self.link.timeouts)
+                join_generation(gen, self.link, self.backend.dist_backend, self.link.timeouts)
                 entry = self.trainer.enter(read_plan(gen.plan_file), gen.reported)
             except PeerLost as again:
                 failed = str(again)
@@ -271,7 +283,7 @@ class Recovery:
     def started(self, entry: Entry, regroup_s: float, noticed_at: float | None) -> None:
         """Remember how this generation was entered; reported after its first step commits."""
         self._pending = Resumed(
-            device=self.link.device, pid=os.getpid(), generation=self.trainer.plan.generation,
+            device=self.link.card, pid=os.getpid(), generation=self.trainer.plan.generation,
             resumed_step=entry.resume, source=entry.source, regroup_s=regroup_s,
             transfer_s=entry.transfer_s, first_step_s=0.0, moved_layers=entry.moved_layers,
             moved_bytes=entry.moved_bytes, rolled_forward=entry.rolled_forward,

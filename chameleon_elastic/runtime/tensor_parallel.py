@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .errors import PipelineRuntimeError
 
-__all__ = ["full", "local", "local_piece", "make_mesh", "replicated", "shard_layer"]
+__all__ = ["aligned", "full", "local", "local_piece", "make_mesh", "replicated", "shard_layer"]
 
 
 def local(t: Any) -> Any:
@@ -41,6 +41,13 @@ def full(t: Any) -> Any:
     """The whole tensor (a collective over the unit for a sharded ``DTensor``), as a plain
     tensor (torch may hand back a wrapper still waiting on the gather: copying waits)."""
     return t.full_tensor().clone() if isinstance(t, DTensor) else t
+
+
+def aligned(t: Any, like: Any) -> Any:
+    """``t`` placed as ``like`` is (a replicated tensor cut to this card's shard, locally)."""
+    if isinstance(t, DTensor) and isinstance(like, DTensor) and t.placements != like.placements:
+        return t.redistribute(like.device_mesh, like.placements)
+    return t
 
 
 def replicated(t: Any) -> bool:

@@ -198,7 +198,7 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None)
     link = WorkerLink.from_env(timeouts)
     try:
         if link is not None:
-            join_generation(link.current(), link.device, name, timeouts)
+            join_generation(link.current(), link, name, timeouts)
         else:
             preload_before_groups()
             dist.init_process_group(backend=name, timeout=timeouts.delta("collective_s"))

@@ -47,7 +47,8 @@ def test_kill9_worker_under_job_excludes_device_and_replans(tmp_path, launch):
     assert devices == [0, 2, 3] == list(plan.working_devices)
     assert sorted(int(r["env"]["RANK"]) for r in second) == [0, 1, 2]
     assert {r["env"]["WORLD_SIZE"] for r in second} == {"3"}
-    expected = {a.device: chameleon_env(plan, a.role, str(state / "plans" / "plan-gen1.json"))
+    expected = {a.device: chameleon_env(plan, a.role, str(state / "plans" / "plan-gen1.json"),
+                                        a.unit_ranks, a.tp_rank)
                 for a in local_assignments(plan, 0, 4)}
     for r in second:
         mine = {k: v for k, v in r["env"].items() if k.startswith("CHAMELEON_")}

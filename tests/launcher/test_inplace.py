@@ -309,3 +309,71 @@ def test_a_crashed_worker_is_replaced_in_place_and_its_peers_keep_their_state(tm
     r = recovered[0]
     assert r["reason"] == "crash" and r["mode"] == "inplace" and r["restarts_used"] == 1
     assert r["started_devices"] == [2] and sorted(r["kept_devices"]) == [0, 1, 3]
+
+
+TP_JOB = """
+name = "tp2-mlp"
+[model]
+layers = 8
+forward_s = 0.001
+backward_s = 0.002
+param_bytes = 1e3
+optimizer_bytes = 2e3
+activation_bytes = 1e3
+[cluster]
+devices = 8
+device_memory_bytes = 1e9
+bandwidth_bytes_per_s = 1e9
+restart_s = 1.0
+failure_rate_per_hour = 0.1
+regroup_s = 0.1
+[training]
+tp = 2
+dp = 2
+pp = 2
+global_micro_batches = 8
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_card_lost_takes_its_tensor_parallel_unit_and_the_rest_recover_in_place(
+        tmp_path, launch):
+    """8 cards as 4 units of 2 ((PP, DP, TP) = (2, 2, 2)), layers sharded by torch's tensor
+    parallelism: card 7 (unit 3, tensor-parallel rank 1) is killed; its unit is lost whole (the
+    agent stops card 6), the other units recover in place, and training equals one process."""
+    from chameleon_elastic.runtime.toy import reference_run, tp_mlp_model
+
+    job = tmp_path / "job.toml"
+    job.write_text(TP_JOB)
+    out, state = tmp_path / "out", tmp_path / "state"
+    out.mkdir()
+    steps = 5
+    run = launch("chameleon", ["--standalone", "--nproc-per-node", "8", "--job", str(job),
+                               "--state-dir", str(state), "--monitor-interval", "0.05",
+                               "--no-status", MLP_FAULTS, str(out), str(steps),
+                               "7:2:backward:kill", "--tp-model"])
+    assert run.wait(110) == 0, run.log.read_text()[-3000:]
+    log = run.log.read_text()
+    assert "unit 3 (cards 6-7) lost (SIGKILL)" in log and "Traceback" not in log
+
+    ref = reference_run(tp_mlp_model(layers=8), steps, 8)
+    reported = _reported(out)
+    assert [r["step"] for r in reported] == list(range(steps))
+    np.testing.assert_allclose([r["loss"] for r in reported], ref.losses, rtol=1e-9, atol=1e-12)
+    for unit in (0, 1, 2):   # the survivors hold single-process parameters
+        params = __import__("torch").load(out / f"params-{unit}.pt", weights_only=True)
+        for layer, tensors in params.items():
+            for name, value in tensors.items():
+                np.testing.assert_allclose(value.numpy(),
+                                           ref.layers[layer].state_dict()[name].numpy(),
+                                           rtol=1e-9, atol=1e-12)
+    for card in range(6):   # one process per surviving card, the whole run
+        assert len((out / f"pid-{card}").read_text().split()) == 1
+    partner = int((out / "pid-6").read_text().split()[0])
+    wait_for(lambda: not pid_alive(partner), 10, "the lost unit's other card to be stopped")
+
+    recovered = [e for e in read_events(state / "events.jsonl") if e["event"] == "recovered"]
+    assert len(recovered) == 1 and recovered[0]["mode"] == "inplace"
+    assert sorted(recovered[0]["kept_devices"]) == list(range(6))
+    chosen = [e for e in read_events(state / "events.jsonl") if e["event"] == "plan_chosen"]
+    assert chosen[-1]["lost"] == [3]

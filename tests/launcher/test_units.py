@@ -71,12 +71,26 @@ def test_assignments_are_dense_and_skip_dead_devices():
     assert {a.world_size for a in node0 + node1} == {3}
 
 
+def test_units_of_two_cards_get_consecutive_local_and_global_ranks():
+    plan = _rerouted()   # devices 0-3 of the plan are units of 2 cards: cards 0-7, 4 per node
+    node0 = local_assignments(plan, node=0, nproc_per_node=4, tp=2)
+    node1 = local_assignments(plan, node=1, nproc_per_node=4, tp=2)
+    assert [(a.local_rank, a.device, a.role.device, a.tp_rank, a.global_rank)
+            for a in node0] == [(0, 0, 0, 0, 0), (1, 1, 0, 1, 1)]   # unit 1 is dead
+    assert [(a.local_rank, a.role.device, a.tp_rank, a.global_rank) for a in node1] == [
+        (0, 2, 0, 2), (1, 2, 1, 3), (2, 3, 0, 4), (3, 3, 1, 5)]
+    assert {a.world_size for a in node0 + node1} == {6}
+    assert [a.unit_ranks for a in node1] == [(2, 3), (2, 3), (4, 5), (4, 5)]
+
+
 def test_peer_sees_absorbed_quota_in_env(tmp_path):
     plan = _rerouted()
     path = write_plan_file(plan, tmp_path)
     peer = next(a for a in local_assignments(plan, 1, 2) if a.device == 3)
-    env = chameleon_env(plan, peer.role, path)
+    env = chameleon_env(plan, peer.role, path, peer.unit_ranks, peer.tp_rank)
     assert set(env) == set(CHAMELEON_VARS)
+    assert (env["CHAMELEON_TP_RANK"], env["CHAMELEON_TP_SIZE"],
+            env["CHAMELEON_TP_GROUP_RANKS"]) == ("0", "1", "2")
     assert env["CHAMELEON_MICRO_BATCHES"] == "8"          # own 4 + the dead device's 4
     assert env["CHAMELEON_GLOBAL_MICRO_BATCHES"] == "8"
     assert (env["CHAMELEON_STAGE"], env["CHAMELEON_NUM_STAGES"]) == ("1", "2")

@@ -126,3 +126,16 @@ def test_a_lower_efficiency_only_slows_compute():
     assert slow.model.forward_s[0] - fast.model.forward_s[0] == pytest.approx(0.08 / 2 - 0.08 / 4)
     assert replace(slow.model, forward_s=fast.model.forward_s,
                    backward_s=fast.model.backward_s) == fast.model
+
+
+def test_whole_layer_times_invert_the_unit_views_timing():
+    """A profile measured on units (chameleon-run --profile-out) goes back to what [model]
+    states: the unit view of the result reproduces the measured unit times."""
+    from chameleon_elastic.planning.units import unit_spec, whole_layer_times
+
+    spec = JobSpec.preset("llama2-7b-910b-tp8")
+    planned = unit_spec(spec)
+    back = whole_layer_times(spec, planned.model.forward_s)
+    assert back == pytest.approx(spec.model.forward_s, rel=1e-12)
+    one = JobSpec.preset("tiny-cpu")
+    assert whole_layer_times(one, (0.5, 0.25)) == (0.5, 0.25)

@@ -64,6 +64,9 @@ def _run(rank: int, world: int, directory: str):
         trainer = PipelineTrainer(tp_mlp_model(), plan, device, micro_batch_size=MBS,
                                   max_grad_norm=CLIP, tp_rank=tp_rank, tp_size=TP)
         losses = [trainer.step(t).loss for t in range(STEPS)]
+        for module in trainer.layers.values():   # really sharded: half of each matrix here
+            assert tuple(module.up.weight.to_local().shape) == (8, 8)
+            assert tuple(module.down.weight.to_local().shape) == (8, 8)
         out[kind] = (losses, _numpy(trainer.state()))
         trainer.close()
     # the three plans in turn in one live trainer: shards move with their optimizer state

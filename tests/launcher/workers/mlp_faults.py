@@ -12,6 +12,10 @@ peer's last message of the all-reduce never arrives): it abandons the step befor
 ``raise`` - a bug: the script raises (only in the first process of the device, so the process
 that replaces it trains on); ``spin`` - a hang that keeps a core busy.
 
+``--tp-model``: residual MLP blocks with a tensor-parallel plan (``toy.tp_mlp_model``), for jobs
+with ``training.tp`` > 1; DEVICE in a fault then names a card (``unit * tp + tp rank``), and so
+do the ``pid-<card>`` files.
+
 ``--featured``: the model brings what real training does (tied first and last layers, tuples
 and dicts between stages, warm-up + cosine schedule, AdamW) and the trainer clips the gradient
 norm to ``FEATURED_CLIP``; still float64.
@@ -34,16 +38,15 @@ import time
 import torch
 
 from chameleon_elastic.runtime import PeerLost, PipelineTrainer, init_distributed
-from chameleon_elastic.runtime.toy import featured_model, mlp_model
+from chameleon_elastic.runtime.toy import featured_model, mlp_model, tp_mlp_model
 
 FEATURED_CLIP = 0.08
 
 
 def main() -> None:
     args = sys.argv[1:]
-    featured = "--featured" in args
-    if featured:
-        args.remove("--featured")
+    featured, sharded = "--featured" in args, "--tp-model" in args
+    args = [a for a in args if a not in ("--featured", "--tp-model")]
     options = {}
     for flag in ("--checkpoint-dir", "--pace", "--min-world", "--busy-start"):
         if flag in args:
@@ -55,7 +58,10 @@ def main() -> None:
     out, steps, faults = args[0], int(args[1]), args[2:]
     if int(os.environ["WORLD_SIZE"]) < int(options.get("--min-world", 0)):
         time.sleep(3600)   # stopped by the launcher when the other node arrives
-    device = int(os.environ["CHAMELEON_DEVICE"])
+    unit = int(os.environ["CHAMELEON_DEVICE"])
+    tp_rank, tp = (int(os.environ.get(k, d)) for k, d in (("CHAMELEON_TP_RANK", "0"),
+                                                           ("CHAMELEON_TP_SIZE", "1")))
+    device = unit * tp + tp_rank   # the card (the device itself without tensor parallelism)
     replacement = os.path.exists(os.path.join(out, f"pid-{device}"))
     with open(os.path.join(out, f"pid-{device}"), "a") as fh:
         fh.write(f"{os.getpid()}\n")
@@ -89,11 +95,14 @@ def main() -> None:
                                  "redone": result.redone, "device": device}) + "\n")
 
     init_distributed()
-    model = featured_model(layers=8) if featured else mlp_model(layers=8)
+    model = (featured_model(layers=8) if featured else tp_mlp_model(layers=8) if sharded
+             else mlp_model(layers=8))
     trainer = PipelineTrainer.from_env(model, on_phase=on_phase, checkpoint_dir=checkpoint,
                                        max_grad_norm=FEATURED_CLIP if featured else None)
     trainer.run(steps, report, checkpoint_every=2 if checkpoint else 0)
-    torch.save(trainer.state(), os.path.join(out, f"params-{device}.pt"))
+    state = trainer.state()   # whole tensors: every card of a unit takes part
+    if tp_rank == 0:
+        torch.save(state, os.path.join(out, f"params-{unit}.pt"))
     trainer.close()
 
 
