@@ -192,7 +192,8 @@ class PipelineExecutor:
         try:
             work = dist.isend(tensor, dst=self.ranks.rank(device, self.tp_rank), tag=tag)
         except RuntimeError as exc:
-            raise PeerLost(f"device {self.device} could not send to device {device}: {exc}") from exc
+            raise PeerLost(f"device {self.device} could not send to device {device}: "
+                           f"{exc}") from exc
         pending.append((work, tensor))
 
     def _batch(self, step: int, pipeline: int, micro_batch: int):
@@ -228,19 +229,85 @@ class PipelineExecutor:
         timings: list[OpTiming] = []
         loss_sum = 0.0
         entered: set[str] = set()
-        for op in ops:
-            try:
-                loss_sum += self._op(step, op, stash, pending, timings, scale, loss_scale,
-                                     record, on_phase, entered)
-            except PipelineRuntimeError:
+        try:
+            for op in ops:
+                if on_phase is not None and op.kind not in entered:
+                    entered.add(op.kind)
+                    on_phase(step, "forward" if op.kind == "F" else "backward")
+                if op.device != self.device:
+                    raise PipelineRuntimeError(
+                        f"operation {op} belongs to device {op.device}, not {self.device}; pass "
+                        "this device's entry of device_orders(plan)."
+                    )
+                began = time.perf_counter() if record else 0.0
+                key = (op.pipeline, op.micro_batch)
+                if op.kind == "F":
+                    targets = None
+                    if op.source is None:
+                        x, targets = self._batch(step, op.pipeline, op.micro_batch)
+                        wanting: list[torch.Tensor] = []
+                    else:
+                        x, wanting = self._receive_input(op)
+                    out = self._forward(x)
+                    if op.dest is None:
+                        if targets is None:
+                            _, targets = self._batch(step, op.pipeline, op.micro_batch)
+                        with autocast(self.precision, self.torch_device):
+                            loss = self.model.loss(out, targets)
+                        if self.tp_rank == 0:
+                            loss_sum += float(loss.detach()) * scale
+                        stash[key] = (wanting, loss * (scale * loss_scale))
+                    else:
+                        leaves, _ = flatten(out, f"device {self.device}'s stage output")
+                        for i, leaf in enumerate(leaves):
+                            tag = self._tag(op.pipeline, op.micro_batch, op.stage + 1, False, i)
+                            self._send(leaf, op.dest, tag, pending)
+                        stash[key] = (wanting, out)
+                elif op.kind == "B":
+                    try:
+                        wanting, out = stash.pop(key)
+                    except KeyError:
+                        raise PipelineRuntimeError(
+                            f"backward of pipeline {op.pipeline} micro-batch {op.micro_batch} "
+                            f"comes before its forward on device {self.device}; the order is "
+                            "invalid.") from None
+                    if op.source is None:
+                        out.backward()
+                    else:
+                        leaves, _ = flatten(out)
+                        outs, grads = [], []
+                        for i, leaf in enumerate(leaves):
+                            if leaf.requires_grad:
+                                outs.append(leaf)
+                                grads.append(self._recv(
+                                    TensorSpec(tuple(leaf.shape), leaf.dtype), op.source,
+                                    self._tag(op.pipeline, op.micro_batch, op.stage, True, i)))
+                        if outs:
+                            torch.autograd.backward(outs, grads)
+                    if op.dest is not None:
+                        assert self._input_spec is not None
+                        wanted = iter(wanting)
+                        for i, spec in enumerate(self._input_spec.leaves):
+                            if not spec.requires_grad:
+                                continue
+                            x = next(wanted)
+                            grad = x.grad if x.grad is not None else torch.zeros_like(x)
+                            tag = self._tag(op.pipeline, op.micro_batch, op.stage - 1, True, i)
+                            self._send(grad, op.dest, tag, pending)
+                else:
+                    raise PipelineRuntimeError(f"unknown operation kind {op.kind!r}")
+                if record:
+                    timings.append(OpTiming(op.kind, op.pipeline, op.micro_batch, began,
+                                            time.perf_counter()))
+        except PipelineRuntimeError:
+            raise
+        except RuntimeError as exc:
+            if not communication_failure(exc):
                 raise
-            except RuntimeError as exc:
-                if not communication_failure(exc):
-                    raise
-                # a collective inside a sharded layer (tensor parallelism) broke: a peer of
-                # this unit is gone, as for a broken transfer
-                raise PeerLost(f"device {self.device} lost a peer of its unit in step {step}: "
-                               f"{str(exc).splitlines()[0][:300]}") from exc
+            # a collective inside a sharded layer (tensor parallelism) broke: a peer of this
+            # unit is gone, as for a broken transfer
+            raise PeerLost(f"device {self.device} lost a peer of its unit in step {step}: "
+                           f"{str(exc).splitlines()[0][:300]}") from exc
         for work, _ in pending:
             try:
                 work.wait()
@@ -253,80 +320,3 @@ class PipelineExecutor:
                 "operation order is incomplete."
             )
         return StepOutcome(loss_sum, len(ops), tuple(timings))
-
-    def _op(self, step: int, op, stash: dict, pending: list, timings: list, scale: float,
-            loss_scale: float, record: bool, on_phase, entered: set[str]) -> float:
-        """One operation of the order; returns its share of the loss (0 but on a last stage's
-        forward)."""
-        loss_sum = 0.0
-        if on_phase is not None and op.kind not in entered:
-            entered.add(op.kind)
-            on_phase(step, "forward" if op.kind == "F" else "backward")
-        if op.device != self.device:
-            raise PipelineRuntimeError(
-                f"operation {op} belongs to device {op.device}, not {self.device}; pass "
-                "this device's entry of device_orders(plan)."
-            )
-        began = time.perf_counter() if record else 0.0
-        key = (op.pipeline, op.micro_batch)
-        if op.kind == "F":
-            targets = None
-            if op.source is None:
-                x, targets = self._batch(step, op.pipeline, op.micro_batch)
-                wanting: list[torch.Tensor] = []
-            else:
-                x, wanting = self._receive_input(op)
-            out = self._forward(x)
-            if op.dest is None:
-                if targets is None:
-                    _, targets = self._batch(step, op.pipeline, op.micro_batch)
-                with autocast(self.precision, self.torch_device):
-                    loss = self.model.loss(out, targets)
-                if self.tp_rank == 0:
-                    loss_sum += float(loss.detach()) * scale
-                stash[key] = (wanting, loss * (scale * loss_scale))
-            else:
-                leaves, _ = flatten(out, f"device {self.device}'s stage output")
-                for i, leaf in enumerate(leaves):
-                    self._send(leaf, op.dest,
-                               self._tag(op.pipeline, op.micro_batch, op.stage + 1, False, i),
-                               pending)
-                stash[key] = (wanting, out)
-        elif op.kind == "B":
-            try:
-                wanting, out = stash.pop(key)
-            except KeyError:
-                raise PipelineRuntimeError(
-                    f"backward of pipeline {op.pipeline} micro-batch {op.micro_batch} comes "
-                    f"before its forward on device {self.device}; the order is invalid."
-                ) from None
-            if op.source is None:
-                out.backward()
-            else:
-                leaves, _ = flatten(out)
-                outs, grads = [], []
-                for i, leaf in enumerate(leaves):
-                    if leaf.requires_grad:
-                        outs.append(leaf)
-                        grads.append(self._recv(
-                            TensorSpec(tuple(leaf.shape), leaf.dtype), op.source,
-                            self._tag(op.pipeline, op.micro_batch, op.stage, True, i)))
-                if outs:
-                    torch.autograd.backward(outs, grads)
-            if op.dest is not None:
-                assert self._input_spec is not None
-                wanted = iter(wanting)
-                for i, spec in enumerate(self._input_spec.leaves):
-                    if not spec.requires_grad:
-                        continue
-                    x = next(wanted)
-                    grad = x.grad if x.grad is not None else torch.zeros_like(x)
-                    self._send(grad, op.dest,
-                               self._tag(op.pipeline, op.micro_batch, op.stage - 1, True, i),
-                               pending)
-        else:
-            raise PipelineRuntimeError(f"unknown operation kind {op.kind!r}")
-        if record:
-            timings.append(OpTiming(op.kind, op.pipeline, op.micro_batch, began,
-                                    time.perf_counter()))
-        return loss_sum
