@@ -563,7 +563,7 @@ class PipelineTrainer:
                 plan, self.device, self.model, stack, self.micro_batch_size, ranks,
                 input_spec=self._boundary(start) if start > 0 else None,
                 torch_device=self.torch_device, precision=self.precision,
-                recompute=bool(pipe.recompute and pipe.recompute[stage]), tp_rank=self.tp_rank)
+                recompute=pipe.recompute[stage], tp_rank=self.tp_rank)
             orders = device_orders(plan)
             self.orders = tuple(orders[self.device])
             _check_message_matching(orders)
