@@ -87,6 +87,7 @@ __all__ = [
     "pipeline_makespan",
     "pipeline_time",
     "reroute_closed_form",
+    "ring_seconds",
     "ring_time",
     "score",
     "stage_memory",
@@ -189,10 +190,16 @@ def ring_time(spec: JobSpec, layers: Iterable[int], n_devices: int) -> float:
     single device (nothing to sync). Public and free of device lists so that other modules can
     price ``(layers, count)`` groups before they pick devices.
     """
+    grad_bytes = math.fsum(spec.model.param_bytes[layer] for layer in layers)
+    return ring_seconds(grad_bytes, n_devices, spec.cluster.bandwidth_bytes_per_s)
+
+
+def ring_seconds(nbytes: float, n_devices: int, bandwidth: float) -> float:
+    """A ring all-reduce of ``nbytes`` over ``n_devices``: each sends and receives
+    ``2 (n - 1) / n`` of the bytes over its link; 0 for one device."""
     if n_devices <= 1:
         return 0.0
-    grad_bytes = math.fsum(spec.model.param_bytes[layer] for layer in layers)
-    return 2.0 * (n_devices - 1) / n_devices * grad_bytes / spec.cluster.bandwidth_bytes_per_s
+    return 2.0 * (n_devices - 1) / n_devices * nbytes / bandwidth
 
 
 def transfer_time(spec: JobSpec, transfers: Iterable[Transfer]) -> float:

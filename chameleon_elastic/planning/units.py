@@ -47,6 +47,7 @@ from dataclasses import replace
 from functools import lru_cache
 
 from ..spec import ELEMENT_BYTES, JobSpec, ModelProfile
+from .estimator import ring_seconds
 
 __all__ = ["tp_allreduce_s", "unit_spec", "whole_layer_times"]
 
@@ -94,13 +95,10 @@ def tp_allreduce_s(spec: JobSpec, layer: int) -> float:
     ``2 (t - 1) / t * bytes / cluster.tp_bandwidth``, ``bytes`` the layer's boundary figure
     at the training precision; 0 for ``t = 1``. Paid once per layer in the forward and once
     in the backward (the output's gradient has the output's size)."""
-    tp = spec.training.tp
-    if tp == 1:
-        return 0.0
     model = spec.model
     scale = ELEMENT_BYTES[spec.training.precision] / ELEMENT_BYTES[model.precision]
-    size = model.boundary_figures[layer] * scale
-    return 2.0 * (tp - 1) / tp * size / spec.cluster.tp_bandwidth
+    return ring_seconds(model.boundary_figures[layer] * scale, spec.training.tp,
+                        spec.cluster.tp_bandwidth)
 
 
 def _unit_model(spec: JobSpec) -> ModelProfile:
