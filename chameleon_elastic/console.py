@@ -133,6 +133,8 @@ def preset_lines(indent: str = "  ") -> list[str]:
         what = first.lstrip("#").split(":", 1)[0].strip().rstrip(".") if first.startswith(
             "#") else ""
         c, t = spec.cluster, spec.training
-        shape = f"{c.devices} devices, pp {t.pp} x dp {t.dp}, {spec.model.layers} layers"
+        unit = f" x tp {t.tp}" if t.tp > 1 else ""
+        cards = "cards" if t.tp > 1 else "devices"
+        shape = f"{c.devices} {cards}, pp {t.pp} x dp {t.dp}{unit}, {spec.model.layers} layers"
         lines.append(f"{indent}{name:<{pad}}  {what + '; ' if what else ''}{shape}")
     return lines
