@@ -64,6 +64,7 @@ from torch.distributed.elastic.utils import macros
 from chameleon_elastic import channel, torch_compat
 from chameleon_elastic.channel import Generation, Registration, Resumed
 from chameleon_elastic.rendezvous.handler import handler_for
+from chameleon_elastic.spec import cards_of, unit_of, units_of
 from chameleon_elastic.timeouts import Timeouts
 
 from . import coordination
@@ -98,7 +99,7 @@ def _devices(ids: list[int], tp: int = 1) -> str:
     if tp == 1:
         return f"device{'s' if len(ids) > 1 else ''} {', '.join(map(str, ids))}"
     return f"unit{'s' if len(ids) > 1 else ''} " + ", ".join(
-        f"{u} (cards {u * tp}-{u * tp + tp - 1})" for u in ids)
+        f"{u} (cards {cards_of(u, tp)[0]}-{cards_of(u, tp)[-1]})" for u in ids)
 
 
 @dataclass
@@ -228,11 +229,11 @@ class ChameleonAgent(LocalElasticAgent):
 
     def _units(self, cards: set[int] | list[int]) -> set[int]:
         """The plan devices (units of ``tp`` cards) of ``cards``."""
-        return {card // self._tp for card in cards}
+        return set(units_of(cards, self._tp))
 
     def _cards(self, units: set[int]) -> set[int]:
         """The cards of ``units`` that run here."""
-        return {c for c in self._local_device_ids() if c // self._tp in units}
+        return {c for c in self._local_device_ids() if unit_of(c, self._tp) in units}
 
     @property
     def _inplace_wanted(self) -> bool:
@@ -699,7 +700,7 @@ class ChameleonAgent(LocalElasticAgent):
         lost = sorted(p.change.lost) if p.change else sorted(event.lost)
         joined = sorted(p.change.joined) if p.change else sorted(event.joined)
         tp = self._tp
-        signals = {f.device // tp: f.signal or f.reason.split(":")[0] for f in event.failures}
+        signals = {unit_of(f.device, tp): f.signal or f.reason.split(":")[0] for f in event.failures}
         parts = []
         if lost:
             why = sorted({signals.get(d) or ("health check" if d in event.lost else "node gone")

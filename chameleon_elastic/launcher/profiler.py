@@ -69,13 +69,17 @@ def per_layer_times(spec: JobSpec, plan: ExecutionPlan, step_s: Mapping[int, flo
     Step times give a scale, not a shape: the job file's own figures say which layers are
     heavier and how forward and backward split, and the measurement says by how much they were
     off. Under 1F1B a device's step takes ``N_pp + N_m - 1`` slots of its pipeline's slowest
-    stage (``N_m`` counting the micro-batches it serves for dead peers), so each device gives
+    stage (``N_m`` counting the micro-batches it serves for dead peers; a recomputing stage's
+    slot includes its second forward, as the estimator prices it), so each device gives
     ``k = (step / slots) / guessed slowest stage``; the median ``k`` over devices multiplies
     every layer's guess. None when no working device reported a step.
     """
+    from chameleon_elastic.planning.estimator import stage_times
+
     model = spec.model
-    guess = [f + b for f, b in zip(model.forward_s, model.backward_s)]
-    slowest = [max(sum(guess[a:b]) for a, b in pipe.layers) for pipe in plan.pipelines]
+    slowest = [max(sum(stage_times(spec, a, b, recompute))
+                   for (a, b), recompute in zip(pipe.layers, pipe.recompute))
+               for pipe in plan.pipelines]
     ratios = []
     for role in plan.roles():
         t = step_s.get(role.device)

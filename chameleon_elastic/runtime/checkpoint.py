@@ -5,9 +5,9 @@ so a checkpoint is stored per layer, not per rank: ``step-<N>/layer-<i>.pt`` hol
 ``i``'s parameters and its optimizer state (one dict per parameter, in ``parameters()``
 order). Every holder of a layer has identical weights after the gradient sync, so only one
 writes it: the lowest device id among its holders (under tensor parallelism its unit gathers the
-whole tensors and its card 0 writes them, so a checkpoint loads under any degree). The little per-step state that is not a
-layer's lives beside them in ``trainer.json`` (fp16's loss scale; the learning-rate schedule
-needs nothing, it is replayed up to the checkpoint's step).
+whole tensors and its card 0 writes them, so a checkpoint loads under any degree). The little
+per-step state that is not a layer's lives beside them in ``trainer.json`` (fp16's loss scale;
+the learning-rate schedule needs nothing, it is replayed up to the checkpoint's step).
 
 Commit protocol: each writer saves to a temporary name and renames (a file is whole or absent);
 then all ranks meet at a barrier; then rank 0 atomically replaces ``latest`` with ``N`` and

@@ -59,6 +59,16 @@ class TiedCopies:
     devices: tuple[int, ...]
 
 
+def _tied_names(ties: Sequence[TiedCopies]) -> dict[int, frozenset[str]]:
+    """Layer -> names of its parameters that are tied copies (kept out of the buckets and of
+    the layer's own norm share)."""
+    out: dict[int, frozenset[str]] = {}
+    for t in ties:
+        for layer, name in t.members:
+            out[layer] = out.get(layer, frozenset()) | {name}
+    return out
+
+
 def tied_copies(model: PipelineModel,
                 holders: Mapping[int, Sequence[int]]) -> tuple[TiedCopies, ...]:
     return tuple(
@@ -95,6 +105,12 @@ def _grads(layers: Mapping[int, nn.Module], layer_ids: Sequence[int],
             if name not in tied.get(i, ())]
 
 
+def _squares(p: torch.Tensor) -> torch.Tensor:
+    """Sum of squares of this card's part of ``p``'s gradient, in float64, without a float64
+    copy of the gradient (this runs over every parameter at every step)."""
+    return torch.linalg.vector_norm(local(_grad(p)), dtype=torch.float64).square()
+
+
 def _start(grads: list[torch.Tensor], group) -> tuple[object, torch.Tensor, list[torch.Tensor]]:
     flat = torch.cat([g.reshape(-1) for g in grads]) if len(grads) > 1 else grads[0].reshape(-1)
     try:
@@ -129,10 +145,7 @@ def sync_gradients(layers: Mapping[int, nn.Module], device: int, ranks: RankMap,
     (mode ``serial``); ``ties``: :func:`tied_copies` under the plan. Under tensor
     parallelism this card sums with the cards of rank ``tp_rank`` of the other holders.
     """
-    tied: dict[int, frozenset[str]] = {}
-    for t in ties:
-        for layer, name in t.members:
-            tied[layer] = tied.get(layer, frozenset()) | {name}
+    tied = _tied_names(ties)
     issued = 0
     if mode == "rounds":
         for rnd in rounds:
@@ -186,20 +199,18 @@ def square_share(layers: Mapping[int, nn.Module], device: int,
     def counts(p: torch.Tensor) -> bool:
         return tp_rank == 0 or not replicated(p)
 
-    tied: dict[int, set[str]] = {}
+    tied = _tied_names(ties)
     total = torch.zeros((), dtype=torch.float64)
     for t in ties:
-        for layer, name in t.members:
-            tied.setdefault(layer, set()).add(name)
         if t.devices and t.devices[0] == device:
             x, name = next((x, n) for x, n in t.members if x in layers)
             param = tied_parameter(layers[x], x, name)
             if counts(param):
-                total += local(_grad(param)).double().square().sum()
+                total += _squares(param)
     for layer, module in layers.items():
         if min(holders[layer]) != device:
             continue
         for name, p in module.named_parameters():
             if name not in tied.get(layer, ()) and counts(p):
-                total += local(_grad(p)).double().square().sum()
+                total += _squares(p)
     return float(total)

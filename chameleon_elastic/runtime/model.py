@@ -100,10 +100,6 @@ class PipelineModel:
                     )
                 seen.add((layer, name))
 
-    def tied_names(self, layer: int) -> frozenset[str]:
-        """Names of ``layer``'s parameters that are tied to another layer's."""
-        return frozenset(name for tie in self.tied for x, name in tie.members if x == layer)
-
 
 def build_layers(model: PipelineModel, start: int, end: int) -> nn.ModuleList:
     """Layers ``[start, end)``, each built under its own seed so its weights do not depend on

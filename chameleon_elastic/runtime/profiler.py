@@ -79,13 +79,15 @@ def _nbytes(tensors: Iterable[Any]) -> int:
 
 
 def _synchronizer(device: torch.device) -> Callable[[], None]:
-    """Waits for queued work on ``device`` (cuda, npu, ...; nothing on CPU) so that a clock
-    reading covers the kernels, not only their launch."""
-    module = getattr(torch, device.type, None)
-    sync = getattr(module, "synchronize", None)
-    if device.type == "cpu" or sync is None:
+    """Waits for queued work on ``device`` (the device plugin's ``synchronize``; nothing on
+    CPU) so that a clock reading covers the kernels, not only their launch."""
+    from chameleon_elastic.plugins import PluginError, get_backend
+
+    try:
+        backend = get_backend(device.type)
+    except PluginError:
         return lambda: None
-    return lambda: sync(device)
+    return lambda: backend.synchronize(device.index or 0)
 
 
 def _leaves(tree: Any) -> list[torch.Tensor]:
