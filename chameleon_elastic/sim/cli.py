@@ -6,9 +6,9 @@
 One trace per seed (``--trace-model poisson|hourly``, optional ``--mttr-s`` repairs), or one
 given trace (``--trace FILE.csv``). Every policy replays every trace. Prints a summary table
 (or, with ``--json``, a JSON document on stdout); with ``--out`` also writes summary.json,
-runs.csv, the traces as CSV, throughput.png and devices.png. Usage errors exit 2 with one
-line and no traceback; a job the planner cannot start, or an ``--out`` that cannot be
-written, exits 1; nothing is written to ``--out`` unless the whole run succeeded.
+runs.csv, the traces as CSV, throughput.png, relative.png and devices.png. Usage errors
+exit 2 with one line and no traceback; a job the planner cannot start, or an ``--out`` that
+cannot be written, exits 1; nothing is written to ``--out`` unless the whole run succeeded.
 
 With tensor parallelism (``training.tp > 1``) every policy runs on the unit view of the job
 (``planning.units.unit_spec``): devices are units of ``tp`` cards, and a unit fails at ``tp``
@@ -213,7 +213,8 @@ def _write_outputs(result: ExperimentResult, traces: Sequence[tuple[int, Failure
             write_trace(units_to_cards(trace, tp), tmp / "traces" / f"seed-{seed}.csv")
         plot_experiment(result, tmp, bins, tp=tp)
         (tmp / "runs.csv").write_text(runs_csv(result))
-        names = ["summary.json", "runs.csv", "throughput.png", "devices.png", "traces"]
+        names = ["summary.json", "runs.csv", "throughput.png", "relative.png", "devices.png",
+                 "traces"]
         files = {n: str(out_dir / n) for n in names}
         doc = to_json_dict(result, doc_setting, files)
         (tmp / "summary.json").write_text(json.dumps(doc, indent=2) + "\n")
@@ -310,8 +311,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         console = make_console()
         console.print(summary_table(result, tp=job.training.tp))
         if args.out is not None:
-            console.print(f"wrote {args.out}/summary.json, runs.csv, throughput.png, devices.png, "
-                          "traces/", markup=False, highlight=False)
+            console.print(f"wrote {args.out}/summary.json, runs.csv, throughput.png, "
+                          "relative.png, devices.png, traces/", markup=False, highlight=False)
     return EXIT_OK
 
 

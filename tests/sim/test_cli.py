@@ -30,9 +30,9 @@ def test_json_report_files_and_plots(tmp_path, capsys) -> None:
     assert set(doc["ratios"]) == {"chameleon/recycle", "chameleon/checkpoint"}
     assert doc["ratios"]["chameleon/recycle"]["paper"] == 1.355
     assert doc["seeds"] == [0, 1]
-    for name in ("summary.json", "runs.csv", "throughput.png", "devices.png"):
+    for name in ("summary.json", "runs.csv", "throughput.png", "relative.png", "devices.png"):
         assert (out / name).is_file()
-    for name in ("throughput.png", "devices.png"):
+    for name in ("throughput.png", "relative.png", "devices.png"):
         data = (out / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) < 200_000
     assert json.loads((out / "summary.json").read_text())["policies"] == doc["policies"]
