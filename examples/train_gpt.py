@@ -198,7 +198,12 @@ def gpt_model(blocks: int, context: int, width: int, heads: int, lr: float,
 def parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description="Byte-level GPT on the Python standard library, "
                                              "trained under a chameleon-run plan.")
-    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--steps", type=int, default=30,
+                    help="train steps 0 .. STEPS-1 (a resumed run continues from its "
+                         "checkpoint). The cosine decay is defined over STEPS, so raising it "
+                         "on resume stretches the schedule: the learning rate jumps up at the "
+                         "resumed step (keep STEPS, or pass --warmup-steps 0 for a constant "
+                         "rate)")
     ap.add_argument("--blocks", type=int, default=None,
                     help="transformer blocks (layers = blocks + 2); default: from the plan, "
                          "else 6")
