@@ -370,8 +370,8 @@ def figures(result: ExperimentResult, bins: int = 108, tp: int = 1) -> dict[str,
         ax.set_ylim(bottom=0)
         ax.set_xlim(0, horizon_h)
         ax.grid(True, alpha=0.3)
-        _legend(ax, ncol, "center right" if ax is bottom else "lower left")
-    bottom.set_ylim(bottom=-0.2)
+        _legend(ax, ncol, "best" if ax is bottom else "lower left")
+    bottom.set_ylim(bottom=-0.05)
     fig.tight_layout()
     figs["devices"] = fig
     return figs
