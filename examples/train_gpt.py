@@ -220,7 +220,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                          "default: the job's training.precision under chameleon-run, else bf16")
     ap.add_argument("--no-tie", action="store_true",
                     help="give the head its own weights instead of reusing the embedding")
-    ap.add_argument("--micro-batch-size", type=int, default=4)
+    ap.add_argument("--micro-batch-size", type=int, default=None,
+                    help="samples per micro-batch; default: the job's training.micro_batch_size "
+                         "under chameleon-run (another value is refused), else 4")
     ap.add_argument("--global-micro-batches", type=int, default=8,
                     help="used only without a plan (plain torchrun data parallelism)")
     ap.add_argument("--corpus-bytes", type=int, default=2_000_000)
@@ -231,13 +233,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                          "a restart under a new plan (chameleon-run re-plan) goes on training")
     ap.add_argument("--checkpoint-every", type=int, default=10)
     args = ap.parse_args(argv)
-    for name in ("steps", "width", "heads", "context", "micro_batch_size",
-                 "global_micro_batches", "corpus_bytes", "log_every", "checkpoint_every"):
+    for name in ("steps", "width", "heads", "context", "global_micro_batches", "corpus_bytes", "log_every", "checkpoint_every"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
     for name in ("warmup_steps", "max_grad_norm"):
         if getattr(args, name) < 0:
             ap.error(f"--{name.replace('_', '-')} must be >= 0")
+    if args.micro_batch_size is not None and args.micro_batch_size < 1:
+        ap.error("--micro-batch-size must be >= 1")
     if args.width % args.heads:
         ap.error(f"--width {args.width} must be a multiple of --heads {args.heads}")
     return args
@@ -262,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
                       total_steps=args.steps if args.warmup_steps else 0)
     try:
         trainer = PipelineTrainer.from_env(model, global_micro_batches=args.global_micro_batches,
-                                           micro_batch_size=args.micro_batch_size,
+                                           micro_batch_size=args.micro_batch_size or (
+                                               None if plan is not None else 4),
                                            checkpoint_dir=args.checkpoint_dir,
                                            max_grad_norm=args.max_grad_norm or None,
                                            precision=args.precision or os.environ.get(

@@ -35,6 +35,7 @@ backward.
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -49,7 +50,7 @@ from chameleon_elastic.torch_compat import fake_tensor_mode
 
 from .data import sample_ids
 from .errors import PeerLost, PipelineRuntimeError, communication_failure
-from .model import PipelineModel, collate
+from .model import PipelineModel, _sizing, build_layers, collate
 from .precision import Precision, autocast
 from .tensors import Structure, flatten, leaf_map, unflatten
 from .topology import RankMap
@@ -101,34 +102,78 @@ def boundary_spec(model: PipelineModel, layer: int, micro_batch_size: int,
     Layers ``[0, layer)`` run on fake tensors (no memory, no arithmetic, the same answer on
     every device) under the training precision's autocast, which decides the dtypes; a fake
     parameter requires gradients as a real one does, so the flags say which leaves carry a
-    gradient back.
+    gradient back. ``build_layer`` is called with :func:`~.model.sizing_boundaries` true.
+
+    A factory that cannot build or run under FakeTensorMode (deep-copying a module with
+    buffers, a library that checks tensor types) is not an error: the layers are then run for
+    real on one micro-batch, built one at a time under their seeds (one layer's memory at a
+    time), and a warning says why in one sentence. Only when that fails too is it an error.
     """
     inputs, _ = collate(model, range(micro_batch_size))
     device = device or torch.device("cpu")
     try:
-        with fake_tensor_mode():
+        with fake_tensor_mode(), _sizing():
             layers = [model.build_layer(i) for i in range(layer)]
             x = leaf_map(lambda t: t.to(device), inputs)
             with torch.enable_grad(), autocast(precision, device):
                 for m in layers:
                     x = m(x)
-            leaves, structure = flatten(x, f"the output of layer {layer - 1}")
-            specs = tuple(TensorSpec(tuple(t.shape), t.dtype, bool(t.requires_grad))
-                          for t in leaves)
+            specs, structure = _specs(x, layer)
     except PipelineRuntimeError:
         raise
-    except Exception as exc:
-        raise PipelineRuntimeError(
-            f"cannot infer what enters layer {layer} without running the model ({exc}); "
-            "layers must not depend on tensor values for their shapes (no .item(), no "
-            "data-dependent branches), so stage boundaries can be sized in advance."
-        ) from exc
+    except Exception as fake_exc:
+        fake_error = _first_line(fake_exc)
+        try:
+            specs, structure = _real_boundary(model, layer, inputs, precision, device)
+        except PipelineRuntimeError:
+            raise
+        except Exception as exc:
+            raise PipelineRuntimeError(
+                f"cannot size what enters layer {layer}: building and running layers 0-"
+                f"{layer - 1} failed on fake tensors ({fake_error}) and for real "
+                f"({_first_line(exc)}); layers must not depend on tensor values for their "
+                "shapes (no .item(), no data-dependent branches)."
+            ) from exc
+        warnings.warn(
+            f"stage boundary of layer {layer} sized by running layers 0-{layer - 1} for real "
+            f"on one micro-batch, because build_layer or a layer's forward failed under "
+            f"torch's FakeTensorMode ({fake_error}); see sizing_boundaries() in "
+            "chameleon_elastic.runtime.model.", RuntimeWarning, stacklevel=2)
     if len(specs) > MAX_LEAVES:
         raise PipelineRuntimeError(
             f"layer {layer} receives {len(specs)} tensors; at most {MAX_LEAVES} may cross a "
             "stage boundary: pack them into fewer tensors."
         )
     return BoundarySpec(structure, specs)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:200]}" if text else type(exc).__name__
+
+
+def _specs(x: Any, layer: int) -> tuple[tuple[TensorSpec, ...], Structure]:
+    leaves, structure = flatten(x, f"the output of layer {layer - 1}")
+    return tuple(TensorSpec(tuple(t.shape), t.dtype, bool(t.requires_grad))
+                 for t in leaves), structure
+
+
+def _real_boundary(model: PipelineModel, layer: int, inputs: Any, precision: Precision,
+                   device: torch.device) -> tuple[tuple[TensorSpec, ...], Structure]:
+    """The fallback of :func:`boundary_spec`: layers ``[0, layer)`` run for real, one built
+    at a time (as in training: its seed, its tie), on one micro-batch."""
+    x = leaf_map(lambda t: t.to(device), inputs)
+    specs: tuple[TensorSpec, ...] = ()
+    structure: Structure = None
+    for i in range(layer):
+        module = build_layers(model, i, i + 1)[0].to(device)
+        with torch.enable_grad(), autocast(precision, device):
+            x = module(x)
+        specs, structure = _specs(x, i + 1)
+        # cut the graph (one layer's memory at a time), keeping each leaf's gradient flag
+        x = leaf_map(lambda t: t.detach().requires_grad_(t.requires_grad), x)
+        del module
+    return specs, structure
 
 
 class PipelineExecutor:

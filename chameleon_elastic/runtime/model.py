@@ -15,7 +15,9 @@ exactly as one shared parameter would evolve in a single process.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +27,8 @@ from torch import nn
 from .errors import PipelineRuntimeError
 from .tensors import stack
 
-__all__ = ["PipelineModel", "Tie", "build_layers", "collate", "tied_parameter"]
+__all__ = ["PipelineModel", "Tie", "build_layers", "collate", "sizing_boundaries",
+           "tied_parameter"]
 
 LayerFactory = Callable[[int], nn.Module]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -35,6 +38,27 @@ SchedulerFactory = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LR
 #: Layer -> its tensor-parallel plan: submodule name -> torch ``ParallelStyle``
 #: (``ColwiseParallel()``, ``RowwiseParallel()``, ...), or None to replicate the layer.
 TensorParallelPlan = Callable[[int], "Mapping[str, Any] | None"]
+
+
+_SIZING: contextvars.ContextVar[bool] = contextvars.ContextVar("chameleon_sizing", default=False)
+
+
+def sizing_boundaries() -> bool:
+    """True while the runtime calls ``build_layer`` only to size stage boundaries: under
+    torch's FakeTensorMode, where tensors have shapes but no data (see ``boundary_spec``). A
+    factory that reads weights from disk or draws them may skip that work then: nobody will
+    see the values, and reading another stage's weights would load what this device never
+    holds."""
+    return _SIZING.get()
+
+
+@contextlib.contextmanager
+def _sizing() -> Iterator[None]:
+    token = _SIZING.set(True)
+    try:
+        yield
+    finally:
+        _SIZING.reset(token)
 
 
 @dataclass(frozen=True)

@@ -262,7 +262,12 @@ class PipelineTrainer:
                  micro_batch_size: int | None = None, **kwargs) -> PipelineTrainer:
         """Plan from ``CHAMELEON_PLAN_FILE`` (chameleon-run); without it, plain data parallelism
         over ``WORLD_SIZE`` with ``global_micro_batches`` (torchrun). Under ``chameleon-run
-        --job`` the trainer is linked to its agent and recovers in place."""
+        --job`` the trainer is linked to its agent and recovers in place.
+
+        ``micro_batch_size`` and ``precision``: None (or not given) follows the job
+        (``CHAMELEON_MICRO_BATCH_SIZE``, ``CHAMELEON_PRECISION``; 1 and fp32 without one); a
+        micro-batch size that disagrees with the job's is refused, because the plan was
+        priced for the job's. A plan made for another layer count is refused too."""
         plan = plan_from_env()
         if plan is None:
             if global_micro_batches is None:
@@ -272,9 +277,23 @@ class PipelineTrainer:
                 )
             plan = data_parallel_plan(dist.get_world_size(), model.num_layers,
                                       global_micro_batches)
-        mbs = micro_batch_size or int(os.environ.get("CHAMELEON_MICRO_BATCH_SIZE", "1"))
+        if plan.num_layers != model.num_layers:
+            raise PipelineRuntimeError(
+                f"the job's plan has {plan.num_layers} layers but the model has "
+                f"{model.num_layers}; set model.layers = {model.num_layers} in the job file "
+                "(chameleon-job writes it from the model).")
+        job_mbs = os.environ.get("CHAMELEON_MICRO_BATCH_SIZE")
+        if micro_batch_size is not None and job_mbs is not None \
+                and micro_batch_size != int(job_mbs):
+            raise PipelineRuntimeError(
+                f"the script trains micro-batches of {micro_batch_size} samples but the job "
+                f"was planned for training.micro_batch_size = {job_mbs}; pass "
+                "micro_batch_size=None to follow the job, or set the job's to "
+                f"{micro_batch_size}.")
+        mbs = micro_batch_size or int(job_mbs or "1")
         kwargs.setdefault("link", WorkerLink.from_env(kwargs.get("timeouts")))
-        kwargs.setdefault("precision", os.environ.get("CHAMELEON_PRECISION", "fp32"))
+        if kwargs.get("precision") is None:   # None, or not given: the job's
+            kwargs["precision"] = os.environ.get("CHAMELEON_PRECISION", "fp32")
         tp_rank, tp_size = tp_from_env()
         kwargs.setdefault("tp_rank", tp_rank)
         kwargs.setdefault("tp_size", tp_size)

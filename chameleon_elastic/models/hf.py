@@ -1,0 +1,364 @@
+"""Hugging Face causal LMs on the runtime: ``causal_lm(source) -> PipelineModel``, and back.
+
+    from chameleon_elastic.models import hf
+    model = hf.causal_lm("path/to/saved", sample=my_sample)      # or a PretrainedConfig
+    trainer = PipelineTrainer.from_env(model, ...)
+    trainer.run(steps, report)
+    hf.save_pretrained(trainer, "out")                            # every process calls it
+
+``source`` is a directory written by transformers' ``save_pretrained`` (``config.json`` plus
+safetensors, sharded or not; a directory with only ``config.json`` starts from random weights)
+or a ``transformers.PretrainedConfig`` (random initialisation, transformers' own, drawn under
+the runtime's per-layer seed). The model becomes ``n + 2`` layers (:mod:`.hf_layers`): the
+embedding with what is computed once, each decoder layer, the final norm with the head. Tied
+embeddings become a :class:`~chameleon_elastic.runtime.Tie`. A sample is ``(input_ids,
+labels)`` and the loss is transformers' causal-LM loss (labels shifted inside, ``-100``
+ignored), the mean over one micro-batch's counted tokens.
+
+Pretrained weights are read per layer: a device builds only its own layers and reads only
+their tensors (:mod:`.hf_weights`); a layer that moves at a re-plan comes from peers, as
+always. While the runtime sizes stage boundaries on fake tensors, layers are built empty.
+
+Under ``training.tp > 1`` the config's ``base_model_tp_plan`` shards each decoder layer
+(``colwise`` / ``rowwise`` as torch's ``ColwiseParallel`` / ``RowwiseParallel``); the
+embedding and the head stay whole on every card.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from chameleon_elastic.runtime.model import PipelineModel, Tie, sizing_boundaries
+
+from .hf_layers import SUPPORTED, Layout, Stage, init_modules, layout_of, materialize
+
+__all__ = ["HFModelError", "CausalLMLayers", "adamw", "causal_lm", "convert_checkpoint",
+           "load_config", "require_extra", "save_pretrained", "token_windows"]
+
+EXTRA = "pip install 'chameleon-elastic[hf]'  (transformers and safetensors)"
+
+
+class HFModelError(ValueError):
+    """A model that cannot be adapted; the message is one sentence naming the fix."""
+
+
+def require_extra(what: str = "chameleon_elastic.models.hf") -> None:
+    """transformers and safetensors, or one sentence saying how to get them."""
+    try:
+        import safetensors  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError as exc:
+        raise HFModelError(f"{what} needs transformers and safetensors, which are not "
+                           f"installed ({exc.name} is missing): {EXTRA}.") from None
+
+
+def load_config(source: Any) -> tuple[Any, Path | None]:
+    """The config, and the directory it came from (None for a config object)."""
+    require_extra()
+    from transformers import AutoConfig, PretrainedConfig
+
+    if isinstance(source, PretrainedConfig):
+        return copy_config(source), None
+    directory = Path(source)
+    if not (directory / "config.json").is_file():
+        raise HFModelError(
+            f"{str(directory)!r} has no config.json; pass a directory written by "
+            "transformers' save_pretrained (config.json plus model*.safetensors) or a "
+            "PretrainedConfig.")
+    try:
+        config = AutoConfig.from_pretrained(str(directory), local_files_only=True)
+    except (ValueError, KeyError, OSError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise HFModelError(f"cannot read {directory / 'config.json'}: {first}") from None
+    return config, directory
+
+
+def copy_config(config: Any) -> Any:
+    return config.__class__.from_dict(config.to_dict())
+
+
+def _check_supported(config: Any) -> None:
+    kind = getattr(config, "model_type", "?")
+    if kind not in SUPPORTED:
+        arch = ", ".join(getattr(config, "architectures", None) or []) or kind
+        raise HFModelError(
+            f"architecture {arch} (model_type {kind!r}) is not supported; supported causal "
+            f"LMs: {', '.join(sorted(SUPPORTED))}.")
+    if SUPPORTED[kind] is None and not getattr(config, "base_model_pp_plan", None):
+        raise HFModelError(f"model_type {kind!r} has no base_model_pp_plan in this version of "
+                           "transformers; install transformers >= 4.52.")
+
+
+_DROPOUT_KEYS = ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop",
+                 "attn_pdrop", "dropout")
+
+_PRIVATE = ("_skeleton", "_files")
+
+
+class CausalLMLayers:
+    """``build_layer`` of a causal LM: layer ``i`` built alone, from the safetensors files of
+    ``directory`` when it has them, else with transformers' initialisation. Holds the meta
+    skeleton (built on first use, not pickled) that gives each layer's submodules."""
+
+    def __init__(self, config: Any, directory: Path | None, dtype: torch.dtype) -> None:
+        from .hf_weights import has_weights
+
+        self.config = config
+        self.directory = directory
+        self.dtype = dtype
+        self.pretrained = directory is not None and has_weights(directory)
+        self._skeleton: nn.Module | None = None
+        self._files = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: (None if k in _PRIVATE else v) for k, v in self.__dict__.items()}
+
+    @property
+    def skeleton(self) -> nn.Module:
+        if self._skeleton is None:
+            from transformers import AutoModelForCausalLM
+
+            with torch.device("meta"):
+                self._skeleton = AutoModelForCausalLM.from_config(
+                    self.config, attn_implementation="sdpa")
+        return self._skeleton
+
+    @functools.cached_property
+    def layout(self) -> Layout:
+        return layout_of(self.skeleton, SUPPORTED[self.config.model_type])
+
+    @property
+    def tied(self) -> bool:
+        text = self.config.get_text_config() if hasattr(self.config, "get_text_config") else None
+        return bool(getattr(text or self.config, "tie_word_embeddings", False))
+
+    def tie_names(self) -> tuple[str, str]:
+        """(token embedding weight, head weight), as the checkpoint names them."""
+        layout = self.layout
+        return f"{layout.path(layout.family.tokens)}.weight", f"{layout.head}.weight"
+
+    def names(self, layer: int) -> tuple[str, ...]:
+        """The ``state_dict`` keys of layer ``layer`` (the checkpoint's names)."""
+        skeleton = self.skeleton
+        out = []
+        for path in self.layout.parts(layer):
+            module = skeleton.get_submodule(path)
+            out.extend(f"{path}.{k}" for k in module.state_dict())
+        return tuple(out)
+
+    def numel(self, layer: int) -> int:
+        skeleton = self.skeleton
+        return sum(p.numel() for path in self.layout.parts(layer)
+                   for p in skeleton.get_submodule(path).parameters())
+
+    def __call__(self, layer: int) -> nn.Module:
+        skeleton, layout = self.skeleton, self.layout
+        parts = {path: materialize(skeleton.get_submodule(path), "cpu", self.dtype)
+                 for path in layout.parts(layer)}
+        stage = Stage(layout, layer, parts)
+        if sizing_boundaries():   # fake tensors: shapes only, nothing to read or draw
+            return stage
+        if self.pretrained:
+            self._load(stage, layer)
+        else:
+            init_modules(skeleton, parts.values())
+        return stage
+
+    def _load(self, stage: Stage, layer: int) -> None:
+        """This layer's tensors from the files (the head of a tied model reads the embedding,
+        which save_pretrained stores once); tables that are not saved (rotary frequencies) are
+        computed."""
+        from .hf_weights import WeightFiles
+
+        if self._files is None:
+            self._files = WeightFiles(self.directory)
+        files = self._files
+        base = f"{self.layout.prefix}."
+        where = {}
+        for name in stage.state_dict():
+            for candidate in (name, name.removeprefix(base), *self._tied_source(name)):
+                if candidate in files:
+                    where[name] = candidate
+                    break
+            else:
+                raise HFModelError(
+                    f"{self.directory} has no tensor {name!r} for layer {layer}; the "
+                    "checkpoint does not match its config.json: save it again with "
+                    "save_pretrained.")
+        tensors = files.read(sorted(set(where.values())))
+        with torch.no_grad():
+            for name, target in stage.state_dict(keep_vars=True).items():
+                value = tensors[where[name]]
+                if value.shape != target.shape:
+                    raise HFModelError(
+                        f"tensor {where[name]!r} in {self.directory} has shape "
+                        f"{tuple(value.shape)} but the config makes {tuple(target.shape)}; "
+                        "the checkpoint does not match its config.json.")
+                target.copy_(value)
+        unsaved = [m for m in stage.modules()
+                   if not any(True for _ in m.parameters())
+                   and (m._non_persistent_buffers_set
+                        or any(isinstance(v, torch.Tensor) for v in vars(m).values()))]
+        for m in unsaved:
+            with torch.no_grad():
+                self.skeleton._init_weights(m)
+
+    def _tied_source(self, name: str) -> tuple[str, ...]:
+        tokens, head = self.tie_names()
+        if self.tied and name == head:
+            return (tokens, tokens.removeprefix(f"{self.layout.prefix}."))
+        return ()
+
+    def tp_plan(self, layer: int) -> dict[str, Any] | None:
+        """Layer ``layer``'s tensor-parallel plan from the config's ``base_model_tp_plan``
+        (decoder layers only; the embedding and the head stay whole on every card)."""
+        if not 1 <= layer <= self.layout.blocks:
+            return None
+        plan = getattr(self.config, "base_model_tp_plan", None)
+        if not plan:
+            return None
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+        blocks = self.layout.family.blocks
+        out: dict[str, Any] = {}
+        for pattern, style in plan.items():
+            head, _, rest = pattern.partition(".*.")
+            if head != blocks or not rest:
+                continue
+            if style not in styles:
+                raise HFModelError(
+                    f"{self.config.model_type}'s tensor-parallel plan shards {rest} as "
+                    f"{style!r}, which the runtime does not support (only colwise and "
+                    "rowwise); train it with training.tp = 1.")
+            out[self.layout.path(f"{blocks}.{layer - 1}.{rest}")] = styles[style]()
+        return out or None
+
+
+def _causal_loss(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    return ForCausalLMLoss(logits, labels, vocab_size)
+
+
+def token_windows(tokens: torch.Tensor, context: int, index: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample ``index`` of a token stream: a window of ``context`` tokens at a fixed
+    pseudo-random offset, as ``(input_ids, labels)`` (the same tokens: the loss shifts)."""
+    span = tokens.numel() - context
+    if span < 1:
+        raise HFModelError(f"the data holds {tokens.numel()} tokens, fewer than one context of "
+                           f"{context} + 1; give more text or a shorter context.")
+    start = (index * 1_000_003) % span
+    window = tokens[start:start + context]
+    return window, window.clone()
+
+
+def _random_tokens(vocab: int, context: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(index)
+    ids = torch.randint(0, vocab, (context,), generator=g)
+    return ids, ids.clone()
+
+
+def adamw(params: Iterable[nn.Parameter], lr: float = 3e-4, weight_decay: float = 0.1,
+          betas: tuple[float, float] = (0.9, 0.95)) -> torch.optim.Optimizer:
+    """AdamW with weight decay on matrices only: norms and biases (one-dimensional) are not
+    decayed, as LLMs are trained. Groups are made by shape, so the split is the same whatever
+    layers a device holds (a group may be empty only when a device holds no such tensor)."""
+    params = list(params)
+    decay = [p for p in params if p.ndim >= 2]
+    keep = [p for p in params if p.ndim < 2]
+    groups = [g for g in ({"params": decay, "weight_decay": weight_decay},
+                          {"params": keep, "weight_decay": 0.0}) if g["params"]]
+    return torch.optim.AdamW(groups, lr=lr, betas=betas)
+
+
+def causal_lm(source: Any, *, sample: Callable[[int], tuple[Any, Any]] | None = None,
+              make_optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+              | None = None, make_scheduler: Callable[[torch.optim.Optimizer], Any]
+              | None = None, seed: int = 0, dtype: torch.dtype = torch.float32,
+              dropout: float | None = None, context: int = 128) -> PipelineModel:
+    """The runtime's model of a Hugging Face causal LM (see the module's docstring).
+
+    ``sample(index) -> (input_ids, labels)``: one global sample (default: random tokens of
+    ``context`` length, for profiling and tests). ``make_optimizer``: default :func:`adamw`.
+    ``dtype``: the master weights' type (float32; float64 for exact comparisons).
+    ``dropout``: replaces every dropout probability of the config (None: the config's; note
+    that dropout draws random numbers, so only 0 gives the same result under every plan).
+    """
+    config, directory = load_config(source)
+    _check_supported(config)
+    config.use_cache = False
+    if dropout is not None:
+        for key in _DROPOUT_KEYS:
+            if hasattr(config, key):
+                setattr(config, key, dropout)
+    layers = CausalLMLayers(config, directory, dtype)
+    vocab = int(config.get_text_config().vocab_size)
+    n = layers.layout.num_layers
+    tied = (Tie(((0, layers.tie_names()[0]), (n - 1, layers.tie_names()[1]))),) \
+        if layers.tied else ()
+    return PipelineModel(
+        num_layers=n,
+        build_layer=layers,
+        loss=functools.partial(_causal_loss, vocab_size=vocab),
+        make_optimizer=make_optimizer or adamw,
+        sample=sample or functools.partial(_random_tokens, vocab, context),
+        seed=seed,
+        make_scheduler=make_scheduler,
+        tied=tied,
+        tp_plan=layers.tp_plan,
+    )
+
+
+def layers_of(model: PipelineModel) -> CausalLMLayers:
+    """The adapter behind a model made by :func:`causal_lm`, or one sentence."""
+    if not isinstance(model.build_layer, CausalLMLayers):
+        raise HFModelError("this trainer's model was not made by "
+                           "chameleon_elastic.models.hf.causal_lm; only such models can be "
+                           "saved in transformers' format.")
+    return model.build_layer
+
+
+def save_pretrained(trainer: Any, out_dir: str | Path) -> Path:
+    """Write the trained model as a directory ``AutoModelForCausalLM.from_pretrained`` loads.
+    Collective: every process of the job calls it (see :mod:`.hf_export`)."""
+    from .hf_export import save_from_trainer
+
+    return save_from_trainer(trainer, Path(out_dir))
+
+
+def convert_checkpoint(checkpoint_dir: str | Path, source: Any, out_dir: str | Path,
+                       step: int | None = None) -> Path:
+    """A runtime checkpoint (``step-N/layer-i.pt``) as a transformers directory, offline;
+    ``source``: the model's directory or config (for config.json)."""
+    from .hf_export import convert
+
+    return convert(Path(checkpoint_dir), source, Path(out_dir), step)
+
+
+def parameter_count(model: PipelineModel) -> Sequence[int]:
+    """Parameters per layer, from the meta skeleton (nothing is built)."""
+    layers = layers_of(model)
+    return [layers.numel(i) for i in range(model.num_layers)]
+
+
+def _fmt_bytes(n: float) -> str:
+    if n <= 0:
+        return "0 B"
+    units = ("B", "KB", "MB", "GB", "TB")
+    k = min(len(units) - 1, int(math.log(n, 1000)))
+    return f"{n / 1000 ** k:.1f} {units[k]}"
+
+
+if __name__ == "__main__":
+    from .hf_export import main
+
+    raise SystemExit(main())
