@@ -17,8 +17,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["AGENT_HOOKS", "PRIVATE_ATTRIBUTES", "abort_process_group", "addr_and_port",
-           "entrypoint_name", "fake_tensor_mode", "stop_heartbeats"]
+__all__ = ["AGENT_HOOKS", "PRIVATE_ATTRIBUTES", "RENDEZVOUS_SETTINGS_HOLDERS",
+           "abort_process_group", "addr_and_port", "entrypoint_name", "fake_tensor_mode",
+           "set_min_nodes", "stop_heartbeats"]
 
 # LocalElasticAgent / SimpleElasticAgent methods ChameleonAgent overrides (O) or calls (C),
 # with the parameters (after self) that our code relies on.
@@ -61,6 +62,26 @@ def stop_heartbeats(handler: Any) -> None:
     stop: Callable[[], None] | None = getattr(handler, "_stop_heartbeats", None)
     if callable(stop):
         stop()
+
+
+# The parts of a DynamicRendezvousHandler that each keep their own reference to its frozen
+# RendezvousSettings (the handler, its state holder, its operation executor).
+RENDEZVOUS_SETTINGS_HOLDERS: tuple[str, ...] = ("", "_state_holder", "_op_executor")
+
+
+def set_min_nodes(handler: Any, min_nodes: int) -> None:
+    """Let a dynamic rendezvous handler's next rounds close with ``min_nodes`` nodes. torch
+    fixes the minimum for the handler's life; a planned job needs it for its first round only
+    (see ChameleonAgent). Handlers without settings (static) are left alone."""
+    import dataclasses
+
+    settings = getattr(handler, "_settings", None)
+    if settings is None or settings.min_nodes == min_nodes:
+        return
+    lowered = dataclasses.replace(settings, min_nodes=min_nodes)
+    for path in RENDEZVOUS_SETTINGS_HOLDERS:
+        owner = getattr(handler, path) if path else handler
+        owner._settings = lowered
 
 
 def abort_process_group(group: Any = None) -> None:

@@ -56,3 +56,23 @@ def test_fake_tensor_mode_sizes_a_forward_under_autocast_without_data():
         with torch.autocast("cpu", dtype=torch.bfloat16):
             y = layer(x)
         assert (tuple(y.shape), y.dtype, y.requires_grad) == ((2, 3), torch.bfloat16, True)
+
+
+def test_set_min_nodes_reaches_every_copy_of_a_dynamic_handlers_settings():
+    """The handler, its state holder and its operation executor each keep the settings: a
+    lowered minimum must reach all three, or a round would still wait for the old one."""
+    from torch.distributed import HashStore
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousTimeout
+
+    from chameleon_elastic.rendezvous.handler import FreshStoreRendezvousHandler
+
+    store = HashStore()
+    handler = FreshStoreRendezvousHandler.from_backend(
+        "job", store, C10dRendezvousBackend(store, "job"), 2, 2, "127.0.0.1",
+        RendezvousTimeout())
+    torch_compat.set_min_nodes(handler, 1)
+    owners = [getattr(handler, p) if p else handler
+              for p in torch_compat.RENDEZVOUS_SETTINGS_HOLDERS]
+    assert [o._settings.min_nodes for o in owners] == [1, 1, 1]
+    assert all(o._settings.max_nodes == 2 for o in owners)

@@ -288,6 +288,20 @@ class ChameleonAgent(LocalElasticAgent):
         self._emit(Event.RENDEZVOUS_FAILOVER, error=str(exc).splitlines()[0][:300],
                    duration_s=time.perf_counter() - start)
 
+    def _admit_survivors(self) -> None:
+        """After the first round of a planned job, later rounds close with whoever is left.
+
+        ``--nnodes N`` (or ``M:N``) is the size the job starts at. torch keeps the minimum for
+        every round, so after losing a node of an ``--nnodes 2`` job the survivors would wait for
+        a second node until the join timeout (10 minutes), then fail. Planning around lost
+        devices is what a job file is for: the survivors go on with the devices they have, and a
+        node that comes back joins at the next round as under ``1:N``. Without a job, or with
+        ``--policy restart``, torchrun's meaning stays."""
+        if self._session is None or self._session.policy == "restart":
+            return
+        self._rdzv_parameters.min_nodes = 1   # a failover's new handler keeps it too
+        torch_compat.set_min_nodes(self._worker_group.spec.rdzv_handler, 1)
+
     def _open_worker_store(self, store, group_rank: int, info) -> tuple[str, int]:
         """A fresh TCPStore per generation, hosted by the group-rank-0 agent; (addr, port)."""
         spec = self._worker_group.spec
@@ -322,6 +336,7 @@ class ChameleonAgent(LocalElasticAgent):
         self._store = store
         if self._node is None:
             self._node = group_rank
+            self._admit_survivors()
         rdzv_s = time.perf_counter() - began
         plan_s = 0.0
         decision = None

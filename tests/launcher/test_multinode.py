@@ -134,19 +134,23 @@ def _group_rank(state: Path) -> int | None:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("fault, victim_rank", [("kill", 1), ("kill", 0), ("stop", 1)])
-def test_lost_node_on_etcd_v3_recovers_in_place(tmp_path, launch, fault, victim_rank):
+@pytest.mark.parametrize("fault, victim_rank, nnodes", [
+    ("kill", 1, "1:2"), ("kill", 0, "1:2"), ("stop", 1, "1:2"),
+    ("kill", 1, "2"),      # the usual launch: min = max; the minimum binds the first round only
+])
+def test_lost_node_on_etcd_v3_recovers_in_place(tmp_path, launch, fault, victim_rank, nnodes):
     """2 agents x 2 gloo workers on a real etcd; one whole node (agent and workers) is
     SIGKILLed, or SIGSTOPped (frozen: no socket resets, its lease just stops being refreshed),
     while a float64 model trains: the other node's workers regroup in place, take the lost
-    layers from their peers and finish with single-process results."""
+    layers from their peers and finish with single-process results, whether the job was
+    launched elastic (``1:2``) or fixed-size (``2``)."""
     local_etcd = pytest.importorskip("chameleon_elastic.rendezvous.local_etcd")
     out = tmp_path / "out"
     out.mkdir()
     steps = 12
     frozen: list[psutil.Process] = []
     with local_etcd.LocalEtcd(data_dir=tmp_path / "etcd") as etcd:
-        common = ["--nnodes", "1:2", "--nproc-per-node", "2", "--rdzv-backend", "etcd-v3",
+        common = ["--nnodes", nnodes, "--nproc-per-node", "2", "--rdzv-backend", "etcd-v3",
                   "--rdzv-endpoint", etcd.endpoint, "--rdzv-id", f"{fault}-{victim_rank}",
                   "--rdzv-conf", "last_call_timeout=5,lease_ttl=2", "--local-addr", "127.0.0.1",
                   "--monitor-interval", "0.1", "--no-status", "--preset", "tiny-cpu"]
