@@ -27,7 +27,6 @@ embedding and the head stay whole on every card.
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -39,8 +38,9 @@ from chameleon_elastic.runtime.model import PipelineModel, Tie, sizing_boundarie
 
 from .hf_layers import SUPPORTED, Layout, Stage, init_modules, layout_of, materialize
 
-__all__ = ["HFModelError", "CausalLMLayers", "adamw", "causal_lm", "convert_checkpoint",
-           "load_config", "require_extra", "save_pretrained", "token_windows"]
+__all__ = ["TINY", "CausalLMLayers", "HFModelError", "adamw", "causal_lm",
+           "convert_checkpoint", "load_config", "parameter_count", "require_extra",
+           "save_pretrained", "tiny_config", "token_windows"]
 
 EXTRA = "pip install 'chameleon-elastic[hf]'  (transformers and safetensors)"
 
@@ -350,12 +350,36 @@ def parameter_count(model: PipelineModel) -> Sequence[int]:
     return [layers.numel(i) for i in range(model.num_layers)]
 
 
-def _fmt_bytes(n: float) -> str:
-    if n <= 0:
-        return "0 B"
-    units = ("B", "KB", "MB", "GB", "TB")
-    k = min(len(units) - 1, int(math.log(n, 1000)))
-    return f"{n / 1000 ** k:.1f} {units[k]}"
+#: Tiny random configs for examples and tests: hidden 32, vocabulary 288 (room for the 256
+#: byte values), 4 heads; name -> (config class, its arguments).
+TINY: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama-tiny": ("LlamaConfig", {"tie_word_embeddings": True}),
+    "qwen2-tiny": ("Qwen2Config", {"tie_word_embeddings": False}),
+    "mistral-tiny": ("MistralConfig", {"sliding_window": 32}),
+    "qwen3-tiny": ("Qwen3Config", {"head_dim": 8}),
+    "gpt2-tiny": ("GPT2Config", {}),
+}
+
+
+def tiny_config(name: str, layers: int = 2) -> Any:
+    """A tiny random config of a supported family (:data:`TINY`), with ``layers`` decoder
+    layers and no dropout (so that every plan gives the same result)."""
+    require_extra()
+    import transformers
+
+    if name not in TINY:
+        raise HFModelError(f"unknown tiny config {name!r}; choose one of: "
+                           f"{', '.join(TINY)}.")
+    cls, extra = TINY[name]
+    if cls == "GPT2Config":
+        common = {"n_embd": 32, "n_layer": layers, "n_head": 4, "n_positions": 512,
+                  "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
+                  "bos_token_id": 0, "eos_token_id": 0}
+    else:
+        common = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": layers,
+                  "num_attention_heads": 4, "num_key_value_heads": 2,
+                  "max_position_embeddings": 512, "bos_token_id": 0, "eos_token_id": 0}
+    return getattr(transformers, cls)(vocab_size=288, **common, **extra)
 
 
 if __name__ == "__main__":
