@@ -123,12 +123,14 @@ def _backward(out: Any) -> None:
 
 def profile_layers(model: PipelineModel, micro_batch_size: int = 1, repeats: int = 5,
                    warmup: int = 1, device: torch.device | str | None = None,
-                   precision: str = "fp32") -> MeasuredProfile:
+                   precision: str = "fp32",
+                   progress: Callable[[int], None] | None = None) -> MeasuredProfile:
     """Measure every layer of ``model`` on one micro-batch of ``micro_batch_size`` samples.
 
     The result's ``apply(spec)`` puts the figures into a job spec; ``write(path)`` makes the
     file ``chameleon-run --profile`` takes. Needs one layer's parameters, optimizer state and
-    activations in memory at a time, never the whole model's.
+    activations in memory at a time, never the whole model's. ``progress(i)`` is called after
+    layer ``i`` is measured (a large model takes a while).
     """
     mode = check_precision(precision)
     if micro_batch_size < 1 or repeats < 1 or warmup < 0:
@@ -170,6 +172,8 @@ def profile_layers(model: PipelineModel, micro_batch_size: int = 1, repeats: int
         acts.append(float(saved_bytes))
         bounds.append(float(_nbytes(_leaves(out))))
         x = leaf_map(torch.Tensor.detach, out)
+        if progress is not None:
+            progress(i)
     figures = ModelFigures(
         layers=model.num_layers, forward_s=tuple(fwd), backward_s=tuple(bwd),
         param_bytes=tuple(params), optimizer_bytes=tuple(optim),
