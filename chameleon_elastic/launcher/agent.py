@@ -64,7 +64,7 @@ from torch.distributed.elastic.utils import macros
 from chameleon_elastic import channel, torch_compat
 from chameleon_elastic.channel import Generation, Registration, Resumed
 from chameleon_elastic.rendezvous.handler import handler_for
-from chameleon_elastic.spec import cards_of, unit_of, units_of
+from chameleon_elastic.spec import unit_of, units_of
 from chameleon_elastic.timeouts import Timeouts
 
 from . import coordination
@@ -72,7 +72,7 @@ from .coordination import Decision, NodeReport
 from .failures import FailureEvent, FailureKind, Trigger, WorkerFailure, classify_exit
 from .health import AlwaysHealthy, HealthCheck
 from .node_watch import NodeWatch
-from .observe import Event, EventLog, StatusLine, recovery_line
+from .observe import Event, EventLog, StatusLine, name_devices, recovery_line
 from .orphan_guard import guarded_command
 from .plan_env import LocalAssignment, device_id, local_assignments
 from .profiler import Profiler
@@ -89,17 +89,17 @@ _STORE_FAILOVER_ATTEMPTS = 3
 # How long a worker past its hang timeout must look awake (running, in the kernel) before it
 # counts as hung: long enough for a peer's reaction to its partner's death to pass.
 _HANG_CONFIRM_S = 1.0
+
+
+def _stall_shown_after(hang_s: float) -> float:
+    """How long a worker may go without progress before the status line names it, and the
+    step at which the figure is renewed: 10 s, or half a shorter hang timeout."""
+    return min(10.0, hang_s / 2)
+
+
 # What an unreachable rendezvous store raises: torch's wrapped error, or the raw TCPStore one
 # when the store dies between two of the handler's own calls.
 _STORE_LOST = (RendezvousConnectionError, dist.DistNetworkError)
-
-
-def _devices(ids: list[int], tp: int = 1) -> str:
-    """``device 3`` / ``devices 2, 3``; under tensor parallelism ``unit 1 (cards 2-3)``."""
-    if tp == 1:
-        return f"device{'s' if len(ids) > 1 else ''} {', '.join(map(str, ids))}"
-    return f"unit{'s' if len(ids) > 1 else ''} " + ", ".join(
-        f"{u} (cards {cards_of(u, tp)[0]}-{cards_of(u, tp)[-1]})" for u in ids)
 
 
 @dataclass
@@ -110,11 +110,14 @@ class _DeviceBook:
     lost: set[int]          # lost to a signal (for good) or to the health check
     unhealthy: set[int]     # the part of ``lost`` that the health check excluded
     rejoining: set[int]     # unhealthy devices that pass the check again
+    why: dict[int, str]     # how each lost device was lost ("SIGKILL", "health check", ...)
 
     def settle(self) -> None:
         """The rejoining devices are back in: the next report no longer calls them lost."""
         self.lost -= self.rejoining
         self.unhealthy -= self.rejoining
+        for device in self.rejoining:
+            self.why.pop(device, None)
         self.rejoining.clear()
 
 
@@ -165,7 +168,7 @@ class ChameleonAgent(LocalElasticAgent):
         self._node: int | None = None           # node id in the initial world (device ids)
         self._worker_store: Any = None          # this generation's TCPStore (group rank 0 only)
         self._procs = WorkerProcesses()
-        self._book = _DeviceBook(set(), set(), set())
+        self._book = _DeviceBook(set(), set(), set(), {})
         self._last_info: Any = None             # last RendezvousInfo (reused on one node)
         self._reused_round = False
         self._charged_crash = False             # a restart was just charged for a crash
@@ -176,6 +179,7 @@ class ChameleonAgent(LocalElasticAgent):
         self._beats: dict[int, tuple[int, float]] = {}  # device -> (progress count, since)
         # device -> (first look awake without progress, its CPU seconds then)
         self._awake: dict[int, tuple[float, float]] = {}
+        self._stall_shown: dict[int, int] = {}  # device -> last stall bucket on the status line
         self._watch: NodeWatch | None = None    # our lease and the others' (etcd-v3)
         self._channel: Any = None               # this node's agent <-> worker store
         self._channel_address = ""
@@ -348,6 +352,7 @@ class ChameleonAgent(LocalElasticAgent):
             channel.write(self._channel, channel.TROUBLE, -1)
         self._beats.clear()             # a recovery is no hang: progress is timed afresh
         self._awake.clear()
+        self._stall_shown.clear()
         stop_s = 0.0
         if decision is None or not decision.inplace:
             t = time.perf_counter()
@@ -388,18 +393,21 @@ class ChameleonAgent(LocalElasticAgent):
             live=tuple(sorted(self._units(live))), ready=not live or self._registered(live),
             reported=channel.read_int(self._channel, channel.REPORTED),
             checkpoint=channel.read_int(self._channel, channel.CHECKPOINT),
-            checkpoints=channel.read(self._channel, channel.CHECKPOINTS) is not None))
+            checkpoints=channel.read(self._channel, channel.CHECKPOINTS) is not None,
+            why=tuple(sorted(self._book.why.items()))))
         change: PlanChange | None
         try:
             if group_rank == 0:
                 reports = coordination.collect(store, scope, group_world)
+                units = self._nproc() // self._tp
                 lost, joined = coordination.losses(reports, session.excluded, session.devices,
-                                                   self._nproc() // self._tp)
+                                                   units)
                 change = session.apply(lost=lost, joined=joined)
                 if change is None and coordination.inplace_possible(reports, inplace_wanted):
                     change = session.renew()   # the workers regroup: a new generation
                 decision = coordination.decide(session.plan, session.excluded, reports,
-                                               inplace_wanted)
+                                               inplace_wanted,
+                                               coordination.reasons(reports, lost, units))
                 if decision.error is None:
                     coordination.commit_record(fence, seen, decision)
                 coordination.publish(store, scope, decision)
@@ -672,8 +680,9 @@ class ChameleonAgent(LocalElasticAgent):
         assert p is not None and self._session is not None
         self._pending = None
         self._trouble_since = None
-        first = min((r.noticed_at for r in records.values() if r.noticed_at), default=None)
-        failed_at = min(p.event.wall, first) if first else p.event.wall
+        # from the earliest sign: a survivor noticing, or a hung worker's last progress
+        failed_at = min([p.event.wall, *(r.noticed_at for r in records.values() if r.noticed_at),
+                         *(f.since for f in p.event.failures if f.since)])
         resumed_at = max((r.committed_at - r.first_step_s for r in records.values()
                           if r.committed_at), default=None)
         worst = max(records.values(), key=lambda r: r.regroup_s + r.transfer_s, default=None)
@@ -703,26 +712,26 @@ class ChameleonAgent(LocalElasticAgent):
                              source=fields["source"] or "", resumed_step=resumed_step,
                              redone=fields["redone_steps"], seconds=fields["total_s"],
                              logs=self._logs_specs.root_log_dir
-                             if isinstance(self._logs_specs, WorkerLogs) else None)
+                             if isinstance(self._logs_specs, WorkerLogs) else None, tp=self._tp)
         self._status.say(f"chameleon-run: {line}")
         total = fields["total_s"]
         self._update_status("running" if total is None else
                             f"running (recovered {fields['mode']} in {total:.2f} s)")
 
     def _describe(self, p: _Pending) -> str:
-        """``device 3 lost (SIGKILL)``, ``devices 2, 3 lost (node gone)``, ``device 1 back``."""
+        """``device 3 lost (SIGKILL)``, ``devices 2, 3 lost (node gone)``, ``device 1 back``:
+        how each device was lost is what its own node reported (the decision carries it)."""
         event = p.event
         lost = sorted(p.change.lost) if p.change else sorted(event.lost)
         joined = sorted(p.change.joined) if p.change else sorted(event.joined)
         tp = self._tp
-        signals = {unit_of(f.device, tp): f.signal or f.reason.split(":")[0] for f in event.failures}
+        why = dict(p.decision.why)
         parts = []
         if lost:
-            why = sorted({signals.get(d) or ("health check" if d in event.lost else "node gone")
-                          for d in lost})
-            parts.append(f"{_devices(lost, tp)} lost ({', '.join(why)})")
+            said = sorted({why.get(d, "node gone") for d in lost})
+            parts.append(f"{name_devices(lost, tp)} lost ({', '.join(said)})")
         if joined:
-            parts.append(f"{_devices(joined, tp)} back")
+            parts.append(f"{name_devices(joined, tp)} back")
         if not parts and event.failures:
             card = "device" if tp == 1 else "card"
             parts.append("; ".join(f"{card} {f.device}: {f.reason}" for f in event.failures))
@@ -735,12 +744,14 @@ class ChameleonAgent(LocalElasticAgent):
         dead worker runs briefly while it reacts, so the other states must last
         ``_HANG_CONFIRM_S`` of consecutive looks, and "running" must have used at least half a
         core meanwhile (a process starved of a core by other load is runnable, not spinning).
-        Scripts that never report progress are never hung."""
+        Scripts that never report progress are never hung. While one waits to be convicted,
+        the status line says so (a minute of silence looked like a frozen launcher)."""
         limit = self._timeouts.hang_s
         if not limit or self._channel is None:
             return []
         now = time.monotonic()
         hung = []
+        stalled: dict[int, float] = {}
         for device in sorted(self._procs.devices):
             count = channel.read_int(self._channel, channel.beat_key(device))
             if count is None:
@@ -750,7 +761,8 @@ class ChameleonAgent(LocalElasticAgent):
                 self._beats[device] = (count, now)
                 self._awake.pop(device, None)
                 continue
-            if now - seen[1] < limit:
+            idle = now - seen[1]
+            if idle < _stall_shown_after(limit):
                 continue
             try:
                 proc = psutil.Process(self._procs.pid(device))
@@ -760,6 +772,9 @@ class ChameleonAgent(LocalElasticAgent):
                 continue   # gone: the next poll reports its exit
             if state in (psutil.STATUS_SLEEPING, psutil.STATUS_IDLE):
                 self._awake.pop(device, None)
+                continue
+            stalled[device] = idle
+            if idle < limit:
                 continue
             since, cpu_then = self._awake.setdefault(device, (now, cpu))
             if state != psutil.STATUS_STOPPED and now - since < _HANG_CONFIRM_S:
@@ -771,8 +786,26 @@ class ChameleonAgent(LocalElasticAgent):
             nproc = self._nproc()
             hung.append(WorkerFailure(device, device % nproc, -signal.SIGKILL, None,
                                       FailureKind.DEVICE_LOST,
-                                      f"hung: no progress for {limit:g} s, process {state}"))
+                                      f"hung: no progress for {idle:.1f} s, process {state}",
+                                      since=time.time() - idle))
+        self._show_stalls(stalled, limit)
         return hung
+
+    def _show_stalls(self, stalled: dict[int, float], limit: float) -> None:
+        """``device 2: no progress for 20 s (hung at 60 s)`` on the status line, renewed each
+        time a stall crosses another step of ``_stall_shown_after``, and gone with the stall."""
+        step = _stall_shown_after(limit)
+        buckets = {d: int(idle // step) for d, idle in stalled.items()}
+        if buckets == self._stall_shown:
+            return
+        self._stall_shown = buckets
+        if not stalled:
+            self._update_status("running")
+            return
+        card = "device" if self._tp == 1 else "card"
+        said = "; ".join(f"{card} {d}: no progress for {idle:.0f} s"
+                         for d, idle in sorted(stalled.items()))
+        self._update_status(f"{said} (hung at {limit:g} s)")
 
     def _lease_verdict(self) -> FailureEvent | None:
         """Before ending a job for a crash with no restart left: did a peer node die? Its lease
@@ -888,6 +921,9 @@ class ChameleonAgent(LocalElasticAgent):
                                     failures=tuple(failures))
                 self._book.lost |= lost
                 self._book.unhealthy |= bad
+                self._book.why.update({d: "health check" for d in bad})
+                self._book.why.update({unit_of(f.device, self._tp): f.signal or f.reason.split(",")[0]
+                                       for f in failures if f.kind is FailureKind.DEVICE_LOST})
                 # a unit is lost whole: its other cards cannot go on without the lost one
                 self._procs.kill(self._cards(lost) | {f.device for f in hung})
                 inplace = (self._inplace_wanted and not crashed and not self._procs.succeeded

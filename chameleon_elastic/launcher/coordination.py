@@ -43,8 +43,8 @@ from chameleon_elastic.plan import ExecutionPlan
 from .plan_env import device_id
 
 __all__ = ["RECORD", "Decision", "Fenced", "NodeReport", "adopt", "collect", "commit_record",
-           "decide", "inplace_possible", "losses", "publish", "read_record", "report",
-           "world_of"]
+           "decide", "inplace_possible", "losses", "publish", "read_record", "reasons",
+           "report", "world_of"]
 
 RECORD = "chameleon/plan"
 
@@ -62,11 +62,13 @@ class NodeReport:
     reported: int | None = None
     checkpoint: int | None = None
     checkpoints: bool = False   # the job writes checkpoints, though maybe none yet
+    why: tuple[tuple[int, str], ...] = ()   # (lost device, how it was lost: "SIGKILL", ...)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> NodeReport:
         return cls(int(d["node"]), tuple(d["lost"]), tuple(d["live"]), bool(d["ready"]),
-                   d.get("reported"), d.get("checkpoint"), bool(d.get("checkpoints")))
+                   d.get("reported"), d.get("checkpoint"), bool(d.get("checkpoints")),
+                   tuple((int(k), str(v)) for k, v in d.get("why", ())))
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,7 @@ class Decision:
     inplace: bool
     reported: int | None = None
     error: str | None = None
+    why: tuple[tuple[int, str], ...] = ()   # each device lost in this decision, and how
 
     def to_json(self) -> str:
         d = asdict(self)
@@ -91,7 +94,8 @@ class Decision:
         d = json.loads(text)
         plan = None if d["plan"] is None else ExecutionPlan.from_dict(d["plan"])
         return cls(plan, tuple(d["excluded"]), tuple(d["world"]), bool(d["inplace"]),
-                   d.get("reported"), d.get("error"))
+                   d.get("reported"), d.get("error"),
+                   tuple((int(k), str(v)) for k, v in d.get("why", ())))
 
 
 def report(store: Any, scope: str, group_rank: int, mine: NodeReport) -> None:
@@ -116,6 +120,17 @@ def losses(reports: Sequence[NodeReport], excluded: Collection[int], devices: in
     return lost, joined
 
 
+def reasons(reports: Sequence[NodeReport], lost: Collection[int],
+            nproc: int) -> tuple[tuple[int, str], ...]:
+    """How each lost device was lost, for every agent's recovery line: what its own node
+    reported (a signal, a hang, the health check), or ``node gone`` when its node did not
+    report at all (a node that merely lost a worker is alive and says so)."""
+    said = {d: why for r in reports for d, why in r.why}
+    present = {r.node for r in reports}
+    return tuple((d, said.get(d) or ("lost" if d // nproc in present else "node gone"))
+                 for d in sorted(lost))
+
+
 def world_of(plan: ExecutionPlan, live: Collection[int], inplace: bool) -> tuple[int, ...]:
     """Working devices (sorted), then spares that keep a live worker when recovering in place
     (a relaunch starts workers for working devices only)."""
@@ -129,7 +144,7 @@ def inplace_possible(reports: Sequence[NodeReport], inplace_wanted: bool) -> boo
 
 
 def decide(plan: ExecutionPlan, excluded: Collection[int], reports: Sequence[NodeReport],
-           inplace_wanted: bool) -> Decision:
+           inplace_wanted: bool, why: tuple[tuple[int, str], ...] = ()) -> Decision:
     """The decision for the plan the session has chosen (a new generation when in place).
     In place, a plan that sources layers from a checkpoint when no worker has one cannot go
     on in place: a job that checkpoints (but lost them before its first checkpoint) is
@@ -153,7 +168,7 @@ def decide(plan: ExecutionPlan, excluded: Collection[int], reports: Sequence[Nod
                  "from; training cannot go on. Give the script a checkpoint directory (for "
                  "examples/train_gpt.py: --checkpoint-dir) to survive such a loss.")
     return Decision(plan, tuple(sorted(excluded)), world_of(plan, live, inplace), inplace,
-                    reported, error)
+                    reported, error, why)
 
 
 def publish(store: Any, scope: str, decision: Decision) -> None:

@@ -41,6 +41,8 @@ class WorkerFailure:
     signal: str | None
     kind: FailureKind
     reason: str
+    since: float | None = None   # Unix time the failure began, when earlier than its sighting
+                                 # (a hang: the worker's last progress)
 
     @property
     def stopped_on_request(self) -> bool:

@@ -18,10 +18,11 @@ import json
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-__all__ = ["Event", "EventLog", "StatusLine"]
+__all__ = ["Event", "EventLog", "StatusLine", "layout", "name_devices", "recovery_line"]
 
 
 class Event(str, enum.Enum):
@@ -121,11 +122,21 @@ class StatusLine:
             self.stream.flush()
 
 
-def layout(plan: Any) -> str:
-    """``2 pipelines [0 1 | 2]``: devices in stage order, pipelines apart."""
-    pipes = " | ".join(" ".join(str(d) for d in p.devices) for p in plan.pipelines)
+def name_devices(ids: Sequence[int], tp: int = 1) -> str:
+    """``device 2`` / ``devices 2, 1`` (in the order given); under tensor parallelism, plan
+    devices are units: ``unit 1 (cards 2-3)``."""
+    if tp == 1:
+        return f"device{'s' if len(ids) > 1 else ''} {', '.join(map(str, ids))}"
+    return f"unit{'s' if len(ids) > 1 else ''} " + ", ".join(
+        f"{u} (cards {u * tp}-{u * tp + tp - 1})" for u in ids)
+
+
+def layout(plan: Any, tp: int = 1) -> str:
+    """``2 pipelines: devices 2, 1 | device 0``: each pipeline's devices in stage order, so the
+    numbers read as device ids, never as stage counts."""
+    pipes = " | ".join(name_devices(list(p.devices), tp) for p in plan.pipelines)
     n = len(plan.pipelines)
-    return f"{n} pipeline{'s' if n != 1 else ''} [{pipes}]"
+    return f"{n} pipeline{'s' if n != 1 else ''}: {pipes}"
 
 
 def _megabytes(n: float) -> str:
@@ -134,25 +145,27 @@ def _megabytes(n: float) -> str:
 
 def recovery_line(what: str, plan: Any, *, inplace: bool, started: int, moved_layers: int,
                   moved_bytes: float, source: str, resumed_step: int | None, redone: int,
-                  seconds: float | None, logs: str | None = None) -> str:
+                  seconds: float | None, logs: str | None = None, tp: int = 1) -> str:
     """The one plain line a person reads per recovery, e.g. ``device 3 lost (SIGKILL) at step
-    8; re-planned to 2 pipelines [0 1 | 2]; moved 3 layers (1.2 MB) from peers; resumed at step
-    8 in 0.41 s``. ``logs``: where the workers' stderr went (the survivors' complaints about
-    their lost peer are there, not on the console)."""
+    8; re-planned to 2 pipelines: devices 0, 1 | device 2; moved 3 layers from peers (1.2 MB to
+    this node); resumed at step 8 in 0.41 s``. ``moved_layers`` counts the whole job's moves,
+    ``moved_bytes`` what this node's workers received. ``logs``: where the workers' stderr went
+    (the survivors' complaints about their lost peer are there, not on the console)."""
     parts = [what if resumed_step is None else f"{what} at step {resumed_step + redone}"]
     if plan.policy == "reroute":
         peers = sorted({s.device for r in plan.reroute for s in r.peers})
-        parts.append("rerouted to data-parallel peers " + ", ".join(map(str, peers)))
+        parts.append(f"rerouted to data-parallel peers: {name_devices(peers, tp)}")
     else:
-        parts.append(f"re-planned to {layout(plan)}")
+        parts.append(f"re-planned to {layout(plan, tp)}")
     if not inplace:
         parts.append(f"relaunched {started} worker{'s' if started != 1 else ''}")
     elif started:
         parts.append(f"started {started} worker{'s' if started != 1 else ''} for returning "
                      "devices")
     if source == "peers":
-        parts.append(f"moved {moved_layers} layer{'s' if moved_layers != 1 else ''} "
-                     f"({_megabytes(moved_bytes)}) from peers")
+        here = f"{_megabytes(moved_bytes)} to this node" if moved_bytes else "none to this node"
+        parts.append(f"moved {moved_layers} layer{'s' if moved_layers != 1 else ''} from peers "
+                     f"({here})")
     elif source == "checkpoint" and resumed_step is not None:
         parts.append(f"restored from the checkpoint of step {resumed_step}")
     elif source == "init" and redone:

@@ -126,3 +126,18 @@ def test_the_plan_record_fences_a_decision_made_from_a_stale_view(session, tmp_p
                                  [NodeReport(0, (1, 3), (0, 2), True)], True)
     coordination.commit_record(fence, seen, second)      # from the newest view: accepted
     assert coordination.read_record(fence)[1].plan.generation == second.plan.generation
+
+
+def test_every_agent_learns_how_each_device_was_lost_from_the_node_that_saw_it(session):
+    """A worker killed on a live node is named by its signal on every node; only devices whose
+    node sent no report at all are "node gone" (it used to be said of any remote device)."""
+    store = dist.HashStore()
+    coordination.report(store, "r1/", 0, NodeReport(0, (1,), (0,), True, why=((1, "SIGKILL"),)))
+    reports = coordination.collect(store, "r1/", 1)      # node 1 (devices 2, 3) is gone
+    lost, _ = coordination.losses(reports, session.excluded, session.devices, 2)
+    why = coordination.reasons(reports, lost, 2)
+    assert why == ((1, "SIGKILL"), (2, "node gone"), (3, "node gone"))
+    session.apply(lost=lost, joined=set())
+    decision = coordination.decide(session.plan, session.excluded, reports, True, why)
+    coordination.publish(store, "r1/", decision)
+    assert coordination.adopt(store, "r1/", timeout_s=5).why == why

@@ -80,13 +80,14 @@ def test_fault_in_every_phase_recovers_in_place_with_single_process_results(
     assert "Traceback" not in run.log.read_text()
 
 
-def _launch_mlp(launch, tmp_path, steps: int, *worker_args: str, flags: tuple = ()):
+def _launch_mlp(launch, tmp_path, steps: int, *worker_args: str, flags: tuple = (),
+                status: bool = False):
     out, state = tmp_path / "out", tmp_path / "state"
     out.mkdir()
     run = launch("chameleon", ["--standalone", "--nproc-per-node", "4", "--preset", "tiny-cpu",
                                "--state-dir", str(state), "--monitor-interval", "0.05",
-                               "--no-status", *flags, MLP_FAULTS, str(out), str(steps),
-                               *worker_args])
+                               *(() if status else ("--no-status",)), *flags, MLP_FAULTS,
+                               str(out), str(steps), *worker_args])
     return run, out, state
 
 
@@ -250,9 +251,10 @@ def test_recovery_relaunch_restarts_everyone_from_the_checkpoint(tmp_path, launc
 def test_a_stopped_worker_is_declared_hung_killed_and_recovered_in_place(tmp_path, launch):
     """SIGSTOP, not SIGKILL: no socket resets, the peers just wait. The agent sees device 1's
     progress count stand still for --hang-timeout while the process is stopped (its peers are
-    asleep in their transfers), kills it, and the survivors recover in place."""
+    asleep in their transfers), kills it, and the survivors recover in place. Meanwhile the
+    status line names the stalled device, and the recovery is timed from its last progress."""
     run, out, state = _launch_mlp(launch, tmp_path, 12, "--pace", "0.2",
-                                  flags=("--hang-timeout", "3"))
+                                  flags=("--hang-timeout", "3"), status=True)
     wait_for(lambda: (out / "steps.jsonl").exists() and len(_reported(out)) >= 3, 60,
              "three steps")
     victim = int((out / "pid-1").read_text().split()[0])
@@ -262,13 +264,20 @@ def test_a_stopped_worker_is_declared_hung_killed_and_recovered_in_place(tmp_pat
     assert_single_process_results(out, [0, 2, 3], 12)
     events = read_events(state / "events.jsonl")
     seen = [e for e in events if e["event"] == "failure_seen"]
-    assert [e["device"] for e in seen] == [1] and "no progress for 3 s" in seen[0]["reason"]
+    assert [e["device"] for e in seen] == [1] and "hung: no progress for " in seen[0]["reason"]
+    stalled_s = float(seen[0]["reason"].split("no progress for ")[1].split(" s")[0])
+    assert stalled_s >= 3
     # not before the hang timeout, counted from the last progress the agent saw, which may
     # precede the SIGSTOP by up to one paced step (0.2 s) and one poll (measured: 2.996 s)
     assert seen[0]["ts"] - stopped_at >= 3 - 0.5
     recovered = [e for e in events if e["event"] == "recovered"]
     assert len(recovered) == 1 and recovered[0]["mode"] == "inplace"
-    assert "device 1 lost (hung)" in run.log.read_text()
+    assert recovered[0]["detect_s"] >= stalled_s - 0.1          # counted from the last progress
+    assert recovered[0]["total_s"] >= recovered[0]["detect_s"]
+    log = run.log.read_text()
+    waiting = log.index("device 1: no progress for ")          # said while it waited
+    assert "(hung at 3 s)" in log[waiting:waiting + 60]
+    assert waiting < log.index("device 1 lost (hung: no progress for ")
     assert not pid_alive(victim)
 
 
@@ -282,7 +291,8 @@ def test_a_spinning_worker_is_declared_hung_too(tmp_path, launch):
     assert_single_process_results(out, [0, 2, 3], 8)
     seen = [e for e in read_events(state / "events.jsonl") if e["event"] == "failure_seen"]
     assert [e["device"] for e in seen] == [1]
-    assert seen[0]["reason"] == "hung: no progress for 3 s, process running"
+    assert seen[0]["reason"].startswith("hung: no progress for ")
+    assert seen[0]["reason"].endswith(" s, process running")
 
 
 @pytest.mark.timeout(90)

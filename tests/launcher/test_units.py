@@ -226,8 +226,17 @@ def test_recovery_line_says_what_was_lost_what_moved_and_where_training_resumed(
     line = recovery_line("device 3 lost (SIGKILL)", replace(plan, policy="replan"),
                          inplace=True, started=0, moved_layers=3, moved_bytes=1.2e6,
                          source="peers", resumed_step=8, redone=0, seconds=0.41)
-    assert line == ("device 3 lost (SIGKILL) at step 8; re-planned to 2 pipelines [0 1 | 2 3]; "
-                    "moved 3 layers (1.2 MB) from peers; resumed at step 8 in 0.41 s")
+    assert line == ("device 3 lost (SIGKILL) at step 8; re-planned to 2 pipelines: devices 0, 1 | "
+                    "devices 2, 3; moved 3 layers from peers (1.2 MB to this node); resumed at "
+                    "step 8 in 0.41 s")
+    elsewhere = recovery_line("devices 2, 3 back", replace(plan, policy="replan"),
+                              inplace=True, started=0, moved_layers=4, moved_bytes=0,
+                              source="peers", resumed_step=8, redone=0, seconds=0.41)
+    assert "moved 4 layers from peers (none to this node)" in elsewhere
+    units = recovery_line("unit 1 (cards 2-3) lost (SIGKILL)", _rerouted(), inplace=True,
+                          started=0, moved_layers=0, moved_bytes=0, source="none",
+                          resumed_step=6, redone=0, seconds=0.25, tp=2)
+    assert "rerouted to data-parallel peers: unit 3 (cards 6-7)" in units
     back = recovery_line("devices 1, 3 lost (SIGKILL)", replace(plan, policy="replan"),
                          inplace=True, started=0, moved_layers=0, moved_bytes=0,
                          source="checkpoint", resumed_step=10, redone=2, seconds=0.9)
