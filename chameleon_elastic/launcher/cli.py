@@ -444,12 +444,16 @@ def _failure_sentence(exc: Any) -> str:
     more = len(exc.failures) - 1
     others = f" ({more} more worker{'s' if more != 1 else ''} failed)" if more else ""
     log = getattr(exc, "stderr_logs", {}).get(rank)
-    if log is not None:
-        where = f"; its stderr (and traceback) is in {log}"
-    else:
+    if log is None:
         where = ("; its traceback is in its output above"
                  + (f" and in {first.error_file}" if os.path.exists(first.error_file) else ""))
-    return f"{exc.name} failed: rank {rank} (pid {first.pid}) {how}{others}{where}."
+        return f"{exc.name} failed: rank {rank} (pid {first.pid}) {how}{others}{where}."
+    from .worker_logs import tail
+
+    last = tail(log)
+    shown = "".join(f"\n  | {line}" for line in last)
+    return (f"{exc.name} failed: rank {rank} (pid {first.pid}) {how}{others}; its stderr is in "
+            f"{log}" + (f", which ends:{shown}" if last else " (empty)."))
 
 
 if __name__ == "__main__":

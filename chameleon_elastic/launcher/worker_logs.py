@@ -21,7 +21,7 @@ from pathlib import Path
 from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-__all__ = ["WorkerLogs", "WorkersFailed"]
+__all__ = ["WorkerLogs", "WorkersFailed", "tail"]
 
 _ERROR = ".error.json"
 _STDERR = ".stderr.log"
@@ -66,3 +66,26 @@ class WorkersFailed(ChildFailedError):
                  stderr_logs: dict[int, str | None]) -> None:
         super().__init__(name=name, failures=failures)
         self.stderr_logs = stderr_logs
+
+
+def tail(path: str | Path, lines: int = 5, limit: int = 16384) -> list[str]:
+    """Why a worker ended, from the end of its stderr file (its last ``limit`` bytes): the
+    exception line(s) of its last Python traceback, or else its last non-blank ``lines`` (a
+    script's own usage error). A person should not have to open the file to see why the job
+    ended, nor read a traceback on the console. Empty when the file cannot be read."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, 2)
+            fh.seek(max(0, fh.tell() - limit))
+            text = fh.read().decode(errors="replace")
+    except OSError:
+        return []
+    kept = [line.rstrip() for line in text.splitlines() if line.strip()]
+    starts = [i for i, line in enumerate(kept) if line.startswith("Traceback (most recent call")]
+    if starts:
+        after = kept[starts[-1] + 1:]
+        last_frame = max((i for i, line in enumerate(after) if line.startswith(" ")), default=-1)
+        raised = [line for line in after[last_frame + 1:] if not line.startswith(" ")]
+        if raised:
+            return raised[:lines]
+    return kept[-lines:]

@@ -109,7 +109,10 @@ def test_a_crash_under_a_job_is_one_sentence_naming_the_workers_stderr_log(tmp_p
     assert run.wait(50) == 1
     console = run.log.read_text()
     log = state / "logs" / "device2.0.stderr.log"
-    assert f"its stderr (and traceback) is in {log}" in console.strip().splitlines()[-1], console
+    sentence = next(line for line in console.splitlines() if "failed: rank 2" in line)
+    assert sentence.endswith(f"its stderr is in {log}, which ends:"), console
+    # the exception itself on the console, without its traceback
+    assert console.strip().splitlines()[-1] == "  | ValueError: probe on device 2 raised on purpose"
     assert "Traceback" not in console
     assert "ValueError: probe on device 2 raised on purpose" in log.read_text()
 
@@ -211,3 +214,19 @@ def test_job_ends_with_exit_1_when_no_plan_fits(tmp_path, launch):
     assert [e["event"] for e in events][-2:] == ["planning_failed", "job_finished"]
     assert events[-1]["state"] == "FAILED"
     assert all(not pid_alive(r["pid"]) for r in second)
+
+
+@pytest.mark.timeout(60)
+def test_a_scripts_own_usage_error_under_a_job_is_shown_on_the_console(tmp_path, launch):
+    """With --job the workers' stderr goes to files; a typo in the script's own flags must
+    still be seen where the user looks, as plain torchrun shows it."""
+    script = tmp_path / "train.py"
+    script.write_text("import argparse\nparser = argparse.ArgumentParser()\n"
+                      "parser.add_argument('--steps', type=int)\nparser.parse_args()\n")
+    run = launch("chameleon", ["--standalone", "--nproc-per-node", "4", "--preset", "tiny-cpu",
+                               "--state-dir", str(tmp_path / "state"), "--no-status",
+                               str(script), "--stpes", "40"])
+    assert run.wait(50) == 1
+    console = run.log.read_text()
+    assert "exited with code 2" in console
+    assert console.strip().splitlines()[-1].endswith("error: unrecognized arguments: --stpes 40")
