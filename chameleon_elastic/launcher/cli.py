@@ -25,6 +25,7 @@ import functools
 import logging
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -247,6 +248,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
         if value is not None and not job_mode:
             parser.error(f"{flag} only applies with --job or --preset; add one, or drop {flag}.")
 
+    logging.getLogger("torch.distributed.elastic.agent.server.api").addFilter(
+        _without_death_signal_warning)
     _prepare_rendezvous(args)
     with _held_warnings("torch.distributed.run"):   # its OMP banner must not precede an error
         try:
@@ -360,6 +363,12 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
             sys.stderr.write(f"chameleon-run: events of this run: {event_path}\n")
 
 
+def _without_death_signal_warning(record: logging.LogRecord) -> bool:
+    """torch's agent logs "Received 2 death signal, shutting down workers"; chameleon-run says
+    it in its own sentence ("interrupted (SIGINT): workers stopped")."""
+    return "death signal" not in record.getMessage()
+
+
 @contextlib.contextmanager
 def _held_warnings(name: str) -> Iterator[None]:
     """Hold ``name``'s log records until the block succeeds: torch warns (the OMP_NUM_THREADS
@@ -392,6 +401,7 @@ def main(argv: Sequence[str] | None = None) -> Any:
 def console() -> None:
     """The ``chameleon-run`` command: :func:`main`, with every expected failure as one sentence
     and torchrun's exit status instead of a traceback."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
     from torch.distributed.elastic.rendezvous.api import RendezvousError
 
@@ -401,6 +411,13 @@ def console() -> None:
     args = parser.parse_args()
     try:
         record(run)(args, parser)
+    except (SignalException, KeyboardInterrupt) as exc:
+        # torch's agent has stopped the workers already (SignalException); before any worker
+        # started, Python's KeyboardInterrupt ends the wait. Exit as torchrun does (1), with
+        # no traceback. SIGTERM reads the same until it gets a meaning of its own.
+        sig = signal.Signals(exc.sigval).name if isinstance(exc, SignalException) else "SIGINT"
+        sys.stderr.write(f"chameleon-run: interrupted ({sig}): workers stopped\n")
+        raise SystemExit(1) from None
     except LaunchConfigError as exc:
         sys.stderr.write(f"chameleon-run: error: invalid launch configuration: "
                          f"{str(exc).strip().rstrip('.')}; see chameleon-run --help\n")

@@ -230,3 +230,26 @@ def test_a_scripts_own_usage_error_under_a_job_is_shown_on_the_console(tmp_path,
     console = run.log.read_text()
     assert "exited with code 2" in console
     assert console.strip().splitlines()[-1].endswith("error: unrecognized arguments: --stpes 40")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_an_interrupted_launcher_says_so_in_one_sentence_and_stops_its_workers(
+        tmp_path, launch, sig):
+    """Ctrl-C (or a polite SIGTERM) ends the run as torchrun's does (status 1), in one
+    sentence instead of torch's death-signal warning and a traceback, with no worker left."""
+    out = tmp_path / "out"
+    out.mkdir()
+    run = launch("chameleon", ["--standalone", "--nproc-per-node", "4", "--preset", "tiny-cpu",
+                               "--state-dir", str(tmp_path / "state"), "--no-status",
+                               PROBE, str(out), "hold"])
+    workers = wait_for(lambda: len(read_envs(out)) == 4 and read_envs(out), 45,
+                       "the four workers to start")
+    os.kill(run.proc.pid, sig)
+    assert run.wait(40) == 1
+    console = run.log.read_text()
+    assert console.strip().splitlines()[-1] == (
+        f"chameleon-run: interrupted ({sig.name}): workers stopped")
+    assert "Traceback" not in console and "death signal" not in console
+    for record in workers:
+        wait_for(lambda r=record: not pid_alive(r["pid"]), 10, "the workers to be gone")
