@@ -251,41 +251,41 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
     logging.getLogger("torch.distributed.elastic.agent.server.api").addFilter(
         _without_death_signal_warning)
     _prepare_rendezvous(args)
-    with _held_warnings("torch.distributed.run"):   # its OMP banner must not precede an error
+    with _held_warnings("torch.distributed.run"):   # its OMP banner: only once the job is valid
         try:
             config, cmd, cmd_args = config_from_args(args)
         except (ValueError, AssertionError) as exc:   # torch validates --nnodes with assert
             raise LaunchConfigError(str(exc)) from exc
         _check_script(args)
-    _, max_nodes = parse_min_max_nnodes(args.nnodes)
-    try:
-        timeouts = Timeouts.resolve(shutdown_s=config.shutdown_timeout,
-                                    hang_s=args.hang_timeout)
-    except TimeoutSettingError as exc:
-        parser.error(str(exc))
-    _register_backends()
-    if config.rdzv_backend not in ("static",):
-        for key, value in _DYNAMIC_RDZV_DEFAULTS.items():
-            config.rdzv_configs.setdefault(key, value)
-
-    state_dir: Path | None = None
-    made_state_dir = False
-    if args.state_dir is not None:
-        state_dir = Path(args.state_dir)
-        state_dir.mkdir(parents=True, exist_ok=True)
-    elif job_mode or args.profile_out:
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        state_dir = Path(tempfile.mkdtemp(prefix=f"chameleon-run-{stamp}-"))
-        made_state_dir = True
-    session = None
-    if job_mode:
-        assert state_dir is not None
+        _, max_nodes = parse_min_max_nnodes(args.nnodes)
         try:
-            session = _make_session(parser, args, config.nproc_per_node, max_nodes, state_dir)
-        except BaseException:
-            if made_state_dir:   # nothing ran: leave nothing behind
-                shutil.rmtree(state_dir, ignore_errors=True)
-            raise
+            timeouts = Timeouts.resolve(shutdown_s=config.shutdown_timeout,
+                                        hang_s=args.hang_timeout)
+        except TimeoutSettingError as exc:
+            parser.error(str(exc))
+        _register_backends()
+        if config.rdzv_backend not in ("static",):
+            for key, value in _DYNAMIC_RDZV_DEFAULTS.items():
+                config.rdzv_configs.setdefault(key, value)
+
+        state_dir: Path | None = None
+        made_state_dir = False
+        if args.state_dir is not None:
+            state_dir = Path(args.state_dir)
+            state_dir.mkdir(parents=True, exist_ok=True)
+        elif job_mode or args.profile_out:
+            stamp = time.strftime("%Y%m%d-%H%M%S")
+            state_dir = Path(tempfile.mkdtemp(prefix=f"chameleon-run-{stamp}-"))
+            made_state_dir = True
+        session = None
+        if job_mode:
+            assert state_dir is not None
+            try:
+                session = _make_session(parser, args, config.nproc_per_node, max_nodes, state_dir)
+            except BaseException:
+                if made_state_dir:   # nothing ran: leave nothing behind
+                    shutil.rmtree(state_dir, ignore_errors=True)
+                raise
     event_path = args.event_log or (None if state_dir is None else state_dir / "events.jsonl")
     events = EventLog(event_path)
     status = StatusLine(enabled=not args.no_status)
