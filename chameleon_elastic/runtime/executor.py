@@ -34,9 +34,11 @@ backward.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +50,7 @@ from torch.utils.checkpoint import checkpoint
 from chameleon_elastic.plan import ExecutionPlan
 from chameleon_elastic.torch_compat import fake_tensor_mode
 
+from . import grad_sync as _gs
 from .data import sample_ids
 from .errors import PeerLost, PipelineRuntimeError, communication_failure
 from .model import PipelineModel, _sizing, build_layers, collate
@@ -112,7 +115,7 @@ def boundary_spec(model: PipelineModel, layer: int, micro_batch_size: int,
     inputs, _ = collate(model, range(micro_batch_size))
     device = device or torch.device("cpu")
     try:
-        with fake_tensor_mode(), _sizing():
+        with fake_tensor_mode(), _sizing(), _quiet("torch._subclasses.fake_tensor"):
             layers = [model.build_layer(i) for i in range(layer)]
             x = leaf_map(lambda t: t.to(device), inputs)
             with torch.enable_grad(), autocast(precision, device):
@@ -145,6 +148,19 @@ def boundary_spec(model: PipelineModel, layer: int, micro_batch_size: int,
             "stage boundary: pack them into fewer tensors."
         )
     return BoundarySpec(structure, specs)
+
+
+@contextlib.contextmanager
+def _quiet(logger: str) -> Iterator[None]:
+    """torch logs a traceback when an operation fails on fake tensors; the fallback handles
+    that failure, and the warning says it in one sentence."""
+    log = logging.getLogger(logger)
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -271,6 +287,10 @@ class PipelineExecutor:
         scale = 1.0 / self.plan.global_micro_batches
         stash: dict[tuple[int, int], tuple[list[torch.Tensor], Any]] = {}
         pending: list = []
+        if _gs.EXACT:
+            for p in self.layers.parameters():
+                if getattr(p, "_grad64", None) is not None:
+                    p._grad64.zero_()
         timings: list[OpTiming] = []
         loss_sum = 0.0
         entered: set[str] = set()
@@ -329,6 +349,8 @@ class PipelineExecutor:
                                     self._tag(op.pipeline, op.micro_batch, op.stage, True, i)))
                         if outs:
                             torch.autograd.backward(outs, grads)
+                    if _gs.EXACT:
+                        _gs.fold_grads(self.layers)
                     if op.dest is not None:
                         assert self._input_spec is not None
                         wanted = iter(wanting)
