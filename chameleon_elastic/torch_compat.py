@@ -19,7 +19,7 @@ from typing import Any
 
 __all__ = ["AGENT_HOOKS", "PRIVATE_ATTRIBUTES", "RENDEZVOUS_SETTINGS_HOLDERS",
            "abort_process_group", "addr_and_port", "entrypoint_name", "fake_tensor_mode",
-           "set_min_nodes", "stop_heartbeats"]
+           "rendezvous_participants", "set_min_nodes", "stop_heartbeats"]
 
 # LocalElasticAgent / SimpleElasticAgent methods ChameleonAgent overrides (O) or calls (C),
 # with the parameters (after self) that our code relies on.
@@ -82,6 +82,15 @@ def set_min_nodes(handler: Any, min_nodes: int) -> None:
     for path in RENDEZVOUS_SETTINGS_HOLDERS:
         owner = getattr(handler, path) if path else handler
         owner._settings = lowered
+
+
+def rendezvous_participants(handler: Any) -> int | None:
+    """How many nodes have joined a dynamic rendezvous handler's current round, as its last
+    sync with the backend saw it (read-only, from any thread); None for other handlers."""
+    holder = getattr(handler, "_state_holder", None)
+    state = getattr(holder, "state", None)
+    participants = getattr(state, "participants", None)
+    return None if participants is None else len(participants)
 
 
 def abort_process_group(group: Any = None) -> None:

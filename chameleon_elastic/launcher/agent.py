@@ -77,6 +77,7 @@ from .orphan_guard import guarded_command
 from .plan_env import LocalAssignment, device_id, local_assignments
 from .profiler import Profiler
 from .session import JobSession, LauncherPlanningError, PlanChange
+from .waiting import RendezvousWait
 from .worker_logs import WorkerLogs
 from .workers import WorkerProcesses
 
@@ -263,7 +264,11 @@ class ChameleonAgent(LocalElasticAgent):
             self._reused_round = True
             return self._last_info
         self._reused_round = False
-        self._last_info = self._rendezvous_with_failover(spec)
+        if self._node is None:   # the job's first round: say what it waits for
+            with RendezvousWait(spec.rdzv_handler, self._rdzv_parameters, self._status):
+                self._last_info = self._rendezvous_with_failover(spec)
+        else:
+            self._last_info = self._rendezvous_with_failover(spec)
         return self._last_info
 
     def _rendezvous_with_failover(self, spec: WorkerSpec):

@@ -191,3 +191,25 @@ def test_lost_node_on_etcd_v3_recovers_in_place(tmp_path, launch, fault, victim_
         assert any(e["event"] == "failure_seen" and e["kind"] == "node_lost" for e in events)
         assert recovered[-1]["reason"] == "node_lost"
     assert "Traceback" not in survivor.log.read_text()
+
+
+@pytest.mark.timeout(90)
+def test_a_node_waiting_for_the_others_says_what_it_waits_for(tmp_path, launch):
+    """torch's first rendezvous blocks silently until --nnodes nodes are there; a node alone
+    names the endpoint, the run id and how many nodes are missing, and goes on once they come."""
+    out = tmp_path / "out"
+    out.mkdir()
+    port = free_port()
+    common = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+              "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "waiting-test",
+              "--monitor-interval", "0.1"]
+    first = launch("chameleon", [*common, PROBE, str(out), "ok"], name="first")
+    wait_for(lambda: "waiting for 1 more node" in first.log.read_text(), 45,
+             "the lone node's waiting line")
+    line = next(x for x in first.log.read_text().splitlines() if "waiting for 1 more" in x)
+    assert line.startswith(f"chameleon-run: waiting for 1 more node at 127.0.0.1:{port} (0:0")
+    assert line.endswith("start the other node with the same --rdzv-id waiting-test and "
+                         "--rdzv-endpoint")
+    second = launch("chameleon", [*common, PROBE, str(out), "ok"], name="second")
+    assert first.wait(60) == 0 and second.wait(60) == 0
+    assert len(read_envs(out)) == 2
