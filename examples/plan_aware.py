@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 
 import torch.distributed as dist
@@ -27,6 +28,14 @@ import torch.distributed as dist
 from chameleon_elastic.launcher import record_step
 from chameleon_elastic.runtime import PipelineTrainer, init_distributed, plan_from_env
 from chameleon_elastic.runtime.toy import mlp_model
+
+
+def say(text: str) -> None:
+    """One line in one write: two workers sharing the terminal must not glue their lines
+    (print writes the text and its newline apart when output is unbuffered)."""
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
+
 
 
 def main() -> None:
@@ -41,13 +50,13 @@ def main() -> None:
     assert plan is not None
     init_distributed()
     rank = dist.get_rank()
-    print(f"[rank {rank}] device {env['CHAMELEON_DEVICE']} plan generation "
+    say(f"[rank {rank}] device {env['CHAMELEON_DEVICE']} plan generation "
           f"{env['CHAMELEON_PLAN_GENERATION']} ({env['CHAMELEON_POLICY']}): pipeline "
           f"{env['CHAMELEON_PIPELINE']}/{env['CHAMELEON_NUM_PIPELINES']}, stage "
           f"{env['CHAMELEON_STAGE']}/{env['CHAMELEON_NUM_STAGES']}, layers "
           f"[{env['CHAMELEON_LAYER_START']}, {env['CHAMELEON_LAYER_END']}), "
           f"{env['CHAMELEON_MICRO_BATCHES']} of {env['CHAMELEON_GLOBAL_MICRO_BATCHES']} "
-          "micro-batches", flush=True)
+          "micro-batches")
 
     trainer = PipelineTrainer.from_env(mlp_model(layers=plan.num_layers))
     for step in range(args.steps):
@@ -55,7 +64,7 @@ def main() -> None:
         result = trainer.step(step)
         record_step(time.perf_counter() - began)
         if rank == 0 and (step % 5 == 0 or step == args.steps - 1):
-            print(f"step {step} loss {result.loss:.5f}", flush=True)
+            say(f"step {step} loss {result.loss:.5f}")
     trainer.close()
     dist.destroy_process_group()
 

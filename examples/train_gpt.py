@@ -53,6 +53,13 @@ from chameleon_elastic.runtime import (
 
 VOCAB = 256
 
+def say(text: str) -> None:
+    """One line in one write: two workers sharing the terminal must not glue their lines
+    (print writes the text and its newline apart when output is unbuffered)."""
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
+
+
 
 def stdlib_corpus(max_bytes: int) -> torch.Tensor:
     """The first ``max_bytes`` of the standard library's .py files, in sorted path order."""
@@ -278,11 +285,11 @@ def main(argv: list[str] | None = None) -> int:
              f"{trainer.layer_ids[0]}-{trainer.layer_ids[-1]}")
     unit = f" (a unit of {tp} cards)" if tp > 1 else ""
     if trainer.tp_rank == 0:   # one line per device, not per card
-        print(f"[rank {dist.get_rank()}] device {trainer.device}{unit}: {where}; plan "
-              f"generation {trainer.plan.generation} ({trainer.plan.policy})", flush=True)
+        say(f"[rank {dist.get_rank()}] device {trainer.device}{unit}: {where}; plan "
+              f"generation {trainer.plan.generation} ({trainer.plan.policy})")
     first = trainer.committed
     if trainer.is_reporter and first:
-        print(f"resumed from the checkpoint after step {first - 1}", flush=True)
+        say(f"resumed from the checkpoint after step {first - 1}")
     started = time.perf_counter()
 
     def report(result: StepResult) -> None:
@@ -290,9 +297,9 @@ def main(argv: list[str] | None = None) -> int:
         step = result.step
         if step % args.log_every == 0 or step == args.steps - 1 or result.redone:
             again = "  (trained again)" if result.redone else ""   # the recovery line says why
-            print(f"step {step:4d}  loss {result.loss:.4f}  (bits/byte "
+            say(f"step {step:4d}  loss {result.loss:.4f}  (bits/byte "
                   f"{result.loss / math.log(2):.3f})  lr {result.lr:.2e}  |g| "
-                  f"{result.grad_norm:.2f}  {result.step_s * 1e3:.0f} ms{again}", flush=True)
+                  f"{result.grad_norm:.2f}  {result.step_s * 1e3:.0f} ms{again}")
 
     try:
         trainer.run(args.steps, report, checkpoint_every=args.checkpoint_every)
@@ -300,12 +307,12 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"rank {dist.get_rank()}: {exc}") from None
     if trainer.is_reporter:
         if first >= args.steps:
-            print(f"nothing to train: the checkpoint in {args.checkpoint_dir} already holds "
+            say(f"nothing to train: the checkpoint in {args.checkpoint_dir} already holds "
                   f"all {args.steps} steps (raise --steps to train on, or pass another "
-                  "--checkpoint-dir to start afresh)", flush=True)
+                  "--checkpoint-dir to start afresh)")
         else:
-            print(f"done: steps {first}..{args.steps - 1} in "
-                  f"{time.perf_counter() - started:.1f} s", flush=True)
+            say(f"done: steps {first}..{args.steps - 1} in "
+                  f"{time.perf_counter() - started:.1f} s")
     trainer.close()
     dist.destroy_process_group()
     return 0

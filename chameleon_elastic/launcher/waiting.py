@@ -36,7 +36,7 @@ class RendezvousWait:
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="rendezvous-wait", daemon=True)
 
-    def __enter__(self) -> RendezvousWait:
+    def __enter__(self) -> RendezvousWait:  # noqa: PYI034 - a final class
         if self._params.min_nodes > 1:
             self._thread.start()
         return self
