@@ -50,7 +50,6 @@ from torch.utils.checkpoint import checkpoint
 from chameleon_elastic.plan import ExecutionPlan
 from chameleon_elastic.torch_compat import fake_tensor_mode
 
-from . import grad_sync as _gs
 from .data import sample_ids
 from .errors import PeerLost, PipelineRuntimeError, communication_failure
 from .model import PipelineModel, _sizing, build_layers, collate
@@ -287,10 +286,6 @@ class PipelineExecutor:
         scale = 1.0 / self.plan.global_micro_batches
         stash: dict[tuple[int, int], tuple[list[torch.Tensor], Any]] = {}
         pending: list = []
-        if _gs.EXACT:
-            for p in self.layers.parameters():
-                if getattr(p, "_grad64", None) is not None:
-                    p._grad64.zero_()
         timings: list[OpTiming] = []
         loss_sum = 0.0
         entered: set[str] = set()
@@ -349,8 +344,6 @@ class PipelineExecutor:
                                     self._tag(op.pipeline, op.micro_batch, op.stage, True, i)))
                         if outs:
                             torch.autograd.backward(outs, grads)
-                    if _gs.EXACT:
-                        _gs.fold_grads(self.layers)
                     if op.dest is not None:
                         assert self._input_spec is not None
                         wanted = iter(wanting)
