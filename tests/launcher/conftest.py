@@ -3,7 +3,9 @@ kill whatever a test started (by its own process group) when it ends."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import itertools
 import json
 import os
 import signal
@@ -14,6 +16,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import psutil
 import pytest
 
 PROBE = str(Path(__file__).parent / "workers" / "probe.py")
@@ -137,6 +140,7 @@ class Launcher:
         full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         full_env.update(env or {})
         self.log = log
+        self.args = args
         self._fh = open(log, "w")  # noqa: SIM115 - closed in wait()/kill()
         self.proc = subprocess.Popen([*(wrap or []), sys.executable, "-m", module, *args],
                                      stdout=self._fh,
@@ -147,11 +151,51 @@ class Launcher:
         try:
             return self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
+            where = self.where_workers_are()
             self.kill()
-            raise AssertionError(f"launcher did not finish in {timeout:.0f} s; log:\n"
+            raise AssertionError(f"launcher did not finish in {timeout:.0f} s; {where}log:\n"
                                  + self.log.read_text()[-3000:]) from None
         finally:
             self._fh.close()
+
+    def where_workers_are(self) -> str:
+        """Each live test worker's innermost frames (workers/mlp_faults.py dumps its stack into
+        its stderr file on SIGUSR2), so that a timeout names where every worker was stuck, and
+        the agent's last events."""
+        try:
+            workers = [p for p in psutil.Process(self.proc.pid).children(recursive=True)
+                       if any("workers/" in part for part in p.cmdline())]
+        except psutil.Error:
+            return ""
+        logs: dict[int, tuple[Path, int, str]] = {}
+        for proc in workers:
+            with contextlib.suppress(OSError, psutil.Error):
+                log = Path(os.readlink(f"/proc/{proc.pid}/fd/2"))
+                if log.is_file():
+                    logs[proc.pid] = (log, log.stat().st_size, proc.status())
+                    proc.send_signal(signal.SIGUSR2)
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline and any(
+                log.stat().st_size == size for log, size, _ in logs.values()):
+            time.sleep(0.05)   # diagnostics only: the dumps are being written
+        lines = []
+        for pid, (log, size, status) in sorted(logs.items()):
+            with open(log, "rb") as fh:
+                fh.seek(size)
+                dump = fh.read().decode(errors="replace").splitlines()
+            frames = [x.split(" in ")[-1] for x in dump if x.strip().startswith("File ")][:5]
+            lines.append(f"  {log.name} (pid {pid}, {status}): {' <- '.join(frames) or '-'}")
+        state = self._state_dir()
+        events = []
+        if state is not None and (state / "events.jsonl").exists():
+            events = [json.loads(x)["event"] for x in
+                      (state / "events.jsonl").read_text().splitlines()[-4:]]
+        return ("workers, innermost frame first:\n" + "\n".join(lines) + "\n"
+                + (f"agent's last events: {', '.join(events)}\n" if events else ""))
+
+    def _state_dir(self) -> Path | None:
+        args = self.args
+        return next((Path(b) for a, b in itertools.pairwise(args) if a == "--state-dir"), None)
 
     def kill(self) -> None:
         try:

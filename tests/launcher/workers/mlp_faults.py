@@ -29,6 +29,7 @@ window in which one node may begin alone). Writes ``OUT/steps.jsonl`` (one line 
 (layer -> state dict of the layers it holds).
 """
 
+import faulthandler
 import json
 import os
 import signal
@@ -39,6 +40,9 @@ import torch
 
 from chameleon_elastic.runtime import PeerLost, PipelineTrainer, init_distributed
 from chameleon_elastic.runtime.toy import featured_model, mlp_model, tp_mlp_model
+
+# a launcher test that times out asks every worker where it is (tests/launcher/conftest.py)
+faulthandler.register(signal.SIGUSR2, all_threads=False)
 
 FEATURED_CLIP = 0.08
 
