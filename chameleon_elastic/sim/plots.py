@@ -135,14 +135,11 @@ def trace_curves(result: ExperimentResult, policy: str, index: int = 0) -> Trace
 def live_devices(result: ExperimentResult, index: int = 0) -> tuple[list[float], list[float]]:
     """(times in hours, live devices) of trace number ``index`` as step-line points: what
     every policy could use at best."""
-    trace = next(iter(result.runs.values()))[index].trace
-    t, live = [0.0], [float(trace.devices)]
-    for group in trace.groups():
-        now = live[-1] - len(group.failed) + len(group.joined)
-        t += [group.time_s / 3600.0, group.time_s / 3600.0]
-        live += [live[-1], now]
-    t.append(trace.horizon_s / 3600.0)
-    live.append(live[-1])
+    t: list[float] = []
+    live: list[float] = []
+    for start, end, n in _live_spans(next(iter(result.runs.values()))[index]):
+        t += [start / 3600.0, end / 3600.0]
+        live += [n, n]
     return t, live
 
 

@@ -15,6 +15,7 @@ from chameleon_elastic.sim.engine import Phase, Reaction, simulate
 from chameleon_elastic.sim.experiment import ExperimentResult, summarise
 from chameleon_elastic.sim.plots import (
     figures,
+    live_devices,
     mean_curves,
     pause_spans,
     relative_curves,
@@ -129,3 +130,11 @@ def test_every_panel_names_every_policy() -> None:
     finally:
         for fig in figs.values():
             plt.close(fig)
+
+
+def test_live_devices_step_down_at_each_failure_for_every_policy_alike() -> None:
+    result = experiment([trace(100.0, 400.0)])
+    t, live = live_devices(result)
+    assert t == pytest.approx([0.0, 100 / 3600, 100 / 3600, 400 / 3600, 400 / 3600,
+                               1000 / 3600])
+    assert live == [8.0, 8.0, 7.0, 7.0, 6.0, 6.0]
