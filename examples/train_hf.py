@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
             with open(args.losses, "a") as fh:
                 fh.write(json.dumps({"step": step, "loss": result.loss, "lr": result.lr,
                                      "step_s": result.step_s, "redone": result.redone,
-                                     "pid": os.getpid()}) + "\n")
+                                     "pid": os.getpid(), "time": time.time()}) + "\n")
         if step % args.log_every == 0 or step == args.steps - 1 or result.redone:
             again = "  (trained again)" if result.redone else ""
             print(f"step {step:4d}  loss {result.loss:.4f}  lr {result.lr:.2e}  |g| "
