@@ -2,8 +2,8 @@
 
 The README's quick-start demo: ``chameleon-run --standalone --nproc-per-node 4 --preset
 tiny-cpu examples/train_gpt.py --steps 40 --log-every 1``, once without faults and once with
-``kill -9`` of device 3 right after step ``--kills`` 10 is printed and of device 1 after step 25
-(each re-plans and recovers in place). Both runs print every step's loss to 4 decimals; the
+``kill -9`` of device 3 right after step 10 is printed and of device 1 after step 25 (the
+default ``--kills 10:3,25:1``; each re-plans and recovers in place). Both runs print every step's loss to 4 decimals; the
 table counts the steps whose printed losses differ, and the largest difference.
 
 Why it is not always 0: a re-plan changes which device sums which micro-batches' gradients and
