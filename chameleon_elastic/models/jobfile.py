@@ -139,13 +139,22 @@ def measure(model: Any, choice: JobChoice, every: bool, repeats: int,
     view = PipelineModel(num_layers=len(chosen), build_layer=lambda j: model.build_layer(
         chosen[j]), loss=model.loss, make_optimizer=model.make_optimizer,
         sample=model.sample, seed=model.seed)
+    last = [time.perf_counter()]
+
+    def advance(j: int) -> None:
+        bar.advance(task)
+        now = time.perf_counter()
+        if not console.is_terminal and now - last[0] > 1.0:   # a log: a line per slow layer
+            console.print(f"chameleon-job: measured layer {chosen[j]} ({j + 1}/{len(chosen)}) "
+                          f"in {now - last[0]:.1f} s", highlight=False)
+        last[0] = now
+
     with Progress(TextColumn("measuring layers"), BarColumn(), TextColumn(
             "{task.completed}/{task.total}"), TimeElapsedColumn(), console=console,
             transient=True, disable=not console.is_terminal) as bar:
         task = bar.add_task("layers", total=len(chosen))
         profile = profile_layers(view, choice.micro_batch_size, repeats=repeats, warmup=1,
-                                 precision=choice.precision,
-                                 progress=lambda _i: bar.advance(task))
+                                 precision=choice.precision, progress=advance)
     figures = profile.model
     out: dict[str, list[float]] = {}
     for key in ("forward_s", "backward_s", "activation_bytes", "boundary_bytes"):
