@@ -213,3 +213,28 @@ def test_a_node_waiting_for_the_others_says_what_it_waits_for(tmp_path, launch):
     second = launch("chameleon", [*common, PROBE, str(out), "ok"], name="second")
     assert first.wait(60) == 0 and second.wait(60) == 0
     assert len(read_envs(out)) == 2
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_lost_on_one_node_is_named_by_its_signal_on_both(tmp_path, launch):
+    """Device 3 SIGKILLs itself on node 1: both agents' recovery lines say how it was lost
+    (node 1 saw it; node 0 learns it from the decision), not "node gone" for a live node."""
+    local_etcd = pytest.importorskip("chameleon_elastic.rendezvous.local_etcd")
+    out = tmp_path / "out"
+    out.mkdir()
+    steps = 8
+    with local_etcd.LocalEtcd(data_dir=tmp_path / "etcd") as etcd:
+        common = ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "etcd-v3",
+                  "--rdzv-endpoint", etcd.endpoint, "--rdzv-id", "worker-kill",
+                  "--local-addr", "127.0.0.1", "--monitor-interval", "0.1", "--no-status",
+                  "--preset", "tiny-cpu"]
+        agents = [launch("chameleon", [*common, "--state-dir", str(tmp_path / name),
+                                       MLP_FAULTS, str(out), str(steps), "3:4:forward:kill",
+                                       "--min-world", "4"], name=name) for name in ("a", "b")]
+        for agent in agents:
+            assert agent.wait(100) == 0, agent.log.read_text()[-3000:]
+    assert_single_process_results(out, [0, 1, 2], steps)
+    for agent in agents:
+        lines = [x for x in agent.log.read_text().splitlines() if "lost" in x]
+        assert any("device 3 lost (SIGKILL) at step 4" in x for x in lines), lines
+        assert not any("node gone" in x for x in lines), lines
