@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import itertools
 import json
 import os
 import statistics
@@ -49,7 +50,7 @@ def _env() -> dict[str, str]:
 
 
 def _median_interval(times: list[float], skip: int) -> float:
-    gaps = [b - a for a, b in zip(times, times[1:])][skip:]
+    gaps = [b - a for a, b in itertools.pairwise(times)][skip:]
     return statistics.median(gaps)
 
 
@@ -66,7 +67,7 @@ def ddp_worker(args: argparse.Namespace) -> int:
     from chameleon_elastic.models import hf
 
     sys.path.insert(0, str(ROOT / "examples"))
-    import train_hf   # the example's own data and schedule
+    import train_hf  # the example's own data and schedule
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -123,7 +124,8 @@ def _write_model(directory: Path, hidden: int, layers: int) -> None:
 
 
 def _run(cmd: list[str], timeout: float) -> None:
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env())
+    out = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=timeout,
+                         env=_env())
     if out.returncode != 0:
         raise SystemExit(f"{' '.join(cmd[:6])} ... failed ({out.returncode}):\n"
                          f"{out.stdout[-2000:]}\n{out.stderr[-3000:]}")

@@ -15,7 +15,6 @@ layer. Both keep the training's master precision (float32, or float64 in tests) 
 
 from __future__ import annotations
 
-import argparse
 import shutil
 from collections.abc import Mapping, Sequence
 from pathlib import Path

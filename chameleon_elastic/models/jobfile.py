@@ -214,17 +214,17 @@ def build_job(directory: Path, choice: JobChoice, *, every: bool = False, repeat
     what = "every layer" if chosen == list(range(n)) else (
         f"layers {', '.join(map(str, chosen))}; {rest} layer 1's figures, same shapes")
     header = [
-        f"written by chameleon-job hf {directory} ({layers.config.model_type}, "
-        f"{sum(layers.numel(i) for i in range(n)):,} parameters, {n} layers: embedding, "
-        f"{n - 2} decoder layers, norm + head)",
-        "exact, from the model: layers, param_bytes (fp32 master weights), optimizer_bytes "
-        "(AdamW: 2 moments + a step per tensor)",
-        f"measured on this machine ({where}) by the runtime's profiler in {took:.1f} s, at "
-        f"{choice.precision}, micro-batches of {choice.micro_batch_size} x "
-        f"{choice.context} tokens: forward_s, backward_s, activation_bytes, boundary_bytes "
-        f"({what})",
-        "defaults, not measured: the [cluster] figures other than devices (set them with "
-        "chameleon-job's flags or here)",
+        (f"written by chameleon-job hf {directory} ({layers.config.model_type}, "
+         f"{sum(layers.numel(i) for i in range(n)):,} parameters, {n} layers: embedding, "
+         f"{n - 2} decoder layers, norm + head)"),
+        ("exact, from the model: layers, param_bytes (fp32 master weights), optimizer_bytes "
+         "(AdamW: 2 moments + a step per tensor)"),
+        (f"measured on this machine ({where}) by the runtime's profiler in {took:.1f} s, at "
+         f"{choice.precision}, micro-batches of {choice.micro_batch_size} x "
+         f"{choice.context} tokens: forward_s, backward_s, activation_bytes, boundary_bytes "
+         f"({what})"),
+        ("defaults, not measured: the [cluster] figures other than devices (set them with "
+         "chameleon-job's flags or here)"),
         f"train with: examples/train_hf.py --model {directory} --context {choice.context}",
     ]
     comments = {"cluster.device_memory_bytes": "this host's memory" if device_memory is None

@@ -59,9 +59,8 @@ def _model(factory) -> PipelineModel:
 def test_a_factory_that_fails_on_fake_tensors_is_sized_for_real_with_a_warning():
     from chameleon_elastic.torch_compat import fake_tensor_mode
 
-    with pytest.raises(Exception):   # the obstacle, as torch shows it
-        with fake_tensor_mode():
-            _deep_copying(0)
+    with pytest.raises(RuntimeError), fake_tensor_mode():   # the obstacle, as torch shows it
+        _deep_copying(0)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         spec = boundary_spec(_model(_deep_copying), 1, micro_batch_size=4)

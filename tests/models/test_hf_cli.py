@@ -27,7 +27,7 @@ def _job(*args: str, block_transformers: bool = False) -> subprocess.CompletedPr
             f"sys.exit(main({list(args)!r}))" if prelude else None)
     cmd = [sys.executable, "-c", "import sys; " + code] if code else [
         sys.executable, "-m", "chameleon_elastic.models.jobfile", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=ENV)
+    return subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=120, env=ENV)
 
 
 def _one_line_exit_2(out: subprocess.CompletedProcess, *needles: str) -> None:
@@ -83,7 +83,7 @@ def _train(directory: Path, tmp_path: Path, layers: int, *args: str,
     (tmp_path / "plan.json").write_text(plan.to_json())
     full = dict(ENV, CHAMELEON_PLAN_FILE=str(tmp_path / "plan.json"), **(env or {}))
     return subprocess.run([sys.executable, EXAMPLE, "--model", str(directory), "--steps", "1",
-                           "--context", "16", *args], capture_output=True, text=True,
+                           "--context", "16", *args], check=False, capture_output=True, text=True,
                           timeout=120, env=full)
 
 
@@ -109,7 +109,7 @@ def test_train_hf_without_the_extra_is_one_line(tmp_path):
     code = ("import runpy, sys; sys.modules['transformers'] = None; "
             f"sys.argv = ['train_hf.py', '--config', 'llama-tiny']; "
             f"runpy.run_path({EXAMPLE!r}, run_name='__main__')")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True,
                          timeout=120, env=ENV)
     _one_line_exit_2(out, "pip install 'chameleon-elastic[hf]'")
 
