@@ -17,9 +17,20 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["AGENT_HOOKS", "PRIVATE_ATTRIBUTES", "RENDEZVOUS_SETTINGS_HOLDERS",
-           "abort_process_group", "addr_and_port", "entrypoint_name", "fake_tensor_mode",
-           "rendezvous_participants", "set_min_nodes", "stop_heartbeats"]
+__all__ = [
+    "AGENT_HOOKS",
+    "PRIVATE_ATTRIBUTES",
+    "RENDEZVOUS_SETTINGS_HOLDERS",
+    "WorkerProcess",
+    "abort_process_group",
+    "addr_and_port",
+    "entrypoint_name",
+    "fake_tensor_mode",
+    "rendezvous_participants",
+    "set_min_nodes",
+    "stop_heartbeats",
+    "worker_process",
+]
 
 # LocalElasticAgent / SimpleElasticAgent methods ChameleonAgent overrides (O) or calls (C),
 # with the parameters (after self) that our code relies on.
@@ -91,6 +102,56 @@ def rendezvous_participants(handler: Any) -> int | None:
     state = getattr(holder, "state", None)
     participants = getattr(state, "participants", None)
     return None if participants is None else len(participants)
+
+
+class WorkerProcess:
+    """One worker process of a torch process context, whichever kind started it: a
+    ``SubprocessContext`` (a script: ``subprocess.Popen`` handlers) or a
+    ``MultiprocessContext`` (a function entry point such as ``--run-path``: multiprocessing
+    processes). The agent polls, signals and reaps workers one by one through this.
+
+    A function's process does not exit when the function returns: it puts the return value in
+    a queue and waits until the parent has read every rank's value (``_worker_finished_event``),
+    so that the queue's feeder is not cut off. Here a returned value counts as exit code 0, and
+    the event is set once every rank of the context has returned."""
+
+    def __init__(self, context: Any, local_rank: int) -> None:
+        handlers = getattr(context, "subprocess_handlers", None)
+        self._context = context
+        self._rank = local_rank
+        self._popen: Any = handlers[local_rank].proc if handlers is not None else None
+        self._mp: Any = None if handlers is not None else context._pc.processes[local_rank]
+
+    @property
+    def pid(self) -> int:
+        return int(self._popen.pid if self._popen is not None else self._mp.pid)
+
+    def poll(self) -> int | None:
+        """The exit code (negative: killed by that signal), None while it runs."""
+        if self._popen is not None:
+            return self._popen.poll()
+        if self._mp.exitcode is not None:
+            return int(self._mp.exitcode)
+        context = self._context
+        returned = context._return_values
+        queue = context._ret_vals[self._rank]
+        if self._rank not in returned and not queue.empty():
+            returned[self._rank] = queue.get()
+        if self._rank not in returned:
+            return None
+        if len(returned) == context.nprocs:
+            context._worker_finished_event.set()   # every rank returned: let them all exit
+        return 0
+
+    def wait(self) -> int:
+        if self._popen is not None:
+            return int(self._popen.wait())
+        self._mp.join()
+        return int(self._mp.exitcode)
+
+
+def worker_process(context: Any, local_rank: int) -> WorkerProcess:
+    return WorkerProcess(context, local_rank)
 
 
 def abort_process_group(group: Any = None) -> None:

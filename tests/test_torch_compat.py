@@ -76,3 +76,15 @@ def test_set_min_nodes_reaches_every_copy_of_a_dynamic_handlers_settings():
               for p in torch_compat.RENDEZVOUS_SETTINGS_HOLDERS]
     assert [o._settings.min_nodes for o in owners] == [1, 1, 1]
     assert all(o._settings.max_nodes == 2 for o in owners)
+
+
+def test_both_process_contexts_keep_what_worker_process_reads():
+    """A script runs in a SubprocessContext (Popen handlers), a function entry point such as
+    --run-path in a MultiprocessContext (multiprocessing processes, ``_pc``)."""
+    from torch.distributed.elastic.multiprocessing.api import MultiprocessContext, SubprocessContext
+
+    init = inspect.getsource(MultiprocessContext.__init__)
+    for name in ("self._pc", "self._ret_vals", "self._return_values",
+                 "self._worker_finished_event", "self.nprocs"):
+        assert name in init or name in inspect.getsource(MultiprocessContext), name
+    assert "self.subprocess_handlers" in inspect.getsource(SubprocessContext)

@@ -10,6 +10,7 @@ run on, and a later launch can add workers for devices that have none.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -18,6 +19,8 @@ from typing import Any
 
 from torch.distributed.elastic.multiprocessing.api import PContext
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+from chameleon_elastic.torch_compat import worker_process
 
 __all__ = ["Exit", "WorkerProcesses"]
 
@@ -72,13 +75,13 @@ class WorkerProcesses:
         """Workers that ended since the last poll (now forgotten), in device order."""
         ended = []
         for device, live in sorted(self._live.items()):
-            handler = live.context.subprocess_handlers[live.local_rank]  # type: ignore[attr-defined]
-            code = handler.proc.poll()
+            proc = worker_process(live.context, live.local_rank)
+            code = proc.poll()
             if code is None:
                 continue
             failure = None
             if code != 0:
-                failure = ProcessFailure(local_rank=live.local_rank, pid=handler.proc.pid,
+                failure = ProcessFailure(local_rank=live.local_rank, pid=proc.pid,
                                          exitcode=code,
                                          error_file=live.context.error_files[live.local_rank])
             else:
@@ -93,10 +96,10 @@ class WorkerProcesses:
         """Send ``sig`` to every live worker; safe from another thread (nothing is forgotten:
         the monitor loop reaps them)."""
         for live in list(self._live.values()):
-            handler = live.context.subprocess_handlers[live.local_rank]  # type: ignore[attr-defined]
-            if handler.proc.poll() is None:
+            proc = worker_process(live.context, live.local_rank)
+            if proc.poll() is None:
                 try:
-                    os.kill(handler.proc.pid, sig)
+                    os.kill(proc.pid, sig)
                 except ProcessLookupError:
                     pass
 
@@ -105,10 +108,11 @@ class WorkerProcesses:
         lost already, so their exits are not news)."""
         for device in sorted(devices & self.devices):
             live = self._live.pop(device)
-            handler = live.context.subprocess_handlers[live.local_rank]  # type: ignore[attr-defined]
-            if handler.proc.poll() is None:
-                handler.close(death_sig=signal.SIGKILL)
-            handler.proc.wait()
+            proc = worker_process(live.context, live.local_rank)
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
 
     def close(self, death_sig: signal.Signals = signal.SIGTERM, timeout: float = 30) -> None:
         """Stop every worker (torch's SIGTERM, then SIGKILL after ``timeout``). A stop we

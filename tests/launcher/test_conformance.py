@@ -53,7 +53,9 @@ def _by_rank(records: list[dict]) -> dict[str, dict]:
 @pytest.mark.parametrize("flags", [
     ["--standalone", "--nproc-per-node", "2"],
     ["--nnodes", "1", "--nproc_per_node", "2", "--master-port", "{port}", "--max_restarts", "1"],
-], ids=["standalone", "static-master-port"])
+    # a function entry point: torch starts it through multiprocessing, not subprocess
+    ["--standalone", "--nproc-per-node", "2", "--run-path"],
+], ids=["standalone", "static-master-port", "run-path"])
 def test_same_standard_environment_as_torchrun(tmp_path, launch, flags):
     codes, records = _side_by_side(tmp_path, launch, flags, ["ok"])
     assert codes == {"torchrun": 0, "chameleon": 0}
@@ -69,9 +71,10 @@ def test_same_standard_environment_as_torchrun(tmp_path, launch, flags):
 
 
 @pytest.mark.timeout(60)
-def test_failing_script_exit_code_matches(tmp_path, launch):
+@pytest.mark.parametrize("entry", [[], ["--run-path"]], ids=["script", "run-path"])
+def test_failing_script_exit_code_matches(tmp_path, launch, entry):
     codes, _ = _side_by_side(tmp_path, launch,
-                                   ["--standalone", "--nproc-per-node", "2"], ["fail"])
+                             ["--standalone", "--nproc-per-node", "2", *entry], ["fail"])
     assert codes["torchrun"] != 0
     assert codes == {"torchrun": codes["torchrun"], "chameleon": codes["torchrun"]}
 
