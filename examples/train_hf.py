@@ -230,13 +230,16 @@ def main(argv: list[str] | None = None) -> int:
             on_phase=on_phase if pace else None)
     except (PipelineRuntimeError, hf.HFModelError) as exc:
         return fail(str(exc))
+    weights = (f"weights from {args.model}" if hf.layers_of(model).pretrained
+               else "random weights")
     where = ("spare" if not trainer.working else
              f"pipeline {trainer.plan.locate(trainer.device)[0]} layers "
              f"{trainer.layer_ids[0]}-{trainer.layer_ids[-1]}")
     if trainer.tp_rank == 0:
         print(f"[rank {dist.get_rank()}] device {trainer.device}: {where} of "
               f"{model.num_layers}; plan generation {trainer.plan.generation} "
-              f"({trainer.plan.policy}); text as {tokenized}; {trainer.precision}", flush=True)
+              f"({trainer.plan.policy}); {weights}; text as {tokenized}; {trainer.precision}",
+              flush=True)
     first = trainer.committed
     if trainer.is_reporter and first:
         print(f"resumed from the checkpoint after step {first - 1}", flush=True)

@@ -20,8 +20,9 @@ their tensors (:mod:`.hf_weights`); a layer that moves at a re-plan comes from p
 always. While the runtime sizes stage boundaries on fake tensors, layers are built empty.
 
 Under ``training.tp > 1`` the config's ``base_model_tp_plan`` shards each decoder layer
-(``colwise`` / ``rowwise`` as torch's ``ColwiseParallel`` / ``RowwiseParallel``); the
-embedding and the head stay whole on every card.
+(``colwise`` / ``rowwise`` as torch's ``ColwiseParallel`` / ``RowwiseParallel``, and
+``replicated_with_grad_allreduce``, Qwen3's per-head q/k norms, as :class:`.hf_tp.SumGradients`);
+the embedding and the head stay whole on every card.
 """
 
 from __future__ import annotations
@@ -37,10 +38,11 @@ from torch import nn
 from chameleon_elastic.runtime.model import PipelineModel, Tie, sizing_boundaries
 
 from .hf_layers import SUPPORTED, Layout, Stage, init_modules, layout_of, materialize
+from .hf_weights import has_weights
 
 __all__ = ["TINY", "CausalLMLayers", "HFModelError", "adamw", "causal_lm",
-           "convert_checkpoint", "load_config", "parameter_count", "require_extra",
-           "save_pretrained", "tiny_config", "token_windows"]
+           "convert_checkpoint", "layers_of", "load_config", "parameter_count",
+           "require_extra", "save_pretrained", "tiny_config", "token_windows"]
 
 EXTRA = "pip install 'chameleon-elastic[hf]'  (transformers and safetensors)"
 
@@ -108,8 +110,6 @@ class CausalLMLayers:
     skeleton (built on first use, not pickled) that gives each layer's submodules."""
 
     def __init__(self, config: Any, directory: Path | None, dtype: torch.dtype) -> None:
-        from .hf_weights import has_weights
-
         self.config = config
         self.directory = directory
         self.dtype = dtype
@@ -226,7 +226,10 @@ class CausalLMLayers:
             return None
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-        styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+        from .hf_tp import SumGradients
+
+        styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel,
+                  "replicated_with_grad_allreduce": SumGradients}
         blocks = self.layout.family.blocks
         out: dict[str, Any] = {}
         for pattern, style in plan.items():
@@ -236,8 +239,8 @@ class CausalLMLayers:
             if style not in styles:
                 raise HFModelError(
                     f"{self.config.model_type}'s tensor-parallel plan shards {rest} as "
-                    f"{style!r}, which the runtime does not support (only colwise and "
-                    "rowwise); train it with training.tp = 1.")
+                    f"{style!r}, which the runtime does not support (only colwise, rowwise "
+                    "and replicated_with_grad_allreduce); train it with training.tp = 1.")
             out[self.layout.path(f"{blocks}.{layer - 1}.{rest}")] = styles[style]()
         return out or None
 
@@ -300,6 +303,11 @@ def causal_lm(source: Any, *, sample: Callable[[int], tuple[Any, Any]] | None = 
         for key in _DROPOUT_KEYS:
             if hasattr(config, key):
                 setattr(config, key, dropout)
+    if directory is not None and not has_weights(directory) and any(
+            directory.glob("pytorch_model*.bin")):
+        raise HFModelError(
+            f"{directory} holds its weights only as pytorch_model*.bin, which is never "
+            "unpickled here; save it again with save_pretrained(..., safe_serialization=True).")
     layers = CausalLMLayers(config, directory, dtype)
     vocab = int(config.get_text_config().vocab_size)
     n = layers.layout.num_layers

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["WeightFiles", "clear_reads", "shard_name", "tensors_read", "write_index",
-           "write_shard"]
+__all__ = ["WeightFiles", "clear_reads", "has_weights", "shard_name", "tensors_read",
+           "write_index", "write_shard"]
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"

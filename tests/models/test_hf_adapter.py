@@ -97,8 +97,10 @@ def test_tensor_parallel_plan_comes_from_the_config():
     assert isinstance(plan["model.layers.1.mlp.down_proj"], RowwiseParallel)
     assert model.tp_plan(0) is None and model.tp_plan(3) is None
     assert hf.causal_lm(hf.tiny_config("gpt2-tiny")).tp_plan(1) is None   # no plan: whole
-    with pytest.raises(hf.HFModelError, match="replicated_with_grad_allreduce"):
-        hf.causal_lm(hf.tiny_config("qwen3-tiny")).tp_plan(1)
+    from chameleon_elastic.models.hf_tp import SumGradients
+
+    qwen3 = hf.causal_lm(hf.tiny_config("qwen3-tiny")).tp_plan(1)
+    assert isinstance(qwen3["model.layers.0.self_attn.q_norm"], SumGradients)
 
 
 # ------------------------------------------------------------------ bad input, one sentence
@@ -125,6 +127,15 @@ def test_unsupported_architecture_names_it_and_the_supported_ones(tmp_path):
     message = str(err.value)
     assert "'opt'" in message and "gpt2, llama, mistral, qwen2, qwen3" in message
     _one_sentence(message)
+
+
+def test_pickled_weights_are_refused_not_ignored(tmp_path):
+    hf.tiny_config("llama-tiny").save_pretrained(str(tmp_path))
+    (tmp_path / "pytorch_model.bin").write_bytes(b"not read")
+    with pytest.raises(hf.HFModelError) as err:
+        hf.causal_lm(tmp_path)
+    assert "never unpickled" in str(err.value)
+    _one_sentence(str(err.value))
 
 
 def test_missing_extra_says_which_pip_install_fixes_it():

@@ -1,6 +1,7 @@
 """training.tp > 1 for Hugging Face models: the config's base_model_tp_plan shards each decoder
-layer (q/k/v and gate/up by columns, o and down by rows) over a unit of two cards, and training
-equals single-process training (float64, rtol 1e-9, AdamW, clipping, a tied embedding). From
+layer (q/k/v and gate/up by columns, o and down by rows; Qwen3's per-head q/k norms replicated
+with their gradients summed over the unit) over a unit of two cards, and training equals
+single-process training (float64, rtol 1e-9, AdamW, clipping; Llama with a tied embedding). From
 that sharded plan, save_pretrained writes a directory transformers loads with the trained
 weights, and the offline converter turns the job's checkpoint into the same directory."""
 
@@ -49,14 +50,15 @@ def _train(rank: int, world: int, directory: str, out: str):
 
 
 @pytest.mark.timeout(120)
-def test_tensor_parallel_units_train_as_one_process_and_export(tiny_dirs, tmp_path):
+@pytest.mark.parametrize("name", ["llama-tiny", "qwen3-tiny"])
+def test_tensor_parallel_units_train_as_one_process_and_export(tiny_dirs, tmp_path, name):
     import torch
     from transformers import AutoModelForCausalLM
 
     from chameleon_elastic.models import hf
     from chameleon_elastic.runtime.toy import reference_run
 
-    directory = str(tiny_dirs("llama-tiny", layers=2))
+    directory = str(tiny_dirs(name, layers=2))
     results = run_local_world(_train, 2 * TP, directory, str(tmp_path), timeout_s=110)
     ref = reference_run(_model(directory), STEPS, 4, MBS, max_grad_norm=CLIP)
     assert max(ref.grad_norms) > CLIP
@@ -65,11 +67,12 @@ def test_tensor_parallel_units_train_as_one_process_and_export(tiny_dirs, tmp_pa
     sharded = results[2][1]   # card 0 of unit 1: layers 2-3
     assert sharded["model.layers.1.self_attn.q_proj.weight"] == (16, 32)   # half the heads
     assert sharded["model.layers.1.mlp.down_proj.weight"] == (32, 32)      # half the inputs
+    # qwen3's per-head q/k norms stay whole on each card (their gradients are summed)
     want = {k: v for m in ref.layers for k, v in m.state_dict().items()}
     hf.convert_checkpoint(tmp_path / "ckpt", directory, tmp_path / "converted")
     for where in ("export", "converted"):
         loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / where),
                                                       dtype=torch.float64).state_dict()
-        for name, value in loaded.items():
-            np.testing.assert_allclose(value.numpy(), want[name].detach().numpy(), rtol=1e-9,
-                                       atol=1e-12, err_msg=f"{where}: {name}")
+        for key, value in loaded.items():
+            np.testing.assert_allclose(value.numpy(), want[key].detach().numpy(), rtol=1e-9,
+                                       atol=1e-12, err_msg=f"{where}: {key}")
