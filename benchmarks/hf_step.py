@@ -142,7 +142,8 @@ def _chameleon(work: Path, model: Path, args: argparse.Namespace, k: int,
           str(args.context), "--log-every", str(args.steps), "--losses", str(losses)],
          args.timeout)
     rows = [json.loads(x) for x in losses.read_text().splitlines()]
-    return {"ends": [r["time"] for r in rows], "losses": [r["loss"] for r in rows]}
+    return {"ends": [r["time"] for r in rows], "losses": [r["loss"] for r in rows],
+            "sync_s": statistics.median(r["sync_s"] for r in rows[args.skip:])}
 
 
 def _ddp(work: Path, model: Path, args: argparse.Namespace, k: int) -> dict:
@@ -195,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
         per_run = [_median_interval(r["ends"], args.skip) for r in results]
         rows[name] = {"step_s": statistics.median(per_run), "per_run_step_s": per_run,
                       "first_losses": results[0]["losses"][:3]}
+        if "sync_s" in results[0]:   # the runtime's gradient sync, after backward
+            rows[name]["sync_s"] = statistics.median(r["sync_s"] for r in results)
     # each round's pair ran back to back: the median of the per-round ratios shrugs off the
     # load other jobs put on a shared machine between rounds
     ratios = [a / b for a, b in zip(rows["chameleon-run"]["per_run_step_s"],
@@ -220,6 +223,10 @@ def main(argv: list[str] | None = None) -> int:
         per = " ".join(f"{x:.4f}" for x in r["per_run_step_s"])
         loss = " ".join(f"{x:.4f}" for x in r["first_losses"])
         print(f"{what:<34} {r['step_s']:>9.4f} {per:>20} {loss:>28}")
+    sync = rows["chameleon-run"]["sync_s"]
+    print(f"chameleon-run's gradient sync (one flat all-reduce after backward, not overlapped "
+          f"with it as DDP's buckets are): {sync:.4f} s per step, "
+          f"{100 * sync / rows['chameleon-run']['step_s']:.0f}% of its step")
     verdict = "within" if abs(result["change_pct"]) <= 5.0 else "outside"
     print(f"chameleon-run vs DDP, same layout (dp 4): {result['change_pct']:+.1f}% (median "
           f"of the per-round ratios {' '.join(f'{r:.3f}' for r in ratios)}; {verdict} the 5% "

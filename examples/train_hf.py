@@ -251,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.losses:
             with open(args.losses, "a") as fh:
                 fh.write(json.dumps({"step": step, "loss": result.loss, "lr": result.lr,
-                                     "step_s": result.step_s, "redone": result.redone,
+                                     "step_s": result.step_s, "compute_s": result.compute_s,
+                                     "sync_s": result.sync_s, "redone": result.redone,
                                      "pid": os.getpid(), "time": time.time()}) + "\n")
         if step % args.log_every == 0 or step == args.steps - 1 or result.redone:
             again = "  (trained again)" if result.redone else ""

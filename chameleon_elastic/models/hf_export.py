@@ -37,6 +37,7 @@ def _config_for(layers: Any, dtype: torch.dtype) -> Any:
 
     config = copy_config(layers.config)
     config.use_cache = True
+    config.architectures = [type(layers.skeleton).__name__]
     name = str(dtype).removeprefix("torch.")
     config.dtype = name
     return config
