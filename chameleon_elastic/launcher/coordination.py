@@ -41,9 +41,10 @@ from typing import Any
 from chameleon_elastic.plan import ExecutionPlan
 
 from .plan_env import device_id
+from .session import JobSession, LauncherPlanningError, PlanChange
 
-__all__ = ["RECORD", "Decision", "Fenced", "NodeReport", "adopt", "collect", "commit_record",
-           "decide", "inplace_possible", "losses", "publish", "read_record", "reasons",
+__all__ = ["RECORD", "Decision", "Fenced", "NodeReport", "adopt", "agree", "collect",
+           "commit_record", "decide", "inplace_possible", "losses", "publish", "read_record", "reasons",
            "report", "world_of"]
 
 RECORD = "chameleon/plan"
@@ -202,3 +203,45 @@ def commit_record(fence: Any, seen: str, decision: Decision) -> None:
             "meanwhile by another agent; this node was cut off from the others. Restart its "
             "launcher to rejoin the job."
         )
+
+
+def agree(store: Any, scope: str, group_rank: int, group_world: int, mine: NodeReport,
+          session: JobSession, inplace_wanted: bool, units_per_node: int,
+          timeout_s: float) -> tuple[Decision, PlanChange | None]:
+    """The whole protocol for one round, in its order: catch up with the newest published
+    plan, report, then decide and publish (group rank 0) or adopt. Returns the decision and
+    the plan change it made in ``session`` (None: same plan). Raises
+    ``LauncherPlanningError`` when no plan can run the job, or this agent is fenced; group rank
+    0 publishes the error first, so that the others end with the same sentence."""
+    fence = getattr(store, "underlying_store", store)   # outlives rounds
+    seen, newest = read_record(fence)
+    if newest is not None and newest.plan is not None and (
+            newest.plan.generation > session.plan.generation):
+        session.adopt(newest.plan, newest.excluded)   # catch up before deciding anything
+    report(store, scope, group_rank, mine)
+    try:
+        if group_rank == 0:
+            reports = collect(store, scope, group_world)
+            lost, joined = losses(reports, session.excluded, session.devices, units_per_node)
+            change = session.apply(lost=lost, joined=joined)
+            if change is None and inplace_possible(reports, inplace_wanted):
+                change = session.renew()   # the workers regroup: a new generation
+            decision = decide(session.plan, session.excluded, reports, inplace_wanted,
+                              reasons(reports, lost, units_per_node))
+            if decision.error is None:
+                commit_record(fence, seen, decision)
+            publish(store, scope, decision)
+        else:
+            decision = adopt(store, scope, timeout_s)
+            if decision.error or decision.plan is None:
+                raise LauncherPlanningError(decision.error or "no plan was published")
+            change = session.adopt(decision.plan, decision.excluded)
+        if decision.error:
+            raise LauncherPlanningError(decision.error)
+    except Fenced as exc:
+        raise LauncherPlanningError(str(exc)) from exc
+    except LauncherPlanningError as exc:
+        if group_rank == 0:
+            publish(store, scope, Decision(None, (), (), False, None, str(exc)))
+        raise
+    return decision, change

@@ -1,0 +1,217 @@
+"""What the agent watches besides its workers' exits, each watcher one concern.
+
+- :class:`HangWatch`: runtime workers whose progress count stands still while they are awake.
+- :class:`PeerTrouble`: a local worker lost a peer that this node does not run.
+- :func:`unhealthy_units`: the device health hook.
+- :func:`lease_news` / :func:`lease_verdict`: other nodes' etcd leases and our own.
+- :class:`DeviceBook`: this node's devices out of the plan, and how each was lost.
+
+Each returns typed facts (``WorkerFailure``, ``Trigger``, unit ids); what to do about them is
+decided in reactions.py.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import psutil
+
+from chameleon_elastic import channel
+
+from .failures import FailureKind, Trigger, WorkerFailure
+from .observe import Event
+from .plan_env import device_id
+
+__all__ = ["DeviceBook", "HangWatch", "PeerTrouble", "lease_news", "lease_verdict",
+           "unhealthy_units"]
+
+# How long a worker past its hang timeout must look awake (running, in the kernel) before it
+# counts as hung: long enough for a peer's reaction to its partner's death to pass.
+_HANG_CONFIRM_S = 1.0
+
+
+@dataclass
+class DeviceBook:
+    """This node's devices (plan devices: units under tensor parallelism) out of the plan, and
+    why: one home for what used to be four flags."""
+
+    lost: set[int] = field(default_factory=set)        # to a signal (for good) or the check
+    unhealthy: set[int] = field(default_factory=set)   # the part of ``lost`` the check excluded
+    rejoining: set[int] = field(default_factory=set)   # unhealthy ones that pass it again
+    why: dict[int, str] = field(default_factory=dict)  # "SIGKILL", "health check", "hung: ..."
+
+    def note_lost(self, lost: set[int], bad: set[int], why: dict[int, str]) -> None:
+        self.lost |= lost
+        self.unhealthy |= bad
+        self.why.update({d: "health check" for d in bad})
+        self.why.update(why)
+
+    def settle(self) -> None:
+        """The rejoining devices are back in: the next report no longer calls them lost."""
+        self.lost -= self.rejoining
+        self.unhealthy -= self.rejoining
+        for device in self.rejoining:
+            self.why.pop(device, None)
+        self.rejoining.clear()
+
+
+def stall_shown_after(hang_s: float) -> float:
+    """How long a worker may go without progress before the status line names it, and the
+    step at which the figure is renewed: 10 s, or half a shorter hang timeout."""
+    return min(10.0, hang_s / 2)
+
+
+class HangWatch:
+    """Runtime workers whose progress count has not moved for ``hang_s`` and that are not
+    asleep. A worker blocked on a hung peer sleeps in its transfer; the hung one is stopped,
+    stuck in the kernel, or spinning. Only "stopped" is conclusive at one look: a peer of a
+    dead worker runs briefly while it reacts, so the other states must last
+    ``_HANG_CONFIRM_S`` of consecutive looks, and "running" must have used at least half a
+    core meanwhile (a process starved of a core by other load is runnable, not spinning).
+    Scripts that never report progress are never hung. While one waits to be convicted, the
+    status line says so (a minute of silence looked like a frozen launcher)."""
+
+    def __init__(self, hang_s: float, nproc: int, card: str = "device") -> None:
+        self.hang_s = hang_s
+        self._nproc = nproc
+        self._card = card
+        self._beats: dict[int, tuple[int, float]] = {}   # device -> (progress count, since)
+        # device -> (first look awake without progress, its CPU seconds then)
+        self._awake: dict[int, tuple[float, float]] = {}
+        self._shown: dict[int, int] = {}   # device -> last stall step on the status line
+
+    def reset(self) -> None:
+        """A recovery is no hang: progress is timed afresh."""
+        self._beats.clear()
+        self._awake.clear()
+        self._shown.clear()
+
+    def check(self, store: Any, pids: dict[int, int]) -> tuple[list[WorkerFailure], str | None]:
+        """(hung workers, the status text when what it should say changed, else None)."""
+        limit = self.hang_s
+        if not limit or store is None:
+            return [], None
+        now = time.monotonic()
+        hung = []
+        stalled: dict[int, float] = {}
+        for device, pid in sorted(pids.items()):
+            count = channel.read_int(store, channel.beat_key(device))
+            if count is None:
+                continue
+            seen = self._beats.get(device)
+            if seen is None or seen[0] != count:
+                self._beats[device] = (count, now)
+                self._awake.pop(device, None)
+                continue
+            idle = now - seen[1]
+            if idle < stall_shown_after(limit):
+                continue
+            try:
+                proc = psutil.Process(pid)
+                state = proc.status()
+                cpu = sum(proc.cpu_times()[:2])
+            except psutil.Error:
+                continue   # gone: the next poll reports its exit
+            if state in (psutil.STATUS_SLEEPING, psutil.STATUS_IDLE):
+                self._awake.pop(device, None)
+                continue
+            stalled[device] = idle
+            if idle >= limit and self._convicted(device, state, cpu, now):
+                hung.append(WorkerFailure(
+                    device, device % self._nproc, -signal.SIGKILL, None, FailureKind.DEVICE_LOST,
+                    f"hung: no progress for {idle:.1f} s, process {state}",
+                    since=time.time() - idle))
+        return hung, self._status(stalled)
+
+    def _convicted(self, device: int, state: str, cpu: float, now: float) -> bool:
+        since, cpu_then = self._awake.setdefault(device, (now, cpu))
+        if state != psutil.STATUS_STOPPED and now - since < _HANG_CONFIRM_S:
+            return False
+        if state == psutil.STATUS_RUNNING and cpu - cpu_then < (now - since) / 2:
+            # runnable but hardly run: starved of a core by other load, not spinning
+            self._awake[device] = (now, cpu)
+            return False
+        return True
+
+    def _status(self, stalled: dict[int, float]) -> str | None:
+        """``device 2: no progress for 20 s (hung at 60 s)``, renewed each time a stall crosses
+        another step of ``stall_shown_after``; ``running`` once it is gone."""
+        step = stall_shown_after(self.hang_s)
+        shown = {d: int(idle // step) for d, idle in stalled.items()}
+        if shown == self._shown:
+            return None
+        self._shown = shown
+        if not stalled:
+            return "running"
+        said = "; ".join(f"{self._card} {d}: no progress for {idle:.0f} s"
+                         for d, idle in sorted(stalled.items()))
+        return f"{said} (hung at {self.hang_s:g} s)"
+
+
+class PeerTrouble:
+    """A local worker lost a peer in the current generation and no agent has acted for a grace
+    period: a peer this node does not run is gone (another node)."""
+
+    def __init__(self) -> None:
+        self._since: float | None = None
+
+    def reset(self) -> None:
+        self._since = None
+
+    def check(self, store: Any, generation: int, grace_s: float) -> bool:
+        seen = channel.read_int(store, channel.TROUBLE)
+        if seen is None or seen < generation:
+            self._since = None
+            return False
+        now = time.monotonic()
+        if self._since is None:
+            self._since = now
+        return now - self._since >= grace_s
+
+
+def unhealthy_units(health: Any, book: DeviceBook, live_cards: set[int], local_cards: set[int],
+                    units: Callable[[set[int]], set[int]]) -> set[int]:
+    """Live units with a card failing the health check now; marks excluded ones that pass it
+    again as rejoining (the check names cards)."""
+    bad = units(set(health.unhealthy(live_cards)))
+    if book.unhealthy:
+        still_bad = units(set(health.unhealthy(local_cards)))
+        book.rejoining |= book.unhealthy - still_bad
+    return bad
+
+
+def lease_news(watch: Any, excluded: set[int], units_per_node: int,
+               emit: Callable[..., None]) -> Trigger | None:
+    """``FENCED`` when our own lease was lost, ``NODE_LOST`` when another node's expired and
+    its devices are not out already, else None."""
+    if watch is None:
+        return None
+    lost, fenced = watch.changes()
+    if fenced:   # the lease thread has stopped the workers and logged it
+        return Trigger.FENCED
+    news = [info for info in lost if info.get("node") is None or not {
+        device_id(int(info["node"]), u, units_per_node) for u in range(units_per_node)}
+        <= excluded]
+    for info in news:
+        emit(Event.FAILURE_SEEN, kind="node_lost", node=info.get("node"),
+             reason=f"lease of {info['node_id']} expired")
+    return Trigger.NODE_LOST if news else None
+
+
+def lease_verdict(watch: Any, excluded: set[int], units_per_node: int,
+                  emit: Callable[..., None]) -> bool:
+    """Before ending a job for a crash with no restart left: did a peer node die? Its lease
+    says so within its ttl (+ 1 s for etcd's expiry sweep)."""
+    if watch is None:
+        return False
+    deadline = time.monotonic() + watch.ttl + 1.0
+    while True:
+        if lease_news(watch, excluded, units_per_node, emit) is Trigger.NODE_LOST:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)

@@ -1,0 +1,125 @@
+"""One ``recovered`` event and one plain line per recovery, once its workers have resumed.
+
+A recovery is reported when every local worker it waits for has committed its first step in
+the new generation and said how it resumed (``Resumed`` on the node's channel): the figures
+(layers moved, the step training resumed at, seconds from the failure) are then facts, not
+intentions. The failure is timed from its earliest sign: a survivor noticing it, or a hung
+worker's last progress.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from chameleon_elastic import channel
+from chameleon_elastic.channel import Resumed
+
+from .coordination import Decision
+from .failures import FailureEvent
+from .observe import Event, StatusLine, name_devices, recovery_line
+from .session import PlanChange
+
+__all__ = ["Pending", "RecoveryReporter", "describe", "recovered_fields"]
+
+
+@dataclass(frozen=True)
+class Pending:
+    """A recovery whose workers have not yet committed their first step."""
+
+    event: FailureEvent
+    decision: Decision
+    change: PlanChange | None
+    kept: tuple[int, ...]
+    started: tuple[int, ...]
+    waiting: frozenset[int]      # local devices whose Resumed record is awaited
+    phases: dict[str, float]
+
+
+def describe(p: Pending, tp: int) -> str:
+    """``device 3 lost (SIGKILL)``, ``devices 2, 3 lost (node gone)``, ``device 1 back``: how
+    each device was lost is what its own node reported (the decision carries it)."""
+    event = p.event
+    lost = sorted(p.change.lost) if p.change else sorted(event.lost)
+    joined = sorted(p.change.joined) if p.change else sorted(event.joined)
+    why = dict(p.decision.why)
+    parts = []
+    if lost:
+        said = sorted({why.get(d, "node gone") for d in lost})
+        parts.append(f"{name_devices(lost, tp)} lost ({', '.join(said)})")
+    if joined:
+        parts.append(f"{name_devices(joined, tp)} back")
+    if not parts and event.failures:
+        card = "device" if tp == 1 else "card"
+        parts.append("; ".join(f"{card} {f.device}: {f.reason}" for f in event.failures))
+    return " and ".join(parts) or f"{event.reason}: no device changed"
+
+
+def recovered_fields(p: Pending, records: dict[int, Resumed], restarts_used: int) -> dict:
+    """The ``recovered`` event's fields (docs/launcher.md lists them)."""
+    failed_at = min([p.event.wall, *(r.noticed_at for r in records.values() if r.noticed_at),
+                     *(f.since for f in p.event.failures if f.since)])
+    resumed_at = max((r.committed_at - r.first_step_s for r in records.values()
+                      if r.committed_at), default=None)
+    worst = max(records.values(), key=lambda r: r.regroup_s + r.transfer_s, default=None)
+    return dict(
+        reason=p.event.reason, mode="inplace" if p.decision.inplace else "relaunch",
+        kept_devices=list(p.kept), started_devices=list(p.started),
+        resumed_step=worst.resumed_step if worst else None,
+        transfer_bytes=sum(r.moved_bytes for r in records.values()),
+        moved_layers=worst.moved_layers if worst else 0,
+        source=worst.source if worst else None,
+        rolled_forward=sorted(d for d, r in records.items() if r.rolled_forward),
+        redone_steps=worst.redone_steps if worst else 0,
+        detect_s=max(0.0, p.event.wall - failed_at),
+        regroup_s=worst.regroup_s if worst else None,
+        transfer_s=worst.transfer_s if worst else None,
+        first_step_s=max((r.first_step_s for r in records.values()), default=None),
+        total_s=None if resumed_at is None else resumed_at - failed_at,
+        restarts_used=restarts_used, **p.phases)
+
+
+class RecoveryReporter:
+    def __init__(self, emit: Callable[..., None], status: StatusLine, profiler: Any,
+                 logs_dir: str | None, tp: int) -> None:
+        self.pending: Pending | None = None
+        self._emit = emit
+        self._status = status
+        self._profiler = profiler
+        self._logs_dir = logs_dir
+        self._tp = tp
+
+    def poll(self, store: Any, plan: Any, pids: dict[int, int], restarts_used: int) -> str | None:
+        """Report the pending recovery if every awaited worker has resumed; returns the status
+        line's new state then, else None."""
+        p = self.pending
+        if p is None:
+            return None
+        records = {}
+        for device in p.waiting:
+            if device not in pids:
+                continue  # died meanwhile: the next recovery reports
+            value = channel.read(store, channel.resumed_key(plan.generation, device))
+            if value is None or Resumed.from_dict(value).pid != pids[device]:
+                return None
+            records[device] = Resumed.from_dict(value)
+        return self.finish(records, plan, restarts_used)
+
+    def finish(self, records: dict[int, Resumed], plan: Any, restarts_used: int) -> str:
+        p = self.pending
+        assert p is not None
+        self.pending = None
+        fields = recovered_fields(p, records, restarts_used)
+        self._emit(Event.RECOVERED, **fields)
+        if self._profiler is not None and p.decision.inplace and fields["regroup_s"] is not None:
+            self._profiler.note_regroup(fields["regroup_s"])
+        line = recovery_line(describe(p, self._tp), plan, inplace=p.decision.inplace,
+                             started=len(p.started), moved_layers=fields["moved_layers"],
+                             moved_bytes=fields["transfer_bytes"], source=fields["source"] or "",
+                             resumed_step=fields["resumed_step"], redone=fields["redone_steps"],
+                             seconds=fields["total_s"], logs=self._logs_dir, tp=self._tp)
+        self._status.say(f"chameleon-run: {line}")
+        total = fields["total_s"]
+        return ("running" if total is None
+                else f"running (recovered {fields['mode']} in {total:.2f} s)")

@@ -1,0 +1,133 @@
+"""The agent's rendezvous rounds and the worker store each round opens.
+
+One round per transition (launch or recovery). Three things make them differ from torch's:
+
+- **Reused on one node.** With ``--nnodes 1`` no other agent can join or leave, so the previous
+  round's result is still the truth: skipping the store round-trips makes a restart several
+  times faster. Keys of a reused round are scoped by attempt (:meth:`Rounds.scope`).
+- **Failover.** When the rendezvous store is unreachable (its host agent died), the handler is
+  rebuilt from the same parameters, at most ``_FAILOVER_ATTEMPTS`` times within
+  ``failover_s``: torch's c10d backend lets the first survivor on that host bind the port again.
+- **Survivors admitted.** After a planned job's first round, later rounds close with whoever is
+  left (:meth:`Rounds.admit_survivors`).
+
+Every generation gets a FRESH worker store: the group-rank-0 agent opens a new TCPStore on an
+OS-chosen port. torch keeps one shared store and one MASTER_PORT for the whole job, so a
+restarted worker can read the previous attempt's gloo addresses and hang or fail with
+"connectFullMesh ... Connection refused"; a new store cannot hold them. The store lives in the
+agent, never in a worker, so a crashing rank 0 takes no store with it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+
+from chameleon_elastic import torch_compat
+from chameleon_elastic.rendezvous.handler import handler_for
+from chameleon_elastic.timeouts import Timeouts
+
+from .observe import Event, StatusLine
+from .waiting import RendezvousWait
+
+__all__ = ["STORE_LOST", "Rounds"]
+
+log = logging.getLogger("chameleon_elastic.launcher.rounds")
+
+_FAILOVER_ATTEMPTS = 3
+# What an unreachable rendezvous store raises: torch's wrapped error, or the raw TCPStore one
+# when the store dies between two of the handler's own calls.
+STORE_LOST = (RendezvousConnectionError, dist.DistNetworkError)
+
+
+class Rounds:
+    """``next`` runs one round on ``spec.rdzv_handler`` (replacing the handler on failover);
+    ``open_worker_store`` gives the round's workers their store."""
+
+    def __init__(self, params: Any, timeouts: Timeouts, status: StatusLine,
+                 emit: Callable[..., None]) -> None:
+        self.params = params
+        self.attempt = -1               # rounds so far, minus one
+        self.reused = False             # the last round was the one before, reused
+        self._timeouts = timeouts
+        self._status = status
+        self._emit = emit
+        self._last_info: Any = None
+        self._worker_store: Any = None  # this generation's TCPStore (group rank 0 only)
+
+    def next(self, spec: Any, first: bool) -> Any:
+        self.attempt += 1
+        if self.params.max_nodes == 1 and self._last_info is not None:
+            self.reused = True
+            return self._last_info
+        self.reused = False
+        if first:   # the job's first round: say what it waits for
+            with RendezvousWait(spec.rdzv_handler, self.params, self._status):
+                self._last_info = self._with_failover(spec)
+        else:
+            self._last_info = self._with_failover(spec)
+        return self._last_info
+
+    def _with_failover(self, spec: Any) -> Any:
+        deadline = time.monotonic() + self._timeouts.failover_s
+        for attempt in range(_FAILOVER_ATTEMPTS + 1):
+            try:
+                return spec.rdzv_handler.next_rendezvous()
+            except STORE_LOST as exc:
+                if (attempt == _FAILOVER_ATTEMPTS or time.monotonic() > deadline
+                        or spec.rdzv_handler.get_backend() == "static"):
+                    raise
+                self.failover(spec, exc)
+        raise AssertionError("unreachable")
+
+    def failover(self, spec: Any, exc: BaseException) -> None:
+        """The rendezvous store is unreachable: rebuild the handler from the same parameters."""
+        start = time.perf_counter()
+        try:
+            torch_compat.stop_heartbeats(spec.rdzv_handler)   # the old store is gone
+        except (RuntimeError, OSError) as stop_exc:
+            log.debug("stopping heartbeats to the lost store failed: %s", stop_exc)
+        spec.rdzv_handler = handler_for(self.params)
+        self._last_info = None
+        self._emit(Event.RENDEZVOUS_FAILOVER, error=str(exc).splitlines()[0][:300],
+                   duration_s=time.perf_counter() - start)
+
+    def admit_survivors(self, spec: Any) -> None:
+        """After the first round of a planned job, later rounds close with whoever is left.
+
+        ``--nnodes N`` (or ``M:N``) is the size the job starts at. torch keeps the minimum for
+        every round, so after losing a node of an ``--nnodes 2`` job the survivors would wait
+        for a second node until the join timeout (10 minutes), then fail. Planning around lost
+        devices is what a job file is for: the survivors go on with the devices they have, and
+        a node that comes back joins at the next round, as under ``1:N``."""
+        self.params.min_nodes = 1   # a failover's new handler keeps it too
+        torch_compat.set_min_nodes(spec.rdzv_handler, 1)
+
+    def scope(self, spec: Any) -> str:
+        """Key prefix of the round: dynamic rendezvous stores are scoped by round already; the
+        static one and a reused round are not."""
+        reused = spec.rdzv_handler.get_backend() == "static" or self.reused
+        return f"chameleon/{self.attempt}/" if reused else "chameleon/"
+
+    def open_worker_store(self, spec: Any, info: Any) -> tuple[str, int]:
+        """A fresh TCPStore per generation, hosted by the group-rank-0 agent; (addr, port)."""
+        key = self.scope(spec) + "worker_store"
+        self._worker_store = None  # drop the previous generation's server first
+        if info.rank == 0:
+            addr = spec.master_addr or info.bootstrap_store_info.master_addr
+            server = dist.TCPStore(host_name=addr, port=0, is_master=True,
+                                   wait_for_workers=False, multi_tenant=False,
+                                   timeout=self._timeouts.delta("store_s"))
+            self._worker_store = server
+            info.store.set(key, json.dumps([addr, server.port]))
+        addr, port = json.loads(info.store.get(key))
+        return str(addr), int(port)
+
+    def close(self) -> None:
+        self._worker_store = None

@@ -1,0 +1,102 @@
+"""The agent's transitions (launcher/reactions.py), in process: each row of the state table in
+its docstring, from the facts a tick saw to the reaction, with no process launched."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from torch.distributed.elastic.agent.server.api import WorkerState
+
+from chameleon_elastic.launcher.failures import Trigger, WorkerFailure, classify_exit
+from chameleon_elastic.launcher.reactions import Tick, react
+
+HEALTHY, FAILED, UNHEALTHY = WorkerState.HEALTHY, WorkerState.FAILED, WorkerState.UNHEALTHY
+PLANNED = dict(planned=True, inplace_wanted=True, runtime=True)
+
+
+def _killed(card: int) -> WorkerFailure:
+    return classify_exit(-9, card, card % 2)
+
+
+def _crashed(card: int) -> WorkerFailure:
+    return classify_exit(1, card, card % 2)
+
+
+def test_nothing_new_keeps_monitoring():
+    assert react(Tick(HEALTHY, **PLANNED)).action == "monitor"
+
+
+def test_our_lost_lease_fences_before_anything_else():
+    r = react(Tick(FAILED, failures=(_killed(1),), lease=Trigger.FENCED, **PLANNED))
+    assert (r.action, r.trigger, r.inplace) == ("fence", Trigger.FENCED, True)
+
+
+def test_a_workers_sentence_ends_the_job():
+    r = react(Tick(FAILED, failures=(_crashed(0),), ended="layers 4-7 were lost", **PLANNED))
+    assert (r.action, r.reason) == ("end", "layers 4-7 were lost")
+
+
+def test_a_lost_device_is_planned_around_in_place_without_a_restart():
+    r = react(Tick(FAILED, failures=(_killed(3),), **PLANNED))
+    assert (r.action, r.trigger, r.lost, r.inplace, r.charge) == (
+        "recover", Trigger.DEVICE_LOST, {3}, True, False)
+    assert r.kill == {3}
+
+
+def test_a_lost_card_takes_its_whole_unit():
+    r = react(Tick(FAILED, failures=(_killed(7),), tp=2, **PLANNED))
+    assert r.lost == {3} and r.kill == {6, 7}
+
+
+def test_a_loss_beside_a_crash_or_after_a_finished_worker_relaunches():
+    crash = react(Tick(FAILED, failures=(_killed(3), _crashed(1)), **PLANNED))
+    done = react(Tick(FAILED, failures=(_killed(3),), some_succeeded=True, **PLANNED))
+    assert crash.action == done.action == "recover" and not crash.inplace and not done.inplace
+
+
+def test_a_failed_health_check_is_a_lost_device():
+    r = react(Tick(UNHEALTHY, bad=frozenset({2}), **PLANNED))
+    assert (r.trigger, r.lost) == (Trigger.DEVICE_LOST, {2})
+
+
+def test_a_hang_without_a_plan_is_a_crash_and_its_worker_is_killed():
+    hung = dataclasses.replace(_killed(1), reason="hung: no progress for 3.1 s")
+    r = react(Tick(UNHEALTHY, failures=(hung,), hung=frozenset({1}), restarts_left=1))
+    assert (r.action, r.trigger, r.charge, r.kill) == ("recover", Trigger.CRASH, True, {1})
+
+
+def test_a_crash_spends_a_restart_and_recovers_in_place_on_the_runtime():
+    r = react(Tick(FAILED, failures=(_crashed(2),), restarts_left=2, **PLANNED))
+    assert (r.action, r.trigger, r.charge, r.inplace) == ("recover", Trigger.CRASH, True, True)
+
+
+def test_with_no_restart_left_the_leases_are_asked_first():
+    tick = Tick(FAILED, failures=(_crashed(2),), restarts_left=0, **PLANNED)
+    assert react(tick).action == "ask_leases"
+    node_died = react(dataclasses.replace(tick, leases_asked=True, lease=Trigger.NODE_LOST))
+    assert (node_died.action, node_died.trigger, node_died.charge) == (
+        "recover", Trigger.NODE_LOST, False)
+    alone = react(dataclasses.replace(tick, leases_asked=True))
+    assert (alone.action, alone.reason) == ("fail", "max restarts used up")
+
+
+@pytest.mark.parametrize("facts, trigger", [
+    (dict(lease=Trigger.NODE_LOST), Trigger.NODE_LOST),
+    (dict(rejoining=frozenset({1})), Trigger.REJOINED),
+    (dict(store_lost=True), Trigger.RENDEZVOUS_LOST),
+    (dict(waiting=1), Trigger.MEMBERSHIP),
+    (dict(trouble=True), Trigger.PEER_LOST),
+    # the first that applies wins, in the table's order
+    (dict(lease=Trigger.NODE_LOST, waiting=1, trouble=True), Trigger.NODE_LOST),
+    (dict(waiting=1, trouble=True), Trigger.MEMBERSHIP),
+])
+def test_news_on_a_healthy_node_starts_a_round(facts, trigger):
+    r = react(Tick(HEALTHY, **PLANNED, **facts))
+    assert (r.action, r.trigger, r.inplace) == ("recover", trigger, True)
+    relaunch = react(Tick(HEALTHY, **{**PLANNED, "runtime": False}, **facts))
+    assert not relaunch.inplace
+
+
+def test_a_device_back_is_named_in_the_reaction():
+    assert react(Tick(HEALTHY, rejoining=frozenset({1}), **PLANNED)).joined == {1}
