@@ -2,34 +2,21 @@
 in place. This file is the loop and the wiring; each concern has a room of its own:
 
     detectors.py     what is watched: hangs, a peer lost on another node, health, leases
-    reactions.py     the one decision per tick (a pure function; its docstring has the states)
+    reactions.py     the one decision per tick: a pure function (its docstring has the states)
     rounds.py        rendezvous rounds: reuse on one node, failover, survivors, worker stores
     coordination.py  the agents' agreement on the next plan, in protocol order
     worker_env.py    the environment a worker starts with
-    workers.py       the worker processes, polled one by one
+    workers.py       the worker processes, polled one by one (a death stops nobody else)
     reporter.py      one event and one line per recovery, once the workers resumed
 
-One recovery, each phase timed into the event log:
-
-1. detect   - every worker process is polled on its own (a death stops nobody else), with the
-              detectors.
-2. classify - once, into a :class:`~.failures.FailureEvent`: a signal death, a hang or a failed
-              health check is a lost device (excluded, no restart budget spent); any other exit
-              is a crash on a healthy device (same plan, budget spent, as torchrun); without
-              ``--job`` every failure is a crash.
-3. agree    - a rendezvous round (reused on one node): every agent reports its node, its lost
-              devices, its live workers and whether they run on the runtime; the group-rank-0
-              agent asks the planner (cached plan first) and publishes one decision.
-4. apply    - IN PLACE (every live worker registered with the runtime, ``--recovery inplace``):
-              nobody is stopped; the new generation is published on the node's channel with a
-              fresh worker store, and workers start only for devices without a live one. The
-              survivors regroup, take state from their peers and go on at the first step not
-              committed everywhere (runtime/recovery.py).
-              RELAUNCH (unmodified scripts, a crash, ``--recovery relaunch``): every local worker
-              is stopped (SIGTERM, then SIGKILL after the shutdown timeout) and all start again.
-5. report   - when the workers have committed their first step in the new generation.
-
-Workers are started through ``orphan_guard`` so that they die with the agent, even on SIGKILL.
+A tick: poll the workers, read the detectors into a Tick, react, apply. A recovery is one
+transition: a rendezvous round, the agreement, then IN PLACE (every live worker registered with
+the runtime, ``--recovery inplace``: nobody is stopped, the new generation is published on the
+node's channel with a fresh worker store, workers start only for devices without a live one,
+and the survivors regroup, runtime/recovery.py) or RELAUNCH (unmodified scripts, a crash,
+``--recovery relaunch``: every local worker is stopped and all start again); the reporter says
+how it went once the workers have committed a step. docs/launcher.md follows one failure
+through these files.
 """
 
 from __future__ import annotations
@@ -38,7 +25,6 @@ import dataclasses
 import logging
 import signal
 import time
-from string import Template
 from typing import Any, Literal
 
 import torch.distributed as dist
@@ -50,30 +36,27 @@ from torch.distributed.elastic.agent.server.api import (
     WorkerState,
 )
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-from torch.distributed.elastic.multiprocessing import LogsSpecs, start_processes
+from torch.distributed.elastic.multiprocessing import LogsSpecs
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
-from torch.distributed.elastic.utils import macros
 
 from chameleon_elastic import channel
-from chameleon_elastic.channel import Generation, Registration
-from chameleon_elastic.spec import unit_of, units_of
+from chameleon_elastic.channel import Generation
 from chameleon_elastic.timeouts import Timeouts
 
-from . import coordination, detectors
+from . import coordination
 from .coordination import Decision, NodeReport
-from .failures import FailureEvent, FailureKind, Trigger, classify_exit
+from .detectors import Watchers
+from .failures import FailureEvent, Trigger
 from .health import AlwaysHealthy, HealthCheck
-from .node_watch import NodeWatch
 from .observe import Event, EventLog, StatusLine
-from .orphan_guard import guarded_command
-from .plan_env import LocalAssignment, device_id, local_assignments
+from .plan_env import LocalAssignment, NodeCards, device_id, local_assignments
 from .profiler import Profiler
 from .reactions import Reaction, Tick, react
 from .reporter import Pending, RecoveryReporter
-from .rounds import STORE_LOST, Rounds
+from .rounds import Rounds
 from .session import JobSession, LauncherPlanningError
-from .worker_env import chameleon_vars, torchrun_vars
+from .worker_env import launch_inputs
 from .worker_logs import WorkerLogs
 from .workers import WorkerProcesses
 
@@ -110,22 +93,19 @@ class ChameleonAgent(LocalElasticAgent):
         self._session = session
         self._events = events if events is not None else EventLog(None)
         self._status = status if status is not None else StatusLine(enabled=False)
-        self._health = health if health is not None else AlwaysHealthy()
         self._profiler = profiler
         self._recovery = recovery
         self._rounds = Rounds(rdzv_parameters, self._timeouts, self._status, self._emit)
         self._node: int | None = None           # node id in the initial world (device ids)
         self._procs = WorkerProcesses()
-        self._book = detectors.DeviceBook()
-        self._hangs = detectors.HangWatch(self._timeouts.hang_s, spec.local_world_size,
-                                          "device" if self._tp == 1 else "card")
-        self._trouble = detectors.PeerTrouble()
+        self._watchers = Watchers(self._timeouts.hang_s, self._here_of(spec), health or
+                                  AlwaysHealthy(), self._emit, self._update_status)
+        self._book = self._watchers.book
         self._reporter = RecoveryReporter(
             self._emit, self._status, profiler,
             logs_specs.root_log_dir if isinstance(logs_specs, WorkerLogs) else None, self._tp)
         self._charged_crash = False             # a restart was just charged for a crash
         self._exits: dict[int, Any] = {}        # global rank -> Exit, of the last poll
-        self._watch: NodeWatch | None = None    # our lease and the others' (etcd-v3)
         self._channel: Any = None               # this node's agent <-> worker store
         self._channel_address = ""
         if session is not None:
@@ -161,19 +141,12 @@ class ChameleonAgent(LocalElasticAgent):
         """Cards per plan device (``training.tp``; 1 without a job)."""
         return self._session.tp if self._session is not None else 1
 
-    def _nproc(self) -> int:
-        return self._worker_group.spec.local_world_size
+    @property
+    def _here(self) -> NodeCards:
+        return self._here_of(self._worker_group.spec)
 
-    def _local_device_ids(self) -> list[int]:
-        """This node's cards (its process slots)."""
-        return [device_id(self._node or 0, lr, self._nproc()) for lr in range(self._nproc())]
-
-    def _units(self, cards: set[int] | list[int]) -> set[int]:
-        return set(units_of(cards, self._tp))
-
-    def _cards(self, units: set[int] | frozenset[int]) -> set[int]:
-        """The cards of ``units`` that run here."""
-        return {c for c in self._local_device_ids() if unit_of(c, self._tp) in units}
+    def _here_of(self, spec: WorkerSpec) -> NodeCards:
+        return NodeCards(self._node or 0, spec.local_world_size, self._tp)
 
     @property
     def _planned(self) -> bool:
@@ -185,15 +158,8 @@ class ChameleonAgent(LocalElasticAgent):
 
     @property
     def _runtime(self) -> bool:
-        """Every live worker has told the channel it runs on the runtime."""
-        devices = self._procs.devices
-        if self._channel is None or not devices:
-            return False
-        for device in devices:
-            record = channel.read(self._channel, channel.worker_key(device))
-            if record is None or Registration.from_dict(record).pid != self._procs.pid(device):
-                return False
-        return True
+        """Every live worker runs on the runtime (it registered on the channel)."""
+        return self._procs.registered(self._channel)
 
     def _event(self, trigger: Trigger, **fields: Any) -> FailureEvent:
         gen = self._session.plan.generation if self._session is not None else 0
@@ -228,7 +194,7 @@ class ChameleonAgent(LocalElasticAgent):
             plan_s = time.perf_counter() - t
         if self._channel is not None:   # a lost peer reported before this round is handled
             channel.write(self._channel, channel.TROUBLE, -1)
-        self._hangs.reset()
+        self._watchers.hangs.reset()
         stop_s = 0.0
         if decision is None or not decision.inplace:
             t = time.perf_counter()
@@ -261,7 +227,7 @@ class ChameleonAgent(LocalElasticAgent):
         before = set(session.excluded)
         mine = NodeReport(
             node=self._node, lost=tuple(sorted(self._book.lost - self._book.rejoining)),
-            live=tuple(sorted(self._units(live))), ready=not live or self._runtime,
+            live=tuple(sorted(self._here.units(live))), ready=not live or self._runtime,
             reported=channel.read_int(self._channel, channel.REPORTED),
             checkpoint=channel.read_int(self._channel, channel.CHECKPOINT),
             checkpoints=channel.read(self._channel, channel.CHECKPOINTS) is not None,
@@ -269,12 +235,12 @@ class ChameleonAgent(LocalElasticAgent):
         try:
             decision, change = coordination.agree(
                 info.store, self._rounds.scope(self._worker_group.spec), info.rank,
-                info.world_size, mine, session, inplace_wanted, self._nproc() // self._tp,
+                info.world_size, mine, session, inplace_wanted, self._here.units_per_node,
                 self._timeouts.store_s)
         except LauncherPlanningError as exc:
             self._emit(Event.PLANNING_FAILED, error=str(exc))
             raise
-        if session.excluded - before - self._units(self._local_device_ids()) and (
+        if session.excluded - before - self._here.units(self._here.cards) and (
                 self._charged_crash):
             # the "crash" was our workers failing because a peer node died: that is a lost
             # node, which costs no restart (torchrun would have spent one)
@@ -282,13 +248,9 @@ class ChameleonAgent(LocalElasticAgent):
             self._charged_crash = False
         self._book.settle()
         if change is not None:
-            self._emit(Event.PLAN_CHOSEN, policy=change.plan.policy,
-                       plan_file=session.plan_file, lost=list(change.lost),
-                       joined=list(change.joined), via_cache=change.cached,
-                       decide_s=change.decide_s, candidates=change.candidates,
-                       rejected=change.rejected, decided_here=info.rank == 0,
-                       inplace=decision.inplace, live_devices=list(change.plan.live_devices),
-                       spare_devices=list(change.plan.spare_devices))
+            self._emit(Event.PLAN_CHOSEN, plan_file=session.plan_file,
+                       decided_here=info.rank == 0, inplace=decision.inplace,
+                       **change.event_fields())
         return decision, change
 
     # ------------------------------------------------------------------ workers
@@ -308,10 +270,10 @@ class ChameleonAgent(LocalElasticAgent):
                 plan.generation, session.plan_file, str(wg.master_addr), int(wg.master_port),
                 decision.world, decision.reported, tp=self._tp))
             channel.write(self._channel, channel.NEWEST, plan.generation)
-            assigned = local_assignments(plan, self._node or 0, self._nproc(), decision.world,
-                                         self._tp)
-            for device in self._procs.devices:   # kept workers: their ranks in the new world
-                self._procs.set_worker(device, self._worker_of(device, decision))
+            assigned = local_assignments(plan, self._here.node, self._here.nproc,
+                                         decision.world, self._tp)
+            # kept workers: their ranks in the new world
+            self._procs.renumber(lambda card: self._here.ranks(card, decision.world))
             todo = [(Worker(local_rank=a.local_rank, global_rank=a.global_rank,
                             role_rank=a.global_rank, world_size=a.world_size,
                             role_world_size=a.world_size), a)
@@ -321,37 +283,17 @@ class ChameleonAgent(LocalElasticAgent):
         self._update_status("running")
         return started
 
-    def _worker_of(self, card: int, decision: Decision) -> Worker:
-        unit, tp_rank = divmod(card, self._tp)
-        rank = decision.world.index(unit) * self._tp + tp_rank
-        size = len(decision.world) * self._tp
-        worker = Worker(local_rank=card - (self._node or 0) * self._nproc(), global_rank=rank,
-                        role_rank=rank, world_size=size, role_world_size=size)
-        worker.id = self._procs.pid(card)
-        return worker
-
     def _launch(self, todo: list[tuple[Worker, LocalAssignment | None]]) -> tuple[int, ...]:
         if not todo:
             return ()
         wg = self._worker_group
         spec = wg.spec
         start = time.perf_counter()
-        args: dict[int, tuple] = {}
-        envs: dict[int, dict[str, str]] = {}
-        prefixes: dict[int, str] | None = {} if self._log_line_prefix_template else None
-        devices = [device_id(self._node or 0, w.local_rank, self._nproc()) for w, _ in todo]
-        for index, (worker, assignment) in enumerate(todo):
-            env = torchrun_vars(spec, wg, worker, self._restarts_used())
-            self._set_local_rank_env(env, worker.local_rank, spec)
-            if self._session is not None and assignment is not None:
-                env.update(chameleon_vars(self._session, assignment, self._channel_address))
-            if self._profiler is not None:
-                env.update(self._profiler.worker_env())
-            if prefixes is not None:
-                prefixes[index] = Template(self._log_line_prefix_template).safe_substitute(
-                    role_name=spec.role, rank=worker.global_rank, local_rank=worker.local_rank)
-            envs[index] = env
-            args[index] = tuple(macros.substitute(list(spec.args), str(worker.local_rank)))
+        envs, args, prefixes = launch_inputs(
+            todo, spec, wg, self._restarts_used(), self._session, self._channel_address,
+            self._profiler.worker_env() if self._profiler is not None else {},
+            self._set_local_rank_env, self._log_line_prefix_template)
+        devices = [device_id(self._here.node, w.local_rank, self._here.nproc) for w, _ in todo]
         self._setup_local_watchdog(envs=envs)
         self._setup_healthcheck()
         if self._channel is not None:
@@ -359,22 +301,8 @@ class ChameleonAgent(LocalElasticAgent):
             # count, standing still, made a slow start (imports on a busy machine) look hung
             for device in devices:
                 self._channel.delete_key(channel.beat_key(device))
-        entrypoint = spec.entrypoint
-        if isinstance(entrypoint, str):
-            wrapped = {i: guarded_command(entrypoint, a) for i, a in args.items()}
-            entrypoint = next(iter(wrapped.values()))[0] if wrapped else entrypoint
-            args = {i: w[1] for i, w in wrapped.items()}
-        context = start_processes(
-            name=spec.role, entrypoint=entrypoint, args=args, envs=envs,
-            logs_specs=self._logs_specs, log_line_prefixes=prefixes,
-            start_method=self._start_method, numa_options=spec.numa_options,
-            duplicate_stdout_filters=spec.duplicate_stdout_filters,
-            duplicate_stderr_filters=spec.duplicate_stderr_filters,
-        )
-        pids = context.pids()
-        for index, (worker, _) in enumerate(todo):
-            worker.id = pids[index]
-        self._procs.add(context, {i: (devices[i], w) for i, (w, _) in enumerate(todo)})
+        self._procs.start(spec, list(zip(devices, (w for w, _ in todo), strict=True)), envs,
+                          args, prefixes, self._logs_specs, self._start_method)
         if self._profiler is not None:
             self._profiler.track(self._procs.pids())
         self._emit(Event.WORKERS_STARTED, local_ranks=[w.local_rank for w, _ in todo],
@@ -387,23 +315,10 @@ class ChameleonAgent(LocalElasticAgent):
         super()._shutdown(death_sig, timeout)
         self._procs.close(death_sig, timeout)
         self._rounds.close()
-        if self._watch is not None:
-            self._watch.close()
-            self._watch = None
+        self._watchers.leave(finished=False)
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
         self._procs.close(timeout=self._timeouts.shutdown_s)
-
-    def _start_node_watch(self) -> None:
-        """Hold a lease and watch the others' (etcd-v3 only; see node_watch.py)."""
-        if self._rounds.params.backend != "etcd-v3" or self._node is None:
-            return
-        try:
-            self._watch = NodeWatch(self._rounds.params, self._node,
-                                    on_fenced=self._fence).start()
-        except Exception as exc:  # noqa: BLE001 - liveness is an accelerator, not a necessity
-            log.warning("node leases unavailable (%s); lost nodes are seen through the "
-                        "rendezvous and the workers only", exc)
 
     def _fence(self) -> None:
         """Our lease is lost (lease thread): stop every worker now, whatever the loop does."""
@@ -444,16 +359,15 @@ class ChameleonAgent(LocalElasticAgent):
         except LauncherPlanningError as exc:
             self._status.say(f"chameleon-run: {exc}")
             return RunResult(state=WorkerState.FAILED)
-        self._start_node_watch()
+        if self._node is not None:
+            self._watchers.watch_leases(self._rounds.params, self._node, self._fence)
         while True:
             time.sleep(spec.monitor_interval)
             result = self._monitor_workers(wg)
             if result.state == WorkerState.SUCCEEDED:
                 wg.state = result.state
                 self._update_status("succeeded")
-                if self._watch is not None:   # leave as finished: no loss for the others
-                    self._watch.finish()
-                    self._watch = None
+                self._watchers.leave(finished=True)   # no loss for the others
                 self._exit_barrier()
                 self._emit(Event.JOB_FINISHED, state="SUCCEEDED",
                            restarts_used=self._restarts_used())
@@ -466,8 +380,7 @@ class ChameleonAgent(LocalElasticAgent):
                 wg.state = tick.state
                 reaction = react(tick)
                 if reaction.action == "ask_leases":
-                    asked = detectors.lease_verdict(self._watch, self._excluded(),
-                                                    self._nproc() // self._tp, self._emit)
+                    asked = self._watchers.verdict(self._session, self._here)
                     reaction = react(dataclasses.replace(
                         tick, leases_asked=True, lease=Trigger.NODE_LOST if asked else None))
                 outcome = self._apply(reaction, tick, result)
@@ -481,66 +394,22 @@ class ChameleonAgent(LocalElasticAgent):
             if outcome is not None:
                 return outcome
 
-    def _excluded(self) -> set[int]:
-        return set(self._session.excluded) if self._session is not None else set()
-
     def _report(self, state: str | None) -> None:
         if state is not None:
-            self._trouble.reset()
+            self._watchers.trouble.reset()
             self._update_status(state)
 
     def _observe(self, result: RunResult) -> Tick:
         """One tick's facts, from the detectors; what to do is react()'s."""
-        healthy = result.state == WorkerState.HEALTHY
-        hung, stall = (self._hangs.check(self._channel, self._procs.pids()) if healthy
-                       else ([], None))
-        if stall is not None:
-            self._update_status(stall)
-        bad = set()
-        if healthy and self._session is not None:
-            bad = detectors.unhealthy_units(self._health, self._book, self._procs.devices,
-                                            set(self._local_device_ids()), self._units)
         if self._profiler is not None:
             self._profiler.sample()
-        lease = detectors.lease_news(self._watch, self._excluded(), self._nproc() // self._tp,
-                                     self._emit)
-        state = WorkerState.UNHEALTHY if healthy and (bad or hung) else result.state
-        failures = tuple(classify_exit(e.exitcode, e.device, e.local_rank)
-                         for _, e in sorted(self._exits.items())) + tuple(hung)
-        if state != WorkerState.HEALTHY:
-            self._log_failures(failures, bad)
-        waiting, trouble, store_lost = 0, False, False
-        if state == WorkerState.HEALTHY and lease is None and not self._book.rejoining:
-            try:
-                waiting = self._worker_group.spec.rdzv_handler.num_nodes_waiting()
-            except STORE_LOST as exc:
-                self._emit(Event.FAILURE_SEEN, kind="rendezvous_lost",
-                           reason=str(exc).splitlines()[0][:300])
-                self._rounds.failover(self._worker_group.spec, exc)
-                store_lost = True
-            if self._session is not None and not waiting and not store_lost:
-                grace = max(1.0, 4 * self._worker_group.spec.monitor_interval)
-                trouble = self._trouble.check(self._channel, self._session.plan.generation,
-                                              grace)
-        ended = None
-        if state != WorkerState.HEALTHY and self._channel is not None:
-            ended = channel.read(self._channel, channel.ENDED)
-        return Tick(state=state, failures=failures, hung=frozenset(f.device for f in hung),
-                    bad=frozenset(bad), lease=lease, ended=ended, planned=self._planned,
-                    inplace_wanted=self._inplace_wanted, runtime=self._runtime,
-                    some_succeeded=bool(self._procs.succeeded),
-                    restarts_left=self._remaining_restarts,
-                    rejoining=frozenset(self._book.rejoining), waiting=waiting,
-                    trouble=trouble, store_lost=store_lost, tp=self._tp)
-
-    def _log_failures(self, failures: tuple, bad: set[int]) -> None:
-        for f in failures:
-            self._emit(Event.FAILURE_SEEN, device=f.device, local_rank=f.local_rank,
-                       exitcode=f.exitcode, signal=f.signal, kind=f.kind.value, reason=f.reason)
-        for d in sorted(bad):
-            self._emit(Event.FAILURE_SEEN, device=d, kind=FailureKind.DEVICE_LOST.value,
-                       reason="device failed its health check", exitcode=None, signal=None,
-                       local_rank=None)
+        spec = self._worker_group.spec
+        return self._watchers.tick(
+            result.state, [e for _, e in sorted(self._exits.items())], self._procs.pids(),
+            self._here, self._session, self._channel, lambda: self._rounds.nodes_waiting(spec),
+            max(1.0, 4 * spec.monitor_interval), planned=self._planned,
+            inplace_wanted=self._inplace_wanted, runtime=self._runtime,
+            some_succeeded=bool(self._procs.succeeded), restarts_left=self._remaining_restarts)
 
     def _apply(self, r: Reaction, tick: Tick, result: RunResult) -> RunResult | None:
         """Carry out one reaction; a RunResult ends the run."""
@@ -567,13 +436,10 @@ class ChameleonAgent(LocalElasticAgent):
         if r.trigger is Trigger.PEER_LOST:
             self._emit(Event.FAILURE_SEEN, kind="peer_lost",
                        reason="a local worker lost a peer that this node does not run")
-        failed = tick.state != WorkerState.HEALTHY
-        why = {unit_of(f.device, self._tp): f.signal or f.reason.split(",")[0]
-               for f in tick.failures if f.kind is FailureKind.DEVICE_LOST}
         if r.lost:
-            self._book.note_lost(set(r.lost), set(tick.bad), why)
+            self._book.note_lost(set(r.lost), set(tick.bad), tick.failures, self._tp)
         event = self._event(r.trigger, lost=r.lost, joined=r.joined,
-                            failures=tick.failures if failed else ())
+                            failures=tick.failures if tick.state != WorkerState.HEALTHY else ())
         if r.charge:
             self._remaining_restarts -= 1
             self._charged_crash = True

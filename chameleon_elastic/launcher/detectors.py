@@ -12,6 +12,7 @@ decided in reactions.py.
 
 from __future__ import annotations
 
+import logging
 import signal
 import time
 from collections.abc import Callable
@@ -19,15 +20,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import psutil
+from torch.distributed.elastic.agent.server.api import WorkerState
 
 from chameleon_elastic import channel
 
-from .failures import FailureKind, Trigger, WorkerFailure
+from .failures import FailureKind, Trigger, WorkerFailure, classify_exit
+from .node_watch import NodeWatch
 from .observe import Event
-from .plan_env import device_id
+from .plan_env import NodeCards, device_id
+from .reactions import Tick
 
-__all__ = ["DeviceBook", "HangWatch", "PeerTrouble", "lease_news", "lease_verdict",
-           "unhealthy_units"]
+__all__ = ["DeviceBook", "HangWatch", "PeerTrouble", "Watchers", "lease_news",
+           "lease_verdict", "log_failures", "unhealthy_units"]
+
+log = logging.getLogger("chameleon_elastic.launcher.detectors")
 
 # How long a worker past its hang timeout must look awake (running, in the kernel) before it
 # counts as hung: long enough for a peer's reaction to its partner's death to pass.
@@ -44,11 +50,15 @@ class DeviceBook:
     rejoining: set[int] = field(default_factory=set)   # unhealthy ones that pass it again
     why: dict[int, str] = field(default_factory=dict)  # "SIGKILL", "health check", "hung: ..."
 
-    def note_lost(self, lost: set[int], bad: set[int], why: dict[int, str]) -> None:
+    def note_lost(self, lost: set[int], bad: set[int], failures: tuple[WorkerFailure, ...],
+                  tp: int) -> None:
+        """Units lost, the part the health check excluded, and how each was lost: its
+        signal, or its hang (``hung: no progress for 61.2 s``)."""
         self.lost |= lost
         self.unhealthy |= bad
         self.why.update({d: "health check" for d in bad})
-        self.why.update(why)
+        self.why.update({f.device // tp: f.signal or f.reason.split(",")[0] for f in failures
+                         if f.kind is FailureKind.DEVICE_LOST})
 
     def settle(self) -> None:
         """The rejoining devices are back in: the next report no longer calls them lost."""
@@ -215,3 +225,82 @@ def lease_verdict(watch: Any, excluded: set[int], units_per_node: int,
         if time.monotonic() > deadline:
             return False
         time.sleep(0.1)
+
+
+def log_failures(emit: Callable[..., None], failures: tuple[WorkerFailure, ...],
+                 bad: set[int]) -> None:
+    """One ``failure_seen`` event per failed worker and per unit failing the health check."""
+    for f in failures:
+        emit(Event.FAILURE_SEEN, device=f.device, local_rank=f.local_rank, exitcode=f.exitcode,
+             signal=f.signal, kind=f.kind.value, reason=f.reason)
+    for d in sorted(bad):
+        emit(Event.FAILURE_SEEN, device=d, kind=FailureKind.DEVICE_LOST.value,
+             reason="device failed its health check", exitcode=None, signal=None,
+             local_rank=None)
+
+
+class Watchers:
+    """Every detector of one agent, read into one :class:`~.reactions.Tick` per monitor tick.
+    ``lease`` is the etcd node watch (None elsewhere), set once the first round is done."""
+
+    def __init__(self, hang_s: float, here: NodeCards, health: Any,
+                 emit: Callable[..., None], status: Callable[[str], None]) -> None:
+        self.book = DeviceBook()
+        self.hangs = HangWatch(hang_s, here.nproc, "device" if here.tp == 1 else "card")
+        self.trouble = PeerTrouble()
+        self.lease: Any = None
+        self._health = health
+        self._emit = emit
+        self._status = status
+
+    def tick(self, state: WorkerState, exits: list[Any], pids: dict[int, int], here: NodeCards,
+             session: Any, store: Any, nodes_waiting: Callable[[], tuple[int, bool]],
+             grace_s: float, **facts: Any) -> Tick:
+        """``exits``: the workers that failed since the last tick; ``facts``: the agent's own
+        (``planned``, ``inplace_wanted``, ``runtime``, ``some_succeeded``, ``restarts_left``).
+        The detectors are read in the table's order, each only when it can still matter."""
+        healthy = state == WorkerState.HEALTHY
+        hung, stall = self.hangs.check(store, pids) if healthy else ([], None)
+        if stall is not None:
+            self._status(stall)
+        bad = set()
+        if healthy and session is not None:
+            bad = unhealthy_units(self._health, self.book, set(pids), set(here.cards),
+                                  here.units)
+        excluded = set(session.excluded) if session is not None else set()
+        lease = lease_news(self.lease, excluded, here.units_per_node, self._emit)
+        state = WorkerState.UNHEALTHY if healthy and (bad or hung) else state
+        failures = tuple(classify_exit(e.exitcode, e.device, e.local_rank)
+                         for e in exits) + tuple(hung)
+        waiting, trouble, store_lost, ended = 0, False, False, None
+        if state != WorkerState.HEALTHY:
+            log_failures(self._emit, failures, bad)
+            ended = channel.read(store, channel.ENDED) if store is not None else None
+        elif lease is None and not self.book.rejoining:
+            waiting, store_lost = nodes_waiting()
+            if session is not None and not waiting and not store_lost:
+                trouble = self.trouble.check(store, session.plan.generation, grace_s)
+        return Tick(state=state, failures=failures, hung=frozenset(f.device for f in hung),
+                    bad=frozenset(bad), lease=lease, ended=ended,
+                    rejoining=frozenset(self.book.rejoining), waiting=waiting, trouble=trouble,
+                    store_lost=store_lost, tp=here.tp, **facts)
+
+    def watch_leases(self, params: Any, node: int, on_fenced: Callable[[], None]) -> None:
+        """Hold a lease and watch the others' (etcd-v3 only; see node_watch.py)."""
+        if params.backend != "etcd-v3":
+            return
+        try:
+            self.lease = NodeWatch(params, node, on_fenced=on_fenced).start()
+        except Exception as exc:  # noqa: BLE001 - liveness is an accelerator, not a necessity
+            log.warning("node leases unavailable (%s); lost nodes are seen through the "
+                        "rendezvous and the workers only", exc)
+
+    def leave(self, finished: bool) -> None:
+        """Give our lease up: as finished (no loss for the others), or as gone."""
+        if self.lease is not None:
+            self.lease.finish() if finished else self.lease.close()
+            self.lease = None
+
+    def verdict(self, session: Any, here: NodeCards) -> bool:
+        excluded = set(session.excluded) if session is not None else set()
+        return lease_verdict(self.lease, excluded, here.units_per_node, self._emit)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from chameleon_elastic.plan import DeviceRole, ExecutionPlan
 __all__ = [
     "CHAMELEON_VARS",
     "LocalAssignment",
+    "NodeCards",
     "chameleon_env",
     "device_id",
     "local_assignments",
@@ -66,6 +68,38 @@ def local_assignments(plan: ExecutionPlan, node: int, nproc_per_node: int,
             out.append(LocalAssignment(local_rank, card, first + tp_rank, len(world) * tp,
                                        roles[unit], tp_rank, tuple(range(first, first + tp))))
     return tuple(out)
+
+
+@dataclass(frozen=True)
+class NodeCards:
+    """This node's cards and the plan devices (units of ``tp`` cards) they make up."""
+
+    node: int
+    nproc: int
+    tp: int = 1
+
+    @property
+    def cards(self) -> list[int]:
+        return [device_id(self.node, lr, self.nproc) for lr in range(self.nproc)]
+
+    @property
+    def units_per_node(self) -> int:
+        return self.nproc // self.tp
+
+    def units(self, cards: Iterable[int]) -> set[int]:
+        return {c // self.tp for c in cards}
+
+    def cards_of(self, units: Iterable[int]) -> set[int]:
+        """The cards of ``units`` that run here."""
+        wanted = set(units)
+        return {c for c in self.cards if c // self.tp in wanted}
+
+    def ranks(self, card: int, world: tuple[int, ...]) -> tuple[int, int, int]:
+        """(local rank, global rank, world size) of a card kept into a generation whose units
+        are ``world`` in rank order."""
+        unit, tp_rank = divmod(card, self.tp)
+        return (card - self.node * self.nproc, world.index(unit) * self.tp + tp_rank,
+                len(world) * self.tp)
 
 
 def write_plan_file(plan: ExecutionPlan, directory: str | Path) -> str:

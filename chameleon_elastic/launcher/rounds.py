@@ -98,6 +98,17 @@ class Rounds:
         self._emit(Event.RENDEZVOUS_FAILOVER, error=str(exc).splitlines()[0][:300],
                    duration_s=time.perf_counter() - start)
 
+    def nodes_waiting(self, spec: Any) -> tuple[int, bool]:
+        """(nodes waiting to join, whether the store was lost): a lost store is failed over
+        at once, and the caller starts a round on the new handler."""
+        try:
+            return spec.rdzv_handler.num_nodes_waiting(), False
+        except STORE_LOST as exc:
+            self._emit(Event.FAILURE_SEEN, kind="rendezvous_lost",
+                       reason=str(exc).splitlines()[0][:300])
+            self.failover(spec, exc)
+            return 0, True
+
     def admit_survivors(self, spec: Any) -> None:
         """After the first round of a planned job, later rounds close with whoever is left.
 

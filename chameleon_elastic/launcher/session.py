@@ -51,6 +51,14 @@ class PlanChange:
     candidates: dict[str, dict[str, Any]] = field(default_factory=dict)
     rejected: dict[str, str] = field(default_factory=dict)
 
+    def event_fields(self) -> dict[str, Any]:
+        """The ``plan_chosen`` event's own fields (docs/launcher.md)."""
+        return {"policy": self.plan.policy, "lost": list(self.lost), "joined": list(self.joined),
+                "via_cache": self.cached, "decide_s": self.decide_s,
+                "candidates": self.candidates, "rejected": self.rejected,
+                "live_devices": list(self.plan.live_devices),
+                "spare_devices": list(self.plan.spare_devices)}
+
 
 def _planning_api() -> SimpleNamespace:
     """The planner's documented entry points (imported lazily: the launcher runs without it)."""

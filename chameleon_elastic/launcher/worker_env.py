@@ -9,11 +9,15 @@ so it builds the block itself, variable for variable as torch 2.13 does
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from string import Template
 from typing import Any
+
+from torch.distributed.elastic.utils import macros
 
 from chameleon_elastic import channel
 
-__all__ = ["chameleon_vars", "torchrun_vars"]
+__all__ = ["chameleon_vars", "launch_inputs", "torchrun_vars"]
 
 
 def torchrun_vars(spec: Any, wg: Any, worker: Any, restarts_used: int) -> dict[str, str]:
@@ -48,3 +52,28 @@ def chameleon_vars(session: Any, assignment: Any, channel_address: str) -> dict[
     env.update(channel.job_env(session.spec))
     env[channel.AGENT_STORE_ENV] = channel_address
     return env
+
+
+def launch_inputs(todo: list[tuple[Any, Any]], spec: Any, wg: Any, restarts_used: int,
+                  session: Any, channel_address: str, extra_env: dict[str, str],
+                  set_local_rank_env: Callable[[dict, int, Any], None],
+                  prefix_template: str | None) -> tuple[dict, dict, dict | None]:
+    """(envs, args, log line prefixes) by index for torch's ``start_processes``: each
+    ``(Worker, LocalAssignment or None)`` of ``todo`` gets torchrun's variables, torch's
+    per-rank ones (``set_local_rank_env``, the agent's hook), with a job the plan's, and
+    ``extra_env`` (the profiler's)."""
+    envs: dict[int, dict[str, str]] = {}
+    args: dict[int, tuple] = {}
+    prefixes: dict[int, str] | None = {} if prefix_template else None
+    for index, (worker, assignment) in enumerate(todo):
+        env = torchrun_vars(spec, wg, worker, restarts_used)
+        set_local_rank_env(env, worker.local_rank, spec)
+        if session is not None and assignment is not None:
+            env.update(chameleon_vars(session, assignment, channel_address))
+        env.update(extra_env)
+        if prefixes is not None:
+            prefixes[index] = Template(prefix_template).safe_substitute(
+                role_name=spec.role, rank=worker.global_rank, local_rank=worker.local_rank)
+        envs[index] = env
+        args[index] = tuple(macros.substitute(list(spec.args), str(worker.local_rank)))
+    return envs, args, prefixes

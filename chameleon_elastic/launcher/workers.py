@@ -14,13 +14,20 @@ import contextlib
 import logging
 import os
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from torch.distributed.elastic.agent.server.api import Worker
+from torch.distributed.elastic.multiprocessing import start_processes
 from torch.distributed.elastic.multiprocessing.api import PContext
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
+from chameleon_elastic import channel
+from chameleon_elastic.channel import Registration
 from chameleon_elastic.torch_compat import worker_process
+
+from .orphan_guard import guarded_command
 
 __all__ = ["Exit", "WorkerProcesses"]
 
@@ -48,6 +55,28 @@ class WorkerProcesses:
         self._live: dict[int, _Live] = {}
         self.succeeded: set[int] = set()   # devices whose worker exited 0
 
+    def start(self, spec: Any, todo: list[tuple[int, Any]], envs: dict, args: dict,
+              prefixes: dict | None, logs_specs: Any, start_method: str) -> None:
+        """Start one process per ``(device, torch Worker)`` of ``todo`` with torch's
+        ``start_processes`` (log redirection, tee, error files unchanged); a script is started
+        through ``orphan_guard``, so that it dies with the agent, even on SIGKILL."""
+        entrypoint = spec.entrypoint
+        if isinstance(entrypoint, str):
+            wrapped = {i: guarded_command(entrypoint, a) for i, a in args.items()}
+            entrypoint = next(iter(wrapped.values()))[0] if wrapped else entrypoint
+            args = {i: w[1] for i, w in wrapped.items()}
+        context = start_processes(
+            name=spec.role, entrypoint=entrypoint, args=args, envs=envs, logs_specs=logs_specs,
+            log_line_prefixes=prefixes, start_method=start_method,
+            numa_options=spec.numa_options,
+            duplicate_stdout_filters=spec.duplicate_stdout_filters,
+            duplicate_stderr_filters=spec.duplicate_stderr_filters,
+        )
+        pids = context.pids()
+        for index, (_, worker) in enumerate(todo):
+            worker.id = pids[index]
+        self.add(context, dict(enumerate(todo)))
+
     def add(self, context: PContext, started: dict[int, tuple[int, Any]]) -> None:
         """``started``: local rank in ``context`` -> (device, torch Worker)."""
         self._contexts.append(context)
@@ -65,11 +94,29 @@ class WorkerProcesses:
     def pids(self) -> dict[int, int]:
         return {d: self.pid(d) for d in self._live}
 
+    def registered(self, store: Any) -> bool:
+        """Every live worker has told the agent's channel it runs on the runtime (so it can
+        recover in place); False with no worker or no channel."""
+        if store is None or not self._live:
+            return False
+        for device in self._live:
+            record = channel.read(store, channel.worker_key(device))
+            if record is None or Registration.from_dict(record).pid != self.pid(device):
+                return False
+        return True
+
+    def renumber(self, ranks: Callable[[int], tuple[int, int, int]]) -> None:
+        """Kept workers' places in a new generation: ``ranks(card)`` gives (local rank,
+        global rank, world size)."""
+        for device, live in self._live.items():
+            local, rank, size = ranks(device)
+            worker = Worker(local_rank=local, global_rank=rank, role_rank=rank,
+                            world_size=size, role_world_size=size)
+            worker.id = self.pid(device)
+            live.worker = worker
+
     def workers(self) -> list[Any]:
         return [live.worker for _, live in sorted(self._live.items())]
-
-    def set_worker(self, device: int, worker: Any) -> None:
-        self._live[device].worker = worker
 
     def poll(self) -> list[Exit]:
         """Workers that ended since the last poll (now forgotten), in device order."""
