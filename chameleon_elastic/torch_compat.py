@@ -48,7 +48,7 @@ AGENT_HOOKS: dict[str, tuple[str, ...]] = {
 
 # Attributes set by torch's constructors that ChameleonAgent reads or writes.
 PRIVATE_ATTRIBUTES: tuple[str, ...] = (
-    "_worker_group", "_remaining_restarts", "_store", "_rdzv_handler", "_logs_specs",
+    "_worker_group", "_store", "_rdzv_handler", "_logs_specs",
     "_start_method", "_log_line_prefix_template",
 )
 

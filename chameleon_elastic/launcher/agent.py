@@ -47,7 +47,7 @@ from chameleon_elastic.timeouts import Timeouts
 from . import coordination
 from .coordination import Decision, NodeReport
 from .detectors import Watchers
-from .failures import FailureEvent, Trigger
+from .failures import FailureEvent, RestartBudget, Trigger
 from .health import AlwaysHealthy, HealthCheck
 from .observe import Event, EventLog, StatusLine
 from .plan_env import LocalAssignment, NodeCards, device_id, local_assignments
@@ -104,7 +104,7 @@ class ChameleonAgent(LocalElasticAgent):
         self._reporter = RecoveryReporter(
             self._emit, self._status, profiler,
             logs_specs.root_log_dir if isinstance(logs_specs, WorkerLogs) else None, self._tp)
-        self._charged_crash = False             # a restart was just charged for a crash
+        self._budget = RestartBudget(spec.max_restarts, spec.max_restarts)
         self._exits: dict[int, Any] = {}        # global rank -> Exit, of the last poll
         self._channel: Any = None               # this node's agent <-> worker store
         self._channel_address = ""
@@ -121,7 +121,7 @@ class ChameleonAgent(LocalElasticAgent):
         self._events.emit(event, attempt=max(self._rounds.attempt, 0), generation=gen, **fields)
 
     def _restarts_used(self) -> int:
-        return self._worker_group.spec.max_restarts - self._remaining_restarts
+        return self._budget.used
 
     def _update_status(self, state: str) -> None:
         spec = self._worker_group.spec
@@ -240,12 +240,8 @@ class ChameleonAgent(LocalElasticAgent):
         except LauncherPlanningError as exc:
             self._emit(Event.PLANNING_FAILED, error=str(exc))
             raise
-        if session.excluded - before - self._here.units(self._here.cards) and (
-                self._charged_crash):
-            # the "crash" was our workers failing because a peer node died: that is a lost
-            # node, which costs no restart (torchrun would have spent one)
-            self._remaining_restarts += 1
-            self._charged_crash = False
+        self._budget.settle(peer_node_lost=bool(
+            session.excluded - before - self._here.units(self._here.cards)))
         self._book.settle()
         if change is not None:
             self._emit(Event.PLAN_CHOSEN, plan_file=session.plan_file,
@@ -409,7 +405,7 @@ class ChameleonAgent(LocalElasticAgent):
             self._here, self._session, self._channel, lambda: self._rounds.nodes_waiting(spec),
             max(1.0, 4 * spec.monitor_interval), planned=self._planned,
             inplace_wanted=self._inplace_wanted, runtime=self._runtime,
-            some_succeeded=bool(self._procs.succeeded), restarts_left=self._remaining_restarts)
+            some_succeeded=bool(self._procs.succeeded), restarts_left=self._budget.left)
 
     def _apply(self, r: Reaction, tick: Tick, result: RunResult) -> RunResult | None:
         """Carry out one reaction; a RunResult ends the run."""
@@ -441,12 +437,11 @@ class ChameleonAgent(LocalElasticAgent):
         event = self._event(r.trigger, lost=r.lost, joined=r.joined,
                             failures=tick.failures if tick.state != WorkerState.HEALTHY else ())
         if r.charge:
-            self._remaining_restarts -= 1
-            self._charged_crash = True
+            self._budget.charge()
         try:
             self._recover(event, r.inplace)
         finally:
-            self._charged_crash = False
+            self._budget.charged = False
         return None
 
     def _end(self, sentence: str) -> RunResult:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import logging
 import os
@@ -219,76 +220,36 @@ def _make_session(parser: argparse.ArgumentParser, args: argparse.Namespace, npr
         parser.error(str(exc))
 
 
-def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
-    from torch.distributed.elastic import events as torch_events
-    from torch.distributed.elastic import metrics
-    from torch.distributed.elastic.agent.server.api import WorkerSpec
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.rendezvous import RendezvousParameters
-    from torch.distributed.run import config_from_args, parse_min_max_nnodes
+@dataclasses.dataclass
+class _Launch:
+    """What the command line resolves to before anything starts."""
 
+    config: Any                  # torch's LaunchConfig
+    cmd: Any
+    cmd_args: list[Any]
+    timeouts: Any
+    state_dir: Path | None
+    session: Any                 # JobSession with --job / --preset, else None
+
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
     from chameleon_elastic import torch_compat
-    from chameleon_elastic.rendezvous.handler import handler_for
-    from chameleon_elastic.timeouts import Timeouts, TimeoutSettingError
 
     from .agent import ChameleonAgent
     from .health import AlwaysHealthy, FileHealthCheck
     from .observe import EventLog, StatusLine
     from .profiler import Profiler
-    from .worker_logs import WorkerLogs, WorkersFailed
+    from .worker_logs import WorkerLogs
 
-    if args.job is not None and args.preset is not None:
-        parser.error("--job and --preset are mutually exclusive; pass only one of them.")
-    job_mode = args.job is not None or args.preset is not None
-    job_only = (("--health-file", args.health_file), ("--profile", args.profile),
-                ("--plan-cache", args.plan_cache), ("--recovery", args.recovery),
-                ("--hang-timeout", args.hang_timeout),
-                ("--policy", None if args.policy == "auto" else args.policy))
-    for flag, value in job_only:
-        if value is not None and not job_mode:
-            parser.error(f"{flag} only applies with --job or --preset; add one, or drop {flag}.")
-
+    job_mode = _check_job_flags(args, parser)
     logging.getLogger("torch.distributed.elastic.agent.server.api").addFilter(
         _without_death_signal_warning)
     _prepare_rendezvous(args)
     with _held_warnings("torch.distributed.run"):   # its OMP banner: only once the job is valid
-        try:
-            config, cmd, cmd_args = config_from_args(args)
-        except (ValueError, AssertionError) as exc:   # torch validates --nnodes with assert
-            raise LaunchConfigError(str(exc)) from exc
-        _check_script(args)
-        _, max_nodes = parse_min_max_nnodes(args.nnodes)
-        try:
-            timeouts = Timeouts.resolve(shutdown_s=config.shutdown_timeout,
-                                        hang_s=args.hang_timeout)
-        except TimeoutSettingError as exc:
-            parser.error(str(exc))
-        _register_backends()
-        if config.rdzv_backend not in ("static",):
-            for key, value in _DYNAMIC_RDZV_DEFAULTS.items():
-                config.rdzv_configs.setdefault(key, value)
-
-        state_dir: Path | None = None
-        made_state_dir = False
-        if args.state_dir is not None:
-            state_dir = Path(args.state_dir)
-            state_dir.mkdir(parents=True, exist_ok=True)
-        elif job_mode or args.profile_out:
-            stamp = time.strftime("%Y%m%d-%H%M%S")
-            state_dir = Path(tempfile.mkdtemp(prefix=f"chameleon-run-{stamp}-"))
-            made_state_dir = True
-        session = None
-        if job_mode:
-            assert state_dir is not None
-            try:
-                session = _make_session(parser, args, config.nproc_per_node, max_nodes, state_dir)
-            except BaseException:
-                if made_state_dir:   # nothing ran: leave nothing behind
-                    shutil.rmtree(state_dir, ignore_errors=True)
-                raise
+        launch = _resolve(args, parser, job_mode)
+    config, state_dir, session = launch.config, launch.state_dir, launch.session
     event_path = args.event_log or (None if state_dir is None else state_dir / "events.jsonl")
     events = EventLog(event_path)
-    status = StatusLine(enabled=not args.no_status)
     profiler = None
     if args.profile_out:
         assert state_dir is not None
@@ -300,10 +261,97 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
         what = ("plans, events, profiles and workers' stderr" if isinstance(
             config.logs_specs, WorkerLogs) else "plans, events and profiles")
         sys.stderr.write(f"chameleon-run: {what} in {state_dir}\n")
+    spec, params = _worker_spec(launch)
+    agent = ChameleonAgent(
+        spec, config.logs_specs, rdzv_parameters=params, session=session, events=events,
+        status=StatusLine(enabled=not args.no_status),
+        health=FileHealthCheck(args.health_file) if args.health_file else AlwaysHealthy(),
+        profiler=profiler, timeouts=launch.timeouts,
+        recovery="relaunch" if session is None else session.spec.cluster.recovery,
+        start_method=config.start_method,
+        log_line_prefix_template=config.log_line_prefix_template,
+    )
+    try:
+        return _run_agent(agent, spec, config,
+                          torch_compat.entrypoint_name(launch.cmd, list(launch.cmd_args)))
+    finally:
+        if profiler is not None and args.profile_out:
+            profiler.write(args.profile_out, None if session is None else session.spec,
+                           None if session is None else session.plan)
+        events.close()
+        if event_path is not None and Path(event_path).exists():
+            sys.stderr.write(f"chameleon-run: events of this run: {event_path}\n")
 
+
+def _check_job_flags(args: argparse.Namespace, parser: argparse.ArgumentParser) -> bool:
+    """Whether a job is given; our job-only flags without one are a usage error."""
+    if args.job is not None and args.preset is not None:
+        parser.error("--job and --preset are mutually exclusive; pass only one of them.")
+    job_mode = args.job is not None or args.preset is not None
+    job_only = (("--health-file", args.health_file), ("--profile", args.profile),
+                ("--plan-cache", args.plan_cache), ("--recovery", args.recovery),
+                ("--hang-timeout", args.hang_timeout),
+                ("--policy", None if args.policy == "auto" else args.policy))
+    for flag, value in job_only:
+        if value is not None and not job_mode:
+            parser.error(f"{flag} only applies with --job or --preset; add one, or drop {flag}.")
+    return job_mode
+
+
+def _resolve(args: argparse.Namespace, parser: argparse.ArgumentParser,
+             job_mode: bool) -> _Launch:
+    """torch's launch configuration, our timeouts, the state directory and the job's session;
+    every usage error is raised here, before anything starts or prints."""
+    from torch.distributed.run import config_from_args, parse_min_max_nnodes
+
+    from chameleon_elastic.timeouts import Timeouts, TimeoutSettingError
+
+    try:
+        config, cmd, cmd_args = config_from_args(args)
+    except (ValueError, AssertionError) as exc:   # torch validates --nnodes with assert
+        raise LaunchConfigError(str(exc)) from exc
+    _check_script(args)
+    _, max_nodes = parse_min_max_nnodes(args.nnodes)
+    try:
+        timeouts = Timeouts.resolve(shutdown_s=config.shutdown_timeout, hang_s=args.hang_timeout)
+    except TimeoutSettingError as exc:
+        parser.error(str(exc))
+    _register_backends()
+    if config.rdzv_backend not in ("static",):
+        for key, value in _DYNAMIC_RDZV_DEFAULTS.items():
+            config.rdzv_configs.setdefault(key, value)
+    state_dir: Path | None = None
+    made_state_dir = False
+    if args.state_dir is not None:
+        state_dir = Path(args.state_dir)
+        state_dir.mkdir(parents=True, exist_ok=True)
+    elif job_mode or args.profile_out:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        state_dir = Path(tempfile.mkdtemp(prefix=f"chameleon-run-{stamp}-"))
+        made_state_dir = True
+    session = None
+    if job_mode:
+        assert state_dir is not None
+        try:
+            session = _make_session(parser, args, config.nproc_per_node, max_nodes, state_dir)
+        except BaseException:
+            if made_state_dir:   # nothing ran: leave nothing behind
+                shutil.rmtree(state_dir, ignore_errors=True)
+            raise
+    return _Launch(config, cmd, list(cmd_args), timeouts, state_dir, session)
+
+
+def _worker_spec(launch: _Launch) -> tuple[Any, Any]:
+    """torch's ``WorkerSpec`` and ``RendezvousParameters``, as torchrun builds them."""
+    from torch.distributed.elastic.agent.server.api import WorkerSpec
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+    from chameleon_elastic import torch_compat
+    from chameleon_elastic.rendezvous.handler import handler_for
+
+    config = launch.config
     if not config.run_id:
         config.run_id = str(uuid.uuid4().int)
-    entrypoint_name = torch_compat.entrypoint_name(cmd, list(cmd_args))
     params = RendezvousParameters(
         backend=config.rdzv_backend, endpoint=config.rdzv_endpoint, run_id=config.run_id,
         min_nodes=config.min_nodes, max_nodes=config.max_nodes, local_addr=config.local_addr,
@@ -312,8 +360,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
     master_addr, master_port = torch_compat.addr_and_port(params)
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
     spec = WorkerSpec(
-        role=config.role, local_world_size=config.nproc_per_node, entrypoint=cmd,
-        args=tuple(cmd_args), rdzv_handler=handler_for(params),
+        role=config.role, local_world_size=config.nproc_per_node, entrypoint=launch.cmd,
+        args=tuple(launch.cmd_args), rdzv_handler=handler_for(params),
         max_restarts=config.max_restarts, monitor_interval=config.monitor_interval,
         master_addr=master_addr, master_port=master_port, local_addr=config.local_addr,
         event_log_handler=config.event_log_handler, numa_options=config.numa_options,
@@ -321,14 +369,18 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
         duplicate_stderr_filters=config.duplicate_stderr_filters,
         virtual_local_rank=config.virtual_local_rank,
     )
-    health = FileHealthCheck(args.health_file) if args.health_file else AlwaysHealthy()
-    agent = ChameleonAgent(
-        spec, config.logs_specs, rdzv_parameters=params, session=session, events=events,
-        status=status, health=health, profiler=profiler, timeouts=timeouts,
-        recovery="relaunch" if session is None else session.spec.cluster.recovery,
-        start_method=config.start_method,
-        log_line_prefix_template=config.log_line_prefix_template,
-    )
+    return spec, params
+
+
+def _run_agent(agent: Any, spec: Any, config: Any, entrypoint_name: str) -> Any:
+    """Run the agent as torch's launcher does: its events, its metrics, the rendezvous closed
+    at the end (unless a signal ended the run), ``ChildFailedError`` for workers that failed."""
+    from torch.distributed.elastic import events as torch_events
+    from torch.distributed.elastic import metrics
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from .worker_logs import WorkersFailed
+
     shutdown_rdzv = True
     try:
         metrics.initialize_metrics(metrics.MetricsConfig(config.metrics_cfg))
@@ -355,12 +407,6 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
                 spec.rdzv_handler.shutdown()
             except Exception as exc:  # noqa: BLE001 - the job's outcome is already decided
                 sys.stderr.write(f"chameleon-run: closing the rendezvous failed: {exc}\n")
-        if profiler is not None and args.profile_out:
-            profiler.write(args.profile_out, None if session is None else session.spec,
-                           None if session is None else session.plan)
-        events.close()
-        if event_path is not None and Path(event_path).exists():
-            sys.stderr.write(f"chameleon-run: events of this run: {event_path}\n")
 
 
 def _without_death_signal_warning(record: logging.LogRecord) -> bool:

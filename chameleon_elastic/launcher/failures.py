@@ -19,7 +19,8 @@ import enum
 import signal
 from dataclasses import dataclass
 
-__all__ = ["FailureEvent", "FailureKind", "Trigger", "WorkerFailure", "classify_exit"]
+__all__ = ["FailureEvent", "FailureKind", "RestartBudget", "Trigger", "WorkerFailure",
+           "classify_exit"]
 
 _POLITE_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT})
 _POLITE_NAMES = frozenset(s.name for s in _POLITE_SIGNALS)
@@ -106,3 +107,28 @@ class FailureEvent:
     @property
     def reason(self) -> str:
         return self.trigger.value
+
+
+@dataclass
+class RestartBudget:
+    """torchrun's ``--max-restarts``: spent by crashes on healthy devices, never by a lost
+    device. A crash is charged when it is seen; when the round it starts shows that a peer node
+    died (our workers failed because of it), the restart is given back, since that is a lost
+    node (torchrun would have spent one)."""
+
+    max_restarts: int
+    left: int
+    charged: bool = False   # a restart was charged for the crash being recovered
+
+    @property
+    def used(self) -> int:
+        return self.max_restarts - self.left
+
+    def charge(self) -> None:
+        self.left -= 1
+        self.charged = True
+
+    def settle(self, peer_node_lost: bool) -> None:
+        if self.charged and peer_node_lost:
+            self.left += 1
+        self.charged = False
