@@ -124,17 +124,8 @@ class ChameleonAgent(LocalElasticAgent):
         return self._budget.used
 
     def _update_status(self, state: str) -> None:
-        spec = self._worker_group.spec
-        fields: dict[str, Any] = {
-            "restarts": self._restarts_used(), "max_restarts": spec.max_restarts, "state": state,
-        }
-        if self._session is not None:
-            plan = self._session.plan
-            fields.update(generation=plan.generation, policy=plan.policy,
-                          live=len(plan.live_devices), devices=self._session.devices)
-        else:
-            fields.update(generation=max(self._rounds.attempt, 0))
-        self._status.update(**fields)
+        self._status.show(state, self._session, max(self._rounds.attempt, 0), self._budget.used,
+                          self._budget.max_restarts)
 
     @property
     def _tp(self) -> int:
@@ -225,13 +216,9 @@ class ChameleonAgent(LocalElasticAgent):
         assert session is not None and self._node is not None
         live = self._procs.devices
         before = set(session.excluded)
-        mine = NodeReport(
-            node=self._node, lost=tuple(sorted(self._book.lost - self._book.rejoining)),
-            live=tuple(sorted(self._here.units(live))), ready=not live or self._runtime,
-            reported=channel.read_int(self._channel, channel.REPORTED),
-            checkpoint=channel.read_int(self._channel, channel.CHECKPOINT),
-            checkpoints=channel.read(self._channel, channel.CHECKPOINTS) is not None,
-            why=tuple(sorted(self._book.why.items())))
+        mine = NodeReport.gather(self._node, self._book.lost - self._book.rejoining,
+                                 self._here.units(live), not live or self._runtime,
+                                 self._book.why, self._channel)
         try:
             decision, change = coordination.agree(
                 info.store, self._rounds.scope(self._worker_group.spec), info.rank,

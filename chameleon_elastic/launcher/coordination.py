@@ -38,6 +38,7 @@ from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Any
 
+from chameleon_elastic import channel
 from chameleon_elastic.plan import ExecutionPlan
 
 from .plan_env import device_id
@@ -64,6 +65,17 @@ class NodeReport:
     checkpoint: int | None = None
     checkpoints: bool = False   # the job writes checkpoints, though maybe none yet
     why: tuple[tuple[int, str], ...] = ()   # (lost device, how it was lost: "SIGKILL", ...)
+
+    @classmethod
+    def gather(cls, node: int, lost: Collection[int], live: Collection[int], ready: bool,
+               why: dict[int, str], store: Any) -> NodeReport:
+        """This node's report; what its workers said of steps and checkpoints is read from
+        its channel (``store``)."""
+        return cls(node, tuple(sorted(lost)), tuple(sorted(live)), ready,
+                   channel.read_int(store, channel.REPORTED),
+                   channel.read_int(store, channel.CHECKPOINT),
+                   channel.read(store, channel.CHECKPOINTS) is not None,
+                   tuple(sorted(why.items())))
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> NodeReport:

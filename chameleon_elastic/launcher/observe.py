@@ -110,6 +110,19 @@ class StatusLine:
         self._last = text
         self._write(f"[{text}]", "dim")
 
+    def show(self, state: str, session: Any, attempt: int, restarts: int,
+             max_restarts: int) -> None:
+        """The agent's state, with the plan in force when there is a job."""
+        fields: dict[str, Any] = {"restarts": restarts, "max_restarts": max_restarts,
+                                  "state": state}
+        if session is not None:
+            plan = session.plan
+            fields.update(generation=plan.generation, policy=plan.policy,
+                          live=len(plan.live_devices), devices=session.devices)
+        else:
+            fields.update(generation=attempt)
+        self.update(**fields)
+
     def say(self, text: str) -> None:
         """One line for people (a recovery, a fatal error), printed even with --no-status."""
         self._write(text, "bold")
