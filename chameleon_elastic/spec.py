@@ -404,16 +404,36 @@ def _layer_figures(section: Mapping[str, Any], key: str, layers: int, *,
 
 
 def _parse(data: Mapping[str, Any], name: str) -> JobSpec:
+    """A validated spec from plain data. The tables are read in file order (model, cluster,
+    training, the checks across them, planner, name) so that the first error reported is the
+    same whichever table holds several."""
+    _reject_unknown_tables(data)
+    model = _parse_model(_section(data, "model"))
+    cluster = _parse_cluster(_section(data, "cluster"))
+    training = _parse_training(_section(data, "training"))
+    _check_layout(model, cluster, training)
+    planner = _parse_planner(_section(data, "planner", required=False))
+    job_name = data.get("name", name)
+    if not isinstance(job_name, str):
+        raise SpecError(f"name = {job_name!r} is invalid; expected a string.")
+    return JobSpec(model=model, cluster=cluster, training=training, planner=planner, name=job_name)
+
+
+def _reject_unknown_tables(data: Mapping[str, Any]) -> None:
+    """Fail on a top-level key that is no table of a job file: most often a misspelt table."""
     for key in data:
         if key not in ("name", "model", "cluster", "training", "planner"):
             raise SpecError(
                 f"unknown top-level key {key!r}; a job file has the tables [model], [cluster], "
                 "[training], optionally [planner], and an optional name."
             )
-    m = _section(data, "model")
+
+
+def _parse_model(m: Mapping[str, Any]) -> ModelProfile:
+    """The [model] table: ``layers`` first, since every per-layer figure is checked against it."""
     _reject_unknown(m, "model", ("layers", "precision") + PER_LAYER_KEYS + OPTIONAL_PER_LAYER_KEYS)
     layers = _integer(m, "model", "layers")
-    model = ModelProfile(
+    return ModelProfile(
         layers=layers,
         forward_s=_per_layer(m, "forward_s", layers, strict=True),
         backward_s=_per_layer(m, "backward_s", layers, strict=True),
@@ -424,11 +444,14 @@ def _parse(data: Mapping[str, Any], name: str) -> JobSpec:
         precision=cast(Precision, _choice(m, "model", "precision", PRECISIONS, default="fp32")),
     )
 
-    c = _section(data, "cluster")
+
+def _parse_cluster(c: Mapping[str, Any]) -> ClusterSpec:
+    """The [cluster] table. An absent ``tp_bandwidth_bytes_per_s`` stays None, so that it
+    follows ``bandwidth_bytes_per_s`` (``ClusterSpec.tp_bandwidth``)."""
     keys = ("devices", "device_memory_bytes", "bandwidth_bytes_per_s", "restart_s",
             "failure_rate_per_hour", "recovery", "regroup_s", "tp_bandwidth_bytes_per_s")
     _reject_unknown(c, "cluster", keys)
-    cluster = ClusterSpec(
+    return ClusterSpec(
         devices=_integer(c, "cluster", "devices"),
         device_memory_bytes=_number(c, "cluster", "device_memory_bytes", strict=True),
         bandwidth_bytes_per_s=_number(c, "cluster", "bandwidth_bytes_per_s", strict=True),
@@ -441,10 +464,13 @@ def _parse(data: Mapping[str, Any], name: str) -> JobSpec:
                                   if "tp_bandwidth_bytes_per_s" in c else None),
     )
 
-    t = _section(data, "training")
+
+def _parse_training(t: Mapping[str, Any]) -> TrainingSpec:
+    """The [training] table, each figure on its own; ``_check_layout`` checks it against the
+    cluster and the model."""
     _reject_unknown(t, "training", ("dp", "pp", "global_micro_batches", "micro_batch_size",
                                     "precision", "tp", "tp_efficiency"))
-    training = TrainingSpec(
+    return TrainingSpec(
         dp=_integer(t, "training", "dp"),
         pp=_integer(t, "training", "pp"),
         global_micro_batches=_integer(t, "training", "global_micro_batches"),
@@ -454,6 +480,11 @@ def _parse(data: Mapping[str, Any], name: str) -> JobSpec:
         tp=_integer(t, "training", "tp", default=1),
         tp_efficiency=_fraction(t, "training", "tp_efficiency", default=1.0),
     )
+
+
+def _check_layout(model: ModelProfile, cluster: ClusterSpec, training: TrainingSpec) -> None:
+    """Fail on an initial layout the cluster or the model cannot hold: each table may be
+    valid alone and the job still impossible (more stages than layers, more units than cards)."""
     tp = training.tp
     if cluster.devices % tp:
         raise SpecError(
@@ -472,9 +503,9 @@ def _parse(data: Mapping[str, Any], name: str) -> JobSpec:
             f"{training.dp * training.pp} exceeds cluster.devices = {cluster.devices}; "
             "lower dp or pp, or add devices."
         )
-    if training.pp > layers:
+    if training.pp > model.layers:
         raise SpecError(
-            f"training.pp = {training.pp} exceeds model.layers = {layers}; "
+            f"training.pp = {training.pp} exceeds model.layers = {model.layers}; "
             "a stage needs at least one layer, so lower pp."
         )
     if training.global_micro_batches < training.dp:
@@ -483,10 +514,12 @@ def _parse(data: Mapping[str, Any], name: str) -> JobSpec:
             f"training.dp = {training.dp}; every pipeline needs at least one micro-batch."
         )
 
-    p = _section(data, "planner", required=False)
+
+def _parse_planner(p: Mapping[str, Any]) -> PlannerSpec:
+    """The optional [planner] table; every key has a default, so an absent table is all of them."""
     _reject_unknown(p, "planner", ("dp_radius", "pp_radius", "templates", "cache_failures",
                                    "recompute"))
-    planner = PlannerSpec(
+    return PlannerSpec(
         dp_radius=_integer(p, "planner", "dp_radius", minimum=0, default=2),
         pp_radius=_integer(p, "planner", "pp_radius", minimum=0, default=2),
         templates=_boolean(p, "planner", "templates", default=True),
@@ -494,7 +527,3 @@ def _parse(data: Mapping[str, Any], name: str) -> JobSpec:
         recompute=cast(RecomputePolicy, _choice(p, "planner", "recompute", RECOMPUTE_POLICIES,
                                                 default="auto")),
     )
-    job_name = data.get("name", name)
-    if not isinstance(job_name, str):
-        raise SpecError(f"name = {job_name!r} is invalid; expected a string.")
-    return JobSpec(model=model, cluster=cluster, training=training, planner=planner, name=job_name)

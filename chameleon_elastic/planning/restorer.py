@@ -325,69 +325,95 @@ def choose_sources(transfer_bytes: Callable[[int], float], held: dict[int, Layer
     received: dict[int, float] = {}
     for dst, layer in items:
         received[dst] = received.get(dst, 0.0) + size[layer]
-    sent: dict[int, float] = {}
-
-    def key(h: int, b: float) -> tuple[float, float, float, int]:
-        s, r = sent.get(h, 0.0), received.get(h, 0.0)
-        after = max(s + b, r)  # the holder's time afterwards (LPT)
-        return (after, after - max(s, r), s, h)
-
-    members: dict[LayerRange, list[int]] = {}  # devices (ascending) per held range
-    for d in sorted(held):
-        members.setdefault(held[d], []).append(d)
-    busy: dict[LayerRange, list[int]] = {}
-    for d, r in received.items():
-        if r and d in held:
-            busy.setdefault(held[d], []).append(d)
-    # Layers held by the same ranges (the same holders) and of the same size share a group:
-    # the key depends on nothing else, so a send goes stale in few heaps.
-    group_of: dict[int, _SourceGroup] = {}
-    groups: dict[tuple[tuple[LayerRange, ...], float], _SourceGroup] = {}
-    groups_of_range: dict[LayerRange, list[_SourceGroup]] = {}
+    picker = _SourcePicker(held, received)
     moves: dict[tuple[int, int], list[int]] = {}
     from_checkpoint: dict[int, list[int]] = {}
     for dst, layer in items:
-        b = size[layer]
-        group = group_of.get(layer)
-        if group is None:
-            ranges = tuple(r for r in members if r[0] <= layer < r[1])
-            if not ranges:  # every replica died: no device sends it, no heap is touched
-                from_checkpoint.setdefault(dst, []).append(layer)
-                continue
-            group = groups.get((ranges, b))
-            if group is None:
-                heap = [(key(h, b), h) for r in ranges for h in busy.get(r, ())]
-                heapq.heapify(heap)
-                walk = heapq.merge(*(members[r] for r in ranges))
-                group = groups[(ranges, b)] = _SourceGroup(b, heap, walk, next(walk, None))
-                for r in ranges:
-                    groups_of_range.setdefault(r, []).append(group)
-            group_of[layer] = group
-        heap = group.busy
-        while heap:  # lazy heap: keys only grow, so refresh stale tops until one is current
-            stored, h = heap[0]
-            fresh = key(h, b)
-            if fresh == stored:
-                break
-            heapq.heapreplace(heap, (fresh, h))
-        while group.idle is not None and (sent.get(group.idle) or received.get(group.idle)):
-            group.idle = next(group.walk, None)  # busy ones are in the heap already
-        if group.idle is not None and (not heap or key(group.idle, b) < heap[0][0]):
-            src = group.idle
-            sent[src] = sent.get(src, 0.0) + b
-            if b:  # now busy: it joins the heap of every group it belongs to
-                busy.setdefault(held[src], []).append(src)
-                for other in groups_of_range[held[src]]:
-                    heapq.heappush(other.busy, (key(src, other.size), src))
-        else:
-            src = heap[0][1]
-            sent[src] = sent.get(src, 0.0) + b
-            heapq.heapreplace(heap, (key(src, b), src))
-        moves.setdefault((src, dst), []).append(layer)
+        group = picker.group(layer, size[layer])
+        if group is None:  # every replica died: no device sends it, no heap is touched
+            from_checkpoint.setdefault(dst, []).append(layer)
+            continue
+        moves.setdefault((picker.pick(group), dst), []).append(layer)
     sources = [*sorted(moves.items()),
                *(((CHECKPOINT, dst), layers) for dst, layers in sorted(from_checkpoint.items()))]
     return tuple(Transfer(src, dst, tuple(sorted(layers)), float(sum(size[x] for x in layers)))
                  for (src, dst), layers in sources)
+
+
+class _SourcePicker:
+    """The LPT choice of ``choose_sources``, one item at a time: the bytes each device has
+    sent and will receive, its holders per held range, and the layer groups with their heaps.
+    Kept apart from the loop over items so that the bookkeeping that makes the choice fast
+    (lazy heaps, idle cursors) reads on its own."""
+
+    def __init__(self, held: dict[int, LayerRange], received: dict[int, float]) -> None:
+        self.held = held
+        self.received = received
+        self.sent: dict[int, float] = {}
+        self.members: dict[LayerRange, list[int]] = {}  # devices (ascending) per held range
+        for d in sorted(held):
+            self.members.setdefault(held[d], []).append(d)
+        self.busy: dict[LayerRange, list[int]] = {}
+        for d, r in received.items():
+            if r and d in held:
+                self.busy.setdefault(held[d], []).append(d)
+        # Layers held by the same ranges (the same holders) and of the same size share a
+        # group: the key depends on nothing else, so a send goes stale in few heaps.
+        self.group_of: dict[int, _SourceGroup] = {}
+        self.groups: dict[tuple[tuple[LayerRange, ...], float], _SourceGroup] = {}
+        self.groups_of_range: dict[LayerRange, list[_SourceGroup]] = {}
+
+    def key(self, h: int, b: float) -> tuple[float, float, float, int]:
+        """The LPT key of holder ``h`` sending ``b`` bytes more; the least key sends."""
+        s, r = self.sent.get(h, 0.0), self.received.get(h, 0.0)
+        after = max(s + b, r)  # the holder's time afterwards (LPT)
+        return (after, after - max(s, r), s, h)
+
+    def group(self, layer: int, b: float) -> _SourceGroup | None:
+        """The group of ``layer`` (``b`` bytes), made on first use; None when no live device
+        holds the layer (it comes from the checkpoint)."""
+        group = self.group_of.get(layer)
+        if group is not None:
+            return group
+        ranges = tuple(r for r in self.members if r[0] <= layer < r[1])
+        if not ranges:
+            return None
+        group = self.groups.get((ranges, b))
+        if group is None:
+            heap = [(self.key(h, b), h) for r in ranges for h in self.busy.get(r, ())]
+            heapq.heapify(heap)
+            walk = heapq.merge(*(self.members[r] for r in ranges))
+            group = self.groups[(ranges, b)] = _SourceGroup(b, heap, walk, next(walk, None))
+            for r in ranges:
+                self.groups_of_range.setdefault(r, []).append(group)
+        self.group_of[layer] = group
+        return group
+
+    def pick(self, group: _SourceGroup) -> int:
+        """The holder of ``group`` that sends its next item, charged with the bytes: the least
+        of the lowest-id idle holder and the top of the busy heap."""
+        b, heap = group.size, group.busy
+        while heap:  # lazy heap: keys only grow, so refresh stale tops until one is current
+            stored, h = heap[0]
+            fresh = self.key(h, b)
+            if fresh == stored:
+                break
+            heapq.heapreplace(heap, (fresh, h))
+        sent, received = self.sent, self.received
+        while group.idle is not None and (sent.get(group.idle) or received.get(group.idle)):
+            group.idle = next(group.walk, None)  # busy ones are in the heap already
+        if group.idle is not None and (not heap or self.key(group.idle, b) < heap[0][0]):
+            src = group.idle
+            sent[src] = sent.get(src, 0.0) + b
+            if b:  # now busy: it joins the heap of every group it belongs to
+                self.busy.setdefault(self.held[src], []).append(src)
+                for other in self.groups_of_range[self.held[src]]:
+                    heapq.heappush(other.busy, (self.key(src, other.size), src))
+        else:
+            src = heap[0][1]
+            sent[src] = sent.get(src, 0.0) + b
+            heapq.heapreplace(heap, (self.key(src, b), src))
+        return src
 
 
 # --------------------------------------------------------------------------- placement

@@ -236,30 +236,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         # The job as given (cards) first, overrides included; the policies then run on its
         # unit view (itself when training.tp = 1).
-        spec = load_job(args.job, args.preset).with_recovery(args.recovery)
-        if args.failure_rate is not None:
-            spec = replace(spec, cluster=replace(spec.cluster,
-                                                 failure_rate_per_hour=args.failure_rate))
-        for flag, value in (("--dp-radius", args.dp_radius), ("--pp-radius", args.pp_radius)):
-            if value is not None and value < 0:
-                parser.error(f"{flag} {value} is invalid; pass an integer >= 0.")
-        planner = spec.planner
-        if args.dp_radius is not None:
-            planner = replace(planner, dp_radius=args.dp_radius)
-        if args.pp_radius is not None:
-            planner = replace(planner, pp_radius=args.pp_radius)
-        if args.no_templates:
-            planner = replace(planner, templates=False)
-        job = replace(spec, planner=planner)
+        job = _job(args, parser)
         spec = unit_spec(job)
         policies = parse_policies(args.policies)
-        constants = BaselineConstants(
-            storage_bandwidth_bytes_per_s=args.storage_bandwidth,
-            checkpoint_interval_s=args.checkpoint_interval_s,
-            oobleck_reconfigure_s=args.oobleck_reconfigure_s,
-            hybrid_interference=args.hybrid_interference,
-            reroute_timing=args.reroute_timing,
-        )
+        constants = _constants(args)
         traces = _traces(args, job)
     except (SpecError, TraceError, ValueError) as exc:
         parser.error(str(exc))
@@ -273,7 +253,48 @@ def main(argv: Sequence[str] | None = None) -> int:
         return parser.failure(f"the job cannot start: {exc}")
     except ValueError as exc:  # a trace for another number of devices
         parser.error(str(exc))
-    setting = {
+    setting = _setting(args, job, spec, traces, constants)
+    return _report(args, parser, result, traces, setting, job.training.tp)
+
+
+def _job(args: argparse.Namespace, parser: CliParser) -> JobSpec:
+    """The job as given, in cards, with the command line's overrides (recovery, failure rate,
+    planner radii and templates) applied: the one spec the setting and the traces describe.
+    Raises SpecError for a job that cannot be loaded; a negative radius is a usage error."""
+    spec = load_job(args.job, args.preset).with_recovery(args.recovery)
+    if args.failure_rate is not None:
+        spec = replace(spec, cluster=replace(spec.cluster,
+                                             failure_rate_per_hour=args.failure_rate))
+    for flag, value in (("--dp-radius", args.dp_radius), ("--pp-radius", args.pp_radius)):
+        if value is not None and value < 0:
+            parser.error(f"{flag} {value} is invalid; pass an integer >= 0.")
+    planner = spec.planner
+    if args.dp_radius is not None:
+        planner = replace(planner, dp_radius=args.dp_radius)
+    if args.pp_radius is not None:
+        planner = replace(planner, pp_radius=args.pp_radius)
+    if args.no_templates:
+        planner = replace(planner, templates=False)
+    return replace(spec, planner=planner)
+
+
+def _constants(args: argparse.Namespace) -> BaselineConstants:
+    """The baselines' figures the command line sets (checkpointing, Oobleck, hybrid, reroute
+    timing): kept apart from the job, which every policy shares."""
+    return BaselineConstants(
+        storage_bandwidth_bytes_per_s=args.storage_bandwidth,
+        checkpoint_interval_s=args.checkpoint_interval_s,
+        oobleck_reconfigure_s=args.oobleck_reconfigure_s,
+        hybrid_interference=args.hybrid_interference,
+        reroute_timing=args.reroute_timing,
+    )
+
+
+def _setting(args: argparse.Namespace, job: JobSpec, spec: JobSpec,
+             traces: Sequence[tuple[int, FailureTrace]], constants: BaselineConstants) -> dict:
+    """The JSON document's ``setting``: everything needed to rerun the experiment and read
+    its numbers. ``job`` counts cards, ``spec`` is its unit view (the planner's devices)."""
+    return {
         "devices": job.cluster.devices,
         **_unit_setting(job, spec),
         "hours": traces[0][1].horizon_s / 3600.0,
@@ -294,12 +315,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             "reroute_timing": constants.reroute_timing,
         },
     }
+
+
+def _report(args: argparse.Namespace, parser: CliParser, result: ExperimentResult,
+            traces: Sequence[tuple[int, FailureTrace]], setting: dict, tp: int) -> int:
+    """Write ``--out`` (whole or not at all), then print the JSON document or the table.
+    Returns the exit status: a failure when ``--out`` cannot be written, before any print."""
     from .report import summary_table, to_json_dict
 
     if args.out is not None:
         try:
-            doc = _write_outputs(result, traces, setting, Path(args.out), args.bins,
-                                 job.training.tp)
+            doc = _write_outputs(result, traces, setting, Path(args.out), args.bins, tp)
         except OSError as exc:
             return parser.failure(f"cannot write --out {args.out}: {exc}; pass a writable "
                                   "directory.")
@@ -309,7 +335,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(doc, indent=2))
     else:
         console = make_console()
-        console.print(summary_table(result, tp=job.training.tp))
+        console.print(summary_table(result, tp=tp))
         if args.out is not None:
             console.print(f"wrote {args.out}/summary.json, runs.csv, throughput.png, "
                           "relative.png, devices.png, traces/", markup=False, highlight=False)

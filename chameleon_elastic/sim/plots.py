@@ -274,18 +274,46 @@ def figures(result: ExperimentResult, bins: int = 108, tp: int = 1) -> dict[str,
     import matplotlib
 
     matplotlib.use("Agg")
+    frame = _Frame.of(result, tp)
+    return {
+        "throughput": _throughput_figure(result, frame, bins),
+        "relative": _relative_figure(result, frame, bins),
+        "devices": _devices_figure(result, frame, bins),
+    }
+
+
+@dataclass(frozen=True)
+class _Frame:
+    """What the three charts share (policies, seeds, time axis, legend width, the device
+    word), worked out once so that their titles and axes agree."""
+
+    names: list[str]
+    seed0: int
+    horizon_h: float
+    over: str
+    ncol: int
+    unit: str
+
+    @classmethod
+    def of(cls, result: ExperimentResult, tp: int) -> _Frame:
+        names = list(result.policies)
+        n = len(result.seeds)
+        return cls(
+            names=names,
+            seed0=result.seeds[0],
+            horizon_h=result.runs[names[0]][0].horizon_s / 3600.0,
+            over=f"mean over {n} trace{'s' if n != 1 else ''}",
+            ncol=min(len(names) + 1, 3),
+            unit="devices" if tp == 1 else f"units ({tp} cards each)",
+        )
+
+
+def _throughput_figure(result: ExperimentResult, frame: _Frame, bins: int) -> Figure:
+    """throughput.png: one trace exactly, its pauses, and the mean over traces. The exact
+    trace shows the gaps a pause leaves; the mean shows what a policy trains on average."""
     import matplotlib.pyplot as plt
 
-    names = list(result.policies)
-    n = len(result.seeds)
-    seed0 = result.seeds[0]
-    horizon_h = result.runs[names[0]][0].horizon_s / 3600.0
-    over = f"mean over {n} trace{'s' if n != 1 else ''}"
-    ncol = min(len(names) + 1, 3)
-    unit = "devices" if tp == 1 else f"units ({tp} cards each)"
-    figs: dict[str, Figure] = {}
-
-    # throughput.png: one trace exactly, its pauses, and the mean over traces.
+    names = frame.names
     fig, (top, strip, bottom) = plt.subplots(
         3, 1, figsize=(8.0, 8.4), dpi=100, sharex=True,
         gridspec_kw={"height_ratios": [3.0, 0.35 + 0.3 * len(names), 3.0]})
@@ -297,21 +325,27 @@ def figures(result: ExperimentResult, bins: int = 108, tp: int = 1) -> dict[str,
         centres, rate, _, _ = mean_curves(result, name, bins)
         bottom.plot(centres, rate, label=name, color=colour, linestyle=line,
                     linewidth=_width(i), drawstyle="steps-mid")
-    top.set_title(f"{result.spec.name}, trace of seed {seed0}: throughput while training "
+    top.set_title(f"{result.spec.name}, trace of seed {frame.seed0}: throughput while training "
                   "(gaps: paused)", fontsize=10)
-    _pause_strip(strip, result, horizon_h)
-    bottom.set_title(f"{result.spec.name}, {over} (pauses count as 0)", fontsize=10)
+    _pause_strip(strip, result, frame.horizon_h)
+    bottom.set_title(f"{result.spec.name}, {frame.over} (pauses count as 0)", fontsize=10)
     bottom.set_xlabel("time (hours)")
     for ax in (top, bottom):
         ax.set_ylabel("throughput (samples/s)")
         ax.set_ylim(bottom=0)
         ax.grid(True, alpha=0.3)
-        _legend(ax, ncol)
-    bottom.set_xlim(0, horizon_h)
+        _legend(ax, frame.ncol)
+    bottom.set_xlim(0, frame.horizon_h)
     fig.tight_layout()
-    figs["throughput"] = fig
+    return fig
 
-    # relative.png: the baseline's samples trained so far over each policy's, paired per seed.
+
+def _relative_figure(result: ExperimentResult, frame: _Frame, bins: int) -> Figure:
+    """relative.png: the baseline's samples trained so far over each policy's, paired per
+    seed, in full and zoomed, so that a difference of a percent the table reports shows."""
+    import matplotlib.pyplot as plt
+
+    names = frame.names
     baseline = "chameleon" if "chameleon" in names else names[0]
     times, ratios = relative_curves(result, baseline, bins)
     fig, (full, zoom) = plt.subplots(2, 1, figsize=(8.0, 6.4), dpi=100, sharex=True)
@@ -324,8 +358,8 @@ def figures(result: ExperimentResult, bins: int = 108, tp: int = 1) -> dict[str,
         ax.set_ylabel(f"{baseline} / policy")
         ax.grid(True, alpha=0.3)
         _legend(ax, 2, "upper left" if ax is full else "lower left")
-    full.set_title(f"samples trained so far, {baseline} over each policy ({over}, paired per "
-                   f"seed)", fontsize=10)
+    full.set_title(f"samples trained so far, {baseline} over each policy ({frame.over}, "
+                   f"paired per seed)", fontsize=10)
     if not ratios:
         full.text(0.5, 0.5, "one policy: nothing to compare", transform=full.transAxes,
                   ha="center", va="center")
@@ -333,15 +367,22 @@ def figures(result: ExperimentResult, bins: int = 108, tp: int = 1) -> dict[str,
     zoom.set_title(f"the same, zoomed to 1 ± {_ZOOM:.2f} (curves outside leave the panel)",
                    fontsize=10)
     zoom.set_xlabel("time (hours)")
-    zoom.set_xlim(0, horizon_h)
+    zoom.set_xlim(0, frame.horizon_h)
     fig.tight_layout()
-    figs["relative"] = fig
+    return fig
 
-    # devices.png: the layout's devices on one trace, the mean, and the devices left idle.
+
+def _devices_figure(result: ExperimentResult, frame: _Frame, bins: int) -> Figure:
+    """devices.png: the layout's devices on one trace, the mean, and the devices left idle:
+    whether a policy uses what is alive, which throughput alone does not tell."""
+    import matplotlib.pyplot as plt
+
+    names, unit, over = frame.names, frame.unit, frame.over
     fig, (top, middle, bottom) = plt.subplots(3, 1, figsize=(8.0, 8.4), dpi=100, sharex=True)
     lt, lv = live_devices(result)
     top.plot(lt, lv, color="black", linewidth=4.0, alpha=0.18, label=f"live {unit}")
     offsets = [0.12 * (i - (len(names) - 1) / 2) for i in range(len(names))]
+    centres: list[float] = []
     live_mean: list[float] = []
     for i, name in enumerate(names):
         colour, line = _style(name)
@@ -355,7 +396,7 @@ def figures(result: ExperimentResult, bins: int = 108, tp: int = 1) -> dict[str,
                     color=colour, linestyle=line, linewidth=_width(i), drawstyle="steps-mid")
     middle.plot(centres, live_mean, color="black", linewidth=4.0, alpha=0.18,
                 label=f"live {unit}", drawstyle="steps-mid")
-    top.set_title(f"{result.spec.name}, trace of seed {seed0}: {unit} training "
+    top.set_title(f"{result.spec.name}, trace of seed {frame.seed0}: {unit} training "
                   f"(offset up to ±{max(offsets):.2f} to stay apart)", fontsize=10)
     middle.set_title(f"{over}: {unit} in each policy's layout", fontsize=10)
     bottom.set_title(f"{over}: live {unit} each policy leaves idle", fontsize=10)
@@ -365,10 +406,9 @@ def figures(result: ExperimentResult, bins: int = 108, tp: int = 1) -> dict[str,
     bottom.set_ylabel(f"idle {unit}")
     for ax in (top, middle, bottom):
         ax.set_ylim(bottom=0)
-        ax.set_xlim(0, horizon_h)
+        ax.set_xlim(0, frame.horizon_h)
         ax.grid(True, alpha=0.3)
-        _legend(ax, ncol, "best" if ax is bottom else "lower left")
+        _legend(ax, frame.ncol, "best" if ax is bottom else "lower left")
     bottom.set_ylim(bottom=-0.05)
     fig.tight_layout()
-    figs["devices"] = fig
-    return figs
+    return fig
