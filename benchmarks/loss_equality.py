@@ -24,30 +24,13 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from pathlib import Path
 
-import psutil
+from launched import supervise, worker_of
 
 ROOT = Path(__file__).resolve().parent.parent
 GPT = str(ROOT / "examples" / "train_gpt.py")
 STEP_LINE = re.compile(r"step\s+(\d+)\s+loss\s+([0-9.]+)")
-
-
-def _worker_of(launcher: int, device: int) -> int | None:
-    """The pid of the GPT worker of ``device`` among the launcher's descendants."""
-    try:
-        children = psutil.Process(launcher).children(recursive=True)
-    except psutil.Error:
-        return None
-    for child in children:
-        try:
-            if (child.environ().get("CHAMELEON_DEVICE") == str(device)
-                    and "train_gpt" in " ".join(child.cmdline())):
-                return child.pid
-        except psutil.Error:
-            continue
-    return None
 
 
 def run(precision: str, steps: int, kills: list[tuple[int, int]],
@@ -65,7 +48,6 @@ def run(precision: str, steps: int, kills: list[tuple[int, int]],
         losses: dict[int, str] = {}
         todo = sorted(kills)
         done: list[tuple[int, int]] = []
-        family: set[int] = {proc.pid}
 
         def read() -> None:
             assert proc.stdout is not None
@@ -76,7 +58,7 @@ def run(precision: str, steps: int, kills: list[tuple[int, int]],
                 step = int(m.group(1))
                 losses.setdefault(step, m.group(2))
                 while todo and step >= todo[0][0]:
-                    victim = _worker_of(proc.pid, todo[0][1])
+                    victim = worker_of(proc.pid, todo[0][1])
                     if victim is None:
                         break
                     os.kill(victim, signal.SIGKILL)
@@ -84,23 +66,7 @@ def run(precision: str, steps: int, kills: list[tuple[int, int]],
 
         reader = threading.Thread(target=read, daemon=True)
         reader.start()
-        end = time.monotonic() + deadline_s
-        code = None
-        while code is None and time.monotonic() < end:
-            try:
-                family.update(c.pid for c in psutil.Process(proc.pid).children(recursive=True))
-            except psutil.Error:
-                pass
-            try:
-                code = proc.wait(timeout=0.5)
-            except subprocess.TimeoutExpired:
-                continue
-        for pid in family:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        proc.wait()
+        code = supervise(proc, deadline_s)
         reader.join(10)
     return {"losses": losses, "exit_code": code, "killed": done}
 

@@ -43,7 +43,7 @@ import threading
 import time
 from pathlib import Path
 
-import psutil
+from launched import supervise, worker_of
 
 ROOT = Path(__file__).resolve().parent.parent
 GPT = str(ROOT / "examples" / "train_gpt.py")
@@ -67,31 +67,6 @@ def command(path: str, steps: int, ckpt: str, state: str) -> list[str]:
             "--monitor-interval", "0.1", "--state-dir", state, *extra, *script]
 
 
-def _victim(launcher: int) -> int | None:
-    """The worker of rank 3 (device 3 under chameleon-run) among the launcher's children."""
-    try:
-        children = psutil.Process(launcher).children(recursive=True)
-    except psutil.Error:
-        return None
-    for child in children:
-        try:
-            env = child.environ()
-        except psutil.Error:
-            continue
-        if env.get("CHAMELEON_DEVICE", env.get("RANK")) == "3" and "train_gpt" in " ".join(
-                child.cmdline()):
-            return child.pid
-    return None
-
-
-def _kill_all(pids: set[int]) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
 def trial(path: str, steps: int, kill_at: int, deadline: float) -> dict:
     """One run; every process it started is killed at the end, orphans included (torchrun's
     workers outlive a killed torchrun and would hold the output pipe open)."""
@@ -103,7 +78,6 @@ def trial(path: str, steps: int, kill_at: int, deadline: float) -> dict:
                                 text=True, env=env, cwd=ROOT, start_new_session=True)
         lines: list[tuple[float, int]] = []
         state = {"kill_t": None, "committed": -1}
-        family: set[int] = {proc.pid}
 
         def read() -> None:
             assert proc.stdout is not None
@@ -114,7 +88,7 @@ def trial(path: str, steps: int, kill_at: int, deadline: float) -> dict:
                 now, step = time.monotonic(), int(m.group(1))
                 lines.append((now, step))
                 if state["kill_t"] is None and step >= kill_at:
-                    victim = _victim(proc.pid)
+                    victim = worker_of(proc.pid, 3)
                     if victim is not None:
                         state["committed"] = max(s for _, s in lines)
                         os.kill(victim, signal.SIGKILL)
@@ -122,19 +96,7 @@ def trial(path: str, steps: int, kill_at: int, deadline: float) -> dict:
 
         reader = threading.Thread(target=read, daemon=True)
         reader.start()
-        end = time.monotonic() + deadline
-        code = None
-        while code is None and time.monotonic() < end:
-            try:
-                family.update(c.pid for c in psutil.Process(proc.pid).children(recursive=True))
-            except psutil.Error:
-                pass
-            try:
-                code = proc.wait(timeout=0.5)
-            except subprocess.TimeoutExpired:
-                continue
-        _kill_all(family)
-        proc.wait()
+        code = supervise(proc, deadline)
         reader.join(10)
     kill_t, committed = state["kill_t"], state["committed"]
     after = [(t, s) for t, s in lines if kill_t is not None and t >= kill_t]
