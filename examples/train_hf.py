@@ -53,6 +53,13 @@ from chameleon_elastic.runtime import (
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
+def say(text: str) -> None:
+    """One line in one write: two workers sharing the terminal must not glue their lines
+    (print writes the text and its newline apart when output is unbuffered)."""
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
+
+
 def read_text(files: list[str], max_bytes: int) -> str:
     """The first ``max_bytes`` of ``files``, or of the standard library's .py files in sorted
     path order (present on every machine that runs this script)."""
@@ -236,13 +243,12 @@ def main(argv: list[str] | None = None) -> int:
              f"pipeline {trainer.plan.locate(trainer.device)[0]} layers "
              f"{trainer.layer_ids[0]}-{trainer.layer_ids[-1]}")
     if trainer.tp_rank == 0:
-        print(f"[rank {dist.get_rank()}] device {trainer.device}: {where} of "
-              f"{model.num_layers}; plan generation {trainer.plan.generation} "
-              f"({trainer.plan.policy}); {weights}; text as {tokenized}; {trainer.precision}",
-              flush=True)
+        say(f"[rank {dist.get_rank()}] device {trainer.device}: {where} of "
+            f"{model.num_layers}; plan generation {trainer.plan.generation} "
+            f"({trainer.plan.policy}); {weights}; text as {tokenized}; {trainer.precision}")
     first = trainer.committed
     if trainer.is_reporter and first:
-        print(f"resumed from the checkpoint after step {first - 1}", flush=True)
+        say(f"resumed from the checkpoint after step {first - 1}")
     started = time.perf_counter()
 
     def report(result: StepResult) -> None:
@@ -256,8 +262,8 @@ def main(argv: list[str] | None = None) -> int:
                                      "pid": os.getpid(), "time": time.time()}) + "\n")
         if step % args.log_every == 0 or step == args.steps - 1 or result.redone:
             again = "  (trained again)" if result.redone else ""
-            print(f"step {step:4d}  loss {result.loss:.4f}  lr {result.lr:.2e}  |g| "
-                  f"{result.grad_norm:.2f}  {result.step_s * 1e3:.0f} ms{again}", flush=True)
+            say(f"step {step:4d}  loss {result.loss:.4f}  lr {result.lr:.2e}  |g| "
+                f"{result.grad_norm:.2f}  {result.step_s * 1e3:.0f} ms{again}")
 
     try:
         trainer.run(args.steps, report, checkpoint_every=args.checkpoint_every)
@@ -266,9 +272,9 @@ def main(argv: list[str] | None = None) -> int:
     except PipelineRuntimeError as exc:
         raise SystemExit(f"rank {dist.get_rank()}: {exc}") from None
     if trainer.is_reporter:
-        print(f"done: steps {first}..{args.steps - 1} in "
-              f"{time.perf_counter() - started:.1f} s"
-              + (f"; saved to {args.export}" if args.export else ""), flush=True)
+        say(f"done: steps {first}..{args.steps - 1} in "
+            f"{time.perf_counter() - started:.1f} s"
+            + (f"; saved to {args.export}" if args.export else ""))
     trainer.close()
     dist.destroy_process_group()
     return 0
