@@ -154,8 +154,7 @@ class ChameleonAgent(LocalElasticAgent):
 
     def _event(self, trigger: Trigger, **fields: Any) -> FailureEvent:
         gen = self._session.plan.generation if self._session is not None else 0
-        return FailureEvent(trigger, gen, detected_at=time.monotonic(), wall=time.time(),
-                            **fields)
+        return FailureEvent(trigger, gen, wall=time.time(), **fields)
 
     # ------------------------------------------------------------------ one transition
 

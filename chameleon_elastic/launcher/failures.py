@@ -94,14 +94,13 @@ class Trigger(str, enum.Enum):
 @dataclass(frozen=True)
 class FailureEvent:
     """One event, classified once: what happened, which local devices are lost or back, and
-    the plan generation it happened in. Times: ``detected_at`` (monotonic) and ``wall``."""
+    the plan generation it happened in, and when it was seen (``wall``, Unix seconds)."""
 
     trigger: Trigger
     generation: int
     lost: frozenset[int] = frozenset()
     joined: frozenset[int] = frozenset()
     failures: tuple[WorkerFailure, ...] = ()
-    detected_at: float = 0.0
     wall: float = 0.0
 
     @property
