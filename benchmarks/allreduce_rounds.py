@@ -29,8 +29,10 @@ import statistics
 import sys
 
 from chameleon_elastic.plan import ExecutionPlan, Pipeline
-from chameleon_elastic.runtime import PipelineTrainer, dense_rank_map, plan_rounds
+from chameleon_elastic.runtime import PipelineTrainer
+from chameleon_elastic.runtime.layout import plan_rounds
 from chameleon_elastic.runtime.local_world import run_local_world
+from chameleon_elastic.runtime.topology import dense_rank_map
 from chameleon_elastic.runtime.toy import emulated_model
 
 MODES = ("serial", "rounds")

@@ -137,7 +137,8 @@ def _ablation_world(rank: int, world: int, plans: dict[str, str], repeats: int,
     import torch.distributed as dist
 
     from chameleon_elastic.plan import ExecutionPlan
-    from chameleon_elastic.runtime import PipelineTrainer, dense_rank_map
+    from chameleon_elastic.runtime import PipelineTrainer
+    from chameleon_elastic.runtime.topology import dense_rank_map
     from chameleon_elastic.runtime.toy import mlp_model
 
     before = ExecutionPlan.from_json(plans["before"])

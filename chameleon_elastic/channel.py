@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from chameleon_elastic.plan import DeviceRole, ExecutionPlan
@@ -45,7 +45,6 @@ from chameleon_elastic.spec import JobSpec
 __all__ = [
     "AGENT_STORE_ENV",
     "CHAMELEON_VARS",
-    "JOB_VARS",
     "Generation",
     "Registration",
     "Resumed",
@@ -87,12 +86,9 @@ CHAMELEON_VARS: tuple[str, ...] = (
 )
 
 
-#: What every worker of a job learns of the job itself (not of its plan): how the runtime
-#: should train by default, so a script follows the job file the planner priced.
-JOB_VARS: tuple[str, ...] = ("CHAMELEON_MICRO_BATCH_SIZE", "CHAMELEON_PRECISION")
-
-
 def job_env(spec: JobSpec) -> dict[str, str]:
+    """What every worker of a job learns of the job itself (not of its plan): how the runtime
+    should train by default, so a script follows the job file the planner priced."""
     return {"CHAMELEON_MICRO_BATCH_SIZE": str(spec.training.micro_batch_size),
             "CHAMELEON_PRECISION": spec.training.precision}
 
@@ -149,7 +145,6 @@ class Generation:
     (sorted), then spare devices that keep a live worker; each device is a unit of ``tp``
     cards on consecutive ranks. ``reported`` is the last step the job reported as far as the
     agents know (None: unknown), so a new reporter neither skips nor repeats a step.
-    ``inplace`` is False when the agents relaunch every worker.
     """
 
     generation: int
@@ -158,7 +153,6 @@ class Generation:
     master_port: int
     world: tuple[int, ...]
     reported: int | None = None
-    inplace: bool = True
     tp: int = 1
 
     @property
@@ -180,7 +174,7 @@ class Generation:
         return cls(int(d["generation"]), str(d["plan_file"]), str(d["master_addr"]),
                    int(d["master_port"]), tuple(int(x) for x in d["world"]),
                    None if d.get("reported") is None else int(d["reported"]),
-                   bool(d.get("inplace", True)), int(d.get("tp", 1)))
+                   tp=int(d.get("tp", 1)))
 
 
 @dataclass(frozen=True)
@@ -218,7 +212,6 @@ class Resumed:
     redone_steps: int
     noticed_at: float | None = None
     committed_at: float | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Resumed:

@@ -7,91 +7,35 @@ the per-device 1F1B order of ``planning/schedule.py`` with point-to-point transf
 gradients over each layer's holders by the plan's colour rounds and steps the optimizer. The
 loss and the gradients equal those of single-process training on the same global batch,
 whatever the plan (symmetric, asymmetric, rerouted). See docs/runtime.md.
+
+This package exports what a training script needs; everything else (the executor, the gradient
+sync, the commit protocol, rank maps, the recovery chain, ...) is imported from its module,
+e.g. ``from chameleon_elastic.runtime.topology import dense_rank_map``.
 """
 
 from __future__ import annotations
 
-from .checkpoint import latest_step, load_checkpoint, load_layers, save_checkpoint
-from .commit import Agreement, ProtocolError, Row, StateLost, agree
-from .data import global_micro_batch, sample_ids, step_sample_ids
+from .checkpoint import latest_step, load_checkpoint, save_checkpoint
 from .errors import PeerLost, PipelineRuntimeError
-from .executor import (
-    BoundarySpec,
-    OpTiming,
-    PipelineExecutor,
-    StepOutcome,
-    TensorSpec,
-    boundary_spec,
-)
-from .grad_sync import SyncMode, sync_gradients
-from .groups import GroupTable
-from .layer_state import LayerState, export_layer, import_layer
-from .model import PipelineModel, Tie, build_layers, collate
-from .precision import PRECISIONS, LossScale, Precision
-from .recovery import Recovery, WorkerLink
-from .topology import (
-    RankMap,
-    check_world,
-    dense_rank_map,
-    device_from_env,
-    init_distributed,
-    plan_from_env,
-)
-from .trainer import (
-    Entry,
-    PipelineTrainer,
-    StepResult,
-    data_parallel_plan,
-    layer_holders,
-    plan_rounds,
-)
+from .join import init_distributed
+from .model import PipelineModel, Tie
+from .precision import PRECISIONS, Precision
+from .step import StepResult
+from .topology import plan_from_env
+from .trainer import PipelineTrainer
 
 __all__ = [
     "PRECISIONS",
-    "Agreement",
-    "BoundarySpec",
-    "Entry",
-    "GroupTable",
-    "LayerState",
-    "LossScale",
-    "OpTiming",
     "PeerLost",
-    "PipelineExecutor",
     "PipelineModel",
     "PipelineRuntimeError",
     "PipelineTrainer",
     "Precision",
-    "ProtocolError",
-    "RankMap",
-    "Recovery",
-    "Row",
-    "StateLost",
-    "StepOutcome",
     "StepResult",
-    "SyncMode",
-    "TensorSpec",
     "Tie",
-    "WorkerLink",
-    "agree",
-    "boundary_spec",
-    "build_layers",
-    "check_world",
-    "collate",
-    "data_parallel_plan",
-    "dense_rank_map",
-    "device_from_env",
-    "export_layer",
-    "global_micro_batch",
-    "import_layer",
     "init_distributed",
     "latest_step",
-    "layer_holders",
     "load_checkpoint",
-    "load_layers",
     "plan_from_env",
-    "plan_rounds",
-    "sample_ids",
     "save_checkpoint",
-    "step_sample_ids",
-    "sync_gradients",
 ]

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from .carry_over import move_schedule
 from .errors import PeerLost, PipelineRuntimeError
 from .layer_state import LayerState, export_layer, import_layer
 from .precision import LossScale, Precision
@@ -138,5 +139,6 @@ def load_checkpoint(trainer, directory: str | Path) -> int:
         import_layer(state, trainer.layers[layer], trainer.optimizer)
     trainer.committed = step
     trainer.loss_scale = load_loss_scale(directory, step, trainer.precision)
-    trainer.scheduler = trainer._move_schedule(trainer.optimizer, None, step)
+    trainer.scheduler = move_schedule(trainer.model, trainer.scheduler, trainer.optimizer, None,
+                                      step)
     return step

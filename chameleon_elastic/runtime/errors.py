@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import sys
 from types import TracebackType
+from typing import TYPE_CHECKING
 
-__all__ = ["PeerLost", "PipelineRuntimeError", "communication_failure",
-           "say_peer_loss_in_one_line"]
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+__all__ = ["LostPeerMessage", "PeerLost", "PipelineRuntimeError", "communication_failure",
+           "keep_message_only", "say_peer_loss_in_one_line"]
 
 #: What torch says when a collective broke because a peer died or tore its groups down (gloo's
 #: socket errors, a timeout, NCCL/HCCL): the collectives inside a tensor-parallel layer raise
@@ -24,6 +28,42 @@ class PeerLost(PipelineRuntimeError):
     process groups down to recover (or the agent announced a new plan generation). Under
     chameleon-run this starts an in-place recovery; it reaches the user only without an agent
     to regroup with (plain torchrun, tests)."""
+
+
+class LostPeerMessage:
+    """The message of a :class:`PeerLost` raised inside a ``with`` block; see
+    :func:`keep_message_only`."""
+
+    def __init__(self, catch: bool) -> None:
+        self.catch = catch
+        self.message: str | None = None
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> bool:
+        if self.catch and isinstance(exc, PeerLost):
+            self.message = str(exc)
+            return True
+        return False
+
+
+def keep_message_only(catch: bool = True) -> LostPeerMessage:
+    """Catch a :class:`PeerLost` (when ``catch``; else let it through) and keep only its message.
+
+    Why only the message: the exception's traceback holds the frames of the broken step, whose
+    pending work keeps the old process groups, and with them their sockets, alive; a peer
+    blocked on those sockets would then wait for its collective timeout instead of failing at
+    once (docs/runtime.md, *Teardown must close sockets*). Every place that goes on to recover
+    after a lost peer catches it through this::
+
+        with keep_message_only(recovering) as lost:
+            ...
+        if lost.message is not None:
+            recover(lost.message)
+    """
+    return LostPeerMessage(catch)
 
 
 def communication_failure(exc: BaseException) -> bool:

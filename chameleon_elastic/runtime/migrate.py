@@ -16,20 +16,21 @@ raises :class:`~.errors.PeerLost`, so a failure during recovery starts the next 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from chameleon_elastic.plan import ExecutionPlan
 
 from .commit import Agreement
 from .errors import PeerLost
-from .layer_state import LayerState, recv_layer, send_layer
+from .layer_state import LayerState, export_layer, recv_layer, send_layer
 from .topology import RankMap
 
-__all__ = ["Move", "move_layers", "needs", "plan_moves"]
+__all__ = ["Move", "move_layers", "needs", "plan_moves", "stage_layers"]
 
 
 @dataclass(frozen=True)
@@ -78,17 +79,18 @@ def plan_moves(plan: ExecutionPlan, agreement: Agreement,
 
 
 def move_layers(moves: Sequence[Move], device: int, ranks: RankMap,
-                export: Callable[[int], LayerState], torch_device: torch.device,
-                tp_rank: int = 0) -> dict[int, LayerState]:
-    """Send what ``device`` must send, receive what it must receive; returns layer -> state.
-    Under tensor parallelism every card moves its own shards, to and from the cards of the same
-    tensor-parallel rank."""
+                layers: Mapping[int, nn.Module], optimizer: torch.optim.Optimizer | None,
+                torch_device: torch.device, tp_rank: int = 0) -> dict[int, LayerState]:
+    """Send what ``device`` must send (from ``layers`` with their ``optimizer`` state),
+    receive what it must receive; returns layer -> state. Under tensor parallelism every card
+    moves its own shards, to and from the cards of the same tensor-parallel rank."""
     pending = []
     try:
         for m in moves:
             if m.src == device:
                 for layer in m.layers:
-                    pending += send_layer(export(layer), ranks.rank(m.dst, tp_rank), layer, torch_device,
+                    state = export_layer(layer, layers[layer], optimizer)
+                    pending += send_layer(state, ranks.rank(m.dst, tp_rank), layer, torch_device,
                                           dist.isend)
         received = {}
         for m in sorted(moves, key=lambda m: (m.src, m.layers)):

@@ -7,8 +7,7 @@ all-gathers every rank's device id (with its state, see ``commit.Row``), so what
 the launcher chose, each rank knows which device every other rank is, and :func:`check_world`
 fails at once with a clear error when the world does not match the plan.
 
-Timeouts come from :class:`chameleon_elastic.timeouts.Timeouts` (environment > argument >
-default), the one place both the launcher and the runtime resolve them.
+Joining the process group itself is :mod:`.join`'s (``init_distributed``).
 """
 
 from __future__ import annotations
@@ -18,10 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch.distributed as dist
-
 from chameleon_elastic.plan import ExecutionPlan, PlanError
-from chameleon_elastic.timeouts import Timeouts
 
 from .errors import PipelineRuntimeError
 
@@ -30,7 +26,6 @@ __all__ = [
     "check_world",
     "dense_rank_map",
     "device_from_env",
-    "init_distributed",
     "plan_from_env",
     "tp_from_env",
 ]
@@ -178,33 +173,4 @@ def device_from_env(plan: ExecutionPlan, env: Mapping[str, str] | None = None) -
     except ValueError as exc:
         raise PipelineRuntimeError(
             f"CHAMELEON_DEVICE={raw!r} is not an integer device id."
-        ) from exc
-
-
-def init_distributed(backend: str | None = None, timeout_s: float | None = None) -> None:
-    """Join the job's process group with the back-end of the device plugin (gloo on CPU) and the
-    resolved collective timeout. Under ``chameleon-run --job`` the group is the newest plan
-    generation's, taken from this node's agent (so a process started to join a running job
-    meets the survivors); otherwise ``init_process_group`` from torchrun's environment. No-op
-    when already initialised."""
-    if dist.is_initialized():
-        return
-    from chameleon_elastic.plugins import get_backend
-
-    from .recovery import WorkerLink, join_generation, preload_before_groups
-
-    timeouts = Timeouts.resolve(collective_s=timeout_s)
-    name = backend or get_backend(os.environ.get("CHAMELEON_BACKEND")).dist_backend
-    link = WorkerLink.from_env(timeouts)
-    try:
-        if link is not None:
-            join_generation(link.current(), link, name, timeouts)
-        else:
-            preload_before_groups()
-            dist.init_process_group(backend=name, timeout=timeouts.delta("collective_s"))
-    except (RuntimeError, ValueError) as exc:
-        raise PipelineRuntimeError(
-            f"cannot join the process group with backend {name!r}: {exc}; start the script "
-            "with chameleon-run or torchrun so MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE "
-            "are set."
         ) from exc

@@ -15,7 +15,8 @@ import pytest
 import torch
 from torch import nn
 
-from chameleon_elastic.runtime import PipelineModel, PipelineRuntimeError, boundary_spec
+from chameleon_elastic.runtime import PipelineModel, PipelineRuntimeError
+from chameleon_elastic.runtime.executor import boundary_spec
 
 
 class Scaled(nn.Module):

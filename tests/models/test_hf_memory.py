@@ -10,8 +10,9 @@ from __future__ import annotations
 import pytest
 
 from chameleon_elastic.plan import ExecutionPlan, Pipeline
-from chameleon_elastic.runtime import PipelineTrainer, dense_rank_map
+from chameleon_elastic.runtime import PipelineTrainer
 from chameleon_elastic.runtime.local_world import run_local_world
+from chameleon_elastic.runtime.topology import dense_rank_map
 
 LAYERS = 6   # embedding, 4 decoder layers, head
 

@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 
 from chameleon_elastic.plan import ExecutionPlan, Pipeline
-from chameleon_elastic.runtime import PipelineTrainer, dense_rank_map, save_checkpoint
+from chameleon_elastic.runtime import PipelineTrainer, save_checkpoint
 from chameleon_elastic.runtime.local_world import run_local_world
+from chameleon_elastic.runtime.topology import dense_rank_map
 
 TP, MBS, STEPS, CLIP = 2, 2, 3, 0.5
 

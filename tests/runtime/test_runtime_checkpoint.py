@@ -15,12 +15,12 @@ from chameleon_elastic.plan import ExecutionPlan, PeerShare, Pipeline, Reroute
 from chameleon_elastic.runtime import (
     PipelineRuntimeError,
     PipelineTrainer,
-    dense_rank_map,
     latest_step,
     load_checkpoint,
     save_checkpoint,
 )
 from chameleon_elastic.runtime.local_world import run_local_world
+from chameleon_elastic.runtime.topology import dense_rank_map
 from chameleon_elastic.runtime.toy import mlp_model, reference_training
 
 MBS = 2

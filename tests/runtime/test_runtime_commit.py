@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from chameleon_elastic.plan import CHECKPOINT, ExecutionPlan, Pipeline, Transfer
-from chameleon_elastic.runtime import ProtocolError, Row, agree
+from chameleon_elastic.runtime.commit import ProtocolError, Row, agree
 from chameleon_elastic.runtime.layer_state import export_layer, import_layer, recv_layer, send_layer
 from chameleon_elastic.runtime.migrate import plan_moves
 from chameleon_elastic.runtime.model import build_layers

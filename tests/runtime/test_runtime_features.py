@@ -33,8 +33,10 @@ import pytest
 import torch
 
 from chameleon_elastic.plan import ExecutionPlan, PeerShare, Pipeline, Reroute
-from chameleon_elastic.runtime import LossScale, PipelineTrainer, dense_rank_map, save_checkpoint
+from chameleon_elastic.runtime import PipelineTrainer, save_checkpoint
 from chameleon_elastic.runtime.local_world import run_local_world
+from chameleon_elastic.runtime.precision import LossScale
+from chameleon_elastic.runtime.topology import dense_rank_map
 from chameleon_elastic.runtime.toy import featured_model, mlp_model, reference_run
 
 STEPS = 5

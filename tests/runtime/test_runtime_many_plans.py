@@ -18,8 +18,9 @@ import numpy as np
 import pytest
 
 from chameleon_elastic.plan import ExecutionPlan, PeerShare, Pipeline, Reroute
-from chameleon_elastic.runtime import PipelineTrainer, dense_rank_map
+from chameleon_elastic.runtime import PipelineTrainer
 from chameleon_elastic.runtime.local_world import run_local_world
+from chameleon_elastic.runtime.topology import dense_rank_map
 from chameleon_elastic.runtime.toy import mlp_model, reference_training
 
 WORKERS = 6

@@ -22,8 +22,9 @@ import numpy as np
 import pytest
 
 from chameleon_elastic.plan import ExecutionPlan, PeerShare, Pipeline, Reroute
-from chameleon_elastic.runtime import PipelineTrainer, dense_rank_map, save_checkpoint
+from chameleon_elastic.runtime import PipelineTrainer, save_checkpoint
 from chameleon_elastic.runtime.local_world import run_local_world
+from chameleon_elastic.runtime.topology import dense_rank_map
 from chameleon_elastic.runtime.toy import reference_run, tp_mlp_model
 
 TP = 2

@@ -12,22 +12,12 @@ from torch import nn
 
 from chameleon_elastic.plan import ExecutionPlan, PeerShare, Pipeline, Reroute
 from chameleon_elastic.plugins import PluginError, backend_names, get_backend, memory_stats
-from chameleon_elastic.runtime import (
-    PipelineExecutor,
-    PipelineRuntimeError,
-    PipelineTrainer,
-    RankMap,
-    TensorSpec,
-    boundary_spec,
-    build_layers,
-    data_parallel_plan,
-    dense_rank_map,
-    device_from_env,
-    layer_holders,
-    plan_from_env,
-    sample_ids,
-    step_sample_ids,
-)
+from chameleon_elastic.runtime import PipelineRuntimeError, PipelineTrainer, plan_from_env
+from chameleon_elastic.runtime.data import sample_ids, step_sample_ids
+from chameleon_elastic.runtime.executor import PipelineExecutor, TensorSpec, boundary_spec
+from chameleon_elastic.runtime.layout import data_parallel_plan, layer_holders
+from chameleon_elastic.runtime.model import build_layers
+from chameleon_elastic.runtime.topology import RankMap, dense_rank_map, device_from_env
 from chameleon_elastic.runtime.toy import featured_model, mlp_model
 
 

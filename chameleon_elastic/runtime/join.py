@@ -1,0 +1,102 @@
+"""Joining the job's process group: at start (:func:`init_distributed`) and at every new plan
+generation (:func:`join_generation`).
+
+Under ``chameleon-run --job`` a generation's world meets on the worker store under a prefix of
+its own, ``chameleon/gen/<N>/``, so a worker can never read an abandoned attempt's keys; the
+process's environment is then rewritten to describe the generation (RANK, WORLD_SIZE, MASTER_*,
+CHAMELEON_*). The sockets opened while forming the group are recorded (:mod:`.abort`) so the
+watchdog can unblock them. Why ``torch._dynamo`` is imported first: see
+:func:`preload_before_groups`. One module for both entries, so a fresh process and a survivor
+join the same way.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch.distributed as dist
+
+from chameleon_elastic import channel
+from chameleon_elastic.channel import Generation
+from chameleon_elastic.plan import ExecutionPlan
+from chameleon_elastic.timeouts import Timeouts
+
+from .abort import GroupSockets, new_sockets
+from .errors import PeerLost, PipelineRuntimeError
+from .link import WorkerLink
+
+__all__ = ["init_distributed", "join_generation", "preload_before_groups", "read_plan"]
+
+
+def join_generation(gen: Generation, link: WorkerLink, backend: str, timeouts: Timeouts) -> None:
+    """Make ``gen``'s world the default process group, on a store prefix of its own, and make
+    this process's environment describe it (RANK, WORLD_SIZE, MASTER_*, CHAMELEON_*)."""
+    preload_before_groups()
+    device, rank = link.device, gen.rank(link.device, link.tp_rank)
+    store = dist.TCPStore(gen.master_addr, gen.master_port, is_master=False,
+                          timeout=timeouts.delta("store_s"))
+    try:
+        with new_sockets() as sockets:
+            dist.init_process_group(backend, store=dist.PrefixStore(gen.prefix, store),
+                                    rank=rank, world_size=gen.world_size,
+                                    timeout=timeouts.delta("collective_s"))
+    except RuntimeError as exc:
+        raise PeerLost(f"device {device} could not join generation {gen.generation}: "
+                       f"{exc}") from exc
+    GroupSockets[dist.group.WORLD] = frozenset(sockets)
+    plan = read_plan(gen.plan_file)
+    env = {"RANK": str(rank), "WORLD_SIZE": str(gen.world_size),
+           "MASTER_ADDR": gen.master_addr, "MASTER_PORT": str(gen.master_port)}
+    roles = {r.device: r for r in plan.roles()}
+    if device in roles:
+        env.update(channel.chameleon_env(plan, roles[device], gen.plan_file,
+                                         gen.unit_ranks(device), link.tp_rank))
+    else:  # a spare keeps its worker: only the generation-wide variables change
+        env.update(CHAMELEON_PLAN_GENERATION=str(plan.generation),
+                   CHAMELEON_POLICY=plan.policy, CHAMELEON_PLAN_FILE=gen.plan_file,
+                   CHAMELEON_TP_GROUP_RANKS=",".join(map(str, gen.unit_ranks(device))))
+    os.environ.update(env)
+
+
+def preload_before_groups() -> None:
+    """Import what torch imports lazily on the first meta-device or optimizer operation, before
+    the first process group exists. Importing ``torch._dynamo`` while a group is alive makes
+    dynamo keep references to that group for good; a group that cannot be freed keeps its
+    sockets open after it is destroyed, and then a peer blocked on this process waits for its
+    collective timeout instead of failing at once. The import is paid by the trainer anyway."""
+    import torch._dynamo  # noqa: F401
+
+
+def read_plan(path: str) -> ExecutionPlan:
+    try:
+        return ExecutionPlan.from_json(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise PipelineRuntimeError(f"cannot read the plan file {path!r}: {exc}") from exc
+
+
+def init_distributed(backend: str | None = None, timeout_s: float | None = None) -> None:
+    """Join the job's process group with the back-end of the device plugin (gloo on CPU) and the
+    resolved collective timeout. Under ``chameleon-run --job`` the group is the newest plan
+    generation's, taken from this node's agent (so a process started to join a running job
+    meets the survivors); otherwise ``init_process_group`` from torchrun's environment. No-op
+    when already initialised."""
+    if dist.is_initialized():
+        return
+    from chameleon_elastic.plugins import get_backend
+
+    timeouts = Timeouts.resolve(collective_s=timeout_s)
+    name = backend or get_backend(os.environ.get("CHAMELEON_BACKEND")).dist_backend
+    link = WorkerLink.from_env(timeouts)
+    try:
+        if link is not None:
+            join_generation(link.current(), link, name, timeouts)
+        else:
+            preload_before_groups()
+            dist.init_process_group(backend=name, timeout=timeouts.delta("collective_s"))
+    except (RuntimeError, ValueError) as exc:
+        raise PipelineRuntimeError(
+            f"cannot join the process group with backend {name!r}: {exc}; start the script "
+            "with chameleon-run or torchrun so MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE "
+            "are set."
+        ) from exc

@@ -1,0 +1,136 @@
+"""A worker's end of its agent's channel (:mod:`chameleon_elastic.channel`).
+
+Who talks to whom: a worker talks to its own agent only, through a TCPStore client on loopback
+named by ``CHAMELEON_AGENT_STORE``. It registers once its trainer trains in ``run``, beats at
+every phase of a step (hang detection), learns of each new plan generation, reports how it
+resumed, which step it reported and checkpointed, and, when a peer failed it, says so
+(``trouble``) so its agent looks now. The agents decide plans among themselves; nothing here
+decides anything. Kept apart from the recovery chain so that joining a generation
+(:mod:`.join`) and the chain (:mod:`.recovery`) both use it without importing each other.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch.distributed as dist
+
+from chameleon_elastic import channel
+from chameleon_elastic.channel import Generation, Registration, Resumed
+from chameleon_elastic.timeouts import Timeouts
+
+from .errors import PipelineRuntimeError
+from .topology import tp_from_env
+
+__all__ = ["WorkerLink"]
+
+
+class WorkerLink:
+    """A worker's end of its agent's channel (a TCPStore client on loopback). ``device`` is
+    the plan's device (a unit of ``tp`` cards under tensor parallelism), ``tp_rank`` this
+    worker's place in it; the channel knows the worker by its card."""
+
+    def __init__(self, store: Any, device: int, timeouts: Timeouts, address: str = "",
+                 tp_rank: int = 0, tp: int = 1) -> None:
+        self.store = store
+        self.device = device
+        self.timeouts = timeouts
+        self.address = address
+        self.tp_rank, self.tp = tp_rank, tp
+
+    @property
+    def card(self) -> int:
+        return self.device * self.tp + self.tp_rank
+
+    @classmethod
+    def from_env(cls, timeouts: Timeouts | None = None,
+                 env: Mapping[str, str] | None = None) -> WorkerLink | None:
+        """The channel named by ``CHAMELEON_AGENT_STORE``; None outside ``chameleon-run --job``."""
+        env = os.environ if env is None else env
+        address = env.get(channel.AGENT_STORE_ENV)
+        if not address:
+            return None
+        timeouts = timeouts or Timeouts.resolve(env=env)
+        host, _, port = address.rpartition(":")
+        try:
+            device = int(env["CHAMELEON_DEVICE"])
+            tp_rank, tp = tp_from_env(env)
+            store = dist.TCPStore(host, int(port), is_master=False,
+                                  timeout=timeouts.delta("store_s"))
+        except (KeyError, ValueError, RuntimeError) as exc:
+            raise PipelineRuntimeError(
+                f"cannot reach this node's chameleon-run agent at {address} ({exc}); the "
+                "agent is gone or the variables were copied from another run: start the script "
+                f"with chameleon-run, or unset {channel.AGENT_STORE_ENV}."
+            ) from exc
+        return cls(store, device, timeouts, address, tp_rank, tp)
+
+    def another(self) -> WorkerLink:
+        """A second connection to the same channel, for another thread."""
+        host, _, port = self.address.rpartition(":")
+        store = dist.TCPStore(host, int(port), is_master=False,
+                              timeout=self.timeouts.delta("store_s"))
+        return WorkerLink(store, self.device, self.timeouts, self.address, self.tp_rank, self.tp)
+
+    def newest(self) -> int:
+        value = channel.read_int(self.store, channel.NEWEST)
+        return -1 if value is None else value
+
+    def has(self, number: int) -> bool:
+        return bool(self.store.check([channel.generation_key(number)]))
+
+    def generation(self, number: int) -> Generation:
+        return Generation.from_dict(channel.read(self.store, channel.generation_key(number)))
+
+    def current(self) -> Generation:
+        return self.generation(self.newest())
+
+    def wait_newer(self, than: int) -> Generation:
+        """The newest generation after ``than``, waiting up to ``generation_s`` for one."""
+        try:
+            self.store.wait([channel.generation_key(than + 1)],
+                            self.timeouts.delta("generation_s"))
+        except RuntimeError as exc:
+            raise PipelineRuntimeError(
+                f"device {self.device} lost a peer at plan generation {than} but its agent "
+                f"published no new plan within {self.timeouts.generation_s:g} s "
+                f"(CHAMELEON_GENERATION_TIMEOUT_S); no agent saw a device fail, so a peer may "
+                "be hung rather than dead."
+            ) from exc
+        # the agent writes the generation's key before NEWEST: a worker woken by the key may
+        # still read the old NEWEST, and must not join the old generation's (closed) store
+        return self.generation(max(self.newest(), than + 1))
+
+    def register(self, generation: int) -> None:
+        channel.write(self.store, channel.worker_key(self.card),
+                      Registration(self.card, os.getpid(), generation))
+
+    def resumed(self, record: Resumed) -> None:
+        channel.write(self.store, channel.resumed_key(record.generation, self.card), record)
+
+    def reported(self, step: int) -> None:
+        channel.write(self.store, channel.REPORTED, step)
+
+    def checkpoints(self) -> None:
+        channel.write(self.store, channel.CHECKPOINTS, True)
+
+    def checkpointed(self, step: int) -> None:
+        channel.write(self.store, channel.CHECKPOINT, step)
+
+    def beat(self) -> None:
+        """Progress: the agent declares a worker whose count stops moving (and that is not
+        asleep waiting for a peer) hung past ``--hang-timeout``."""
+        self.store.add(channel.beat_key(self.card), 1)
+
+    def ended(self, sentence: str) -> None:
+        """Training cannot go on (some layer's state exists nowhere): the agent ends the job with
+        this sentence instead of reporting a crashed worker."""
+        channel.write(self.store, channel.ENDED, sentence)
+
+    def trouble(self, generation: int) -> None:
+        """A peer failed us: the agent should look now. Also progress, since a worker busy
+        reacting to its peer's loss has not beaten since it blocked on that peer."""
+        channel.write(self.store, channel.TROUBLE, generation)
+        self.beat()
