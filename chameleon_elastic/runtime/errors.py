@@ -1,4 +1,5 @@
-"""The runtime's exception types, so callers can tell our failures from torch's."""
+"""The runtime's exception types, so callers can tell our failures from torch's, and the one rule
+for catching a lost peer (:func:`keep_message_only`)."""
 
 from __future__ import annotations
 
