@@ -300,60 +300,10 @@ class PipelineExecutor:
                         "this device's entry of device_orders(plan)."
                     )
                 began = time.perf_counter() if record else 0.0
-                key = (op.pipeline, op.micro_batch)
                 if op.kind == "F":
-                    targets = None
-                    if op.source is None:
-                        x, targets = self._batch(step, op.pipeline, op.micro_batch)
-                        wanting: list[torch.Tensor] = []
-                    else:
-                        x, wanting = self._receive_input(op)
-                    out = self._forward(x)
-                    if op.dest is None:
-                        if targets is None:
-                            _, targets = self._batch(step, op.pipeline, op.micro_batch)
-                        with autocast(self.precision, self.torch_device):
-                            loss = self.model.loss(out, targets)
-                        if self.tp_rank == 0:
-                            loss_sum += float(loss.detach()) * scale
-                        stash[key] = (wanting, loss * (scale * loss_scale))
-                    else:
-                        leaves, _ = flatten(out, f"device {self.device}'s stage output")
-                        for i, leaf in enumerate(leaves):
-                            tag = self._tag(op.pipeline, op.micro_batch, op.stage + 1, False, i)
-                            self._send(leaf, op.dest, tag, pending)
-                        stash[key] = (wanting, out)
+                    loss_sum += self._forward_op(step, op, scale, loss_scale, stash, pending)
                 elif op.kind == "B":
-                    try:
-                        wanting, out = stash.pop(key)
-                    except KeyError:
-                        raise PipelineRuntimeError(
-                            f"backward of pipeline {op.pipeline} micro-batch {op.micro_batch} "
-                            f"comes before its forward on device {self.device}; the order is "
-                            "invalid.") from None
-                    if op.source is None:
-                        out.backward()
-                    else:
-                        leaves, _ = flatten(out)
-                        outs, grads = [], []
-                        for i, leaf in enumerate(leaves):
-                            if leaf.requires_grad:
-                                outs.append(leaf)
-                                grads.append(self._recv(
-                                    TensorSpec(tuple(leaf.shape), leaf.dtype), op.source,
-                                    self._tag(op.pipeline, op.micro_batch, op.stage, True, i)))
-                        if outs:
-                            torch.autograd.backward(outs, grads)
-                    if op.dest is not None:
-                        assert self._input_spec is not None
-                        wanted = iter(wanting)
-                        for i, spec in enumerate(self._input_spec.leaves):
-                            if not spec.requires_grad:
-                                continue
-                            x = next(wanted)
-                            grad = x.grad if x.grad is not None else torch.zeros_like(x)
-                            tag = self._tag(op.pipeline, op.micro_batch, op.stage - 1, True, i)
-                            self._send(grad, op.dest, tag, pending)
+                    self._backward_op(op, stash, pending)
                 else:
                     raise PipelineRuntimeError(f"unknown operation kind {op.kind!r}")
                 if record:
@@ -368,15 +318,81 @@ class PipelineExecutor:
             # unit is gone, as for a broken transfer
             raise PeerLost(f"device {self.device} lost a peer of its unit in step {step}: "
                            f"{str(exc).splitlines()[0][:300]}") from exc
-        for work, _ in pending:
-            try:
-                work.wait()
-            except RuntimeError as exc:
-                raise PeerLost(f"device {self.device} could not complete a send of step "
-                               f"{step}: {exc}") from exc
+        self._wait_sends(pending, step)
         if stash:
             raise PipelineRuntimeError(
                 f"device {self.device} ran forwards without backwards for {sorted(stash)}; the "
                 "operation order is incomplete."
             )
         return StepOutcome(loss_sum, len(ops), tuple(timings))
+
+    def _forward_op(self, step: int, op: Any, scale: float, loss_scale: float,
+                    stash: dict, pending: list) -> float:
+        """One forward: the input from the data (first stage) or the previous stage, the
+        output to the next stage or, on the last stage, the loss kept for its backward.
+        Returns this micro-batch's share of the step's loss (counted by tensor-parallel rank 0
+        only)."""
+        key = (op.pipeline, op.micro_batch)
+        targets = None
+        if op.source is None:
+            x, targets = self._batch(step, op.pipeline, op.micro_batch)
+            wanting: list[torch.Tensor] = []
+        else:
+            x, wanting = self._receive_input(op)
+        out = self._forward(x)
+        if op.dest is not None:
+            leaves, _ = flatten(out, f"device {self.device}'s stage output")
+            for i, leaf in enumerate(leaves):
+                tag = self._tag(op.pipeline, op.micro_batch, op.stage + 1, False, i)
+                self._send(leaf, op.dest, tag, pending)
+            stash[key] = (wanting, out)
+            return 0.0
+        if targets is None:
+            _, targets = self._batch(step, op.pipeline, op.micro_batch)
+        with autocast(self.precision, self.torch_device):
+            loss = self.model.loss(out, targets)
+        stash[key] = (wanting, loss * (scale * loss_scale))
+        return float(loss.detach()) * scale if self.tp_rank == 0 else 0.0
+
+    def _backward_op(self, op: Any, stash: dict, pending: list) -> None:
+        """One backward: from the loss (last stage) or the gradients the next stage sent, and
+        the input's gradients on to the previous stage (only the leaves that want them)."""
+        try:
+            wanting, out = stash.pop((op.pipeline, op.micro_batch))
+        except KeyError:
+            raise PipelineRuntimeError(
+                f"backward of pipeline {op.pipeline} micro-batch {op.micro_batch} "
+                f"comes before its forward on device {self.device}; the order is "
+                "invalid.") from None
+        if op.source is None:
+            out.backward()
+        else:
+            leaves, _ = flatten(out)
+            outs, grads = [], []
+            for i, leaf in enumerate(leaves):
+                if leaf.requires_grad:
+                    outs.append(leaf)
+                    grads.append(self._recv(
+                        TensorSpec(tuple(leaf.shape), leaf.dtype), op.source,
+                        self._tag(op.pipeline, op.micro_batch, op.stage, True, i)))
+            if outs:
+                torch.autograd.backward(outs, grads)
+        if op.dest is None:
+            return
+        assert self._input_spec is not None
+        wanted = iter(wanting)
+        for i, spec in enumerate(self._input_spec.leaves):
+            if not spec.requires_grad:
+                continue
+            x = next(wanted)
+            grad = x.grad if x.grad is not None else torch.zeros_like(x)
+            tag = self._tag(op.pipeline, op.micro_batch, op.stage - 1, True, i)
+            self._send(grad, op.dest, tag, pending)
+
+    def _wait_sends(self, pending: list, step: int) -> None:
+        for work, _ in pending:
+            try:
+                work.wait()
+            except RuntimeError as exc:
+                raise PeerLost(f"device {self.device} could not complete a send of step "
+                               f"{step}: {exc}") from exc
