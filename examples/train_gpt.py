@@ -50,6 +50,7 @@ from chameleon_elastic.runtime import (
     init_distributed,
     plan_from_env,
 )
+from chameleon_elastic.runtime.schedules import warmup_cosine
 
 VOCAB = 256
 
@@ -170,20 +171,6 @@ def adamw(params, lr: float) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
 
 
-def warmup_cosine(step: int, warmup: int, total: int) -> float:
-    """Learning-rate factor: linear warm-up over ``warmup`` steps, then cosine decay to 10%."""
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return 0.1 + 0.45 * (1.0 + math.cos(math.pi * progress))
-
-
-def schedule(optimizer: torch.optim.Optimizer, warmup: int,
-             total: int) -> torch.optim.lr_scheduler.LRScheduler:
-    factor = functools.partial(warmup_cosine, warmup=warmup, total=total)
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-
-
 def gpt_model(blocks: int, context: int, width: int, heads: int, lr: float,
               corpus: torch.Tensor, seed: int, *, tie: bool = True, warmup: int = 0,
               total_steps: int = 0) -> PipelineModel:
@@ -195,7 +182,7 @@ def gpt_model(blocks: int, context: int, width: int, heads: int, lr: float,
         make_optimizer=functools.partial(adamw, lr=lr),
         sample=functools.partial(window, corpus=corpus, context=context),
         seed=seed,
-        make_scheduler=(functools.partial(schedule, warmup=warmup, total=total_steps)
+        make_scheduler=(functools.partial(warmup_cosine, warmup=warmup, total=total_steps)
                         if total_steps else None),
         tied=(Tie(((0, "tokens.weight"), (blocks + 1, "out.weight"))),) if tie else (),
         tp_plan=functools.partial(tensor_parallel_plan, blocks=blocks),
@@ -286,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     unit = f" (a unit of {tp} cards)" if tp > 1 else ""
     if trainer.tp_rank == 0:   # one line per device, not per card
         say(f"[rank {dist.get_rank()}] device {trainer.device}{unit}: {where}; plan "
-              f"generation {trainer.plan.generation} ({trainer.plan.policy})")
+            f"generation {trainer.plan.generation} ({trainer.plan.policy})")
     first = trainer.committed
     if trainer.is_reporter and first:
         say(f"resumed from the checkpoint after step {first - 1}")
@@ -298,8 +285,8 @@ def main(argv: list[str] | None = None) -> int:
         if step % args.log_every == 0 or step == args.steps - 1 or result.redone:
             again = "  (trained again)" if result.redone else ""   # the recovery line says why
             say(f"step {step:4d}  loss {result.loss:.4f}  (bits/byte "
-                  f"{result.loss / math.log(2):.3f})  lr {result.lr:.2e}  |g| "
-                  f"{result.grad_norm:.2f}  {result.step_s * 1e3:.0f} ms{again}")
+                f"{result.loss / math.log(2):.3f})  lr {result.lr:.2e}  |g| "
+                f"{result.grad_norm:.2f}  {result.step_s * 1e3:.0f} ms{again}")
 
     try:
         trainer.run(args.steps, report, checkpoint_every=args.checkpoint_every)
@@ -308,11 +295,11 @@ def main(argv: list[str] | None = None) -> int:
     if trainer.is_reporter:
         if first >= args.steps:
             say(f"nothing to train: the checkpoint in {args.checkpoint_dir} already holds "
-                  f"all {args.steps} steps (raise --steps to train on, or pass another "
-                  "--checkpoint-dir to start afresh)")
+                f"all {args.steps} steps (raise --steps to train on, or pass another "
+                "--checkpoint-dir to start afresh)")
         else:
             say(f"done: steps {first}..{args.steps - 1} in "
-                  f"{time.perf_counter() - started:.1f} s")
+                f"{time.perf_counter() - started:.1f} s")
     trainer.close()
     dist.destroy_process_group()
     return 0

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import math
 import os
 import socket
 import sys
@@ -49,6 +48,7 @@ from chameleon_elastic.runtime import (
     init_distributed,
     plan_from_env,
 )
+from chameleon_elastic.runtime.schedules import warmup_cosine
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -95,20 +95,6 @@ def tokenize(text: str, directory: Path | None, vocab: int) -> tuple[torch.Tenso
                               "tokenizer beside the model.")
     data = torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8)
     return data.to(torch.int64), "bytes"
-
-
-def warmup_cosine(step: int, warmup: int, total: int) -> float:
-    """Learning-rate factor: linear warm-up over ``warmup`` steps, then cosine decay to 10%."""
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return 0.1 + 0.45 * (1.0 + math.cos(math.pi * progress))
-
-
-def schedule(optimizer: torch.optim.Optimizer, warmup: int,
-             total: int) -> torch.optim.lr_scheduler.LRScheduler:
-    factor = functools.partial(warmup_cosine, warmup=warmup, total=total)
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -200,7 +186,7 @@ def build(args: argparse.Namespace, plan) -> tuple[PipelineModel, str]:
         source,
         sample=functools.partial(hf.token_windows, tokens, args.context),
         make_optimizer=functools.partial(hf.adamw, lr=args.lr, weight_decay=args.weight_decay),
-        make_scheduler=(functools.partial(schedule, warmup=args.warmup_steps, total=args.steps)
+        make_scheduler=(functools.partial(warmup_cosine, warmup=args.warmup_steps, total=args.steps)
                         if args.warmup_steps else None),
         seed=args.seed, dtype=DTYPES[args.dtype], dropout=args.dropout)
     return model, how
