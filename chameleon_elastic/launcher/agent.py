@@ -44,7 +44,7 @@ from chameleon_elastic import channel
 from chameleon_elastic.timeouts import Timeouts
 
 from . import coordination
-from .coordination import Decision, NodeReport
+from .coordination import Decision, Members, NodeReport, QuickRoundFailed
 from .detectors import Watchers
 from .failures import FailureEvent, RestartBudget, Trigger
 from .health import AlwaysHealthy, HealthCheck
@@ -159,14 +159,21 @@ class ChameleonAgent(LocalElasticAgent):
         self._transition(None, inplace_wanted=False, expect_reports=False)
 
     def _transition(self, event: FailureEvent | None, inplace_wanted: bool,
-                    expect_reports: bool) -> None:
-        """One rendezvous round and what follows it. ``expect_reports``: the workers run on
-        the runtime, so the recovery is reported once they have committed a step."""
+                    expect_reports: bool, quick: bool = False) -> None:
+        """One round (quick when no node can join, rounds.py) and what follows it.
+        ``expect_reports``: the workers run on the runtime, so the recovery is reported once
+        they have committed a step."""
         wg = self._worker_group
         spec = wg.spec
         began = time.perf_counter()
-        info = self._rounds.next(spec, first=self._node is None)
-        self._rdzv_handler = spec.rdzv_handler   # torch's, after a failover too
+        quick = self._rounds.can_quick and (  # plain scripts: torchrun's rounds, but alone
+            (quick and self._session is not None) or self._rounds.params.max_nodes == 1)
+        if quick:
+            info, members = self._rounds.quick(self._node, self._watchers.alive())
+        else:
+            info = self._rounds.next(spec, first=self._node is None)
+            self._rdzv_handler = spec.rdzv_handler   # torch's, after a failover too
+            members = Members(info.rank, tuple(range(info.world_size)))
         self._store = info.store
         if self._node is None:
             self._node = info.rank
@@ -176,7 +183,11 @@ class ChameleonAgent(LocalElasticAgent):
         plan_s, decision, change = 0.0, None, None
         if self._session is not None:
             t = time.perf_counter()
-            decision, change = self._agree(info, inplace_wanted)
+            try:
+                decision, change = self._agree(info, members, inplace_wanted, quick)
+            except QuickRoundFailed as exc:
+                self._emit(Event.FAILURE_SEEN, kind="quick_round_failed", reason=str(exc))
+                return self._transition(event, inplace_wanted, expect_reports)
             plan_s = time.perf_counter() - t
         if self._channel is not None:   # a lost peer reported before this round is handled
             channel.write(self._channel, channel.TROUBLE, -1)
@@ -186,11 +197,15 @@ class ChameleonAgent(LocalElasticAgent):
             t = time.perf_counter()
             self._procs.close(timeout=self._timeouts.shutdown_s)
             stop_s = time.perf_counter() - t
-        addr, port = self._rounds.open_worker_store(spec, info)
-        wg.store, wg.group_rank, wg.group_world_size = info.store, info.rank, info.world_size
-        wg.master_addr, wg.master_port = addr, port
-        self._emit(Event.RENDEZVOUS, group_rank=info.rank, group_world_size=info.world_size,
-                   node=self._node, master_addr=addr, master_port=port, duration_s=rdzv_s)
+        addr, port = self._rounds.open_worker_store(spec, info, members.decides)
+        wg.store, wg.master_addr, wg.master_port = info.store, addr, port
+        wg.group_rank, wg.group_world_size = info.rank, info.world_size
+        if quick and decision is not None:   # the nodes that took part (the exit barrier's)
+            wg.group_rank, wg.group_world_size = (decision.nodes.index(self._node),
+                                                  len(decision.nodes))
+        self._emit(Event.RENDEZVOUS, group_rank=wg.group_rank, quick=quick,
+                   group_world_size=wg.group_world_size, node=self._node, master_addr=addr,
+                   master_port=port, duration_s=rdzv_s)
         t = time.perf_counter()
         started = self._start(decision, info)
         wg.state = WorkerState.HEALTHY
@@ -205,8 +220,9 @@ class ChameleonAgent(LocalElasticAgent):
                 self._report(self._reporter.finish({}, self._session.plan,
                                                    self._budget.used))
 
-    def _agree(self, info: Any, inplace_wanted: bool) -> tuple[Decision, Any]:
-        """Report, decide (group rank 0) or adopt (coordination.agree), and log it."""
+    def _agree(self, info: Any, members: Members, inplace_wanted: bool,
+               quick: bool) -> tuple[Decision, Any]:
+        """Report, decide (the lowest member) or adopt (coordination.agree), and log it."""
         session = self._session
         assert session is not None and self._node is not None
         live = self._procs.devices
@@ -216,18 +232,18 @@ class ChameleonAgent(LocalElasticAgent):
                                  self._book.why, self._channel)
         try:
             decision, change = coordination.agree(
-                info.store, self._rounds.scope(self._worker_group.spec), info.rank,
-                info.world_size, mine, session, inplace_wanted, self._here.units_per_node,
-                self._timeouts.store_s)
+                info.store, self._rounds.scope(), members, mine, session, inplace_wanted,
+                self._here.units_per_node, self._timeouts.store_s, quick=quick)
         except LauncherPlanningError as exc:
             self._emit(Event.PLANNING_FAILED, error=str(exc))
             raise
+        self._rounds.nodes = decision.nodes
         self._budget.settle(peer_node_lost=bool(
             session.excluded - before - self._here.units(self._here.cards)))
         self._book.settle()
         if change is not None:
             self._emit(Event.PLAN_CHOSEN, plan_file=session.plan_file,
-                       decided_here=info.rank == 0, inplace=decision.inplace,
+                       decided_here=members.decides, inplace=decision.inplace,
                        **change.event_fields())
         return decision, change
 
@@ -350,6 +366,7 @@ class ChameleonAgent(LocalElasticAgent):
         return self._watchers.tick(
             result.state, [e for _, e in sorted(self._exits.items())], self._procs.pids(),
             self._here, self._session, self._channel, lambda: self._rounds.nodes_waiting(spec),
+            self._rounds.quick_called,
             max(1.0, 4 * spec.monitor_interval), planned=self._planned,
             inplace_wanted=self._inplace_wanted, runtime=self._runtime,
             some_succeeded=bool(self._procs.succeeded), restarts_left=self._budget.left)
@@ -387,7 +404,7 @@ class ChameleonAgent(LocalElasticAgent):
         if r.charge:
             self._budget.charge()
         try:
-            self._recover(event, r.inplace)
+            self._recover(event, r.inplace, r.quick)
         finally:
             self._budget.charged = False
         return None
@@ -401,7 +418,7 @@ class ChameleonAgent(LocalElasticAgent):
         self._emit(Event.JOB_FINISHED, state="FAILED", reason=sentence)
         return RunResult(state=WorkerState.FAILED)
 
-    def _recover(self, event: FailureEvent, inplace: bool) -> None:
+    def _recover(self, event: FailureEvent, inplace: bool, quick: bool) -> None:
         mode = "in place" if inplace else "relaunch"
         self._update_status(f"recovering {mode} ({event.reason})")
-        self._transition(event, inplace_wanted=inplace, expect_reports=self._runtime)
+        self._transition(event, inplace, expect_reports=self._runtime, quick=quick)
