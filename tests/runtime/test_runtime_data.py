@@ -287,3 +287,31 @@ def test_evaluation_equals_single_process_under_every_plan_kind():
     assert np.isnan(reported[0][1])
     np.testing.assert_allclose([loss for _, loss in reported[1:]], expected[2:], rtol=1e-9)
     assert all(out["run"] == [] for out in runs[1:])
+
+
+# ---------------------------------------------------------------- the feed alone
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("processes", [False, True])
+def test_read_ahead_gives_the_micro_batches_the_plan_assigns(processes):
+    """Threads or worker processes, what arrives is what the step's positions read; what was
+    read for an abandoned plan is not served under the next one."""
+    from chameleon_elastic.runtime.feed import Feed
+    from chameleon_elastic.runtime.model import collate
+
+    plans = five_device_plans()
+    model = mlp_model(layers=LAYERS, width=8, dataset=RegressionData(N, width=8))
+    feed = Feed(model, MBS, workers=2, processes=processes)
+    try:
+        for name, step in (("symmetric", 0), ("symmetric", 1), ("asymmetric", 2)):
+            plan = plans[name]
+            wanted = [(p, m) for p, pipe in enumerate(plan.pipelines)
+                      for m in range(pipe.micro_batches)]
+            feed.begin(plan, step, wanted)
+            assert {k[0] for k in feed._ahead} == {step, step + 1}   # this step and the next
+            for p, m in wanted:
+                x, y = feed.batch(plan, step, p, m)
+                ex, ey = collate(model, feed.indices(plan, step, p, m))
+                assert torch.equal(x, ex) and torch.equal(y, ey), (name, step, p, m)
+    finally:
+        feed.close()
