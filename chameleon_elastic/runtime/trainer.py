@@ -94,7 +94,8 @@ class PipelineTrainer:
     (``chameleon-run --job``), which makes recovery in place possible. ``on_phase(step, phase)``
     is a fault-injection hook for tests, called before each phase of a step (``forward``,
     ``backward``, ``sync``, ``vote``, ``apply``) and after ``apply`` (``applied``), and with
-    ``enter`` as the process starts entering a plan (``step``: steps committed, -1 when fresh).
+    ``enter`` as the process starts entering a plan (``step``: steps committed, -1 when fresh),
+    and ``evaluate`` as an evaluation starts (``step``: steps committed).
     ``max_grad_norm``: clip the job-wide gradient norm to it (as
     ``torch.nn.utils.clip_grad_norm_`` over the whole model). ``precision``: ``fp32``, ``bf16``
     or ``fp16`` (:mod:`.precision`). Stages run with activation recomputation where the plan
