@@ -259,12 +259,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                          "(0: never)")
     ap.add_argument("--eval-samples", type=int, default=64,
                     help="windows held out of training at the corpus's end, for --eval-every")
-    ap.add_argument("--data-workers", type=int, default=1,
-                    help="background threads that read the next step's windows while a step "
-                         "computes")
     args = ap.parse_args(argv)
     for name in ("steps", "width", "heads", "context", "global_micro_batches", "corpus_bytes",
-                 "log_every", "checkpoint_every", "eval_samples", "data_workers"):
+                 "log_every", "checkpoint_every", "eval_samples"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
     for name in ("warmup_steps", "max_grad_norm", "eval_every"):
@@ -302,8 +299,7 @@ def main(argv: list[str] | None = None) -> int:
                                            checkpoint_dir=args.checkpoint_dir,
                                            max_grad_norm=args.max_grad_norm or None,
                                            precision=args.precision or os.environ.get(
-                                               "CHAMELEON_PRECISION", "bf16"),
-                                           data_workers=args.data_workers)
+                                               "CHAMELEON_PRECISION", "bf16"))
     except PipelineRuntimeError as exc:
         raise SystemExit(str(exc)) from None
     where = ("spare" if not trainer.working else

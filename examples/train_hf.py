@@ -155,15 +155,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                          "(0: never)")
     ap.add_argument("--eval-samples", type=int, default=16,
                     help="windows held out of training at the text's end, for --eval-every")
-    ap.add_argument("--data-workers", type=int, default=1,
-                    help="background threads that read the next step's windows while a step "
-                         "computes")
     ap.add_argument("--export", metavar="OUT", default=None,
                     help="at the end, save the model where transformers' from_pretrained "
                          "loads it")
     args = ap.parse_args(argv)
     for name in ("steps", "context", "global_micro_batches", "data_bytes", "log_every",
-                 "checkpoint_every", "eval_samples", "data_workers"):
+                 "checkpoint_every", "eval_samples"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
     for name in ("warmup_steps", "max_grad_norm", "pace", "weight_decay", "dropout",
@@ -248,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
             micro_batch_size=args.micro_batch_size or (None if plan is not None else 4),
             checkpoint_dir=args.checkpoint_dir, max_grad_norm=args.max_grad_norm or None,
             precision=args.precision or (None if plan is not None else "bf16"),
-            on_phase=on_phase if pace else None, data_workers=args.data_workers)
+            on_phase=on_phase if pace else None)
     except (PipelineRuntimeError, hf.HFModelError) as exc:
         return fail(str(exc))
     weights = (f"weights from {args.model}" if hf.layers_of(model).pretrained
