@@ -275,7 +275,6 @@ class PipelineTrainer:
             self.phases.beat = self.recovery.link.beat   # progress for hang detection
             if self.checkpoint_dir is not None and checkpoint_every:
                 self.recovery.link.checkpoints()
-        self.evaluated = (self.plan.generation, self.committed)   # not the state we start from
         self._report(report, evaluate, steps)
         while self.committed < steps or self._evaluation_due(evaluate, steps):
             with keep_message_only(self.recovery is not None) as lost:
@@ -306,9 +305,10 @@ class PipelineTrainer:
                 self.recovery.link.checkpointed(done)
 
     def _evaluation_due(self, every: Every | None, steps: int) -> bool:
-        """Whether the committed state still needs its evaluation. The same on every rank: it
-        depends on the committed step and the plan generation, so after a recovery (a new
-        generation everywhere) an interrupted evaluation is run again by all."""
+        """Whether the committed state still needs its evaluation. The same on every rank of a
+        generation: it depends on the committed step and on whether this generation evaluated
+        it, so after a recovery an interrupted evaluation is run again by all, a process that
+        joins included (it has evaluated nothing)."""
         return (every is not None and every.due(self.committed, steps)
                 and self.evaluated != (self.plan.generation, self.committed))
 

@@ -315,3 +315,14 @@ def test_read_ahead_gives_the_micro_batches_the_plan_assigns(processes):
                 assert torch.equal(x, ex) and torch.equal(y, ey), (name, step, p, m)
     finally:
         feed.close()
+
+
+def test_bad_evaluation_and_reader_settings_are_one_sentence():
+    with pytest.raises(PipelineRuntimeError, match="every 1 or more steps"):
+        Every(0, RegressionData(4))
+    with pytest.raises(PipelineRuntimeError, match="the evaluation dataset is a"):
+        Every(2, iter(range(4)))
+    from chameleon_elastic.runtime.feed import Feed
+
+    with pytest.raises(PipelineRuntimeError, match="at least one background reader"):
+        Feed(mlp_model(), 1, workers=0)
