@@ -70,3 +70,54 @@ def test_a_dataset_and_its_evaluations_survive_two_kills_in_place(tmp_path, laun
     recovered = [e for e in read_events(state / "events.jsonl") if e["event"] == "recovered"]
     assert [e["mode"] for e in recovered] == ["inplace", "inplace"]
     assert [sorted(e["kept_devices"]) for e in recovered] == [[0, 2, 3], [0, 2]]
+
+
+@pytest.mark.timeout(120)
+def test_a_device_that_comes_back_joins_while_every_step_is_evaluated(tmp_path, launch):
+    """Every step is an evaluation step, so each new generation starts at one: the survivors
+    and the process that joins (it has evaluated nothing) must agree to evaluate it."""
+    from chameleon_elastic.runtime.toy import (
+        RegressionData,
+        mlp_model,
+        reference_evaluation,
+        reference_run,
+    )
+
+    from .conftest import wait_for
+
+    steps, health = 12, tmp_path / "bad-devices"
+    out, state = tmp_path / "out", tmp_path / "state"
+    out.mkdir()
+    run = launch("chameleon", ["--standalone", "--nproc-per-node", "4", "--preset", "tiny-cpu",
+                               "--state-dir", str(state), "--monitor-interval", "0.05",
+                               "--no-status", "--health-file", str(health), MLP_FAULTS,
+                               str(out), str(steps), "--pace", "0.2",
+                               "--dataset", str(SAMPLES), "--eval-every", "1"])
+
+    def reported() -> list[dict]:
+        path = out / "steps.jsonl"
+        return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+    wait_for(lambda: len(reported()) >= 2, 60, "two steps")
+    health.write_text("2\n")
+    wait_for(lambda: any(e["event"] == "recovered"
+                         for e in read_events(state / "events.jsonl")), 30, "device 2 out")
+    seen = len(reported())
+    wait_for(lambda: len(reported()) >= seen + 2, 30, "two steps without device 2")
+    health.write_text("")
+    assert run.wait(100) == 0, run.log.read_text()[-3000:]
+    recovered = [e for e in read_events(state / "events.jsonl") if e["event"] == "recovered"]
+    assert [e["mode"] for e in recovered] == ["inplace", "inplace"]
+    assert recovered[1]["started_devices"] == [2]
+
+    def model():
+        return mlp_model(layers=8, dataset=RegressionData(SAMPLES))
+
+    held_out = RegressionData(EVAL_SAMPLES, seed=EVAL_SEED)
+    ref = reference_run(model(), steps, 8)
+    got = reported()
+    assert [r["step"] for r in got] == list(range(steps))
+    np.testing.assert_allclose([r["loss"] for r in got], ref.losses, rtol=1e-9, atol=1e-12)
+    evals = [reference_evaluation(model(), reference_run(model(), k + 1, 8).layers, held_out)
+             for k in range(steps)]
+    np.testing.assert_allclose([r["eval_loss"] for r in got], evals, rtol=1e-9)
