@@ -12,10 +12,13 @@ live side by side in the same processes, on the same model and plan:
                  (the runtime before read-ahead: the baseline)
 
 They take turns in blocks of ``--block`` steps (the first step of each block is not counted:
-its data may have been read while another trainer ran), ``--rounds`` rounds. A step's time is
-the slowest rank's ``StepResult.step_s``; ``data wait`` is the slowest rank's
-``StepResult.data_s``, the time the training thread waited for micro-batches. Medians, with the
-spread (min - max) over counted steps.
+its data may have been read while another trainer ran), ``--rounds`` rounds, the order of the
+three rotating from round to round. A step's time is the slowest rank's ``StepResult.step_s``;
+``data wait`` is the slowest rank's ``StepResult.data_s``, the time the training thread waited
+for micro-batches. ``step ms``: the median over counted steps, with their spread (min - max).
+``vs instant``: paired, the median over rounds of (the block's median step / the instant
+block's median step of the same round) - 1, so that a load that changes during the run (a
+shared machine) weighs on both sides of each ratio.
 
     python benchmarks/data.py
     python benchmarks/data.py --json
@@ -86,14 +89,15 @@ def _worker(rank: int, world: int, args: dict) -> dict:
             model, plan, device, micro_batch_size=args["micro_batch_size"], precision="bf16",
             max_grad_norm=1.0, prefetch=name != "no prefetch",
             data_workers=args["data_workers"])
-    out: dict[str, list[tuple[float, float]]] = {name: [] for name in VARIANTS}
-    for _ in range(args["rounds"]):
-        for name in VARIANTS:
-            trainer = trainers[name]
+    out: dict[str, list[list[tuple[float, float]]]] = {name: [] for name in VARIANTS}
+    for r in range(args["rounds"]):
+        for name in VARIANTS[r % 3:] + VARIANTS[:r % 3]:
+            trainer, block = trainers[name], []
             for i in range(args["block"]):
                 result = trainer.step(trainer.committed)
                 if i:
-                    out[name].append((result.step_s, result.data_s))
+                    block.append((result.step_s, result.data_s))
+            out[name].append(block)
     for trainer in trainers.values():
         trainer.close()
     dist.barrier()
@@ -106,16 +110,23 @@ def measure(args: argparse.Namespace) -> dict:
     options = {"sleep_ms": args.sleep_ms, "micro_batch_size": args.micro_batch_size,
                "data_workers": args.data_workers, "rounds": args.rounds, "block": args.block}
     per_rank = run_local_world(_worker, 4, options, timeout_s=args.timeout)
+    def slowest(name: str, k: int) -> list[list[float]]:
+        """Per round, per counted step: the slowest rank's figure ``k``."""
+        return [[max(rank[name][r][i][k] for rank in per_rank)
+                 for i in range(len(per_rank[0][name][r]))]
+                for r in range(len(per_rank[0][name]))]
+
     rows = {}
+    instant = [statistics.median(block) for block in slowest("instant", 0)]
     for name in VARIANTS:
-        steps = [max(r[name][i][0] for r in per_rank) for i in range(len(per_rank[0][name]))]
-        waits = [max(r[name][i][1] for r in per_rank) for i in range(len(per_rank[0][name]))]
+        blocks = slowest(name, 0)
+        steps = [x for block in blocks for x in block]
+        waits = [x for block in slowest(name, 1) for x in block]
+        ratios = [statistics.median(block) / base for block, base in zip(blocks, instant)]
         rows[name] = {"step_s": statistics.median(steps), "step_min_s": min(steps),
                       "step_max_s": max(steps), "data_wait_s": statistics.median(waits),
-                      "steps": len(steps)}
-    base = rows["instant"]["step_s"]
-    for row in rows.values():
-        row["vs_instant"] = row["step_s"] / base - 1
+                      "steps": len(steps), "vs_instant": statistics.median(ratios) - 1,
+                      "round_ratios": ratios}
     return {"config": options, "rows": rows,
             "prefetch_within_10pct": rows["prefetch"]["vs_instant"] <= 0.10}
 
