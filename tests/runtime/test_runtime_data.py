@@ -251,7 +251,7 @@ def _held_out():
     return RegressionData(EVAL, width=8, seed=5)
 
 
-def _evaluate_under_plans(rank: int, world: int) -> dict:
+def _evaluate_under_plans(rank: int, world: int, profile_dir: str) -> dict:
     out = {}
     for name, plan in five_device_plans().items():
         device = dense_rank_map(plan).device_of_rank[rank]
@@ -261,19 +261,21 @@ def _evaluate_under_plans(rank: int, world: int) -> dict:
             trainer.step(trainer.committed)
         out[name] = (before, evaluate(trainer, _held_out()))
         trainer.close()
-    plan = five_device_plans()["asymmetric"]
-    trainer = PipelineTrainer(_eval_model(), plan, dense_rank_map(plan).device_of_rank[rank],
-                              micro_batch_size=MBS)
-    reported = []
-    trainer.run(3, reported.append, evaluate=Every(2, _held_out()))
+    plan = five_device_plans()["symmetric"]   # device 4 is a spare
+    device = dense_rank_map(plan).device_of_rank[rank]
+    os.environ.update(CHAMELEON_PROFILE_DIR=profile_dir, CHAMELEON_DEVICE=str(device))
+    trainer = PipelineTrainer(_eval_model(), plan, device, micro_batch_size=MBS)
+    reported, mine = [], []
+    trainer.run(3, reported.append, evaluate=Every(2, _held_out()), on_step=mine.append)
     out["run"] = [(r.step, r.eval_loss) for r in reported]
+    out["on_step"] = [(r.step, r.compute_s, r.data_s, r.step_s) for r in mine]
     trainer.close()
     return out
 
 
 @pytest.mark.timeout(120)
-def test_evaluation_equals_single_process_under_every_plan_kind():
-    runs = run_local_world(_evaluate_under_plans, 5, timeout_s=100)
+def test_evaluation_equals_single_process_under_every_plan_kind(tmp_path):
+    runs = run_local_world(_evaluate_under_plans, 5, str(tmp_path), timeout_s=100)
     expected = [reference_evaluation(_eval_model(), reference_run(_eval_model(), steps, G,
                                                                   MBS).layers, _held_out())
                 for steps in range(4)]
@@ -287,6 +289,14 @@ def test_evaluation_equals_single_process_under_every_plan_kind():
     assert np.isnan(reported[0][1])
     np.testing.assert_allclose([loss for _, loss in reported[1:]], expected[2:], rtol=1e-9)
     assert all(out["run"] == [] for out in runs[1:])
+    # on_step: every process, each step it trained, with its own times
+    for rank, out in enumerate(runs):
+        assert [s for s, *_ in out["on_step"]] == [0, 1, 2], f"rank {rank}"
+        assert all(0 <= data <= compute <= step for _, compute, data, step in out["on_step"])
+    # every working device recorded its steps for chameleon-run --profile-out; the spare not
+    recorded = {int(f.stem.split("-")[1]): len(f.read_text().splitlines())
+                for f in tmp_path.glob("device-*.jsonl")}
+    assert recorded == {0: 3, 1: 3, 2: 3, 3: 3}
 
 
 # ---------------------------------------------------------------- the feed alone
