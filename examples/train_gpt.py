@@ -271,6 +271,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         ap.error("--micro-batch-size must be >= 1")
     if args.width % args.heads:
         ap.error(f"--width {args.width} must be a multiple of --heads {args.heads}")
+    if (args.eval_samples + 2) * args.context >= args.corpus_bytes:
+        ap.error(f"--eval-samples {args.eval_samples} windows of {args.context} bytes leave no "
+                 f"training text in --corpus-bytes {args.corpus_bytes}; hold out fewer")
     return args
 
 
