@@ -336,3 +336,29 @@ def test_bad_evaluation_and_reader_settings_are_one_sentence():
 
     with pytest.raises(PipelineRuntimeError, match="at least one background reader"):
         Feed(mlp_model(), 1, workers=0)
+
+
+def _evaluate_sharded(rank: int, world: int) -> float:
+    from chameleon_elastic.runtime.toy import tp_mlp_model
+
+    plan = ExecutionPlan("initial", 0, (Pipeline((0, 1), ((0, 3), (3, 6)), G),)).validate()
+    ranks = dense_rank_map(plan, 2)
+    trainer = PipelineTrainer(tp_mlp_model(), plan, ranks.device_of_rank[rank],
+                              micro_batch_size=MBS, tp_rank=ranks.tp_rank_of_rank[rank],
+                              tp_size=2)
+    trainer.step(0)
+    loss = evaluate(trainer, _held_out())
+    trainer.close()
+    return loss
+
+
+@pytest.mark.timeout(120)
+def test_evaluation_of_units_of_two_cards_equals_single_process():
+    """Tensor parallelism: every card of a unit runs the forwards, card 0 of the last stage
+    counts the loss once."""
+    from chameleon_elastic.runtime.toy import tp_mlp_model
+
+    losses = run_local_world(_evaluate_sharded, 4, timeout_s=100)
+    expected = reference_evaluation(tp_mlp_model(), reference_run(tp_mlp_model(), 1, G,
+                                                                  MBS).layers, _held_out())
+    np.testing.assert_allclose(losses, [expected] * 4, rtol=1e-9)
