@@ -17,6 +17,13 @@ worker restarts and loads the checkpoint) and ``torchrun-fresh`` (the same with
 TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, torch's switch away from the store it shares across
 restarts, whose stale keys make plain torchrun's relaunched workers fail or hang).
 
+Two nodes (paths ``2n-worker``, ``2n-node-kill``, ``2n-node-stop``): two chameleon-run agents
+x 2 workers on one local etcd (``--rdzv-backend etcd-v3``, ``lease_ttl=2``, ``--nnodes 2``), the
+same tiny GPT without checkpoints; the fault is a kill -9 of device 3's worker, a SIGKILL of its
+node's agent and workers, or a SIGSTOP of them (nothing resets: only the node's lease tells).
+Each trial also records the survivor's ``recovered`` event phases (detect, rendezvous, plan,
+stop, launch, regroup, transfer, first step, total).
+
 Part 2 (``--ablation``): 8 gloo processes hold a 16-layer model as DP=4 x PP=2 (the paper's
 setting); device 7 is lost; the planner re-plans. The same new layout is entered twice per
 repetition in the same processes, with the planner's transfer sources and with the naive choice
@@ -24,6 +31,7 @@ repetition in the same processes, with the planner's transfer sources and with t
 time (the slowest process's) and total recovery time (entering the plan plus the first step).
 
     python benchmarks/recovery.py --trials 10
+    python benchmarks/recovery.py --trials 10 --paths inplace,2n-worker,2n-node-kill,2n-node-stop
     python benchmarks/recovery.py --ablation --repeats 5
     python benchmarks/recovery.py --trials 10 --ablation --json > recovery.json
 """
