@@ -234,6 +234,10 @@ def summarise(results: list[dict]) -> dict[str, dict]:
             "min_s": min(times) if times else None, "max_s": max(times) if times else None,
             "redone_median": statistics.median(redone) if redone else None,
             "redone_max": max(redone) if redone else None,
+            "phases_median": {
+                k: statistics.median(vals) if (vals := [
+                    r["phases"][k] for r in mine if r.get("phases") and r["phases"].get(k)
+                    is not None]) else None for k in PHASES},
         }
     return table
 
@@ -338,6 +342,12 @@ def print_tables(report: dict) -> None:
             print(f"{path:15s} {row['finished']:>4d}/{row['trials']:<4d} {row['hung']:>5d} "
                   f"{fmt(row['median_s']):>26s} {fmt(row['min_s']):>6s} {fmt(row['max_s']):>6s} "
                   f"{fmt(row['redone_median'], 'g'):>21s} {fmt(row['redone_max'], 'g'):>4s}")
+        print("\nthe agent's `recovered` event, medians in seconds (total: the fault's first "
+              "sign to the start of the first new step)")
+        print(f"{'path':15s} " + " ".join(f"{k[:-2]:>9s}" for k in PHASES))
+        for path, row in report["summary"].items():
+            ph = row.get("phases_median") or {}
+            print(f"{path:15s} " + " ".join(f"{fmt(ph.get(k), '.3f'):>9s}" for k in PHASES))
     if "ablation" in report:
         a = report["ablation"]
         print(f"\nweight-transfer ablation: 16 layers of {a['layer_bytes'] / 1e6:.1f} MB "
