@@ -46,10 +46,13 @@ class NodeWatch:
         self._client = EtcdClient(settings)
         self.node_id = f"node-{node}"
         self.ttl = settings.lease_ttl
+        self.fenced = False   # our lease was lost since the last full round (rejoined())
+
         def on_event(event: Any) -> None:
-            if on_fenced is not None and event.node_id == self.node_id and (
-                    event.kind == "lease_lost"):
-                on_fenced()
+            if event.node_id == self.node_id and event.kind == "lease_lost":
+                self.fenced = True
+                if on_fenced is not None:
+                    on_fenced()
 
         self._live = NodeLiveness(self._client, settings.run_prefix(params.run_id),
                                   self.node_id, info={"node": node}, ttl=self.ttl,
@@ -73,8 +76,14 @@ class NodeWatch:
                 lost.append({"node_id": event.node_id, **event.info})
 
     def alive(self) -> set[int]:
-        """Nodes holding their lease, as the watch last saw them (no etcd call)."""
-        return {int(info["node"]) for info in self._live.members().values() if "node" in info}
+        """Nodes holding their lease, as the watch last saw them (no etcd call). Not this one
+        once its lease was lost, until a full round has readmitted it: the others counted it
+        gone, so a quick round of its own would decide from a stale view."""
+        nodes = {int(info["node"]) for info in self._live.members().values() if "node" in info}
+        return nodes - {int(self.node_id.split("-")[1])} if self.fenced else nodes
+
+    def rejoined(self) -> None:
+        self.fenced = False
 
     def finish(self) -> None:
         """Leave as a node that finished: the others must not count it as lost."""
