@@ -93,17 +93,20 @@ class Clock:
         setattr(module, name, timed)
 
 
-def _agent(node: int, nodes: int, params: Any, session: Any, plan_dir: Path,
-           ready: Any, kill: threading.Event, out: dict[str, Any]) -> None:
-    """One simulated agent: lease, watch, store; on another node's loss, the quick round."""
+def _agent(node: int, nodes: int, params: Any, session: Any, plan_dir: Path, ready: Any,
+           starting: threading.Semaphore, kill: threading.Event | None,
+           out: dict[str, Any]) -> None:
+    """One simulated agent: lease, watch, store; on another node's loss, the quick round.
+    ``kill``: set for the victim only, which stops its keep-alive when told."""
     import copy
 
     from chameleon_elastic.launcher import coordination
     from chameleon_elastic.launcher.node_watch import NodeWatch
     from chameleon_elastic.launcher.rounds import Rounds
 
-    client, store, _etcd_store = _stores(params)
-    watch = NodeWatch(params, node).start()
+    with starting:   # a few at a time: a thousand simultaneous connects starve the keep-alives
+        client, store, _etcd_store = _stores(params)
+        watch = NodeWatch(params, node).start()
     if node != 0:   # followers adopt: a shallow copy of the process's session, own plan dir
         session = copy.copy(session)
         session.plan_dir, session.excluded = plan_dir / f"node{node}", set()
@@ -111,15 +114,17 @@ def _agent(node: int, nodes: int, params: Any, session: Any, plan_dir: Path,
     rounds._last_info, rounds.nodes = SimpleNamespace(store=store), tuple(range(nodes))
     ready.put(node)
     try:
-        while True:
-            if kill.is_set():   # the victim: keep-alive stops; the lease expires (or is revoked)
-                out["killed"] = time.monotonic()
-                watch._live.stop(revoke=out.get("revoke", False))
-                return
+        if kill is not None:   # the victim: keep-alive stops; the lease expires (or is revoked)
+            kill.wait()
+            out["killed"] = time.monotonic()
+            watch._live.stop(revoke=out.get("revoke", False))
+            return
+        while True:   # what the agent's monitor loop does, but woken by the watch's queue
+            event = watch._live.events.get()
+            watch._live.events.put(event)
             lost, _ = watch.changes()
             if lost:
                 break
-            time.sleep(0.005)
         out["detected"] = time.monotonic()
         _, members = rounds.quick(node, watch.alive)
         mine = coordination.NodeReport(node, (), tuple(range(node * DEVICES_PER_NODE,
@@ -138,8 +143,8 @@ def _agent(node: int, nodes: int, params: Any, session: Any, plan_dir: Path,
         client.close()
 
 
-def _host(first: int, last: int, nodes: int, endpoints: str, ttl: int, plan_dir: str,
-          ready: Any, orders: Any, results: Any) -> None:
+def _host(first: int, last: int, nodes: int, victim: int, endpoints: str, ttl: int,
+          plan_dir: str, ready: Any, orders: Any, results: Any) -> None:
     """One process hosting agents ``first..last-1`` as threads."""
     from chameleon_elastic.launcher import coordination
     from chameleon_elastic.launcher.session import JobSession
@@ -150,11 +155,11 @@ def _host(first: int, last: int, nodes: int, endpoints: str, ttl: int, plan_dir:
     session = JobSession(spec_for(nodes), "auto", Path(plan_dir) / "decider", cache_depth=0)
     clock.wrap(session, "apply")
     params = _params(endpoints, nodes, ttl)
-    outs = {n: {} for n in range(first, last)}
-    kills = {n: threading.Event() for n in range(first, last)}
+    outs: dict[int, dict[str, Any]] = {n: {} for n in range(first, last)}
+    kill, starting = threading.Event(), threading.Semaphore(8)
     threads = [threading.Thread(target=_agent, daemon=True,
                                 args=(n, nodes, params, session, Path(plan_dir), ready,
-                                      kills[n], outs[n]))
+                                      starting, kill if n == victim else None, outs[n]))
                for n in range(first, last)]
     for t in threads:
         t.start()
@@ -162,9 +167,8 @@ def _host(first: int, last: int, nodes: int, endpoints: str, ttl: int, plan_dir:
         order = orders.get()
         if order is None:
             break
-        victim, revoke = order
-        outs[victim]["revoke"] = revoke
-        kills[victim].set()
+        outs[victim]["revoke"] = order
+        kill.set()
     for t in threads:
         t.join(timeout=180)
     results.put({"outs": outs, "marks": clock.marks})
@@ -202,6 +206,7 @@ def run(nodes: int, members: int, procs: int, ttl: int, revoke: bool,
         params = _params(cluster.endpoints, nodes, ttl)
         client, store, _etcd_store = _stores(params)
         session = JobSession(spec_for(nodes), "auto", Path(plan_dir) / "seed", cache_depth=0)
+        victim = nodes // 2
         first = coordination.Decision(session.plan, (), tuple(session.plan.working_devices),
                                       True, nodes=tuple(range(nodes)))
         coordination.commit_record(store.underlying_store, "", first)
@@ -209,8 +214,8 @@ def run(nodes: int, members: int, procs: int, ttl: int, revoke: bool,
         bounds = [(i * nodes // procs, (i + 1) * nodes // procs) for i in range(procs)]
         orders = [ctx.Queue() for _ in bounds]
         hosts = [ctx.Process(target=_host, daemon=True,
-                             args=(lo, hi, nodes, cluster.endpoints, ttl, plan_dir, ready,
-                                   orders[i], results))
+                             args=(lo, hi, nodes, victim, cluster.endpoints, ttl, plan_dir,
+                                   ready, orders[i], results))
                  for i, (lo, hi) in enumerate(bounds)]
         t0 = time.monotonic()
         for h in hosts:
@@ -223,10 +228,9 @@ def run(nodes: int, members: int, procs: int, ttl: int, revoke: bool,
         m0, s0 = etcd_metrics(cluster), time.monotonic()
         time.sleep(ttl)
         m1, s1 = etcd_metrics(cluster), time.monotonic()
-        victim = nodes // 2
         say(f"  {nodes} nodes: killing node {victim} ({'revoke' if revoke else 'lease expiry'})")
         owner = next(i for i, (lo, hi) in enumerate(bounds) if lo <= victim < hi)
-        orders[owner].put((victim, revoke))
+        orders[owner].put(revoke)
         for q in orders:
             q.put(None)
         got = [results.get(timeout=300) for _ in hosts]
@@ -272,7 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--members", type=int, default=3, help="etcd members (default 3)")
     parser.add_argument("--procs", type=int, default=4,
                         help="processes hosting the agent threads (default 4)")
-    parser.add_argument("--ttl", type=int, default=2, help="lease TTL in seconds (default 2)")
+    parser.add_argument("--ttl", type=int, default=5,
+                        help="lease TTL in seconds (default 5, chameleon-run's)")
     parser.add_argument("--kill", choices=("expiry", "revoke"), default="expiry",
                         help="how the node is lost: its lease expires (default) or is revoked")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
