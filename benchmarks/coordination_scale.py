@@ -195,13 +195,14 @@ def _rate(a: dict[str, float], b: dict[str, float], seconds: float) -> float:
 
 
 def run(nodes: int, members: int, procs: int, ttl: int, revoke: bool,
-        say: Any = print) -> dict[str, Any]:
+        say: Any = print, etcd_dir: str | None = None) -> dict[str, Any]:
     from chameleon_elastic.launcher import coordination
     from chameleon_elastic.launcher.session import JobSession
     from chameleon_elastic.rendezvous.local_cluster import LocalEtcdCluster
 
     ctx = mp.get_context("spawn")
-    with LocalEtcdCluster(members=members) as cluster, \
+    with tempfile.TemporaryDirectory(prefix="coordination-scale-", dir=etcd_dir) as data, \
+            LocalEtcdCluster(members=members, work_dir=data) as cluster, \
             tempfile.TemporaryDirectory(prefix="coordination-scale-") as plan_dir:
         params = _params(cluster.endpoints, nodes, ttl)
         client, store, _etcd_store = _stores(params)
@@ -280,6 +281,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="lease TTL in seconds (default 5, chameleon-run's)")
     parser.add_argument("--kill", choices=("expiry", "revoke"), default="expiry",
                         help="how the node is lost: its lease expires (default) or is revoked")
+    parser.add_argument("--etcd-dir", default="/dev/shm" if Path("/dev/shm").is_dir() else None,
+                        help="where the members keep their data (default /dev/shm: a shared "
+                             "machine's disk makes every lease grant wait on fsync, which a "
+                             "production etcd's SSD does not)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
     try:
@@ -289,7 +294,8 @@ def main(argv: list[str] | None = None) -> int:
     if min(scales) < 2 or args.procs < 1 or args.members < 1:
         parser.error("--nodes needs at least 2 nodes each, --procs and --members at least 1")
     say = (lambda s: print(s, file=sys.stderr, flush=True))
-    rows = [run(n, args.members, min(args.procs, n), args.ttl, args.kill == "revoke", say)
+    rows = [run(n, args.members, min(args.procs, n), args.ttl, args.kill == "revoke", say,
+                args.etcd_dir)
             for n in scales]
     if args.json:
         json.dump({"benchmark": "coordination_scale", "rows": rows}, sys.stdout, indent=2)
