@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import statistics
 import sys
 import tempfile
@@ -190,6 +191,17 @@ def etcd_metrics(cluster: Any) -> dict[str, float]:
     return total
 
 
+def _favour(cluster: Any) -> None:
+    """Raise the members' CPU priority where allowed: on a shared 2-core machine a starved
+    leader misses its heartbeats, elections follow and every lease expires at once, which a
+    production etcd on its own cores does not do."""
+    for member in cluster.members:
+        try:
+            os.setpriority(os.PRIO_PROCESS, member.pid, -10)
+        except (OSError, TypeError):   # not root: run as is
+            return
+
+
 def _rate(a: dict[str, float], b: dict[str, float], seconds: float) -> float:
     return (b["requests"] - a["requests"]) / max(seconds, 1e-9)
 
@@ -204,6 +216,7 @@ def run(nodes: int, members: int, procs: int, ttl: int, revoke: bool,
     with tempfile.TemporaryDirectory(prefix="coordination-scale-", dir=etcd_dir) as data, \
             LocalEtcdCluster(members=members, work_dir=data) as cluster, \
             tempfile.TemporaryDirectory(prefix="coordination-scale-") as plan_dir:
+        _favour(cluster)
         params = _params(cluster.endpoints, nodes, ttl)
         client, store, _etcd_store = _stores(params)
         session = JobSession(spec_for(nodes), "auto", Path(plan_dir) / "seed", cache_depth=0)
@@ -225,7 +238,7 @@ def run(nodes: int, members: int, procs: int, ttl: int, revoke: bool,
             ready.get(timeout=300)
             if count % max(1, nodes // 8) == 0 or count == nodes:
                 say(f"  {nodes} nodes: {count} agents registered ({time.monotonic() - t0:.1f} s)")
-        time.sleep(2.0 * ttl)   # every watch has seen every node; leases refreshed at least once
+        time.sleep(ttl)   # every watch has seen every node; leases refreshed at least twice
         m0, s0 = etcd_metrics(cluster), time.monotonic()
         time.sleep(ttl)
         m1, s1 = etcd_metrics(cluster), time.monotonic()
@@ -246,6 +259,10 @@ def run(nodes: int, members: int, procs: int, ttl: int, revoke: bool,
     marks = next(g["marks"] for g in got if "apply_start" in g["marks"])
     killed = outs[victim]["killed"]
     alive = [o for n, o in outs.items() if n != victim]
+    early = [n for n, o in outs.items() if o.get("detected", killed) < killed]
+    if early:
+        raise RuntimeError(f"agents {early[:5]} saw a node lost before the kill: leases expired "
+                           "while the machine was overloaded; run again with a longer --ttl")
     detected = sorted(o["detected"] for o in alive)
     adopted = max(o["adopted"] for o in alive)
     # the round's own requests: those of the window past the steady state's (keep-alives)
@@ -263,6 +280,7 @@ def run(nodes: int, members: int, procs: int, ttl: int, revoke: bool,
         "decision_plus_publication_s": marks["publish_end"] - marks["apply_start"],
         "generation": {o["generation"] for o in alive}.pop(),
         "agreed": len({(o["generation"], o["excluded"]) for o in alive}) == 1,
+        "excluded_devices": max(o["excluded"] for o in alive),
         "steady_requests_per_s": _rate(m0, m1, s1 - s0),
         "round_requests": round_requests,
         "round_requests_per_s": round_requests / max(adopted - detected[0], 1e-9),
