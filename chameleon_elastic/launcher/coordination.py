@@ -180,7 +180,7 @@ def _quick_decision(store: Any, scope: str, members: Members, timeout_s: float) 
     """A quick round's decision, waited for (on etcd a watch, woken by the publication) in
     slices of ``_WAIT_S``, between which the decider's lease is checked: if the deciding node
     loses it first, give up. Every member but one waits here, so it must not poll the store:
-    a thousand agents reading every 10 ms made 100k requests a second."""
+    a thousand agents reading every 10 ms would make 100k requests a second."""
     deadline = time.monotonic() + timeout_s
     decider = min(members.keys)
     key = f"{scope}decision"
