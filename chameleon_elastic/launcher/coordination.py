@@ -28,10 +28,11 @@ compare-and-set fails and it stops (:class:`Fenced`).
 Quick rounds. A recovery that adds no node (a worker lost, a node lost) needs no new
 rendezvous round: the members are those of the last agreement (``Decision.nodes``) less the
 nodes known gone, and the round is the last one's store under a fresh scope (``rounds.py``).
-Reports are then keyed by node id, the lowest live one decides, and waiting is polled against
-the others' etcd leases (``alive``): a member whose lease vanishes mid-round is dropped, and a
-round that cannot finish raises :class:`QuickRoundFailed`, after which the agent runs a full
-rendezvous round instead.
+Reports are then keyed by node id, the lowest live one decides, and waiting is checked against
+the others' etcd leases (``alive``): the decider polls for the reports (one store read for
+all), the others wait on the decision key (a watch on etcd) in slices. A member whose lease
+vanishes mid-round is dropped, and a round that cannot finish raises
+:class:`QuickRoundFailed`, after which the agent runs a full rendezvous round instead.
 
 Reads block up to the store timeout, so an agent that dies mid-round makes the others fail with
 a store error (the caller's failover), never hang. Everything but the store calls is a pure
@@ -47,6 +48,8 @@ from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Any
 
+import torch.distributed as dist
+
 from chameleon_elastic import channel
 from chameleon_elastic.plan import ExecutionPlan
 
@@ -58,7 +61,8 @@ __all__ = ["RECORD", "Decision", "Fenced", "Members", "NodeReport", "QuickRoundF
            "publish", "read_record", "reasons", "report", "world_of"]
 
 RECORD = "chameleon/plan"
-_POLL_S = 0.01   # a quick round's polls: an etcd read each, by the agents of one round only
+_POLL_S = 0.01   # the decider's polls for reports: one etcd read each
+_WAIT_S = 1.0    # the others wait for the decision in slices this long (a lost decider's delay)
 #: a live member that has not joined a quick round by then is in a full round (a node joined)
 QUICK_S = 15.0
 
@@ -155,34 +159,42 @@ def collect(store: Any, scope: str, keys: Sequence[int]) -> list[NodeReport]:
 
 def _live_reports(store: Any, scope: str, members: Members, timeout_s: float) -> list[int]:
     """The keys of a quick round's reports, once every member whose node is alive has
-    reported (a member that lost its lease without reporting is left out)."""
+    reported (a member that lost its lease without reporting is left out). One poll is one
+    store read for all the reports, plus one per member whose lease is gone: at 1024 nodes a
+    read per report would make each poll a thousand round trips."""
     deadline = time.monotonic() + timeout_s
     keys = list(members.keys)
     while True:
-        missing = [k for k in keys if not store.check([f"{scope}node/{k}"])]
         if members.alive is not None:
             alive = set(members.alive())
-            gone = [k for k in missing if k not in alive]
-            keys = [k for k in keys if k not in gone]
-            missing = [k for k in missing if k not in gone]
-        if not missing:
+            keys = [k for k in keys if k in alive or store.check([f"{scope}node/{k}"])]
+        if store.check([f"{scope}node/{k}" for k in keys]):
             return keys
         if time.monotonic() > deadline:
+            missing = [k for k in keys if not store.check([f"{scope}node/{k}"])]
             raise QuickRoundFailed(f"nodes {missing} did not report within {timeout_s:.0f} s")
         time.sleep(_POLL_S)
 
 
 def _quick_decision(store: Any, scope: str, members: Members, timeout_s: float) -> Decision:
-    """A quick round's decision, polled: if the deciding node loses its lease first, give up."""
+    """A quick round's decision, waited for (on etcd a watch, woken by the publication) in
+    slices of ``_WAIT_S``, between which the decider's lease is checked: if the deciding node
+    loses it first, give up. Every member but one waits here, so it must not poll the store:
+    a thousand agents reading every 10 ms would make 100k requests a second."""
     deadline = time.monotonic() + timeout_s
     decider = min(members.keys)
-    while not store.check([f"{scope}decision"]):
+    key = f"{scope}decision"
+    while True:
+        try:
+            store.wait([key], timedelta(seconds=max(0.01, min(_WAIT_S,
+                                                               deadline - time.monotonic()))))
+            return adopt(store, scope)
+        except dist.DistStoreError:   # this slice's timeout
+            pass
         if members.alive is not None and decider not in set(members.alive()):
             raise QuickRoundFailed(f"node {decider}, which was deciding, is gone")
         if time.monotonic() > deadline:
             raise QuickRoundFailed(f"no decision from node {decider} within {timeout_s:.0f} s")
-        time.sleep(_POLL_S)
-    return adopt(store, scope)
 
 
 def losses(reports: Sequence[NodeReport], excluded: Collection[int], devices: int,

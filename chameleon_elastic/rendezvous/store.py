@@ -15,6 +15,11 @@ Keys live under ``<key_prefix>/<run_id>/store/``; values are raw bytes. The oper
   re-reads and re-watches. Timeout -> :class:`EtcdStoreTimeoutError` (a ``DistStoreError``);
 - ``check``, ``delete_key``, ``num_keys`` (keys of this store), ``append``.
 
+etcd refuses a transaction of more than ``--max-txn-ops`` operations (128 by default), so reads
+and writes of more keys (a thousand nodes' reports) go in transactions of at most
+``MAX_TXN_OPS``: each is atomic, the whole is not (no caller needs more: the keys read were
+waited for, and the keys written belong to one writer).
+
 What torch does with it (torch 2.13): ``DynamicRendezvousHandler`` wraps this store in a
 ``PrefixStore("torch.rendezvous.<run_id>.<round>")`` and hands it to the agents, which use it
 for ``RendezvousStoreInfo`` (MASTER_ADDR/MASTER_PORT, written by group rank 0), role/rank
@@ -50,6 +55,11 @@ __all__ = ["EtcdStore"]
 log = logging.getLogger("chameleon_elastic.rendezvous.store")
 
 _DEFAULT_TIMEOUT = timedelta(seconds=300)
+MAX_TXN_OPS = 128   # etcd's default --max-txn-ops
+
+
+def _chunks(items: Sequence[Any]) -> list[Sequence[Any]]:
+    return [items[i:i + MAX_TXN_OPS] for i in range(0, len(items), MAX_TXN_OPS)] or [items]
 
 
 def _to_bytes(value: str | bytes | bytearray | Sequence[int]) -> bytes:
@@ -95,7 +105,8 @@ class EtcdStore(dist.Store):
                 f"multi_set got {len(keys)} keys but {len(values)} values; pass one value per key."
             )
         puts = [transactions.Put(self._key(k), _to_bytes(v)) for k, v in zip(keys, values)]
-        self._client.call("store multi_set", lambda c: c.transaction([], puts, []))
+        for chunk in _chunks(puts):
+            self._client.call("store multi_set", lambda c, ops=chunk: c.transaction([], ops, []))
 
     def get(self, key: str) -> bytes:
         return self.multi_get([key])[0]
@@ -106,10 +117,9 @@ class EtcdStore(dist.Store):
         gets = [transactions.Get(k) for k in full]
         while True:
             self._wait_full(full, deadline)
-            _, responses = self._client.call(
-                "store get", lambda c: c.transaction([], gets, [])
-            )
-            values = [found[0][0] if found else None for found in responses]
+            values = [found[0][0] if found else None for chunk in _chunks(gets)
+                      for found in self._client.call(
+                          "store get", lambda c, ops=chunk: c.transaction([], ops, []))[1]]
             if all(v is not None for v in values):
                 return [bytes(v) for v in values]  # type: ignore[arg-type]
             # A key was deleted between the wait and the read: wait again.
@@ -216,6 +226,13 @@ class EtcdStore(dist.Store):
         return time.monotonic() + (seconds if seconds > 0 else float("inf"))
 
     def _missing(self, full: list[str]) -> tuple[list[str], int]:
+        """The keys absent, and a revision at or before which each was seen absent (the
+        earliest chunk's: a watch from there misses no put, at worst wakes once for nothing)."""
+        answers = [self._missing_chunk(list(chunk)) for chunk in _chunks(full)]
+        return ([k for missing, _ in answers for k in missing],
+                min(revision for _, revision in answers))
+
+    def _missing_chunk(self, full: list[str]) -> tuple[list[str], int]:
         request = _count_request(full)
 
         def read(client: Any) -> tuple[list[str], int]:

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from chameleon_elastic.rendezvous.client import EtcdClient
 from chameleon_elastic.rendezvous.errors import EtcdStoreTimeoutError
-from chameleon_elastic.rendezvous.store import EtcdStore
+from chameleon_elastic.rendezvous.store import MAX_TXN_OPS, EtcdStore
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -26,6 +26,19 @@ def test_set_get_bytes_and_str(store) -> None:
     assert store.get("a") == b"text"
     assert store.get("b") == b"\x00\xffraw"
     assert store.multi_get(["a", "b"]) == [b"text", b"\x00\xffraw"]
+
+
+def test_more_keys_than_one_etcd_transaction_takes(store) -> None:
+    """etcd refuses a txn of more than 128 operations: a thousand nodes' reports still read."""
+    keys = [f"node/{i}" for i in range(MAX_TXN_OPS * 2 + 5)]
+    assert not store.check(keys)
+    store.multi_set(keys[:-1], [str(i) for i in range(len(keys) - 1)])
+    assert not store.check(keys)
+    store.set(keys[-1], "last")
+    assert store.check(keys)
+    values = store.multi_get(keys)
+    assert values[:-1] == [str(i).encode() for i in range(len(keys) - 1)]
+    assert values[-1] == b"last"
 
 
 def test_add_counts(store) -> None:
