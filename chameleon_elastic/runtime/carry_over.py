@@ -21,7 +21,7 @@ from torch import nn
 
 from .errors import PipelineRuntimeError
 from .layer_state import LayerState, export_layer, import_layer
-from .model import PipelineModel, build_layers
+from .model import PipelineModel, build_layers, make_optimizer
 from .tensor_parallel import shard_layer
 
 __all__ = ["Held", "hold_layers", "move_schedule"]
@@ -61,8 +61,7 @@ def hold_layers(model: PipelineModel, wanted: Sequence[int], received: Mapping[i
         if mesh is not None and model.tp_plan is not None:
             module = shard_layer(module, layer, model.tp_plan(layer), mesh)
         modules[layer] = module
-    optimizer = (model.make_optimizer([p for x in wanted for p in modules[x].parameters()])
-                 if wanted else None)
+    optimizer = make_optimizer(model, modules) if wanted else None
     for layer, module in modules.items():
         if layer in received:
             import_layer(received[layer], module, optimizer)
@@ -93,7 +92,8 @@ def move_schedule(model: PipelineModel, current: Scheduler | None, optimizer: Op
                 and len(old.param_groups) == len(optimizer.param_groups)):
             scheduler.load_state_dict(current.state_dict())
             for new_group, old_group in zip(optimizer.param_groups, old.param_groups):
-                new_group.update({k: v for k, v in old_group.items() if k != "params"})
+                new_group.update({k: v for k, v in old_group.items()
+                                  if k not in ("params", "param_names")})
         else:
             for _ in range(step):
                 scheduler.step()

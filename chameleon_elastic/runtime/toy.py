@@ -21,7 +21,7 @@ from torch import nn
 
 from .model import PipelineModel
 
-__all__ = ["EmulatedLayer", "Reference", "emulated_model", "featured_model", "megatron_plan",
+__all__ = ["EmulatedLayer", "Reference", "adamw_groups", "emulated_model", "featured_model", "megatron_plan",
            "mlp_model", "reference_run", "reference_training", "tp_mlp_model", "warmup_cosine"]
 
 
@@ -96,6 +96,16 @@ def _adamw(params: Iterable[nn.Parameter], lr: float) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
 
 
+def adamw_groups(named: Iterable[tuple[str, nn.Parameter]], lr: float,
+                 weight_decay: float = 0.1) -> torch.optim.Optimizer:
+    """AdamW with parameter groups chosen by name, as LLMs are trained: no weight decay on
+    biases, ``weight_decay`` on the rest."""
+    named = list(named)
+    groups = [{"params": [(n, p) for n, p in named if n.endswith(".bias") == bias],
+               "weight_decay": 0.0 if bias else weight_decay} for bias in (False, True)]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr)
+
+
 def warmup_cosine(optimizer: torch.optim.Optimizer, warmup: int,
                   total: int) -> torch.optim.lr_scheduler.LRScheduler:
     """Linear warm-up, then cosine decay: torch's chainable schedules, stepped once a step."""
@@ -108,10 +118,11 @@ def warmup_cosine(optimizer: torch.optim.Optimizer, warmup: int,
 
 def featured_model(layers: int = 7, width: int = 8, dtype: torch.dtype = torch.float64,
                    seed: int = 0, lr: float = 0.05, tie: bool = True, schedule: bool = True,
-                   structured: bool = True) -> PipelineModel:
+                   structured: bool = True, groups: bool = False) -> PipelineModel:
     """A model with what real training brings: the first and last layers' weights tied, a
     warm-up + cosine schedule, AdamW, and stages that pass (hidden, mask, counter) as tuples
-    and dicts (``structured``; else plain tensors through :func:`mlp_model`'s layers)."""
+    and dicts (``structured``; else plain tensors through :func:`mlp_model`'s layers).
+    ``groups``: AdamW's parameter groups chosen by name (:func:`adamw_groups`)."""
     from .model import Tie
 
     build = (functools.partial(_gated, layers=layers, width=width, dtype=dtype) if structured
@@ -120,11 +131,12 @@ def featured_model(layers: int = 7, width: int = 8, dtype: torch.dtype = torch.f
         num_layers=layers,
         build_layer=build,
         loss=_mse,
-        make_optimizer=functools.partial(_adamw, lr=lr),
+        make_optimizer=functools.partial(adamw_groups if groups else _adamw, lr=lr),
         sample=functools.partial(_regression_sample, width=width, dtype=dtype, seed=seed),
         seed=seed,
         make_scheduler=(functools.partial(warmup_cosine, warmup=2, total=8) if schedule
                         else None),
+        named_parameters=groups,
         tied=((Tie(((0, "linear.weight"), (layers - 1, "linear.weight"))),) if tie else ()),
     )
 
@@ -263,8 +275,14 @@ def reference_run(model: PipelineModel, steps: int, global_micro_batches: int,
             owner, _, leaf = name.rpartition(".")
             target = layers[x].get_submodule(owner) if owner else layers[x]
             setattr(target, leaf, shared)
-    params = list(layers.parameters())  # each shared parameter once
-    optimizer = model.make_optimizer(params)
+    named, seen = [], set()   # each shared parameter once, under its first name
+    for i, layer in enumerate(layers):
+        for name, p in layer.named_parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                named.append((model.parameter_name(i, name), p))
+    params = [p for _, p in named]
+    optimizer = model.make_optimizer(named if model.named_parameters else params)
     scheduler = model.make_scheduler(optimizer) if model.make_scheduler else None
     scaler = torch.amp.GradScaler("cpu") if precision == "fp16" else None
     out = Reference([], [], [], layers)

@@ -11,6 +11,9 @@ turn (new process groups per plan, as in-place recovery builds them):
 - ``structured``: stages pass (hidden, mask, integer counter) as tuples and dicts;
 - ``recompute``: every stage recomputes its activations;
 - ``all``: all of the above at once;
+- ``groups``: AdamW parameter groups chosen by the parameters' names (no weight decay on
+  biases; ``make_optimizer`` gets ``(name, parameter)`` pairs), with a tie, a schedule and
+  clipping;
 - ``bf16`` / ``fp16``: autocast over fp32 master weights (fp16 with loss scaling, against torch's
   ``GradScaler``), on the ``all`` model in float32.
 
@@ -50,6 +53,7 @@ CONFIGS = {  # name -> (model kwargs, trainer kwargs, recompute every stage)
     "structured": ({"tie": False, "schedule": False}, {}, False),
     "recompute": ({"kind": "mlp"}, {}, True),
     "all": ({}, {"max_grad_norm": CLIP}, True),
+    "groups": ({"groups": True}, {"max_grad_norm": CLIP}, False),
     "bf16": ({"dtype": "float32"}, {"max_grad_norm": CLIP, "precision": "bf16"}, True),
     "fp16": ({"dtype": "float32"}, {"max_grad_norm": CLIP, "precision": "fp16"}, False),
 }
@@ -141,7 +145,7 @@ def test_feature_trains_like_single_process_under_every_plan_kind(name, runs):
     assert not math.isnan(ref.grad_norms[0])
 
 
-CHAINED = ("all", "bf16", "fp16")
+CHAINED = ("all", "groups", "bf16", "fp16")
 
 
 def _chain(rank: int, world: int, directory: str):
