@@ -88,10 +88,11 @@ def window(index: int, corpus: torch.Tensor, context: int) -> tuple[torch.Tensor
 
 
 class Embed(nn.Module):
-    def __init__(self, context: int, width: int) -> None:
+    def __init__(self, context: int, width: int, dropout: float = 0.0) -> None:
         super().__init__()
         self.tokens = nn.Embedding(VOCAB, width)
         self.positions = nn.Embedding(context, width)
+        self.dropout = nn.Dropout(dropout)
         # GPT-2's scale: the head reuses these weights, and N(0, 1) logits would start far
         # from the uniform guess
         nn.init.normal_(self.tokens.weight, std=0.02)
@@ -99,7 +100,7 @@ class Embed(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         pos = torch.arange(x.shape[1], device=x.device)
-        return self.tokens(x) + self.positions(pos)
+        return self.dropout(self.tokens(x) + self.positions(pos))
 
 
 class Block(nn.Module):
@@ -107,9 +108,10 @@ class Block(nn.Module):
     v projections and the MLP's first layer are split by columns (whole heads per card), the
     output projections by rows, so the head count is read from the local width."""
 
-    def __init__(self, width: int, heads: int) -> None:
+    def __init__(self, width: int, heads: int, dropout: float = 0.0) -> None:
         super().__init__()
         self.head_dim = width // heads
+        self.dropout = nn.Dropout(dropout)   # on each residual branch, as GPT-2
         self.norm1 = nn.LayerNorm(width)
         self.q, self.k, self.v = (nn.Linear(width, width) for _ in range(3))
         self.proj = nn.Linear(width, width)
@@ -125,8 +127,8 @@ class Block(nn.Module):
         q, k, v = (z.view(b, t, local // self.head_dim, self.head_dim).transpose(1, 2)
                    for z in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, local))
-        return x + self.mlp(self.norm2(x))
+        x = x + self.dropout(self.proj(y.transpose(1, 2).reshape(b, t, local)))
+        return x + self.dropout(self.mlp(self.norm2(x)))
 
 
 class Head(nn.Module):
@@ -139,12 +141,13 @@ class Head(nn.Module):
         return self.out(self.norm(x))
 
 
-def build_layer(i: int, blocks: int, context: int, width: int, heads: int) -> nn.Module:
+def build_layer(i: int, blocks: int, context: int, width: int, heads: int,
+                dropout: float = 0.0) -> nn.Module:
     if i == 0:
-        return Embed(context, width)
+        return Embed(context, width, dropout)
     if i == blocks + 1:
         return Head(width)
-    return Block(width, heads)
+    return Block(width, heads, dropout)
 
 
 def tensor_parallel_plan(i: int, blocks: int) -> dict:
@@ -173,11 +176,11 @@ def adamw(params, lr: float) -> torch.optim.Optimizer:
 
 def gpt_model(blocks: int, context: int, width: int, heads: int, lr: float,
               corpus: torch.Tensor, seed: int, *, tie: bool = True, warmup: int = 0,
-              total_steps: int = 0) -> PipelineModel:
+              total_steps: int = 0, dropout: float = 0.0) -> PipelineModel:
     return PipelineModel(
         num_layers=blocks + 2,
         build_layer=functools.partial(build_layer, blocks=blocks, context=context, width=width,
-                                      heads=heads),
+                                      heads=heads, dropout=dropout),
         loss=byte_loss,
         make_optimizer=functools.partial(adamw, lr=lr),
         sample=functools.partial(window, corpus=corpus, context=context),
@@ -212,6 +215,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--precision", choices=PRECISIONS, default=None,
                     help="bf16/fp16: autocast over fp32 master weights (fp16 scales the loss); "
                          "default: the job's training.precision under chameleon-run, else bf16")
+    ap.add_argument("--dropout", type=float, default=0.0, metavar="P",
+                    help="dropout probability after the embedding and on every residual "
+                         "branch (default 0); its masks depend only on (seed, step, "
+                         "micro-batch, layer), so every plan trains alike")
     ap.add_argument("--no-tie", action="store_true",
                     help="give the head its own weights instead of reusing the embedding")
     ap.add_argument("--micro-batch-size", type=int, default=None,
@@ -233,6 +240,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     for name in ("warmup_steps", "max_grad_norm"):
         if getattr(args, name) < 0:
             ap.error(f"--{name.replace('_', '-')} must be >= 0")
+    if not 0 <= args.dropout < 1:
+        ap.error(f"--dropout {args.dropout} must be in [0, 1)")
     if args.micro_batch_size is not None and args.micro_batch_size < 1:
         ap.error("--micro-batch-size must be >= 1")
     if args.width % args.heads:
@@ -256,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     model = gpt_model(blocks, args.context, args.width, args.heads, args.lr,
                       stdlib_corpus(args.corpus_bytes), args.seed, tie=not args.no_tie,
                       warmup=args.warmup_steps,
-                      total_steps=args.steps if args.warmup_steps else 0)
+                      total_steps=args.steps if args.warmup_steps else 0,
+                      dropout=args.dropout)
     try:
         trainer = PipelineTrainer.from_env(model, global_micro_batches=args.global_micro_batches,
                                            micro_batch_size=args.micro_batch_size or (

@@ -26,16 +26,17 @@ __all__ = ["EmulatedLayer", "Reference", "adamw_groups", "emulated_model", "feat
 
 
 class _Dense(nn.Module):
-    def __init__(self, width: int, dtype: torch.dtype) -> None:
+    def __init__(self, width: int, dtype: torch.dtype, dropout: float = 0.0) -> None:
         super().__init__()
         self.linear = nn.Linear(width, width, dtype=dtype)
+        self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.linear(x))
+        return self.dropout(torch.tanh(self.linear(x)))
 
 
-def _dense(i: int, width: int, dtype: torch.dtype) -> nn.Module:
-    return _Dense(width, dtype)
+def _dense(i: int, width: int, dtype: torch.dtype, dropout: float = 0.0) -> nn.Module:
+    return _Dense(width, dtype, dropout)
 
 
 def _regression_sample(index: int, width: int, dtype: torch.dtype, seed: int):
@@ -69,10 +70,12 @@ class _Gated(nn.Module):
     """A layer of :func:`featured_model`: the hidden state travels with a mask (no gradient)
     and a step counter (an integer), as a tuple on even boundaries and a dict on odd ones."""
 
-    def __init__(self, i: int, layers: int, width: int, dtype: torch.dtype) -> None:
+    def __init__(self, i: int, layers: int, width: int, dtype: torch.dtype,
+                 dropout: float = 0.0) -> None:
         super().__init__()
         self.i, self.last = i, i == layers - 1
         self.linear = nn.Linear(width, width, dtype=dtype)
+        self.dropout = nn.Dropout(dropout)
 
     def forward(self, x):
         if self.i == 0:
@@ -81,15 +84,17 @@ class _Gated(nn.Module):
             h, mask, count = x["h"], x["mask"], x["count"]
         else:
             h, mask, count = x
-        h = torch.tanh(self.linear(h)) * (0.5 + 0.5 * mask) if not self.last else self.linear(h)
+        h = (self.dropout(torch.tanh(self.linear(h))) * (0.5 + 0.5 * mask) if not self.last
+             else self.linear(h))
         if self.last:
             return h
         count = count + 1
         return {"h": h, "mask": mask, "count": count} if self.i % 2 else (h, mask, count)
 
 
-def _gated(i: int, layers: int, width: int, dtype: torch.dtype) -> nn.Module:
-    return _Gated(i, layers, width, dtype)
+def _gated(i: int, layers: int, width: int, dtype: torch.dtype,
+           dropout: float = 0.0) -> nn.Module:
+    return _Gated(i, layers, width, dtype, dropout)
 
 
 def _adamw(params: Iterable[nn.Parameter], lr: float) -> torch.optim.Optimizer:
@@ -118,15 +123,18 @@ def warmup_cosine(optimizer: torch.optim.Optimizer, warmup: int,
 
 def featured_model(layers: int = 7, width: int = 8, dtype: torch.dtype = torch.float64,
                    seed: int = 0, lr: float = 0.05, tie: bool = True, schedule: bool = True,
-                   structured: bool = True, groups: bool = False) -> PipelineModel:
+                   structured: bool = True, groups: bool = False,
+                   dropout: float = 0.0) -> PipelineModel:
     """A model with what real training brings: the first and last layers' weights tied, a
     warm-up + cosine schedule, AdamW, and stages that pass (hidden, mask, counter) as tuples
     and dicts (``structured``; else plain tensors through :func:`mlp_model`'s layers).
-    ``groups``: AdamW's parameter groups chosen by name (:func:`adamw_groups`)."""
+    ``groups``: AdamW's parameter groups chosen by name (:func:`adamw_groups`). ``dropout``:
+    after every hidden layer's activation."""
     from .model import Tie
 
-    build = (functools.partial(_gated, layers=layers, width=width, dtype=dtype) if structured
-             else functools.partial(_dense, width=width, dtype=dtype))
+    build = (functools.partial(_gated, layers=layers, width=width, dtype=dtype, dropout=dropout)
+             if structured else functools.partial(_dense, width=width, dtype=dtype,
+                                                  dropout=dropout))
     return PipelineModel(
         num_layers=layers,
         build_layer=build,
@@ -256,7 +264,8 @@ def reference_run(model: PipelineModel, steps: int, global_micro_batches: int,
                   precision: str = "fp32") -> Reference:
     """Single-process training on the same global batches, with torch's own tools: one shared
     parameter per tie, ``clip_grad_norm_``, autocast, ``GradScaler`` for fp16, the model's
-    schedule stepped once per step.
+    schedule stepped once per step, each layer on the random stream of (seed, step, global
+    micro-batch, layer) (:mod:`.streams`).
 
     Per step, the loss is the mean over the global batch computed as the sum of per-micro-batch
     mean losses divided by the micro-batch count, exactly the runtime's weighting.
@@ -264,6 +273,7 @@ def reference_run(model: PipelineModel, steps: int, global_micro_batches: int,
     from .data import step_sample_ids
     from .model import build_layers, collate, tied_parameter
     from .precision import autocast, check_precision
+    from .streams import own_streams, seed_layer
 
     precision = check_precision(precision)
     device = torch.device("cpu")
@@ -293,8 +303,10 @@ def reference_run(model: PipelineModel, steps: int, global_micro_batches: int,
         for g in range(global_micro_batches):
             x, y = collate(model, ids[g * micro_batch_size:(g + 1) * micro_batch_size])
             with autocast(precision, device):
-                for layer in layers:
-                    x = layer(x)
+                with own_streams(device):
+                    for i, layer in enumerate(layers):
+                        seed_layer(model.seed, step, g, i, device)
+                        x = layer(x)
                 loss = model.loss(x, y) / global_micro_batches
             (scaler.scale(loss) if scaler else loss).backward()
             total += float(loss.detach())

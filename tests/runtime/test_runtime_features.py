@@ -14,6 +14,8 @@ turn (new process groups per plan, as in-place recovery builds them):
 - ``groups``: AdamW parameter groups chosen by the parameters' names (no weight decay on
   biases; ``make_optimizer`` gets ``(name, parameter)`` pairs), with a tie, a schedule and
   clipping;
+- ``dropout``, ``dropout_recompute``: dropout p = 0.1 after every hidden layer; the second with
+  every stage recomputing, which must replay the very masks of the first forward;
 - ``bf16`` / ``fp16``: autocast over fp32 master weights (fp16 with loss scaling, against torch's
   ``GradScaler``), on the ``all`` model in float32.
 
@@ -54,6 +56,8 @@ CONFIGS = {  # name -> (model kwargs, trainer kwargs, recompute every stage)
     "recompute": ({"kind": "mlp"}, {}, True),
     "all": ({}, {"max_grad_norm": CLIP}, True),
     "groups": ({"groups": True}, {"max_grad_norm": CLIP}, False),
+    "dropout": ({"dropout": 0.1}, {}, False),
+    "dropout_recompute": ({"dropout": 0.1, "tie": False}, {"max_grad_norm": CLIP}, True),
     "bf16": ({"dtype": "float32"}, {"max_grad_norm": CLIP, "precision": "bf16"}, True),
     "fp16": ({"dtype": "float32"}, {"max_grad_norm": CLIP, "precision": "fp16"}, False),
 }
@@ -145,7 +149,7 @@ def test_feature_trains_like_single_process_under_every_plan_kind(name, runs):
     assert not math.isnan(ref.grad_norms[0])
 
 
-CHAINED = ("all", "groups", "bf16", "fp16")
+CHAINED = ("all", "groups", "dropout_recompute", "bf16", "fp16")
 
 
 def _chain(rank: int, world: int, directory: str):
