@@ -128,8 +128,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
                     help="master weights (float64: exact comparisons in tests)")
     ap.add_argument("--dropout", type=float, default=0.0,
-                    help="every dropout probability of the model (default 0: dropout draws "
-                         "random numbers, so only 0 gives the same result under every plan)")
+                    help="every dropout probability of the model (default 0); its masks depend "
+                         "only on (seed, step, micro-batch, layer), so every plan trains alike")
     ap.add_argument("--micro-batch-size", type=int, default=None,
                     help="samples per micro-batch; default: the job's under chameleon-run "
                          "(another value is refused), else 4")

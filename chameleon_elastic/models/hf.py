@@ -307,8 +307,9 @@ def causal_lm(source: Any, *, sample: Callable[[int], tuple[Any, Any]] | None = 
     parameter)`` pairs under transformers' names (torch's optimizers take them as they are);
     default :func:`adamw`.
     ``dtype``: the master weights' type (float32; float64 for exact comparisons).
-    ``dropout``: replaces every dropout probability of the config (None: the config's; note
-    that dropout draws random numbers, so only 0 gives the same result under every plan).
+    ``dropout``: replaces every dropout probability of the config (None: the config's); its
+    masks depend only on (seed, step, micro-batch, layer), so every plan trains alike
+    (docs/runtime.md, reproducible dropout).
     """
     config, directory = load_config(source)
     _check_supported(config)
@@ -387,7 +388,7 @@ TINY: dict[str, tuple[str, dict[str, Any]]] = {
 
 def tiny_config(name: str, layers: int = 2) -> Any:
     """A tiny random config of a supported family (:data:`TINY`), with ``layers`` decoder
-    layers and no dropout (so that every plan gives the same result)."""
+    layers and no dropout."""
     require_extra()
     import transformers
 
