@@ -32,8 +32,10 @@ from .carry_over import move_schedule
 from .errors import PeerLost, PipelineRuntimeError
 from .layer_state import LayerState, export_layer, import_layer
 from .precision import LossScale, Precision
+from .user_state import copy_state, load_states
 
-__all__ = ["latest_step", "load_checkpoint", "load_layers", "load_loss_scale", "save_checkpoint"]
+__all__ = ["latest_step", "load_checkpoint", "load_job_states", "load_layers", "load_loss_scale",
+           "save_checkpoint"]
 
 
 def _step_dir(directory: Path, step: int) -> Path:
@@ -75,13 +77,17 @@ def save_checkpoint(trainer, directory: str | Path, step: int) -> None:
         if min(trainer.holders[layer]) != trainer.device:
             continue
         # whole tensors: the unit gathers its shards (every card takes part), card 0 writes
-        state = export_layer(layer, module, trainer.optimizer, whole=True).to_dict()
+        state = export_layer(layer, module, trainer.optimizer, whole=True,
+                             extras=trainer.extras.get(layer)).to_dict()
         if trainer.tp_rank == 0:
             _atomic_write(target / f"layer-{layer}.pt", lambda tmp, s=state: torch.save(s, tmp))
     if dist.get_rank() == 0:   # every rank holds the same scale
         scale = trainer.loss_scale
         text = json.dumps({"loss_scale": scale.scale, "loss_scale_good": scale.good})
         _atomic_write(target / "trainer.json", lambda tmp: Path(tmp).write_text(text))
+        if trainer.job_state:
+            states = copy_state(trainer.job_state)
+            _atomic_write(target / "job-state.pt", lambda tmp: torch.save(states, tmp))
     _barrier(trainer.device)
     if dist.get_rank() == 0:
         _atomic_write(directory / "latest", lambda tmp: Path(tmp).write_text(f"{step}\n"))
@@ -115,6 +121,14 @@ def load_layers(directory: str | Path, step: int, layers: Iterable[int]) -> dict
     return out
 
 
+def load_job_states(directory: str | Path, step: int) -> dict[str, dict]:
+    """The registered job-wide objects' states at checkpoint ``step`` (none saved: empty)."""
+    try:
+        return torch.load(_step_dir(Path(directory), step) / "job-state.pt", weights_only=True)
+    except FileNotFoundError:
+        return {}
+
+
 def load_loss_scale(directory: str | Path, step: int, precision: Precision) -> LossScale:
     """fp16's loss scale at checkpoint ``step`` (a checkpoint written without one, or any other
     precision: the precision's starting scale)."""
@@ -137,6 +151,9 @@ def load_checkpoint(trainer, directory: str | Path) -> int:
         return 0
     for layer, state in load_layers(directory, step, trainer.layers).items():
         import_layer(state, trainer.layers[layer], trainer.optimizer)
+        load_states(trainer.extras.get(layer, {}), state.extra, f"layer {layer}'s state")
+    load_states(trainer.job_state, load_job_states(directory, step),
+                   f"checkpoint step {step}")
     trainer.committed = step
     trainer.loss_scale = load_loss_scale(directory, step, trainer.precision)
     trainer.scheduler = move_schedule(trainer.model, trainer.scheduler, trainer.optimizer, None,

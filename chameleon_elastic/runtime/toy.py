@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +21,7 @@ from torch import nn
 
 from .model import PipelineModel
 
-__all__ = ["EmulatedLayer", "Reference", "adamw_groups", "emulated_model", "featured_model", "megatron_plan",
+__all__ = ["EmulatedLayer", "Reference", "StepCounter", "WeightEMA", "adamw_groups", "emulated_model", "featured_model", "megatron_plan",
            "mlp_model", "reference_run", "reference_training", "tp_mlp_model", "warmup_cosine"]
 
 
@@ -248,6 +248,44 @@ def emulated_model(layers: int, forward_s: float, backward_s: float, width: int 
     )
 
 
+class WeightEMA:
+    """An exponential moving average of one layer's parameters, updated after every step: a
+    per-layer user state (``layer_state={"ema": WeightEMA}``, :mod:`.user_state`)."""
+
+    def __init__(self, layer: int, module: nn.Module, decay: float = 0.9) -> None:
+        self.module, self.decay = module, decay
+        self.shadow = {n: p.detach().clone() for n, p in module.named_parameters()}
+
+    def after_step(self, step: int) -> None:
+        with torch.no_grad():
+            for name, p in self.module.named_parameters():
+                self.shadow[name].mul_(self.decay).add_(p.detach(), alpha=1 - self.decay)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return dict(self.shadow)
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for name, value in state.items():
+                self.shadow[name].copy_(value)
+
+
+class StepCounter:
+    """Counts the steps it saw and remembers the last: a job-wide user state."""
+
+    def __init__(self) -> None:
+        self.steps, self.last = 0, -1
+
+    def after_step(self, step: int) -> None:
+        self.steps, self.last = self.steps + 1, step
+
+    def state_dict(self) -> dict[str, int]:
+        return {"steps": self.steps, "last": self.last}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.steps, self.last = int(state["steps"]), int(state["last"])
+
+
 @dataclass(frozen=True)
 class Reference:
     """Single-process ground truth: per-step loss, gradient norm (before clipping) and
@@ -261,7 +299,8 @@ class Reference:
 
 def reference_run(model: PipelineModel, steps: int, global_micro_batches: int,
                   micro_batch_size: int = 1, *, max_grad_norm: float | None = None,
-                  precision: str = "fp32") -> Reference:
+                  precision: str = "fp32",
+                  after_step: Callable[[int, nn.ModuleList], None] | None = None) -> Reference:
     """Single-process training on the same global batches, with torch's own tools: one shared
     parameter per tie, ``clip_grad_norm_``, autocast, ``GradScaler`` for fp16, the model's
     schedule stepped once per step, each layer on the random stream of (seed, step, global
@@ -269,6 +308,8 @@ def reference_run(model: PipelineModel, steps: int, global_micro_batches: int,
 
     Per step, the loss is the mean over the global batch computed as the sum of per-micro-batch
     mean losses divided by the micro-batch count, exactly the runtime's weighting.
+    ``after_step(step, layers)`` runs after each step's optimizer step and schedule (where the
+    trainer calls its registered objects' ``after_step``).
     """
     from .data import step_sample_ids
     from .model import build_layers, collate, tied_parameter
@@ -322,6 +363,8 @@ def reference_run(model: PipelineModel, steps: int, global_micro_batches: int,
             optimizer.step()
         if scheduler is not None:
             scheduler.step()
+        if after_step is not None:
+            after_step(step, layers)
         out.losses.append(total)
         out.grad_norms.append(float(norm))
     return out

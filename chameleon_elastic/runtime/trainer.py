@@ -25,7 +25,7 @@ scale travels in the commit rows and the checkpoint).
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -50,6 +50,7 @@ from .recovery import Recovery
 from .step import StepResult, train_step
 from .tensor_parallel import full
 from .topology import RankMap, device_from_env, plan_from_env, tp_from_env
+from .user_state import LayerStateFactory, Stateful, copy_state
 
 __all__ = ["PipelineTrainer"]
 
@@ -94,7 +95,11 @@ class PipelineTrainer:
     or ``fp16`` (:mod:`.precision`). Stages run with activation recomputation where the plan
     says so. ``tp_size`` > 1: the plan's ``device`` is a unit of that many cards, this process
     is card ``tp_rank`` of it, and the layers are sharded by the model's ``tp_plan``
-    (:mod:`.tensor_parallel`).
+    (:mod:`.tensor_parallel`). ``layer_state`` (name -> ``factory(layer, module)``) and
+    ``job_state`` (name -> object): the script's own state (an EMA of the weights, a counter),
+    objects with ``state_dict`` / ``load_state_dict`` and optionally ``after_step(step)``,
+    carried through plan changes, recoveries and checkpoints (:mod:`.user_state`); a layer's
+    objects are ``trainer.extras[layer]``.
     """
 
     def __init__(self, model: PipelineModel, plan: ExecutionPlan, device: int, *,
@@ -103,7 +108,9 @@ class PipelineTrainer:
                  checkpoint_dir: str | Path | None = None, link: WorkerLink | None = None,
                  on_phase: PhaseHook | None = None, max_grad_norm: float | None = None,
                  precision: Precision | str = "fp32", tp_rank: int = 0,
-                 tp_size: int = 1) -> None:
+                 tp_size: int = 1,
+                 layer_state: Mapping[str, LayerStateFactory] | None = None,
+                 job_state: Mapping[str, Stateful] | None = None) -> None:
         if not dist.is_initialized():
             raise PipelineRuntimeError(
                 "torch.distributed is not initialised; call "
@@ -128,6 +135,10 @@ class PipelineTrainer:
         self.layers: dict[int, nn.Module] = {}
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+        self.layer_state = dict(layer_state or {})   # the script's objects (.user_state)
+        self.extras: dict[int, dict[str, Stateful]] = {}   # layer -> name -> object
+        self.job_state = dict(job_state or {})
+        self.job_state_initial = copy_state(self.job_state)
         self.loss_scale = LossScale.for_precision(self.precision)
         self.committed: int | None = None   # steps applied here; None: no state yet
         self.synced: int | None = None      # the step whose summed gradients sit in .grad
