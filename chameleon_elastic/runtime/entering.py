@@ -30,6 +30,7 @@ from torch import nn
 from chameleon_elastic.plan import ExecutionPlan
 
 from .abort import GroupSockets, new_sockets
+from .background_save import save_group
 from .checkpoint import latest_step
 from .commit import Agreement, Row, agree
 from .errors import PeerLost, PipelineRuntimeError
@@ -95,9 +96,17 @@ def enter(t: TrainerState, plan: ExecutionPlan, reported: int | None) -> Entry:
 def release_groups(t: TrainerState) -> None:
     """Drop the plan's bucket and unit groups (the default group stays; see
     :meth:`.recovery.Recovery.abort`)."""
+    if t.saving is not None:   # a background save ends before its group does
+        t.saving.settle(t.timeouts.collective_s)
     for table in (t.groups, t.tp_groups):
         if table is not None:
             table.destroy()
+    if t.save_group is not None:
+        try:
+            dist.destroy_process_group(t.save_group)
+        except (RuntimeError, ValueError):
+            pass
+        t.save_group = None
 
 
 def _roll_forward(t: TrainerState, agreement: Agreement) -> None:
@@ -177,6 +186,7 @@ def _build(t: TrainerState, plan: ExecutionPlan, ranks: RankMap) -> None:
     rank_sets += [rs for tie in t.ties for rs in ranks.every_tp_rank(tie.devices)]
     with new_sockets() as sockets:
         t.groups = GroupTable(rank_sets, timeout=t.timeouts.delta("collective_s"))
+        t.save_group = save_group(t.timeouts.delta("collective_s"))
     t.group_sockets = (frozenset(sockets) | t.unit_sockets
                        | GroupSockets.get(dist.group.WORLD, frozenset()))
     t.executor, t.orders = None, ()

@@ -35,7 +35,7 @@ from torch import nn
 from chameleon_elastic.plan import AllReduceGroup, ExecutionPlan
 from chameleon_elastic.timeouts import Timeouts
 
-from .checkpoint import save_checkpoint
+from .background_save import BackgroundSave
 from .entering import Entry, enter, release_groups
 from .errors import PeerLost, PipelineRuntimeError, keep_message_only, say_peer_loss_in_one_line
 from .executor import BoundarySpec, PipelineExecutor
@@ -157,6 +157,8 @@ class PipelineTrainer:
         self.holders: dict[int, tuple[int, ...]] = {}
         self.ties: tuple[TiedCopies, ...] = ()
         self.recovery: Recovery | None = None
+        self.save_group = None                      # background saves' own group, per plan
+        self.saving: BackgroundSave | None = None   # the checkpoint being written
         if link is not None:
             from chameleon_elastic.plugins import get_backend
 
@@ -259,8 +261,10 @@ class PipelineTrainer:
         reports for the job (the lowest working device; after a failure another process takes
         over and goes on where the previous one stopped). A step trained again after a rollback
         to a checkpoint comes with ``result.redone``. With ``checkpoint_every`` and a
-        ``checkpoint_dir``, a checkpoint is committed after every that many steps and after the
-        last one.
+        ``checkpoint_dir``, a checkpoint is saved after every that many steps and after the last
+        one, in the background (:mod:`.background_save`): training goes on while it is written,
+        it is committed once every rank's files are, and the last one is committed when ``run``
+        returns.
         """
         if self.recovery is not None:
             self.recovery.register()
@@ -278,12 +282,28 @@ class PipelineTrainer:
                 done = self.committed
                 if (self.checkpoint_dir is not None and checkpoint_every
                         and (done % checkpoint_every == 0 or done == steps)):
-                    save_checkpoint(self, self.checkpoint_dir, done)
-                    if self.recovery is not None:
-                        self.recovery.link.checkpointed(done)
+                    self._settle_save()   # one save at a time
+                    self.saving = BackgroundSave.start(self, self.checkpoint_dir, done)
+                self._tell_saved()
             if lost.message is not None:
                 self.recovery.recover(lost.message)
             self._report(report)
+        self._settle_save()
+
+    def _settle_save(self) -> None:
+        """Wait for the checkpoint being written (the last one must be committed when run
+        returns, and DCP's group takes one save at a time)."""
+        if self.saving is not None:
+            self.saving.settle(self.timeouts.collective_s)
+            self._tell_saved()
+
+    def _tell_saved(self) -> None:
+        """Tell the agent of a checkpoint committed in the background."""
+        saving = self.saving
+        if (saving is not None and saving.done() and saving.ok and not saving.told
+                and self.recovery is not None):
+            self.recovery.link.checkpointed(saving.step)
+            saving.told = True
 
     def _report(self, report: Report | None) -> None:
         if report is None or not self.is_reporter:
