@@ -362,7 +362,7 @@ def save_pretrained(trainer: Any, out_dir: str | Path) -> Path:
 
 def convert_checkpoint(checkpoint_dir: str | Path, source: Any, out_dir: str | Path,
                        step: int | None = None) -> Path:
-    """A runtime checkpoint (``step-N/layer-i.pt``) as a transformers directory, offline;
+    """A runtime checkpoint (``step-N/``, DCP) as a transformers directory, offline;
     ``source``: the model's directory or config (for config.json)."""
     from .hf_export import convert
 

@@ -53,7 +53,8 @@ from .precision import LossScale, Precision
 from .user_state import copy_state, load_states
 
 __all__ = ["checkpoint_state", "commit", "latest_step", "load_checkpoint", "load_job_states",
-           "load_layers", "load_loss_scale", "save_checkpoint", "step_dir"]
+           "load_layers", "load_loss_scale", "save_checkpoint", "saved_layers",
+           "step_dir"]
 
 
 def step_dir(directory: str | Path, step: int) -> Path:
@@ -206,6 +207,12 @@ def _read(directory: str | Path, step: int, wanted) -> dict[str, Any]:
             dcp.load(request, checkpoint_id=str(step_dir(directory, step)),
                      planner=_SafeLoadPlanner(), no_dist=True)
     return request
+
+
+def saved_layers(directory: str | Path, step: int) -> list[int]:
+    """The layers checkpoint ``step`` holds."""
+    paths = _metadata(directory, step).planner_data.values()
+    return sorted(int(p[1]) for p in paths if p[0] == "layout")
 
 
 def load_layers(directory: str | Path, step: int, layers: Iterable[int]) -> dict[int, LayerState]:
