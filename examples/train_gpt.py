@@ -7,8 +7,9 @@
 Under ``chameleon-run --job`` a lost device costs no progress: the surviving processes regroup
 in place under the new plan, take the layers they lack (weights and optimizer state) from their
 peers and go on at the first step that was not committed everywhere; every step is printed once.
-With ``--checkpoint-dir`` the layers and optimizer state are also committed layer by layer every
-``--checkpoint-every`` steps and loaded at start, whatever plan wrote them; they are used when no
+With ``--checkpoint-dir`` the weights and optimizer state are also saved every
+``--checkpoint-every`` steps, in the background, as torch.distributed.checkpoint directories
+keyed by parameter names, and loaded at start, whatever plan wrote them; they are used when no
 live process holds some layer any more, or when the workers are relaunched.
 
 The model is a list of layers, which is all the runtime needs to cut it into pipeline stages:
@@ -230,7 +231,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--log-every", type=int, default=5)
     ap.add_argument("--checkpoint-dir", default=None,
-                    help="commit layer-wise checkpoints here and resume from the last one, so "
+                    help="save torch.distributed.checkpoint checkpoints here (in the "
+                         "background, keyed by parameter names) and resume from the last one, so "
                          "a restart under a new plan (chameleon-run re-plan) goes on training")
     ap.add_argument("--checkpoint-every", type=int, default=10)
     args = ap.parse_args(argv)

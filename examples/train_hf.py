@@ -143,7 +143,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                     help="make each step last at least this many seconds (time to kill -9 "
                          "a worker by hand in a demo)")
     ap.add_argument("--checkpoint-dir", default=None,
-                    help="commit layer-wise checkpoints here and resume from the last one")
+                    help="save torch.distributed.checkpoint checkpoints here (in the "
+                         "background, keyed by transformers' names) and resume from the last one")
     ap.add_argument("--checkpoint-every", type=int, default=10)
     ap.add_argument("--export", metavar="OUT", default=None,
                     help="at the end, save the model where transformers' from_pretrained "
