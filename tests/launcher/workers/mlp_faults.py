@@ -17,8 +17,10 @@ with ``training.tp`` > 1; DEVICE in a fault then names a card (``unit * tp + tp 
 do the ``pid-<card>`` files.
 
 ``--featured``: the model brings what real training does (tied first and last layers, tuples
-and dicts between stages, warm-up + cosine schedule, AdamW) and the trainer clips the gradient
-norm to ``FEATURED_CLIP``; still float64.
+and dicts between stages, warm-up + cosine schedule, AdamW with parameter groups chosen by
+name, dropout 0.1, an EMA of every layer's weights as registered per-layer state) and the
+trainer clips the gradient norm to ``FEATURED_CLIP``; still float64. The EMA goes to
+``OUT/ema-<device>.pt``.
 
 ``--busy-start S``: a process that replaces an earlier one of its device spins S seconds before
 it starts. ``--pace S`` makes every step last at least S seconds (a sleep before its forward), so that a
@@ -39,12 +41,13 @@ import time
 import torch
 
 from chameleon_elastic.runtime import PeerLost, PipelineTrainer, init_distributed
-from chameleon_elastic.runtime.toy import featured_model, mlp_model, tp_mlp_model
+from chameleon_elastic.runtime.toy import WeightEMA, featured_model, mlp_model, tp_mlp_model
 
 # a launcher test that times out asks every worker where it is (tests/launcher/conftest.py)
 faulthandler.register(signal.SIGUSR2, all_threads=False)
 
 FEATURED_CLIP = 0.08
+FEATURED = {"layers": 8, "groups": True, "dropout": 0.1}   # featured_model's arguments
 
 
 def main() -> None:
@@ -99,14 +102,18 @@ def main() -> None:
                                  "redone": result.redone, "device": device}) + "\n")
 
     init_distributed()
-    model = (featured_model(layers=8) if featured else tp_mlp_model(layers=8) if sharded
+    model = (featured_model(**FEATURED) if featured else tp_mlp_model(layers=8) if sharded
              else mlp_model(layers=8))
     trainer = PipelineTrainer.from_env(model, on_phase=on_phase, checkpoint_dir=checkpoint,
-                                       max_grad_norm=FEATURED_CLIP if featured else None)
+                                       max_grad_norm=FEATURED_CLIP if featured else None,
+                                       layer_state={"ema": WeightEMA} if featured else None)
     trainer.run(steps, report, checkpoint_every=2 if checkpoint else 0)
     state = trainer.state()   # whole tensors: every card of a unit takes part
     if tp_rank == 0:
         torch.save(state, os.path.join(out, f"params-{unit}.pt"))
+    if featured:
+        torch.save({layer: objects["ema"].state_dict() for layer, objects
+                    in trainer.extras.items()}, os.path.join(out, f"ema-{unit}.pt"))
     trainer.close()
 
 
