@@ -9,6 +9,8 @@ enter: as the process starts entering a plan, STEP being the steps it has commit
 ``kill`` - the process SIGKILLs itself there (a lost device); ``lose-vote`` - this rank acts as
 if its vote had failed although the vote completed elsewhere (what a rank sees when a dying
 peer's last message of the all-reduce never arrives): it abandons the step before applying;
+``kill-saved`` - as ``kill``, once the checkpoint being written in the background has ended
+(a loss after the checkpoint is on disk, as a save that took no time would have it);
 ``raise`` - a bug: the script raises (only in the first process of the device, so the process
 that replaces it trains on); ``spin`` - a hang that keeps a core busy.
 
@@ -82,11 +84,15 @@ def main() -> None:
         if int(d) == device:
             mine[(int(step), phase)] = action
 
+    trainers = []   # the trainer, once built (kill-saved looks at its save in flight)
+
     def on_phase(step: int, phase: str) -> None:
         if pace and phase == "forward":
             time.sleep(pace)
         action = mine.pop((step, phase), None)
-        if action == "kill":
+        if action == "kill-saved" and trainers[0].saving is not None:
+            trainers[0].saving.settle()
+        if action in ("kill", "kill-saved"):
             os.kill(os.getpid(), signal.SIGKILL)
         elif action == "lose-vote":
             raise PeerLost("injected: this rank's vote result was lost")
@@ -107,6 +113,7 @@ def main() -> None:
     trainer = PipelineTrainer.from_env(model, on_phase=on_phase, checkpoint_dir=checkpoint,
                                        max_grad_norm=FEATURED_CLIP if featured else None,
                                        layer_state={"ema": WeightEMA} if featured else None)
+    trainers.append(trainer)
     trainer.run(steps, report, checkpoint_every=2 if checkpoint else 0)
     state = trainer.state()   # whole tensors: every card of a unit takes part
     if tp_rank == 0:
