@@ -24,7 +24,7 @@ def test_two_agents_agree_on_one_plan_through_a_store(session, tmp_path):
     coordination.report(store, "r1/", 1, NodeReport(1, (3,), (2,), True, reported=7,
                                                     checkpoint=None))
     coordination.report(store, "r1/", 0, NodeReport(0, (), (0, 1), True, reported=None))
-    reports = coordination.collect(store, "r1/", 2)
+    reports = coordination.collect(store, "r1/", range(2))
     lost, joined = coordination.losses(reports, session.excluded, session.devices, 2)
     assert (lost, joined) == ({3}, set())
     change = session.apply(lost=lost, joined=joined)
@@ -133,7 +133,7 @@ def test_every_agent_learns_how_each_device_was_lost_from_the_node_that_saw_it(s
     node sent no report at all are "node gone" (it used to be said of any remote device)."""
     store = dist.HashStore()
     coordination.report(store, "r1/", 0, NodeReport(0, (1,), (0,), True, why=((1, "SIGKILL"),)))
-    reports = coordination.collect(store, "r1/", 1)      # node 1 (devices 2, 3) is gone
+    reports = coordination.collect(store, "r1/", range(1))    # node 1 (devices 2, 3) is gone
     lost, _ = coordination.losses(reports, session.excluded, session.devices, 2)
     why = coordination.reasons(reports, lost, 2)
     assert why == ((1, "SIGKILL"), (2, "node gone"), (3, "node gone"))
