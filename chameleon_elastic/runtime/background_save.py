@@ -8,10 +8,10 @@ a checkpoint is committed only when every writer has finished, as with a synchro
 
 Why a process group of its own: DCP's planning and completion are collectives, run from the
 background thread while the training thread runs its own collectives. Two threads must never
-share a gloo group, so every plan generation creates one more group over the whole world, used
-by saves only (:func:`save_group`). A recovery settles the save in flight before it destroys the
-groups: a save that a lost peer broke is not committed and the previous checkpoint stays in
-force.
+share a gloo group, so every plan generation has one more group over the whole world, used by
+saves only and made at the plan's first save (:func:`ensure_save_group`). A recovery settles
+the save in flight before it destroys the groups: a save that a lost peer broke is not
+committed and the previous checkpoint stays in force.
 """
 
 from __future__ import annotations
@@ -29,21 +29,32 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import AsyncStager
 
+from .abort import new_sockets
 from .checkpoint import checkpoint_state, commit, step_dir
 from .errors import PeerLost
 
-__all__ = ["BackgroundSave", "save_group"]
+__all__ = ["BackgroundSave", "ensure_save_group"]
 
 log = logging.getLogger("chameleon_elastic.runtime.background_save")
 
 
-def save_group(timeout: Any = None) -> Any:
-    """A gloo group over the whole world for background saves (collective: every rank)."""
-    try:
-        return dist.new_group(list(range(dist.get_world_size())), timeout=timeout,
-                              backend="gloo")
-    except RuntimeError as exc:
-        raise PeerLost(f"cannot create the checkpoint group: {exc}") from exc
+def ensure_save_group(trainer: Any) -> Any:
+    """The plan's gloo group over the whole world for background saves, made at its first
+    save (collective: every rank saves at the same steps), so that entering a plan, and a
+    job without checkpoints, never pays for it. Its sockets join those the watchdog may shut
+    (:mod:`.abort`)."""
+    if trainer.save_group is None:
+        with new_sockets() as sockets:
+            try:
+                trainer.save_group = dist.new_group(
+                    list(range(dist.get_world_size())),
+                    timeout=trainer.timeouts.delta("collective_s"), backend="gloo")
+            except RuntimeError as exc:
+                raise PeerLost(f"cannot create the checkpoint group: {exc}") from exc
+        trainer.group_sockets = trainer.group_sockets | frozenset(sockets)
+        if trainer.recovery is not None:
+            trainer.recovery.arm()
+    return trainer.save_group
 
 
 class _Yielding(dcp.FileSystemWriter):
@@ -92,9 +103,10 @@ class BackgroundSave:
     def start(cls, trainer: Any, directory: str | Path, step: int) -> BackgroundSave:
         """Copy this rank's share of the state after ``step`` steps and hand it to DCP's
         background thread (collective over the world)."""
+        group = ensure_save_group(trainer)
         state = checkpoint_state(trainer, step)
         future = dcp.async_save(state, storage_writer=_Yielding(step_dir(directory, step)),
-                                process_group=trainer.save_group, async_stager=_OnTheCPU())
+                                process_group=group, async_stager=_OnTheCPU())
         return cls(future, Path(directory), step, dist.get_rank() == 0)
 
     def _finish(self, future: Future) -> None:
