@@ -316,6 +316,8 @@ def agree(store: Any, scope: str, members: Members, mine: NodeReport, session: J
                         else adopt(store, scope, timeout_s))
             if decision.error or decision.plan is None:
                 raise LauncherPlanningError(decision.error or "no plan was published")
+            if quick and members.me not in decision.nodes:   # our lease lapsed meanwhile
+                raise QuickRoundFailed("the other nodes decided without this one")
             change = session.adopt(decision.plan, decision.excluded)
         if decision.error:
             raise LauncherPlanningError(decision.error)
