@@ -7,8 +7,9 @@
 Under ``chameleon-run --job`` a lost device costs no progress: the surviving processes regroup
 in place under the new plan, take the layers they lack (weights and optimizer state) from their
 peers and go on at the first step that was not committed everywhere; every step is printed once.
-With ``--checkpoint-dir`` the layers and optimizer state are also committed layer by layer every
-``--checkpoint-every`` steps and loaded at start, whatever plan wrote them; they are used when no
+With ``--checkpoint-dir`` the weights and optimizer state are also saved every
+``--checkpoint-every`` steps, in the background, as torch.distributed.checkpoint directories
+keyed by parameter names, and loaded at start, whatever plan wrote them; they are used when no
 live process holds some layer any more, or when the workers are relaunched.
 
 The model is a list of layers, which is all the runtime needs to cut it into pipeline stages:
@@ -112,10 +113,11 @@ def split_corpus(corpus: torch.Tensor, context: int,
 
 
 class Embed(nn.Module):
-    def __init__(self, context: int, width: int) -> None:
+    def __init__(self, context: int, width: int, dropout: float = 0.0) -> None:
         super().__init__()
         self.tokens = nn.Embedding(VOCAB, width)
         self.positions = nn.Embedding(context, width)
+        self.dropout = nn.Dropout(dropout)
         # GPT-2's scale: the head reuses these weights, and N(0, 1) logits would start far
         # from the uniform guess
         nn.init.normal_(self.tokens.weight, std=0.02)
@@ -123,7 +125,7 @@ class Embed(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         pos = torch.arange(x.shape[1], device=x.device)
-        return self.tokens(x) + self.positions(pos)
+        return self.dropout(self.tokens(x) + self.positions(pos))
 
 
 class Block(nn.Module):
@@ -131,9 +133,10 @@ class Block(nn.Module):
     v projections and the MLP's first layer are split by columns (whole heads per card), the
     output projections by rows, so the head count is read from the local width."""
 
-    def __init__(self, width: int, heads: int) -> None:
+    def __init__(self, width: int, heads: int, dropout: float = 0.0) -> None:
         super().__init__()
         self.head_dim = width // heads
+        self.dropout = nn.Dropout(dropout)   # on each residual branch, as GPT-2
         self.norm1 = nn.LayerNorm(width)
         self.q, self.k, self.v = (nn.Linear(width, width) for _ in range(3))
         self.proj = nn.Linear(width, width)
@@ -149,8 +152,8 @@ class Block(nn.Module):
         q, k, v = (z.view(b, t, local // self.head_dim, self.head_dim).transpose(1, 2)
                    for z in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, local))
-        return x + self.mlp(self.norm2(x))
+        x = x + self.dropout(self.proj(y.transpose(1, 2).reshape(b, t, local)))
+        return x + self.dropout(self.mlp(self.norm2(x)))
 
 
 class Head(nn.Module):
@@ -163,12 +166,13 @@ class Head(nn.Module):
         return self.out(self.norm(x))
 
 
-def build_layer(i: int, blocks: int, context: int, width: int, heads: int) -> nn.Module:
+def build_layer(i: int, blocks: int, context: int, width: int, heads: int,
+                dropout: float = 0.0) -> nn.Module:
     if i == 0:
-        return Embed(context, width)
+        return Embed(context, width, dropout)
     if i == blocks + 1:
         return Head(width)
-    return Block(width, heads)
+    return Block(width, heads, dropout)
 
 
 def tensor_parallel_plan(i: int, blocks: int) -> dict:
@@ -197,14 +201,14 @@ def adamw(params, lr: float) -> torch.optim.Optimizer:
 
 def gpt_model(blocks: int, context: int, width: int, heads: int, lr: float,
               corpus: torch.Tensor, seed: int, *, tie: bool = True, warmup: int = 0,
-              total_steps: int = 0, dataset: torch.utils.data.Dataset | None = None
-              ) -> PipelineModel:
+              total_steps: int = 0, dataset: torch.utils.data.Dataset | None = None,
+              dropout: float = 0.0) -> PipelineModel:
     """The GPT as the runtime's layers, trained on ``dataset`` (default: all of ``corpus``
     in windows)."""
     return PipelineModel(
         num_layers=blocks + 2,
         build_layer=functools.partial(build_layer, blocks=blocks, context=context, width=width,
-                                      heads=heads),
+                                      heads=heads, dropout=dropout),
         loss=byte_loss,
         make_optimizer=functools.partial(adamw, lr=lr),
         dataset=dataset if dataset is not None else Windows(corpus, context),
@@ -239,6 +243,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--precision", choices=PRECISIONS, default=None,
                     help="bf16/fp16: autocast over fp32 master weights (fp16 scales the loss); "
                          "default: the job's training.precision under chameleon-run, else bf16")
+    ap.add_argument("--dropout", type=float, default=0.0, metavar="P",
+                    help="dropout probability after the embedding and on every residual "
+                         "branch (default 0); its masks depend only on (seed, step, "
+                         "micro-batch, layer), so every plan trains alike")
     ap.add_argument("--no-tie", action="store_true",
                     help="give the head its own weights instead of reusing the embedding")
     ap.add_argument("--micro-batch-size", type=int, default=None,
@@ -250,7 +258,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--log-every", type=int, default=5)
     ap.add_argument("--checkpoint-dir", default=None,
-                    help="commit layer-wise checkpoints here and resume from the last one, so "
+                    help="save torch.distributed.checkpoint checkpoints here (in the "
+                         "background, keyed by parameter names) and resume from the last one, so "
                          "a restart under a new plan (chameleon-run re-plan) goes on training")
     ap.add_argument("--checkpoint-every", type=int, default=10)
     ap.add_argument("--eval-every", type=int, default=0, metavar="K",
@@ -267,6 +276,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     for name in ("warmup_steps", "max_grad_norm", "eval_every"):
         if getattr(args, name) < 0:
             ap.error(f"--{name.replace('_', '-')} must be >= 0")
+    if not 0 <= args.dropout < 1:
+        ap.error(f"--dropout {args.dropout} must be in [0, 1)")
     if args.micro_batch_size is not None and args.micro_batch_size < 1:
         ap.error("--micro-batch-size must be >= 1")
     if args.width % args.heads:
@@ -294,7 +305,8 @@ def main(argv: list[str] | None = None) -> int:
     init_distributed()
     model = gpt_model(blocks, args.context, args.width, args.heads, args.lr, corpus,
                       args.seed, tie=not args.no_tie, warmup=args.warmup_steps,
-                      total_steps=args.steps if args.warmup_steps else 0, dataset=train)
+                      total_steps=args.steps if args.warmup_steps else 0, dataset=train,
+                      dropout=args.dropout)
     try:
         trainer = PipelineTrainer.from_env(model, global_micro_batches=args.global_micro_batches,
                                            micro_batch_size=args.micro_batch_size or (

@@ -13,7 +13,8 @@ take the layers they lack from their peers and go on at the first step not commi
 everywhere; every step is printed once. ``--export OUT`` writes the trained model in
 transformers' format from whatever plan is in force (every process takes part).
 
-It trains as LLMs are trained: AdamW without weight decay on norms and biases, a linear
+It trains as LLMs are trained: AdamW without weight decay on norms and biases (chosen by
+transformers' parameter names, which the optimizer receives), a linear
 warm-up then cosine decay, the gradient norm clipped to 1 over the whole model, bf16 autocast
 over fp32 master weights (``--precision fp32`` makes losses comparable across launchers to the
 4th decimal; under chameleon-run the default is the job's precision). The text comes from
@@ -121,7 +122,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                     help="read at most this many bytes of text")
     ap.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
     ap.add_argument("--weight-decay", type=float, default=0.1,
-                    help="AdamW weight decay of matrices (norms and biases: none)")
+                    help="AdamW weight decay (none on norms and biases, told apart by "
+                         "transformers' parameter names)")
     ap.add_argument("--warmup-steps", type=int, default=5,
                     help="linear warm-up steps before the cosine decay (0: no schedule)")
     ap.add_argument("--max-grad-norm", type=float, default=1.0,
@@ -132,8 +134,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
                     help="master weights (float64: exact comparisons in tests)")
     ap.add_argument("--dropout", type=float, default=0.0,
-                    help="every dropout probability of the model (default 0: dropout draws "
-                         "random numbers, so only 0 gives the same result under every plan)")
+                    help="every dropout probability of the model (default 0); its masks depend "
+                         "only on (seed, step, micro-batch, layer), so every plan trains alike")
     ap.add_argument("--micro-batch-size", type=int, default=None,
                     help="samples per micro-batch; default: the job's under chameleon-run "
                          "(another value is refused), else 4")
@@ -147,7 +149,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                     help="make each step last at least this many seconds (time to kill -9 "
                          "a worker by hand in a demo)")
     ap.add_argument("--checkpoint-dir", default=None,
-                    help="commit layer-wise checkpoints here and resume from the last one")
+                    help="save torch.distributed.checkpoint checkpoints here (in the "
+                         "background, keyed by transformers' names) and resume from the last one")
     ap.add_argument("--checkpoint-every", type=int, default=10)
     ap.add_argument("--eval-every", type=int, default=0, metavar="K",
                     help="evaluate the held-out windows under the plan in force after every K "

@@ -41,7 +41,7 @@ from .hf_layers import SUPPORTED, Layout, Stage, init_modules, layout_of, materi
 from .hf_weights import has_weights
 
 __all__ = ["TINY", "CausalLMLayers", "HFModelError", "TokenWindows", "adamw", "causal_lm",
-           "convert_checkpoint", "layers_of", "load_config", "parameter_count",
+           "convert_checkpoint", "decays", "layers_of", "load_config", "parameter_count",
            "require_extra", "save_pretrained", "tiny_config", "token_windows"]
 
 EXTRA = "pip install 'chameleon-elastic[hf]'  (transformers and safetensors)"
@@ -290,22 +290,34 @@ def _random_tokens(vocab: int, context: int, index: int) -> tuple[torch.Tensor, 
     return ids, ids.clone()
 
 
-def adamw(params: Iterable[nn.Parameter], lr: float = 3e-4, weight_decay: float = 0.1,
-          betas: tuple[float, float] = (0.9, 0.95)) -> torch.optim.Optimizer:
-    """AdamW with weight decay on matrices only: norms and biases (one-dimensional) are not
-    decayed, as LLMs are trained. Groups are made by shape, so the split is the same whatever
-    layers a device holds (a group may be empty only when a device holds no such tensor)."""
-    params = list(params)
-    decay = [p for p in params if p.ndim >= 2]
-    keep = [p for p in params if p.ndim < 2]
-    groups = [g for g in ({"params": decay, "weight_decay": weight_decay},
-                          {"params": keep, "weight_decay": 0.0}) if g["params"]]
-    return torch.optim.AdamW(groups, lr=lr, betas=betas)
+def decays(name: str) -> bool:
+    """Whether AdamW decays parameter ``name`` (transformers' name): not a bias, not a norm's
+    weight (``*norm*``, as Llama, Mistral and Qwen name theirs, or GPT-2's ``ln_*``)."""
+    parts = name.split(".")
+    return parts[-1] != "bias" and not any("norm" in p or p.startswith("ln_") for p in parts)
+
+
+def adamw(named: Iterable[tuple[str, nn.Parameter]], lr: float = 3e-4,
+          weight_decay: float = 0.1, betas: tuple[float, float] = (0.9, 0.95)
+          ) -> torch.optim.Optimizer:
+    """AdamW over ``(name, parameter)`` pairs with weight decay on everything but norms and
+    biases (:func:`decays`), as LLMs are trained. Groups are chosen by transformers' names, so
+    the split is the same whatever layers a device holds."""
+    named = list(named)
+    groups = [{"params": [(n, p) for n, p in named if decays(n) == decay],
+               "weight_decay": weight_decay if decay else 0.0} for decay in (True, False)]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas)
+
+
+def _own_name(layer: int, name: str) -> str:
+    """A stage's names are transformers' already (``model.layers.3.mlp.up_proj.weight``)."""
+    return name
 
 
 def causal_lm(source: Any, *, sample: Callable[[int], tuple[Any, Any]] | None = None,
               dataset: Any = None,
-              make_optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+              make_optimizer: Callable[[Iterable[tuple[str, nn.Parameter]]],
+                                       torch.optim.Optimizer]
               | None = None, make_scheduler: Callable[[torch.optim.Optimizer], Any]
               | None = None, seed: int = 0, dtype: torch.dtype = torch.float32,
               dropout: float | None = None, context: int = 128) -> PipelineModel:
@@ -313,10 +325,13 @@ def causal_lm(source: Any, *, sample: Callable[[int], tuple[Any, Any]] | None = 
 
     ``sample(index) -> (input_ids, labels)``: one global sample (default: random tokens of
     ``context`` length, for profiling and tests); or ``dataset``: a map-style dataset of such
-    pairs (e.g. :class:`TokenWindows`), read in seeded epochs. ``make_optimizer``: default :func:`adamw`.
+    pairs (e.g. :class:`TokenWindows`), read in seeded epochs. ``make_optimizer``: gets ``(name,
+    parameter)`` pairs under transformers' names (torch's optimizers take them as they are);
+    default :func:`adamw`.
     ``dtype``: the master weights' type (float32; float64 for exact comparisons).
-    ``dropout``: replaces every dropout probability of the config (None: the config's; note
-    that dropout draws random numbers, so only 0 gives the same result under every plan).
+    ``dropout``: replaces every dropout probability of the config (None: the config's); its
+    masks depend only on (seed, step, micro-batch, layer), so every plan trains alike
+    (docs/runtime.md, reproducible dropout).
     """
     config, directory = load_config(source)
     _check_supported(config)
@@ -347,6 +362,8 @@ def causal_lm(source: Any, *, sample: Callable[[int], tuple[Any, Any]] | None = 
         make_scheduler=make_scheduler,
         tied=tied,
         tp_plan=layers.tp_plan,
+        parameter_name=_own_name,
+        named_parameters=True,
     )
 
 
@@ -369,7 +386,7 @@ def save_pretrained(trainer: Any, out_dir: str | Path) -> Path:
 
 def convert_checkpoint(checkpoint_dir: str | Path, source: Any, out_dir: str | Path,
                        step: int | None = None) -> Path:
-    """A runtime checkpoint (``step-N/layer-i.pt``) as a transformers directory, offline;
+    """A runtime checkpoint (``step-N/``, DCP) as a transformers directory, offline;
     ``source``: the model's directory or config (for config.json)."""
     from .hf_export import convert
 
@@ -395,7 +412,7 @@ TINY: dict[str, tuple[str, dict[str, Any]]] = {
 
 def tiny_config(name: str, layers: int = 2) -> Any:
     """A tiny random config of a supported family (:data:`TINY`), with ``layers`` decoder
-    layers and no dropout (so that every plan gives the same result)."""
+    layers and no dropout."""
     require_extra()
     import transformers
 

@@ -7,9 +7,9 @@ shard index and the tokenizer files of the source directory. Who writes what is 
 the plan, so the index needs no communication: only a barrier at the end, after which the
 directory is whole. A tied head is not stored (transformers ties it back on load).
 
-Offline (:func:`convert`, ``python -m chameleon_elastic.models.hf convert``): the layer files
-of a runtime checkpoint (``step-N/layer-i.pt``, read with ``weights_only``), one shard per
-layer. Both keep the training's master precision (float32, or float64 in tests) and say so in
+Offline (:func:`convert`, ``python -m chameleon_elastic.models.hf convert``): a runtime
+checkpoint (``step-N/``, torch.distributed.checkpoint keyed by transformers' names), one shard
+per layer, read a layer at a time. Both keep the training's master precision (float32, or float64 in tests) and say so in
 ``config.json``.
 """
 
@@ -96,7 +96,8 @@ def save_from_trainer(trainer: Any, out: Path) -> Path:
 
 def convert(checkpoint: Path, source: Any, out: Path, step: int | None = None) -> Path:
     """See :func:`chameleon_elastic.models.hf.convert_checkpoint`."""
-    from chameleon_elastic.runtime.checkpoint import latest_step, load_layers
+    from chameleon_elastic.runtime.checkpoint import latest_step, load_layers, saved_layers
+    from chameleon_elastic.runtime.errors import PipelineRuntimeError
 
     from .hf import HFModelError, causal_lm, layers_of
 
@@ -108,8 +109,10 @@ def convert(checkpoint: Path, source: Any, out: Path, step: int | None = None) -
     model = causal_lm(source)
     layers = layers_of(model)
     n = model.num_layers
-    found = sorted(int(p.stem.split("-")[1]) for p in (checkpoint / f"step-{step}").glob(
-        "layer-*.pt"))
+    try:
+        found = saved_layers(checkpoint, step)
+    except PipelineRuntimeError as exc:
+        raise HFModelError(str(exc)) from None
     if found != list(range(n)):
         raise HFModelError(f"{checkpoint / f'step-{step}'} holds layers {found[:6]}... but the "
                            f"model has {n}; pass the model the checkpoint was trained from.")
@@ -118,9 +121,9 @@ def convert(checkpoint: Path, source: Any, out: Path, step: int | None = None) -
     weight_map: dict[str, str] = {}
     total = 0
     dtype = torch.float32
-    for layer in range(n):
-        params = {k: v for k, v in load_layers(checkpoint, step, [layer])[layer].params.items()
-                  if k not in skip}
+    for layer in range(n):   # one layer in memory at a time
+        state = load_layers(checkpoint, step, [layer])[layer]
+        params = {k: v for k, v in state.params.items() if k not in skip}
         name = shard_name(layer, n)
         write_shard(out / name, params)
         weight_map.update({k: name for k in params})
@@ -137,8 +140,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     ap = CliParser(
         prog="python -m chameleon_elastic.models.hf",
-        description="Convert a runtime checkpoint (step-N/layer-i.pt, written by "
-                    "trainer.run(..., checkpoint_every=K)) of a model made by causal_lm into "
+        description="Convert a runtime checkpoint (step-N/, torch.distributed.checkpoint, "
+                    "written by trainer.run(..., checkpoint_every=K)) of a model made by "
+                    "causal_lm into "
                     "a directory transformers' AutoModelForCausalLM.from_pretrained loads.",
         epilog="example: python -m chameleon_elastic.models.hf convert ckpt --model tiny "
                "-o exported")

@@ -21,35 +21,44 @@ from torch import nn
 
 from .errors import PipelineRuntimeError
 from .layer_state import LayerState, export_layer, import_layer
-from .model import PipelineModel, build_layers
+from .model import PipelineModel, build_layers, make_optimizer
 from .tensor_parallel import shard_layer
+from .user_state import LayerStateFactory, build_extras
 
 __all__ = ["Held", "hold_layers", "move_schedule"]
 
 Optimizer = torch.optim.Optimizer
 Scheduler = torch.optim.lr_scheduler.LRScheduler
-Held = tuple[dict[int, nn.Module], "Optimizer | None", "Scheduler | None"]
+#: (layers, optimizer, schedule, the layers' registered objects: layer -> name -> object)
+Held = tuple[dict[int, nn.Module], "Optimizer | None", "Scheduler | None",
+             dict[int, dict[str, Any]]]
 
 
 def hold_layers(model: PipelineModel, wanted: Sequence[int], received: Mapping[int, LayerState],
                 held: Held, *, step: int, device: int, torch_device: torch.device | None,
-                mesh: Any = None, fresh: bool = False) -> Held:
-    """(layers, optimizer, schedule) holding exactly ``wanted`` at ``step`` committed steps:
-    keep what ``held`` holds, add what arrived, drop the rest; one new optimizer over them that
-    keeps every kept parameter's state, and the schedule moved onto it. ``fresh``: start from
-    nothing held (layers not received are built from their seed: the state of step 0). ``mesh``:
-    this unit's mesh under tensor parallelism, on which every layer is built again."""
-    kept, old, scheduler = ({}, None, None) if fresh else held
+                mesh: Any = None, fresh: bool = False,
+                layer_state: Mapping[str, LayerStateFactory] | None = None) -> Held:
+    """(layers, optimizer, schedule, objects) holding exactly ``wanted`` at ``step`` committed
+    steps: keep what ``held`` holds, add what arrived, drop the rest; one new optimizer over
+    them that keeps every kept parameter's state, and the schedule moved onto it; each new
+    layer gets its registered objects (``layer_state``, :mod:`.user_state`), loaded from what
+    arrived. ``fresh``: start from nothing held (layers not received are built from their seed:
+    the state of step 0). ``mesh``: this unit's mesh under tensor parallelism, on which every
+    layer is built again."""
+    kept, old, scheduler, objects = ({}, None, None, {}) if fresh else held
     if mesh is not None:
         # a sharded layer lives on one generation's mesh: build every held layer again on
         # the new one, with the shards this card holds
-        received = {**{x: export_layer(x, m, old) for x, m in kept.items()
-                       if x in wanted and x not in received}, **received}
+        received = {**{x: export_layer(x, m, old, extras=objects.get(x))
+                       for x, m in kept.items() if x in wanted and x not in received},
+                    **received}
         kept = {}
     modules: dict[int, nn.Module] = {}
+    extras: dict[int, dict[str, Any]] = {}
     for layer in wanted:
         if layer in kept and layer not in received:
             modules[layer] = kept[layer]
+            extras[layer] = objects.get(layer, {})
             continue
         if not fresh and layer not in received:
             raise PipelineRuntimeError(
@@ -61,8 +70,8 @@ def hold_layers(model: PipelineModel, wanted: Sequence[int], received: Mapping[i
         if mesh is not None and model.tp_plan is not None:
             module = shard_layer(module, layer, model.tp_plan(layer), mesh)
         modules[layer] = module
-    optimizer = (model.make_optimizer([p for x in wanted for p in modules[x].parameters()])
-                 if wanted else None)
+        extras[layer] = build_extras(layer_state or {}, layer, module, received.get(layer))
+    optimizer = make_optimizer(model, modules) if wanted else None
     for layer, module in modules.items():
         if layer in received:
             import_layer(received[layer], module, optimizer)
@@ -70,7 +79,7 @@ def hold_layers(model: PipelineModel, wanted: Sequence[int], received: Mapping[i
             for p in module.parameters():
                 if p in old.state:
                     optimizer.state[p] = old.state[p]
-    return modules, optimizer, move_schedule(model, scheduler, optimizer, old, step)
+    return modules, optimizer, move_schedule(model, scheduler, optimizer, old, step), extras
 
 
 def move_schedule(model: PipelineModel, current: Scheduler | None, optimizer: Optimizer | None,
@@ -93,7 +102,8 @@ def move_schedule(model: PipelineModel, current: Scheduler | None, optimizer: Op
                 and len(old.param_groups) == len(optimizer.param_groups)):
             scheduler.load_state_dict(current.state_dict())
             for new_group, old_group in zip(optimizer.param_groups, old.param_groups):
-                new_group.update({k: v for k, v in old_group.items() if k != "params"})
+                new_group.update({k: v for k, v in old_group.items()
+                                  if k not in ("params", "param_names")})
         else:
             for _ in range(step):
                 scheduler.step()

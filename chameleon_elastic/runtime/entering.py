@@ -95,9 +95,17 @@ def enter(t: TrainerState, plan: ExecutionPlan, reported: int | None) -> Entry:
 def release_groups(t: TrainerState) -> None:
     """Drop the plan's bucket and unit groups (the default group stays; see
     :meth:`.recovery.Recovery.abort`)."""
+    if t.saving is not None:   # a background save ends before its group does
+        t.saving.settle(t.timeouts.collective_s)
     for table in (t.groups, t.tp_groups):
         if table is not None:
             table.destroy()
+    if t.save_group is not None:
+        try:
+            dist.destroy_process_group(t.save_group)
+        except (RuntimeError, ValueError):
+            pass
+        t.save_group = None
 
 
 def _roll_forward(t: TrainerState, agreement: Agreement) -> None:

@@ -26,10 +26,11 @@ guarantee assumes. Receive buffers are sized from the stage's input (known befor
 :func:`boundary_spec`) and, for gradients, from the output this device produced.
 
 Forwards and the loss run under the trainer's precision (:mod:`.precision`: autocast for
-bf16/fp16). A stage the plan marks for recomputation runs its layers under torch's
-non-reentrant activation checkpointing: per micro-batch in flight it keeps only its input, and
-runs the forward again, under the same autocast and RNG state, just before that micro-batch's
-backward.
+bf16/fp16). Each layer runs on the random stream of (seed, step, global micro-batch, layer)
+(:mod:`.streams`), so dropout does not depend on the plan. A stage the plan marks for
+recomputation runs its layers under torch's non-reentrant activation checkpointing: per
+micro-batch in flight it keeps only its input, and runs the forward again, under the same
+autocast and random streams, just before that micro-batch's backward.
 """
 
 from __future__ import annotations
@@ -50,10 +51,12 @@ from torch.utils.checkpoint import checkpoint
 from chameleon_elastic.plan import ExecutionPlan
 from chameleon_elastic.torch_compat import fake_tensor_mode
 
+from .data import global_micro_batch
 from .errors import PeerLost, PipelineRuntimeError, communication_failure
 from .feed import Feed
 from .model import PipelineModel, _sizing, build_layers, collate, sample_indices
 from .precision import Precision, autocast
+from .streams import own_streams, seed_layer
 from .tensors import Structure, flatten, leaf_map, unflatten
 from .topology import RankMap
 
@@ -222,6 +225,10 @@ class PipelineExecutor:
         self.feed = feed or Feed(model, micro_batch_size, self.torch_device, prefetch=False)
         self._max_quota = max(p.micro_batches for p in plan.pipelines) or 1
         self._max_stages = max(p.num_stages for p in plan.pipelines)
+        self._first_layer = 0   # the index of this stage's first layer
+        if device in plan.working_devices:
+            pipeline, stage = plan.locate(device)
+            self._first_layer = plan.pipelines[pipeline].layers[stage][0]
 
     # ------------------------------------------------------------------ helpers
 
@@ -230,16 +237,26 @@ class PipelineExecutor:
         key = (pipeline * self._max_quota + micro_batch) * self._max_stages + consumer_stage
         return (key * 2 + int(backward)) * MAX_LEAVES + leaf
 
-    def _layers(self, x: Any) -> Any:
-        for layer in self.layers:
-            x = layer(x)
+    def _layers(self, x: Any, step: int | None = None, micro_batch: int = 0) -> Any:
+        """This stage's layers, each on its own random stream (:mod:`.streams`) of training
+        step ``step``, also when recomputed; without a step (evaluation, in eval mode) on the
+        process's own."""
+        if step is None:
+            for layer in self.layers:
+                x = layer(x)
+            return x
+        with own_streams(self.torch_device):
+            for index, layer in enumerate(self.layers, start=self._first_layer):
+                seed_layer(self.model.seed, step, micro_batch, index, self.torch_device)
+                x = layer(x)
         return x
 
-    def _forward(self, x: Any) -> Any:
+    def _forward(self, x: Any, step: int, micro_batch: int) -> Any:
+        """``micro_batch``: the global micro-batch index."""
         with autocast(self.precision, self.torch_device):
             if self.recompute:
-                return checkpoint(self._layers, x, use_reentrant=False)
-            return self._layers(x)
+                return checkpoint(self._layers, x, step, micro_batch, use_reentrant=False)
+            return self._layers(x, step, micro_batch)
 
     def _recv(self, spec: TensorSpec, device: int, tag: int) -> torch.Tensor:
         buf = torch.empty(spec.shape, dtype=spec.dtype, device=self.torch_device)
@@ -341,7 +358,7 @@ class PipelineExecutor:
             wanting: list[torch.Tensor] = []
         else:
             x, wanting = self._receive_input(op)
-        out = self._forward(x)
+        out = self._forward(x, step, global_micro_batch(self.plan, op.pipeline, op.micro_batch))
         if op.dest is not None:
             leaves, _ = flatten(out, f"device {self.device}'s stage output")
             for i, leaf in enumerate(leaves):

@@ -2,7 +2,8 @@
 
 A plan change moves layers between devices, so state travels per layer, never per rank. A
 layer's state is its ``state_dict`` plus, for each parameter in ``parameters()`` order, the
-optimizer's per-parameter state (Adam's moments and step count, SGD's momentum, ...). The same
+optimizer's per-parameter state (Adam's moments and step count, SGD's momentum, ...), plus the
+``state_dict`` of each per-layer object the script registered (``extra``, :mod:`.user_state`). The same
 value is written to checkpoints (``torch.save``, read back with ``weights_only=True``) and sent
 between live processes. Under tensor parallelism a transfer carries one card's shards (card
 ``t`` to card ``t``) and a checkpoint the whole tensors; loading cuts whichever it gets to the
@@ -18,8 +19,8 @@ optimizer keeps on the CPU (Adam's ``step``) goes back to the CPU on arrival.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -37,32 +38,37 @@ _TAGS = 16  # tags per layer: header length, header, then one per dtype buffer
 
 @dataclass
 class LayerState:
-    """Detached copies of one layer's tensors (``params`` by state-dict name)."""
+    """Detached copies of one layer's tensors (``params`` by state-dict name); ``extra``: the
+    registered per-layer objects' state dicts by name (tensors and JSON values)."""
 
     layer: int
     params: dict[str, torch.Tensor]
     optimizer: OptimizerState
+    extra: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
         tensors = [*self.params.values(),
-                   *(v for entry in self.optimizer for v in entry.values()
-                     if isinstance(v, torch.Tensor))]
+                   *(v for entry in (*self.optimizer, *self.extra.values())
+                     for v in entry.values() if isinstance(v, torch.Tensor))]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"layer": self.layer, "params": self.params, "optimizer": self.optimizer}
+        return {"layer": self.layer, "params": self.params, "optimizer": self.optimizer,
+                "extra": self.extra}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> LayerState:
-        return cls(int(d["layer"]), dict(d["params"]), list(d["optimizer"]))
+        return cls(int(d["layer"]), dict(d["params"]), list(d["optimizer"]),
+                   dict(d.get("extra", {})))
 
 
 def export_layer(layer: int, module: nn.Module, optimizer: torch.optim.Optimizer | None,
-                 whole: bool = False) -> LayerState:
-    """Detached copies of the layer's state. A tensor-parallel layer gives this card's shards,
-    or, with ``whole``, the whole tensors (a collective over its unit: every card of the unit
-    must export the same layers in the same order)."""
+                 whole: bool = False, extras: Mapping[str, Any] | None = None) -> LayerState:
+    """Detached copies of the layer's state (and of its registered objects' ``extras``). A
+    tensor-parallel layer gives this card's shards, or, with ``whole``, the whole tensors (a
+    collective over its unit: every card of the unit must export the same layers in the same
+    order)."""
     take = full if whole else local
 
     def copy(v: Any) -> Any:
@@ -70,7 +76,10 @@ def export_layer(layer: int, module: nn.Module, optimizer: torch.optim.Optimizer
 
     opt_state = [] if optimizer is None else [
         {k: copy(v) for k, v in optimizer.state.get(p, {}).items()} for p in module.parameters()]
-    return LayerState(layer, {k: copy(v) for k, v in module.state_dict().items()}, opt_state)
+    extra = {name: {k: copy(v) for k, v in obj.state_dict().items()}
+             for name, obj in (extras or {}).items()}
+    return LayerState(layer, {k: copy(v) for k, v in module.state_dict().items()}, opt_state,
+                      extra)
 
 
 def import_layer(state: LayerState, module: nn.Module,
@@ -125,6 +134,8 @@ def _flatten(state: LayerState, device: torch.device) -> tuple[dict[str, Any], l
         "params": [[name, *slot(t)] for name, t in state.params.items()],
         "optimizer": [{k: (slot(v) if isinstance(v, torch.Tensor) else ["v", v])
                        for k, v in entry.items()} for entry in state.optimizer],
+        "extra": {name: {k: (slot(v) if isinstance(v, torch.Tensor) else ["v", v])
+                         for k, v in entry.items()} for name, entry in state.extra.items()},
     }
     header["buffers"] = [[key, sum(t.numel() for t in ts)] for key, ts in groups.items()]
     buffers = [torch.cat(ts).to(device) if ts else torch.empty(0, device=device)
@@ -150,7 +161,9 @@ def _unflatten(header: dict[str, Any], buffers: list[torch.Tensor],
 
     params = {name: take(spec) for name, *spec in header["params"]}
     optimizer = [{k: take(spec) for k, spec in entry.items()} for entry in header["optimizer"]]
-    return LayerState(int(header["layer"]), params, optimizer)
+    extra = {name: {k: take(spec) for k, spec in entry.items()}
+             for name, entry in header["extra"].items()}
+    return LayerState(int(header["layer"]), params, optimizer, extra)
 
 
 def send_layer(state: LayerState, dst: int, tag: int, device: torch.device,

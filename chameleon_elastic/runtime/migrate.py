@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -80,8 +81,10 @@ def plan_moves(plan: ExecutionPlan, agreement: Agreement,
 
 def move_layers(moves: Sequence[Move], device: int, ranks: RankMap,
                 layers: Mapping[int, nn.Module], optimizer: torch.optim.Optimizer | None,
-                torch_device: torch.device, tp_rank: int = 0) -> dict[int, LayerState]:
-    """Send what ``device`` must send (from ``layers`` with their ``optimizer`` state),
+                torch_device: torch.device, tp_rank: int = 0,
+                extras: Mapping[int, Mapping[str, Any]] | None = None) -> dict[int, LayerState]:
+    """Send what ``device`` must send (from ``layers`` with their ``optimizer`` state and
+    their registered objects, ``extras``: layer -> name -> object),
     receive what it must receive; returns layer -> state. Under tensor parallelism every card
     moves its own shards, to and from the cards of the same tensor-parallel rank."""
     pending = []
@@ -89,7 +92,8 @@ def move_layers(moves: Sequence[Move], device: int, ranks: RankMap,
         for m in moves:
             if m.src == device:
                 for layer in m.layers:
-                    state = export_layer(layer, layers[layer], optimizer)
+                    state = export_layer(layer, layers[layer], optimizer,
+                                         extras=(extras or {}).get(layer))
                     pending += send_layer(state, ranks.rank(m.dst, tp_rank), layer, torch_device,
                                           dist.isend)
         received = {}

@@ -29,11 +29,15 @@ from .errors import PipelineRuntimeError
 from .tensors import stack
 
 __all__ = ["PipelineModel", "Tie", "build_layers", "check_dataset", "collate", "collate_samples",
-           "read_samples", "sample_indices", "sizing_boundaries", "tied_parameter"]
+           "layer_parameter_name", "make_optimizer", "named_parameters", "read_samples",
+           "sample_indices", "sizing_boundaries", "tied_parameter"]
 
 LayerFactory = Callable[[int], nn.Module]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+#: gets the parameters, or ``(name, parameter)`` pairs when ``PipelineModel.named_parameters``
+OptimizerFactory = Callable[[Iterable[Any]], torch.optim.Optimizer]
+#: (layer, name inside the layer) -> the parameter's name in the whole model
+ParameterName = Callable[[int, str], str]
 SampleFn = Callable[[int], tuple[Any, Any]]
 SchedulerFactory = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
 #: Layer -> its tensor-parallel plan: submodule name -> torch ``ParallelStyle``
@@ -60,6 +64,12 @@ def _sizing() -> Iterator[None]:
         yield
     finally:
         _SIZING.reset(token)
+
+
+def layer_parameter_name(layer: int, name: str) -> str:
+    """The default model-wide name: the layer's index, then the name inside the layer, as an
+    ``nn.ModuleList`` called ``layers`` would name it (``layers.3.attn.weight``)."""
+    return f"layers.{layer}.{name}"
 
 
 @dataclass(frozen=True)
@@ -100,6 +110,14 @@ class PipelineModel:
     under ``training.tp > 1`` (torch's ``parallelize_module`` plan; see
     :mod:`.tensor_parallel`); the layer's code must work on the local shards (take head counts
     from tensor shapes, not from constants).
+
+    ``parameter_name(layer, name)``: a parameter's (or buffer's) name in the whole model, from
+    its layer and its name inside the layer (default :func:`layer_parameter_name`,
+    ``layers.3.attn.weight``; the Hugging Face adapter keeps transformers' names). Checkpoints
+    are keyed by it. With ``named_parameters``, ``make_optimizer`` receives ``(name,
+    parameter)`` pairs, as torch's optimizers accept them, so parameter groups can be chosen
+    by name (no weight decay on norms and biases); the copies of a tied weight must land in
+    groups with the same options.
     """
 
     num_layers: int
@@ -114,6 +132,8 @@ class PipelineModel:
     dataset: Any = None
     shuffle: bool = True
     drop_last: bool = False
+    parameter_name: ParameterName = layer_parameter_name
+    named_parameters: bool = False
 
     def __post_init__(self) -> None:
         if self.num_layers < 1:
@@ -200,6 +220,34 @@ def _tie_initial_values(model: PipelineModel, start: int, layers: Sequence[nn.Mo
                 )
             with torch.no_grad():
                 param.copy_(value)
+
+
+def named_parameters(model: PipelineModel, layers: Mapping[int, nn.Module]
+                     ) -> list[tuple[str, nn.Parameter]]:
+    """The parameters of ``layers`` (layer -> module), in layer order, under their model-wide
+    names; a parameter shared inside a layer once, as ``nn.Module.named_parameters`` gives it."""
+    return [(model.parameter_name(i, name), p) for i in sorted(layers)
+            for name, p in layers[i].named_parameters()]
+
+
+def make_optimizer(model: PipelineModel, layers: Mapping[int, nn.Module]) -> torch.optim.Optimizer:
+    """The model's optimizer over ``layers``: ``make_optimizer`` given the parameters, or
+    ``(name, parameter)`` pairs with ``named_parameters``. Refuses, in one sentence, groups
+    that treat two copies of a tied weight held here differently (they would drift apart)."""
+    named = named_parameters(model, layers)
+    optimizer = model.make_optimizer(named if model.named_parameters else [p for _, p in named])
+    options = {id(p): {k: v for k, v in group.items() if k not in ("params", "param_names")}
+               for group in optimizer.param_groups for p in group["params"]}
+    for tie in model.tied:
+        held = [(x, n) for x, n in tie.members if x in layers]
+        seen = {repr(options.get(id(tied_parameter(layers[x], x, n)))) for x, n in held}
+        if len(seen) > 1:
+            names = [model.parameter_name(x, n) for x, n in held]
+            raise PipelineRuntimeError(
+                f"make_optimizer put the tied copies {names} in parameter groups with "
+                "different options; a tied weight is one parameter: give its copies the "
+                "same group options.")
+    return optimizer
 
 
 def check_dataset(dataset: Any, what: str) -> None:

@@ -47,7 +47,7 @@ from chameleon_elastic.profile import MeasuredProfile, ModelFigures
 from chameleon_elastic.spec import PRECISIONS
 
 from .errors import PipelineRuntimeError
-from .model import PipelineModel, build_layers, collate
+from .model import PipelineModel, build_layers, collate, make_optimizer
 from .precision import Precision, autocast, check_precision
 from .tensors import flatten, leaf_map
 
@@ -162,7 +162,7 @@ def profile_layers(model: PipelineModel, micro_batch_size: int = 1, repeats: int
             if rep >= warmup:
                 f_times.append(t1 - t0)
                 b_times.append(t2 - t1)
-        optimizer = model.make_optimizer(layer.parameters())
+        optimizer = make_optimizer(model, {i: layer})
         optimizer.step()
         state = [v for s in optimizer.state.values() for v in s.values()]
         fwd.append(statistics.median(f_times))

@@ -132,7 +132,7 @@ class Recovery:
         self._resumed_at = time.perf_counter()
         if self.registered:
             self.link.register(self.trainer.plan.generation)
-            self._arm()
+            self.arm()
 
     def register(self) -> None:
         """Tell the agent that this worker trains in ``trainer.run``, so a lost peer is
@@ -143,9 +143,10 @@ class Recovery:
         if self.watchdog is None:
             side = self.link.another()
             self.watchdog = Watchdog(lambda g: side.has(g + 1), self.backend.unblock)
-        self._arm()
+        self.arm()
 
-    def _arm(self) -> None:
+    def arm(self) -> None:
+        """Give the watchdog the groups' current sockets (again after a group is added)."""
         if self.watchdog is not None:
             self.watchdog.arm(self.trainer.plan.generation, self.trainer.group_sockets)
 

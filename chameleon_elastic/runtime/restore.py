@@ -25,13 +25,14 @@ import torch
 from chameleon_elastic.plan import ExecutionPlan
 
 from .carry_over import hold_layers
-from .checkpoint import load_layers, load_loss_scale
+from .checkpoint import load_job_states, load_layers, load_loss_scale
 from .commit import Agreement, Row, StateLost
 from .errors import PeerLost, PipelineRuntimeError
 from .layer_state import LayerState
 from .migrate import move_layers, plan_moves, stage_layers
 from .precision import LossScale
 from .topology import RankMap
+from .user_state import load_states, share_job_state
 
 __all__ = ["restore"]
 
@@ -77,9 +78,12 @@ def _from_peers(t: TrainerState, plan: ExecutionPlan, rows: list[Row], agreement
                 ranks: RankMap, wanted: tuple[int, ...]) -> tuple[str, int, float]:
     held = {r.device: r.held for r in rows if r.committed is not None}
     moves, _ = plan_moves(plan, agreement, held)
-    received = move_layers(moves, t.device, ranks, t.layers, t.optimizer,
-                           t.torch_device or torch.device("cpu"), t.tp_rank)
+    device = t.torch_device or torch.device("cpu")
+    received = move_layers(moves, t.device, ranks, t.layers, t.optimizer, device, t.tp_rank,
+                           extras=t.extras)
     _hold(t, wanted, received, step=agreement.resume)
+    share_job_state(t.job_state, ranks, [r.committed is not None for r in rows],
+                    tag=plan.num_layers, device=device)
     t.committed = agreement.resume
     t.loss_scale = LossScale(*agreement.scale, fixed=t.loss_scale.fixed)
     return ("peers" if moves else "none", sum(len(m.layers) for m in moves),
@@ -94,6 +98,8 @@ def _from_checkpoint(t: TrainerState, step: int,
             f"the checkpoint of step {step}; give every worker the same checkpoint directory."
         )
     _hold(t, wanted, load_layers(t.checkpoint_dir, step, wanted), fresh=True, step=step)
+    load_states(t.job_state, load_job_states(t.checkpoint_dir, step),
+                   f"checkpoint step {step}")
     t.committed = step
     t.loss_scale = load_loss_scale(t.checkpoint_dir, step, t.precision)
     return "checkpoint", 0, 0.0
@@ -102,6 +108,7 @@ def _from_checkpoint(t: TrainerState, step: int,
 def _afresh(t: TrainerState, wanted: tuple[int, ...]) -> tuple[str, int, float]:
     """Step 0's state: layers from their seeds, a new schedule and loss scale."""
     _hold(t, wanted, {}, fresh=True, step=0)
+    load_states(t.job_state, t.job_state_initial, "the registered objects' first state")
     t.committed = 0
     t.loss_scale = LossScale.for_precision(t.precision)
     return "init", 0, 0.0
@@ -109,9 +116,10 @@ def _afresh(t: TrainerState, wanted: tuple[int, ...]) -> tuple[str, int, float]:
 
 def _hold(t: TrainerState, wanted: tuple[int, ...], received: dict[int, LayerState], *,
           step: int, fresh: bool = False) -> None:
-    t.layers, t.optimizer, t.scheduler = hold_layers(
-        t.model, wanted, received, (t.layers, t.optimizer, t.scheduler), step=step,
-        device=t.device, torch_device=t.torch_device, mesh=t.mesh, fresh=fresh)
+    t.layers, t.optimizer, t.scheduler, t.extras = hold_layers(
+        t.model, wanted, received, (t.layers, t.optimizer, t.scheduler, t.extras), step=step,
+        device=t.device, torch_device=t.torch_device, mesh=t.mesh, fresh=fresh,
+        layer_state=t.layer_state)
 
 
 def _ranges(layers: tuple[int, ...]) -> str:

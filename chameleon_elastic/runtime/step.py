@@ -10,7 +10,8 @@ A step is
    world (the commit point, see :mod:`.commit`);
 4. apply (:func:`apply_step`): clip by the job-wide norm (``max_grad_norm``), optimizer step
    (skipped by every rank when an fp16 step overflowed), loss scale and learning-rate schedule
-   move on; the step is committed.
+   move on; the step is committed, and the script's registered objects see it
+   (:mod:`.user_state`).
 
 Why apart from the trainer: entering a plan applies a step too (a rank that rolls forward
 applies the summed gradients its peers applied), and it must not call back into the trainer
@@ -32,6 +33,7 @@ import torch.distributed as dist
 from .errors import PeerLost, PipelineRuntimeError
 from .executor import OpTiming
 from .grad_sync import square_share, sync_gradients
+from .user_state import after_step
 
 __all__ = ["StepResult", "apply_step", "learning_rate", "train_step"]
 
@@ -83,6 +85,8 @@ def apply_step(t: TrainerState, norm: float) -> bool:
             t.scheduler.step()
     t.committed += 1
     t.synced = None
+    after_step([*(o for objects in t.extras.values() for o in objects.values()),
+                *t.job_state.values()], t.committed - 1)
     return skipped
 
 

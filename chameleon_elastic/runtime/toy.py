@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -21,21 +21,24 @@ from torch import nn
 
 from .model import PipelineModel
 
-__all__ = ["EmulatedLayer", "Reference", "RegressionData", "emulated_model", "featured_model",
-           "megatron_plan", "mlp_model", "reference_evaluation", "reference_run", "reference_training", "tp_mlp_model", "warmup_cosine"]
+__all__ = ["EmulatedLayer", "Reference", "RegressionData", "StepCounter", "WeightEMA",
+           "adamw_groups", "emulated_model", "featured_model", "megatron_plan", "mlp_model",
+           "reference_evaluation", "reference_run", "reference_training", "tp_mlp_model",
+           "warmup_cosine"]
 
 
 class _Dense(nn.Module):
-    def __init__(self, width: int, dtype: torch.dtype) -> None:
+    def __init__(self, width: int, dtype: torch.dtype, dropout: float = 0.0) -> None:
         super().__init__()
         self.linear = nn.Linear(width, width, dtype=dtype)
+        self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.linear(x))
+        return self.dropout(torch.tanh(self.linear(x)))
 
 
-def _dense(i: int, width: int, dtype: torch.dtype) -> nn.Module:
-    return _Dense(width, dtype)
+def _dense(i: int, width: int, dtype: torch.dtype, dropout: float = 0.0) -> nn.Module:
+    return _Dense(width, dtype, dropout)
 
 
 def _regression_sample(index: int, width: int, dtype: torch.dtype, seed: int):
@@ -90,10 +93,12 @@ class _Gated(nn.Module):
     """A layer of :func:`featured_model`: the hidden state travels with a mask (no gradient)
     and a step counter (an integer), as a tuple on even boundaries and a dict on odd ones."""
 
-    def __init__(self, i: int, layers: int, width: int, dtype: torch.dtype) -> None:
+    def __init__(self, i: int, layers: int, width: int, dtype: torch.dtype,
+                 dropout: float = 0.0) -> None:
         super().__init__()
         self.i, self.last = i, i == layers - 1
         self.linear = nn.Linear(width, width, dtype=dtype)
+        self.dropout = nn.Dropout(dropout)
 
     def forward(self, x):
         if self.i == 0:
@@ -102,19 +107,31 @@ class _Gated(nn.Module):
             h, mask, count = x["h"], x["mask"], x["count"]
         else:
             h, mask, count = x
-        h = torch.tanh(self.linear(h)) * (0.5 + 0.5 * mask) if not self.last else self.linear(h)
+        h = (self.dropout(torch.tanh(self.linear(h))) * (0.5 + 0.5 * mask) if not self.last
+             else self.linear(h))
         if self.last:
             return h
         count = count + 1
         return {"h": h, "mask": mask, "count": count} if self.i % 2 else (h, mask, count)
 
 
-def _gated(i: int, layers: int, width: int, dtype: torch.dtype) -> nn.Module:
-    return _Gated(i, layers, width, dtype)
+def _gated(i: int, layers: int, width: int, dtype: torch.dtype,
+           dropout: float = 0.0) -> nn.Module:
+    return _Gated(i, layers, width, dtype, dropout)
 
 
 def _adamw(params: Iterable[nn.Parameter], lr: float) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
+
+
+def adamw_groups(named: Iterable[tuple[str, nn.Parameter]], lr: float,
+                 weight_decay: float = 0.1) -> torch.optim.Optimizer:
+    """AdamW with parameter groups chosen by name, as LLMs are trained: no weight decay on
+    biases, ``weight_decay`` on the rest."""
+    named = list(named)
+    groups = [{"params": [(n, p) for n, p in named if n.endswith(".bias") == bias],
+               "weight_decay": 0.0 if bias else weight_decay} for bias in (False, True)]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr)
 
 
 def warmup_cosine(optimizer: torch.optim.Optimizer, warmup: int,
@@ -129,23 +146,28 @@ def warmup_cosine(optimizer: torch.optim.Optimizer, warmup: int,
 
 def featured_model(layers: int = 7, width: int = 8, dtype: torch.dtype = torch.float64,
                    seed: int = 0, lr: float = 0.05, tie: bool = True, schedule: bool = True,
-                   structured: bool = True) -> PipelineModel:
+                   structured: bool = True, groups: bool = False,
+                   dropout: float = 0.0) -> PipelineModel:
     """A model with what real training brings: the first and last layers' weights tied, a
     warm-up + cosine schedule, AdamW, and stages that pass (hidden, mask, counter) as tuples
-    and dicts (``structured``; else plain tensors through :func:`mlp_model`'s layers)."""
+    and dicts (``structured``; else plain tensors through :func:`mlp_model`'s layers).
+    ``groups``: AdamW's parameter groups chosen by name (:func:`adamw_groups`). ``dropout``:
+    after every hidden layer's activation."""
     from .model import Tie
 
-    build = (functools.partial(_gated, layers=layers, width=width, dtype=dtype) if structured
-             else functools.partial(_dense, width=width, dtype=dtype))
+    build = (functools.partial(_gated, layers=layers, width=width, dtype=dtype, dropout=dropout)
+             if structured else functools.partial(_dense, width=width, dtype=dtype,
+                                                  dropout=dropout))
     return PipelineModel(
         num_layers=layers,
         build_layer=build,
         loss=_mse,
-        make_optimizer=functools.partial(_adamw, lr=lr),
+        make_optimizer=functools.partial(adamw_groups if groups else _adamw, lr=lr),
         sample=functools.partial(_regression_sample, width=width, dtype=dtype, seed=seed),
         seed=seed,
         make_scheduler=(functools.partial(warmup_cosine, warmup=2, total=8) if schedule
                         else None),
+        named_parameters=groups,
         tied=((Tie(((0, "linear.weight"), (layers - 1, "linear.weight"))),) if tie else ()),
     )
 
@@ -249,6 +271,44 @@ def emulated_model(layers: int, forward_s: float, backward_s: float, width: int 
     )
 
 
+class WeightEMA:
+    """An exponential moving average of one layer's parameters, updated after every step: a
+    per-layer user state (``layer_state={"ema": WeightEMA}``, :mod:`.user_state`)."""
+
+    def __init__(self, layer: int, module: nn.Module, decay: float = 0.9) -> None:
+        self.module, self.decay = module, decay
+        self.shadow = {n: p.detach().clone() for n, p in module.named_parameters()}
+
+    def after_step(self, step: int) -> None:
+        with torch.no_grad():
+            for name, p in self.module.named_parameters():
+                self.shadow[name].mul_(self.decay).add_(p.detach(), alpha=1 - self.decay)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return dict(self.shadow)
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for name, value in state.items():
+                self.shadow[name].copy_(value)
+
+
+class StepCounter:
+    """Counts the steps it saw and remembers the last: a job-wide user state."""
+
+    def __init__(self) -> None:
+        self.steps, self.last = 0, -1
+
+    def after_step(self, step: int) -> None:
+        self.steps, self.last = self.steps + 1, step
+
+    def state_dict(self) -> dict[str, int]:
+        return {"steps": self.steps, "last": self.last}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.steps, self.last = int(state["steps"]), int(state["last"])
+
+
 @dataclass(frozen=True)
 class Reference:
     """Single-process ground truth: per-step loss, gradient norm (before clipping) and
@@ -262,17 +322,22 @@ class Reference:
 
 def reference_run(model: PipelineModel, steps: int, global_micro_batches: int,
                   micro_batch_size: int = 1, *, max_grad_norm: float | None = None,
-                  precision: str = "fp32") -> Reference:
+                  precision: str = "fp32",
+                  after_step: Callable[[int, nn.ModuleList], None] | None = None) -> Reference:
     """Single-process training on the same global batches, with torch's own tools: one shared
     parameter per tie, ``clip_grad_norm_``, autocast, ``GradScaler`` for fp16, the model's
-    schedule stepped once per step.
+    schedule stepped once per step, each layer on the random stream of (seed, step, global
+    micro-batch, layer) (:mod:`.streams`).
 
     Per step, the loss is the mean over the global batch computed as the sum of per-micro-batch
     mean losses divided by the micro-batch count, exactly the runtime's weighting.
+    ``after_step(step, layers)`` runs after each step's optimizer step and schedule (where the
+    trainer calls its registered objects' ``after_step``).
     """
     from .data import step_sample_ids
     from .model import build_layers, collate, sample_indices, tied_parameter
     from .precision import autocast, check_precision
+    from .streams import own_streams, seed_layer
 
     precision = check_precision(precision)
     device = torch.device("cpu")
@@ -284,8 +349,14 @@ def reference_run(model: PipelineModel, steps: int, global_micro_batches: int,
             owner, _, leaf = name.rpartition(".")
             target = layers[x].get_submodule(owner) if owner else layers[x]
             setattr(target, leaf, shared)
-    params = list(layers.parameters())  # each shared parameter once
-    optimizer = model.make_optimizer(params)
+    named, seen = [], set()   # each shared parameter once, under its first name
+    for i, layer in enumerate(layers):
+        for name, p in layer.named_parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                named.append((model.parameter_name(i, name), p))
+    params = [p for _, p in named]
+    optimizer = model.make_optimizer(named if model.named_parameters else params)
     scheduler = model.make_scheduler(optimizer) if model.make_scheduler else None
     scaler = torch.amp.GradScaler("cpu") if precision == "fp16" else None
     out = Reference([], [], [], layers)
@@ -298,8 +369,10 @@ def reference_run(model: PipelineModel, steps: int, global_micro_batches: int,
         for g in range(global_micro_batches):
             x, y = collate(model, ids[g * micro_batch_size:(g + 1) * micro_batch_size])
             with autocast(precision, device):
-                for layer in layers:
-                    x = layer(x)
+                with own_streams(device):
+                    for i, layer in enumerate(layers):
+                        seed_layer(model.seed, step, g, i, device)
+                        x = layer(x)
                 loss = model.loss(x, y) / global_micro_batches
             (scaler.scale(loss) if scaler else loss).backward()
             total += float(loss.detach())
@@ -315,6 +388,8 @@ def reference_run(model: PipelineModel, steps: int, global_micro_batches: int,
             optimizer.step()
         if scheduler is not None:
             scheduler.step()
+        if after_step is not None:
+            after_step(step, layers)
         out.losses.append(total)
         out.grad_norms.append(float(norm))
     return out

@@ -27,7 +27,7 @@ scale travels in the commit rows and the checkpoint).
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
 
@@ -38,7 +38,7 @@ from torch import nn
 from chameleon_elastic.plan import AllReduceGroup, ExecutionPlan
 from chameleon_elastic.timeouts import Timeouts
 
-from .checkpoint import save_checkpoint
+from .background_save import BackgroundSave
 from .entering import Entry, enter, release_groups
 from .errors import PeerLost, PipelineRuntimeError, keep_message_only, say_peer_loss_in_one_line
 from .evaluation import Every, evaluate
@@ -56,6 +56,7 @@ from .recovery import Recovery
 from .step import StepResult, train_step
 from .tensor_parallel import full
 from .topology import RankMap, device_from_env, plan_from_env, tp_from_env
+from .user_state import LayerStateFactory, Stateful, copy_state
 
 __all__ = ["PipelineTrainer"]
 
@@ -104,6 +105,11 @@ class PipelineTrainer:
     (:mod:`.tensor_parallel`). ``prefetch``: read the next step's micro-batches in the
     background while a step computes (:mod:`.feed`), with ``data_workers`` readers: threads,
     or worker processes with ``data_processes`` (the dataset must then be picklable).
+    ``layer_state`` (name -> ``factory(layer, module)``) and ``job_state`` (name -> object):
+    the script's own state (an EMA of the weights, a counter), objects with ``state_dict`` /
+    ``load_state_dict`` and optionally ``after_step(step)``, carried through plan changes,
+    recoveries and checkpoints (:mod:`.user_state`); a layer's objects are
+    ``trainer.extras[layer]``.
     """
 
     def __init__(self, model: PipelineModel, plan: ExecutionPlan, device: int, *,
@@ -113,7 +119,9 @@ class PipelineTrainer:
                  on_phase: PhaseHook | None = None, max_grad_norm: float | None = None,
                  precision: Precision | str = "fp32", tp_rank: int = 0,
                  tp_size: int = 1, prefetch: bool = True, data_workers: int = 1,
-                 data_processes: bool = False) -> None:
+                 data_processes: bool = False,
+                 layer_state: Mapping[str, LayerStateFactory] | None = None,
+                 job_state: Mapping[str, Stateful] | None = None) -> None:
         if not dist.is_initialized():
             raise PipelineRuntimeError(
                 "torch.distributed is not initialised; call "
@@ -141,6 +149,10 @@ class PipelineTrainer:
         self.layers: dict[int, nn.Module] = {}
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+        self.layer_state = dict(layer_state or {})   # the script's objects (.user_state)
+        self.extras: dict[int, dict[str, Stateful]] = {}   # layer -> name -> object
+        self.job_state = dict(job_state or {})
+        self.job_state_initial = copy_state(self.job_state)
         self.loss_scale = LossScale.for_precision(self.precision)
         self.committed: int | None = None   # steps applied here; None: no state yet
         self.synced: int | None = None      # the step whose summed gradients sit in .grad
@@ -159,6 +171,8 @@ class PipelineTrainer:
         self.holders: dict[int, tuple[int, ...]] = {}
         self.ties: tuple[TiedCopies, ...] = ()
         self.recovery: Recovery | None = None
+        self.save_group = None                      # background saves' own group, per plan
+        self.saving: BackgroundSave | None = None   # the checkpoint being written
         if link is not None:
             from chameleon_elastic.plugins import get_backend
 
@@ -262,8 +276,10 @@ class PipelineTrainer:
         reports for the job (the lowest working device; after a failure another process takes
         over and goes on where the previous one stopped). A step trained again after a rollback
         to a checkpoint comes with ``result.redone``. With ``checkpoint_every`` and a
-        ``checkpoint_dir``, a checkpoint is committed after every that many steps and after the
-        last one. ``evaluate=Every(K, dataset)``: the mean loss over ``dataset`` after every K
+        ``checkpoint_dir``, a checkpoint is saved after every that many steps and after the last
+        one, in the background (:mod:`.background_save`): training goes on while it is written,
+        it is committed once every rank's files are, and the last one is committed when ``run``
+        returns. ``evaluate=Every(K, dataset)``: the mean loss over ``dataset`` after every K
         steps and after the last one (:mod:`.evaluation`), reported as the step's
         ``result.eval_loss``; a peer lost during it is recovered from like one lost in a step.
         ``on_step(result)`` is called in every process after each step it trains, with this
@@ -287,6 +303,22 @@ class PipelineTrainer:
             if lost.message is not None:
                 self.recovery.recover(lost.message)
             self._report(report, evaluate, steps)
+        self._settle_save()
+
+    def _settle_save(self) -> None:
+        """Wait for the checkpoint being written (the last one must be committed when run
+        returns, and DCP's group takes one save at a time)."""
+        if self.saving is not None:
+            self.saving.settle(self.timeouts.collective_s)
+            self._tell_saved()
+
+    def _tell_saved(self) -> None:
+        """Tell the agent of a checkpoint committed in the background."""
+        saving = self.saving
+        if (saving is not None and saving.done() and saving.ok and not saving.told
+                and self.recovery is not None):
+            self.recovery.link.checkpointed(saving.step)
+            saving.told = True
 
     def _train_one(self, steps: int, checkpoint_every: int, on_step: Report | None) -> None:
         """The next step, then its checkpoint when one is due."""
@@ -300,9 +332,9 @@ class PipelineTrainer:
         done = self.committed
         if (self.checkpoint_dir is not None and checkpoint_every
                 and (done % checkpoint_every == 0 or done == steps)):
-            save_checkpoint(self, self.checkpoint_dir, done)
-            if self.recovery is not None:
-                self.recovery.link.checkpointed(done)
+            self._settle_save()   # one save at a time
+            self.saving = BackgroundSave.start(self, self.checkpoint_dir, done)
+        self._tell_saved()
 
     def _evaluation_due(self, every: Every | None, steps: int) -> bool:
         """Whether the committed state still needs its evaluation. The same on every rank of a

@@ -30,14 +30,35 @@ def mlp_reference(steps: int, featured: bool = False) -> tuple[list[float], dict
     from chameleon_elastic.runtime.toy import featured_model, mlp_model, reference_training
 
     if featured:
-        from .workers.mlp_faults import FEATURED_CLIP
+        from .workers.mlp_faults import FEATURED, FEATURED_CLIP
 
-        losses, layers = reference_training(featured_model(layers=8), steps, 8,
+        losses, layers = reference_training(featured_model(**FEATURED), steps, 8,
                                             max_grad_norm=FEATURED_CLIP)
     else:
         losses, layers = reference_training(mlp_model(layers=8), steps, 8)
     return losses, {i: {k: v.detach() for k, v in m.state_dict().items()}
                     for i, m in enumerate(layers)}
+
+
+@functools.cache
+def featured_ema(steps: int) -> dict[tuple[int, str], object]:
+    """The single-process EMA (decay 0.9, toy.WeightEMA's) of the --featured model's layers."""
+    from chameleon_elastic.runtime.toy import featured_model, reference_run
+
+    from .workers.mlp_faults import FEATURED, FEATURED_CLIP
+
+    start = reference_run(featured_model(**FEATURED), 0, 8).layers
+    ema = {(i, k): p.detach().clone() for i, m in enumerate(start)
+           for k, p in m.named_parameters()}
+
+    def update(step, layers):
+        for i, layer in enumerate(layers):
+            for k, p in layer.named_parameters():
+                ema[i, k] = 0.9 * ema[i, k] + 0.1 * p.detach()
+
+    reference_run(featured_model(**FEATURED), steps, 8, max_grad_norm=FEATURED_CLIP,
+                  after_step=update)
+    return ema
 
 
 def assert_single_process_results(out: Path, survivors: list[int], steps: int,
@@ -77,6 +98,14 @@ def assert_single_process_results(out: Path, survivors: list[int], steps: int,
                 np.testing.assert_allclose(value.numpy(), ref_params[layer][name].numpy(),
                                            rtol=1e-9, atol=1e-12,
                                            err_msg=f"device {device} layer {layer} {name}")
+        if featured:   # the EMA registered as per-layer state, through the same recovery
+            ema = featured_ema(steps)
+            for layer, shadow in torch.load(out / f"ema-{device}.pt",
+                                            weights_only=True).items():
+                for name, value in shadow.items():
+                    np.testing.assert_allclose(value.numpy(), ema[layer, name].numpy(),
+                                               rtol=1e-9, atol=1e-12,
+                                               err_msg=f"device {device} EMA {layer} {name}")
     assert held == set(ref_params)
 
 

@@ -116,11 +116,12 @@ def test_two_failures_in_a_row_are_both_recovered_in_place(tmp_path, launch):
 def test_every_replica_lost_restores_the_checkpoint_in_place_and_says_what_is_redone(
         tmp_path, launch):
     ckpt = tmp_path / "ckpt"
-    run, out, state = _launch_mlp(launch, tmp_path, 7, "1:5:forward:kill", "3:5:forward:kill",
-                                  "--checkpoint-dir", str(ckpt))
+    run, out, state = _launch_mlp(launch, tmp_path, 7, "1:5:forward:kill-saved",
+                                  "3:5:forward:kill-saved", "--checkpoint-dir", str(ckpt))
     assert run.wait(80) == 0, run.log.read_text()[-3000:]
     reported = _reported(out)
-    # steps 0-4 committed, checkpoint after step 4 (every 2 steps: 2, 4): step 4 is redone
+    # steps 0-4 committed, checkpoint after step 4 (every 2 steps: 2, 4; the kills wait until
+    # its background save has ended): step 4 is redone
     assert [(r["step"], r["redone"]) for r in reported] == [
         (0, False), (1, False), (2, False), (3, False), (4, False), (4, True), (5, False),
         (6, False)]
@@ -235,7 +236,7 @@ def test_a_device_that_comes_back_joins_in_place_and_receives_its_layers(tmp_pat
 @pytest.mark.timeout(90)
 def test_recovery_relaunch_restarts_everyone_from_the_checkpoint(tmp_path, launch):
     ckpt = tmp_path / "ckpt"
-    run, out, state = _launch_mlp(launch, tmp_path, 7, "3:5:forward:kill",
+    run, out, state = _launch_mlp(launch, tmp_path, 7, "3:5:forward:kill-saved",
                                   "--checkpoint-dir", str(ckpt), flags=("--recovery", "relaunch"))
     assert run.wait(80) == 0, run.log.read_text()[-3000:]
     reported = _reported(out)

@@ -103,6 +103,26 @@ def test_tensor_parallel_plan_comes_from_the_config():
     assert isinstance(qwen3["model.layers.0.self_attn.q_norm"], SumGradients)
 
 
+@pytest.mark.parametrize("name", sorted(hf.TINY))
+def test_weight_decay_groups_come_from_transformers_names(name):
+    """The optimizer sees transformers' names; hf.adamw leaves exactly the norms' weights
+    (found by module type) and the biases undecayed, whichever layers a device holds."""
+    from chameleon_elastic.runtime.model import make_optimizer
+
+    model = hf.causal_lm(hf.tiny_config(name, layers=2))
+    skeleton = hf.layers_of(model).skeleton
+    undecayed = {f"{m}.{n}" for m, module in skeleton.named_modules()
+                 if "norm" in type(module).__name__.lower()
+                 for n, _ in module.named_parameters(recurse=False)}
+    undecayed |= {n for n, _ in skeleton.named_parameters() if n.endswith(".bias")}
+    layers = {i: build_layers(model, i, i + 1)[0] for i in (1, model.num_layers - 1)}
+    optimizer = make_optimizer(model, layers)
+    by_group = {n: g["weight_decay"] for g in optimizer.param_groups for n in g["param_names"]}
+    assert set(by_group) == {n for m in layers.values() for n, _ in m.named_parameters()}
+    assert {n for n, wd in by_group.items() if wd == 0.0} == set(by_group) & undecayed
+    assert any(wd > 0 for wd in by_group.values())
+
+
 # ------------------------------------------------------------------ bad input, one sentence
 
 

@@ -11,6 +11,11 @@ turn (new process groups per plan, as in-place recovery builds them):
 - ``structured``: stages pass (hidden, mask, integer counter) as tuples and dicts;
 - ``recompute``: every stage recomputes its activations;
 - ``all``: all of the above at once;
+- ``groups``: AdamW parameter groups chosen by the parameters' names (no weight decay on
+  biases; ``make_optimizer`` gets ``(name, parameter)`` pairs), with a tie, a schedule and
+  clipping;
+- ``dropout``, ``dropout_recompute``: dropout p = 0.1 after every hidden layer; the second with
+  every stage recomputing, which must replay the very masks of the first forward;
 - ``bf16`` / ``fp16``: autocast over fp32 master weights (fp16 with loss scaling, against torch's
   ``GradScaler``), on the ``all`` model in float32.
 
@@ -37,7 +42,13 @@ from chameleon_elastic.runtime import PipelineTrainer, save_checkpoint
 from chameleon_elastic.runtime.local_world import run_local_world
 from chameleon_elastic.runtime.precision import LossScale
 from chameleon_elastic.runtime.topology import dense_rank_map
-from chameleon_elastic.runtime.toy import featured_model, mlp_model, reference_run
+from chameleon_elastic.runtime.toy import (
+    StepCounter,
+    WeightEMA,
+    featured_model,
+    mlp_model,
+    reference_run,
+)
 
 STEPS = 5
 MBS = 2
@@ -50,6 +61,9 @@ CONFIGS = {  # name -> (model kwargs, trainer kwargs, recompute every stage)
     "structured": ({"tie": False, "schedule": False}, {}, False),
     "recompute": ({"kind": "mlp"}, {}, True),
     "all": ({}, {"max_grad_norm": CLIP}, True),
+    "groups": ({"groups": True}, {"max_grad_norm": CLIP}, False),
+    "dropout": ({"dropout": 0.1}, {}, False),
+    "dropout_recompute": ({"dropout": 0.1, "tie": False}, {"max_grad_norm": CLIP}, True),
     "bf16": ({"dtype": "float32"}, {"max_grad_norm": CLIP, "precision": "bf16"}, True),
     "fp16": ({"dtype": "float32"}, {"max_grad_norm": CLIP, "precision": "fp16"}, False),
 }
@@ -141,7 +155,7 @@ def test_feature_trains_like_single_process_under_every_plan_kind(name, runs):
     assert not math.isnan(ref.grad_norms[0])
 
 
-CHAINED = ("all", "bf16", "fp16")
+CHAINED = ("all", "groups", "dropout_recompute", "bf16", "fp16")
 
 
 def _chain(rank: int, world: int, directory: str):
@@ -188,6 +202,88 @@ def test_features_survive_plan_changes_in_place_and_a_checkpoint(tmp_path):
         np.testing.assert_allclose(norms, ref.grad_norms, rtol=1e-9 if exact else 1e-2,
                                    err_msg=f"{name} gradient norms")
         assert lrs == pytest.approx(ref.lrs, rel=1e-12), f"{name} schedule"
+
+
+def _with_user_state(rank: int, world: int, directory: str):
+    """An EMA of every layer's weights (per-layer state) and a step counter (job-wide) through
+    2 steps under each plan kind in live trainers, where rank 2 enters the rerouted plan as a
+    new process (it joins in place: layers, EMA and counter come from its peers), a
+    checkpoint, and a fresh trainer that restores it and trains 2 more steps."""
+    name = "all"
+    _, options, _ = CONFIGS[name]
+    kinds = list(plans().values())
+    device = dense_rank_map(kinds[0]).device_of_rank[rank]
+    state = {"layer_state": {"ema": WeightEMA}}
+
+    def trainer_for(plan, **more):
+        return PipelineTrainer(model_for(name), plan, device, micro_batch_size=MBS,
+                               job_state={"counter": StepCounter()}, **state, **options, **more)
+
+    trainer = trainer_for(kinds[0])
+    for i, plan in enumerate(kinds):
+        if i and rank == 2 and i == len(kinds) - 1:
+            trainer.close()
+            trainer = trainer_for(plan)   # a new process's trainer: it holds nothing
+        elif i:
+            trainer.release_groups()
+            trainer.enter(plan, None)
+        for _ in range(2):
+            trainer.step(trainer.committed)
+    live = _user_state_of(trainer)
+    save_checkpoint(trainer, directory, trainer.committed)
+    trainer.close()
+    restored = trainer_for(kinds[0], checkpoint_dir=directory)
+    for _ in range(2):
+        restored.step(restored.committed)
+    restored.close()
+    return live, _user_state_of(restored)
+
+
+def _user_state_of(trainer):
+    counter = trainer.job_state["counter"]
+    emas = {layer: {k: v.clone().numpy() for k, v in objects["ema"].shadow.items()}
+            for layer, objects in trainer.extras.items()}
+    return (counter.steps, counter.last), emas
+
+
+@pytest.mark.timeout(120)
+def test_user_state_rides_through_plan_changes_a_join_and_a_checkpoint(tmp_path):
+    """The EMA equals single-process training's EMA at rtol 1e-9; the counter saw every step
+    once, on every rank."""
+    out = run_local_world(_with_user_state, 7, str(tmp_path), timeout_s=100)
+    ema: dict[int, dict[str, torch.Tensor]] = {}
+
+    def update(step, layers):
+        for i, layer in enumerate(layers):
+            for k, p in layer.named_parameters():
+                old = ema.setdefault(i, {}).get(k)
+                ema[i][k] = p.detach().clone() if old is None else 0.9 * old + 0.1 * p.detach()
+
+    model = model_for("all")
+    initial = reference_run(model, 0, 6, MBS).layers   # EMA starts at the initial weights
+    ema.update({i: {k: p.detach().clone() for k, p in m.named_parameters()}
+                for i, m in enumerate(initial)})
+    snapshots = {}
+
+    def update_and_keep(step, layers):
+        update(step, layers)
+        snapshots[step] = {i: {k: v.clone() for k, v in e.items()} for i, e in ema.items()}
+
+    reference_run(model, 8, 6, MBS, after_step=update_and_keep, **CONFIGS["all"][1])
+    for phase, steps in (("live", 6), ("restored", 8)):
+        held = set()
+        for rank, states in enumerate(out):
+            counter, emas = states[phase == "restored"]
+            assert counter == (steps, steps - 1), f"rank {rank}'s counter, {phase}"
+            for layer, shadow in emas.items():
+                held.add(layer)
+                for k, value in shadow.items():
+                    np.testing.assert_allclose(
+                        value, snapshots[steps - 1][layer][k].numpy(), rtol=1e-9, atol=1e-11,
+                        err_msg=f"{phase}: rank {rank} layer {layer} EMA of {k}")
+        assert held == set(range(model.num_layers))
+        assert out[2][0][1], "the joining rank holds layers with their EMA"
+    assert not np.allclose(ema[0]["linear.weight"], initial[0].linear.weight.detach())
 
 
 def test_loss_scale_follows_torchs_grad_scaler():

@@ -60,13 +60,13 @@ def test_a_deadlock_hits_the_deadline_and_leaves_no_process():
 GPT_OPTIONS = {"precision": "bf16", "max_grad_norm": 1.0}   # the example's defaults
 
 
-def _gpt(steps: int):
+def _gpt(steps: int, dropout: float = 0.0):
     spec = importlib.util.spec_from_file_location("train_gpt_example", EXAMPLE)
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
     return example.gpt_model(blocks=2, context=16, width=32, heads=2, lr=3e-3,
                              corpus=example.stdlib_corpus(100_000), seed=0, tie=True,
-                             warmup=2, total_steps=steps)
+                             warmup=2, total_steps=steps, dropout=dropout)
 
 
 def _gpt_losses(rank: int, world: int, plan_json: str, steps: int) -> list[float]:
@@ -101,6 +101,33 @@ def test_gpt_example_trains_like_single_process_under_every_plan_kind():
                                  timeout_s=100)[0]
         np.testing.assert_allclose(losses[0], ref.losses[0], rtol=1e-6)
         np.testing.assert_allclose(losses, ref.losses, rtol=2e-3)
+
+
+def _gpt_dropout_losses(rank: int, world: int, plan_json: str, steps: int) -> list[float]:
+    plan = ExecutionPlan.from_json(plan_json)
+    trainer = PipelineTrainer(_gpt(steps, dropout=0.1), plan,
+                              dense_rank_map(plan).device_of_rank[rank], micro_batch_size=2,
+                              max_grad_norm=1.0, precision="fp32")
+    losses = [trainer.step(t).loss for t in range(steps)]
+    trainer.close()
+    return losses
+
+
+@pytest.mark.timeout(120)
+def test_gpt_example_with_dropout_trains_like_single_process():
+    """--dropout 0.1: the masks depend on (seed, step, micro-batch, layer) only, so a rerouted
+    plan (device 1 runs the dead device 3's micro-batches too) trains as one process does
+    (fp32: only sums differ in order)."""
+    steps = 3
+    ref = reference_run(_gpt(steps, dropout=0.1), steps, 4, 2, max_grad_norm=1.0)
+    without = reference_run(_gpt(steps), steps, 4, 2, max_grad_norm=1.0)
+    assert abs(ref.losses[0] - without.losses[0]) > 1e-3   # the dropout draws masks
+    rerouted = ExecutionPlan("reroute", 1, (
+        Pipeline((0, 1), ((0, 1), (1, 4)), 2), Pipeline((2, 3), ((0, 1), (1, 4)), 2)),
+        failed_devices=(3,), reroute=(Reroute(3, 1, 1, (PeerShare(1, 2),)),)).validate()
+    losses = run_local_world(_gpt_dropout_losses, len(rerouted.live_devices),
+                             rerouted.to_json(), steps, timeout_s=100)[0]
+    np.testing.assert_allclose(losses, ref.losses, rtol=1e-5)
 
 
 def _gpt_tp_losses(rank: int, world: int, plan_json: str, steps: int,

@@ -16,7 +16,7 @@ from chameleon_elastic.runtime import PipelineRuntimeError, PipelineTrainer, pla
 from chameleon_elastic.runtime.data import sample_ids, step_sample_ids
 from chameleon_elastic.runtime.executor import PipelineExecutor, TensorSpec, boundary_spec
 from chameleon_elastic.runtime.layout import data_parallel_plan, layer_holders
-from chameleon_elastic.runtime.model import build_layers
+from chameleon_elastic.runtime.model import build_layers, make_optimizer
 from chameleon_elastic.runtime.topology import RankMap, dense_rank_map, device_from_env
 from chameleon_elastic.runtime.toy import featured_model, mlp_model
 
@@ -90,6 +90,26 @@ def test_a_layer_returning_something_else_than_tensors_is_refused():
                        make_optimizer=base.make_optimizer, sample=base.sample)
     with pytest.raises(PipelineRuntimeError, match="holds a str"):
         boundary_spec(model, 2, 1)
+
+
+def _decay_by_layer(named, lr=0.1):
+    named = list(named)
+    return torch.optim.AdamW([{"params": [(n, p)], "weight_decay": 0.1 * i}
+                              for i, (n, p) in enumerate(named)], lr=lr)
+
+
+def test_the_optimizer_gets_model_wide_names_and_tied_copies_one_group():
+    model = featured_model(layers=3, groups=True)
+    layers = {i: build_layers(model, i, i + 1)[0] for i in (0, 2)}
+    optimizer = make_optimizer(model, layers)
+    names = [n for g in optimizer.param_groups for n in g["param_names"]]
+    assert sorted(names) == ["layers.0.linear.bias", "layers.0.linear.weight",
+                             "layers.2.linear.bias", "layers.2.linear.weight"]
+    import dataclasses
+
+    apart = dataclasses.replace(model, make_optimizer=_decay_by_layer)
+    with pytest.raises(PipelineRuntimeError, match="tied copies .* different options"):
+        make_optimizer(apart, layers)
 
 
 def test_plan_and_device_come_from_the_environment(tmp_path):

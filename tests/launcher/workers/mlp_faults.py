@@ -9,6 +9,8 @@ enter: as the process starts entering a plan, STEP being the steps it has commit
 ``kill`` - the process SIGKILLs itself there (a lost device); ``lose-vote`` - this rank acts as
 if its vote had failed although the vote completed elsewhere (what a rank sees when a dying
 peer's last message of the all-reduce never arrives): it abandons the step before applying;
+``kill-saved`` - as ``kill``, once the checkpoint being written in the background has ended
+(a loss after the checkpoint is on disk, as a save that took no time would have it);
 ``raise`` - a bug: the script raises (only in the first process of the device, so the process
 that replaces it trains on); ``spin`` - a hang that keeps a core busy.
 
@@ -17,8 +19,10 @@ with ``training.tp`` > 1; DEVICE in a fault then names a card (``unit * tp + tp 
 do the ``pid-<card>`` files.
 
 ``--featured``: the model brings what real training does (tied first and last layers, tuples
-and dicts between stages, warm-up + cosine schedule, AdamW) and the trainer clips the gradient
-norm to ``FEATURED_CLIP``; still float64.
+and dicts between stages, warm-up + cosine schedule, AdamW with parameter groups chosen by
+name, dropout 0.1, an EMA of every layer's weights as registered per-layer state) and the
+trainer clips the gradient norm to ``FEATURED_CLIP``; still float64. The EMA goes to
+``OUT/ema-<device>.pt``.
 
 ``--dataset N``: train on a map-style dataset of N samples (``toy.RegressionData``), read in
 seeded epochs, instead of ``sample(index)``. ``--eval-every K``: evaluate on
@@ -46,12 +50,19 @@ import time
 import torch
 
 from chameleon_elastic.runtime import Every, PeerLost, PipelineTrainer, init_distributed
-from chameleon_elastic.runtime.toy import RegressionData, featured_model, mlp_model, tp_mlp_model
+from chameleon_elastic.runtime.toy import (
+    RegressionData,
+    WeightEMA,
+    featured_model,
+    mlp_model,
+    tp_mlp_model,
+)
 
 # a launcher test that times out asks every worker where it is (tests/launcher/conftest.py)
 faulthandler.register(signal.SIGUSR2, all_threads=False)
 
 FEATURED_CLIP = 0.08
+FEATURED = {"layers": 8, "groups": True, "dropout": 0.1}   # featured_model's arguments
 EVAL_SAMPLES, EVAL_SEED = 13, 5
 
 
@@ -88,11 +99,15 @@ def main() -> None:
         if int(d) == device:
             mine[(int(step), phase)] = action
 
+    trainers = []   # the trainer, once built (kill-saved looks at its save in flight)
+
     def on_phase(step: int, phase: str) -> None:
         if pace and phase == "forward":
             time.sleep(pace)
         action = mine.pop((step, phase), None)
-        if action == "kill":
+        if action == "kill-saved" and trainers[0].saving is not None:
+            trainers[0].saving.settle()
+        if action in ("kill", "kill-saved"):
             os.kill(os.getpid(), signal.SIGKILL)
         elif action == "lose-vote":
             raise PeerLost("injected: this rank's vote result was lost")
@@ -112,16 +127,21 @@ def main() -> None:
     init_distributed()
     dataset = (RegressionData(int(options["--dataset"])) if "--dataset" in options
                else None)
-    model = (featured_model(layers=8) if featured else tp_mlp_model(layers=8) if sharded
+    model = (featured_model(**FEATURED) if featured else tp_mlp_model(layers=8) if sharded
              else mlp_model(layers=8, dataset=dataset))
     every = (Every(int(options["--eval-every"]), RegressionData(EVAL_SAMPLES, seed=EVAL_SEED))
              if "--eval-every" in options else None)
     trainer = PipelineTrainer.from_env(model, on_phase=on_phase, checkpoint_dir=checkpoint,
-                                       max_grad_norm=FEATURED_CLIP if featured else None)
+                                       max_grad_norm=FEATURED_CLIP if featured else None,
+                                       layer_state={"ema": WeightEMA} if featured else None)
+    trainers.append(trainer)
     trainer.run(steps, report, checkpoint_every=2 if checkpoint else 0, evaluate=every)
     state = trainer.state()   # whole tensors: every card of a unit takes part
     if tp_rank == 0:
         torch.save(state, os.path.join(out, f"params-{unit}.pt"))
+    if featured:
+        torch.save({layer: objects["ema"].state_dict() for layer, objects
+                    in trainer.extras.items()}, os.path.join(out, f"ema-{unit}.pt"))
     trainer.close()
 
 
