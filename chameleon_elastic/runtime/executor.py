@@ -279,18 +279,22 @@ class PipelineExecutor:
 
     def run(self, step: int, ops: Sequence, record: bool = False,
             on_phase: Callable[[int, str], None] | None = None,
-            loss_scale: float = 1.0) -> StepOutcome:
+            loss_scale: float = 1.0,
+            final_backward: Callable[[], contextlib.AbstractContextManager] | None = None) -> StepOutcome:
         """Execute ``ops`` (this device's order) for ``step``; gradients accumulate in place.
         ``on_phase(step, "forward" | "backward")`` runs before the first operation of each kind
-        (the trainer's fault-injection hook)."""
+        (the trainer's fault-injection hook). ``final_backward()``: a context entered around
+        the step's last backward here, the one after which this device's gradients are final
+        (the gradient sums start inside it, :class:`~.grad_sync.GradientSums`)."""
         scale = 1.0 / self.plan.global_micro_batches
         stash: dict[tuple[int, int], tuple[list[torch.Tensor], Any]] = {}
         pending: list = []
         timings: list[OpTiming] = []
         loss_sum = 0.0
         entered: set[str] = set()
+        last_b = max((i for i, op in enumerate(ops) if op.kind == "B"), default=-1)
         try:
-            for op in ops:
+            for index, op in enumerate(ops):
                 if on_phase is not None and op.kind not in entered:
                     entered.add(op.kind)
                     on_phase(step, "forward" if op.kind == "F" else "backward")
@@ -303,7 +307,10 @@ class PipelineExecutor:
                 if op.kind == "F":
                     loss_sum += self._forward_op(step, op, scale, loss_scale, stash, pending)
                 elif op.kind == "B":
-                    self._backward_op(op, stash, pending)
+                    final = (final_backward() if final_backward is not None and index == last_b
+                             else contextlib.nullcontext())
+                    with final:
+                        self._backward_op(op, stash, pending)
                 else:
                     raise PipelineRuntimeError(f"unknown operation kind {op.kind!r}")
                 if record:
