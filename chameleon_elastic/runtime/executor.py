@@ -35,10 +35,11 @@ backward.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +53,7 @@ from chameleon_elastic.torch_compat import fake_tensor_mode
 
 from .data import sample_ids
 from .errors import PeerLost, PipelineRuntimeError, communication_failure
+from .inbox import FifoInbox
 from .model import PipelineModel, _sizing, build_layers, collate
 from .precision import Precision, autocast
 from .tensors import Structure, flatten, leaf_map, unflatten
@@ -198,14 +200,18 @@ class PipelineExecutor:
     the first stage). ``recompute``: run the stage under activation checkpointing.
     ``loss_scale``: multiplies each micro-batch's loss before backward (fp16). ``tp_rank``:
     this card's place in its unit; it talks to the cards of the same rank, and only card 0 of
-    the last stage counts the loss (every card of a unit computes it).
+    the last stage counts the loss (every card of a unit computes it). ``fifo_links``: on a
+    back-end that matches point-to-point messages first-in first-out (NCCL, HCCL), per sending
+    device the operations whose outputs it sends here, in its order
+    (``schedule.link_messages``); each link is then read in that order (:mod:`.inbox`) and
+    tags are not sent. None: gloo, messages matched by tag.
     """
 
     def __init__(self, plan: ExecutionPlan, device: int, model: PipelineModel,
                  layers: nn.ModuleList | None, micro_batch_size: int, ranks: RankMap, *,
                  input_spec: BoundarySpec | None = None, torch_device: torch.device | None = None,
                  precision: Precision = "fp32", recompute: bool = False,
-                 tp_rank: int = 0) -> None:
+                 tp_rank: int = 0, fifo_links: Mapping[int, Sequence] | None = None) -> None:
         self.plan = plan
         self.device = device
         self.model = model
@@ -217,6 +223,8 @@ class PipelineExecutor:
         self.recompute = recompute
         self.tp_rank = tp_rank
         self._input_spec = input_spec
+        self._fifo_links = fifo_links
+        self._inbox: FifoInbox | None = None
         self._max_quota = max(p.micro_batches for p in plan.pipelines) or 1
         self._max_stages = max(p.num_stages for p in plan.pipelines)
 
@@ -239,6 +247,11 @@ class PipelineExecutor:
             return self._layers(x)
 
     def _recv(self, spec: TensorSpec, device: int, tag: int) -> torch.Tensor:
+        if self._inbox is not None:
+            return self._inbox.take(device, tag)
+        return self._recv_wire(spec, device, tag)
+
+    def _recv_wire(self, spec: TensorSpec, device: int, tag: int = 0) -> torch.Tensor:
         buf = torch.empty(spec.shape, dtype=spec.dtype, device=self.torch_device)
         try:
             dist.recv(buf, src=self.ranks.rank(device, self.tp_rank), tag=tag)
@@ -249,12 +262,27 @@ class PipelineExecutor:
 
     def _send(self, tensor: torch.Tensor, device: int, tag: int, pending: list) -> None:
         tensor = tensor.detach().contiguous()
+        wire = 0 if self._fifo_links is not None else tag
         try:
-            work = dist.isend(tensor, dst=self.ranks.rank(device, self.tp_rank), tag=tag)
+            work = dist.isend(tensor, dst=self.ranks.rank(device, self.tp_rank), tag=wire)
         except RuntimeError as exc:
             raise PeerLost(f"device {self.device} could not send to device {device}: "
                            f"{exc}") from exc
         pending.append((work, tensor))
+
+    def _messages(self, stash: Mapping, op: Any) -> list[tuple[int, TensorSpec]]:
+        """The tagged messages ``op`` (another device's operation) sends here: a forward
+        sends what enters this stage; a backward, the gradients of this device's output for
+        that micro-batch, which it holds (it has not run that backward yet)."""
+        if op.kind == "F":
+            assert self._input_spec is not None
+            return [(self._tag(op.pipeline, op.micro_batch, op.stage + 1, False, i), spec)
+                    for i, spec in enumerate(self._input_spec.leaves)]
+        _, out = stash[(op.pipeline, op.micro_batch)]
+        leaves, _ = flatten(out)
+        return [(self._tag(op.pipeline, op.micro_batch, op.stage - 1, True, i),
+                 TensorSpec(tuple(leaf.shape), leaf.dtype))
+                for i, leaf in enumerate(leaves) if leaf.requires_grad]
 
     def _batch(self, step: int, pipeline: int, micro_batch: int):
         ids = sample_ids(step, self.plan, pipeline, micro_batch, self.micro_batch_size)
@@ -293,6 +321,9 @@ class PipelineExecutor:
         loss_sum = 0.0
         entered: set[str] = set()
         last_b = max((i for i, op in enumerate(ops) if op.kind == "B"), default=-1)
+        if self._fifo_links is not None:
+            self._inbox = FifoInbox(self._fifo_links, functools.partial(self._messages, stash),
+                                    self._recv_wire)
         try:
             for index, op in enumerate(ops):
                 if on_phase is not None and op.kind not in entered:
@@ -325,6 +356,8 @@ class PipelineExecutor:
             # unit is gone, as for a broken transfer
             raise PeerLost(f"device {self.device} lost a peer of its unit in step {step}: "
                            f"{str(exc).splitlines()[0][:300]}") from exc
+        finally:
+            self._inbox = None
         self._wait_sends(pending, step)
         if stash:
             raise PipelineRuntimeError(
@@ -364,14 +397,15 @@ class PipelineExecutor:
     def _backward_op(self, op: Any, stash: dict, pending: list) -> None:
         """One backward: from the loss (last stage) or the gradients the next stage sent, and
         the input's gradients on to the previous stage (only the leaves that want them)."""
-        try:
-            wanting, out = stash.pop((op.pipeline, op.micro_batch))
+        try:  # kept until its gradients arrive: a FIFO inbox sizes them from it
+            wanting, out = stash[(op.pipeline, op.micro_batch)]
         except KeyError:
             raise PipelineRuntimeError(
                 f"backward of pipeline {op.pipeline} micro-batch {op.micro_batch} "
                 f"comes before its forward on device {self.device}; the order is "
                 "invalid.") from None
         if op.source is None:
+            del stash[(op.pipeline, op.micro_batch)]
             out.backward()
         else:
             leaves, _ = flatten(out)
@@ -382,6 +416,7 @@ class PipelineExecutor:
                     grads.append(self._recv(
                         TensorSpec(tuple(leaf.shape), leaf.dtype), op.source,
                         self._tag(op.pipeline, op.micro_batch, op.stage, True, i)))
+            del stash[(op.pipeline, op.micro_batch)]
             if outs:
                 torch.autograd.backward(outs, grads)
         if op.dest is None:
