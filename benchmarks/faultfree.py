@@ -58,7 +58,7 @@ TARGET = 1.03
 MAX_GRAD_NORM = 1.0
 CASES = {
     "issue27": {"blocks": 8, "width": 256, "heads": 4, "context": 16, "mbs": 2, "G": 4},
-    "comm-heavy": {"blocks": 2, "width": 1024, "heads": 8, "context": 8, "mbs": 1, "G": 4},
+    "comm-heavy": {"blocks": 2, "width": 1024, "heads": 8, "context": 2, "mbs": 1, "G": 4},
     "tiny-gpt": {"blocks": 6, "width": 64, "heads": 4, "context": 64, "mbs": 4, "G": 8},
 }
 NATIVE = {"dp2": "DDP", "pp2": "Schedule1F1B", "pp2xdp2": "Schedule1F1B + DDP"}
