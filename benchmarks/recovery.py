@@ -31,6 +31,7 @@ time (the slowest process's) and total recovery time (entering the plan plus the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -43,11 +44,18 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
 from launched import supervise, worker_of
+
+from chameleon_elastic.rendezvous.local_etcd import LocalEtcd
 
 ROOT = Path(__file__).resolve().parent.parent
 GPT = str(ROOT / "examples" / "train_gpt.py")
-PATHS = ("inplace", "relaunch", "torchrun", "torchrun-fresh")
+PATHS = ("inplace", "relaunch", "torchrun", "torchrun-fresh",
+         "2n-worker", "2n-node-kill", "2n-node-stop")
+#: the ``recovered`` event's phases, from the fault to the first new step (docs/launcher.md)
+PHASES = ("detect_s", "rendezvous_s", "plan_s", "stop_s", "launch_s", "regroup_s",
+          "transfer_s", "first_step_s", "total_s")
 #: torch's switch away from the store it shares across restarts (whose stale keys make the
 #: relaunched workers fail with "connectFullMesh ... Connection refused" or hang)
 FRESH_STORE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
@@ -67,46 +75,140 @@ def command(path: str, steps: int, ckpt: str, state: str) -> list[str]:
             "--monitor-interval", "0.1", "--state-dir", state, *extra, *script]
 
 
-def trial(path: str, steps: int, kill_at: int, deadline: float) -> dict:
-    """One run; every process it started is killed at the end, orphans included (torchrun's
-    workers outlive a killed torchrun and would hold the output pipe open)."""
-    with tempfile.TemporaryDirectory(prefix="recovery-bench-") as tmp:
-        cmd = command(path, steps, f"{tmp}/ckpt", f"{tmp}/state")
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-                   **(FRESH_STORE if path == "torchrun-fresh" else {}))
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, env=env, cwd=ROOT, start_new_session=True)
-        lines: list[tuple[float, int]] = []
-        state = {"kill_t": None, "committed": -1}
+class StepWatch:
+    """Reads the step lines of launchers' output (one reader thread each) and fires ``kill``
+    once, at the first line of a step >= ``kill_at``; ``kill`` returns whether it struck."""
 
-        def read() -> None:
-            assert proc.stdout is not None
-            for text in proc.stdout:
-                m = STEP_LINE.match(text)
-                if not m:
-                    continue
+    def __init__(self, procs: list[subprocess.Popen], kill_at: int, kill) -> None:
+        self.lines: list[tuple[float, int]] = []
+        self.kill_t: float | None = None
+        self.committed = -1
+        self._lock = threading.Lock()
+        self._kill_at, self._kill = kill_at, kill
+        self._threads = [threading.Thread(target=self._read, args=(p,), daemon=True)
+                         for p in procs]
+        for t in self._threads:
+            t.start()
+
+    def _read(self, proc: subprocess.Popen) -> None:
+        assert proc.stdout is not None
+        for text in proc.stdout:
+            m = STEP_LINE.match(text)
+            if not m:
+                continue
+            with self._lock:
                 now, step = time.monotonic(), int(m.group(1))
-                lines.append((now, step))
-                if state["kill_t"] is None and step >= kill_at:
-                    victim = worker_of(proc.pid, 3)
-                    if victim is not None:
-                        state["committed"] = max(s for _, s in lines)
-                        os.kill(victim, signal.SIGKILL)
-                        state["kill_t"] = time.monotonic()
+                self.lines.append((now, step))
+                if self.kill_t is None and step >= self._kill_at:
+                    committed = max(s for _, s in self.lines)
+                    if self._kill():
+                        self.committed, self.kill_t = committed, time.monotonic()
 
-        reader = threading.Thread(target=read, daemon=True)
-        reader.start()
+    def join(self) -> None:
+        for t in self._threads:
+            t.join(10)
+
+    def result(self, path: str, code: int | None, steps: int) -> dict:
+        kill_t, committed = self.kill_t, self.committed
+        after = [(t, s) for t, s in self.lines if kill_t is not None and t >= kill_t]
+        new = [t for t, s in after if s > committed]
+        finished = sorted({s for _, s in self.lines}) == list(range(steps))
+        return {"path": path, "exit_code": code, "hung": code is None,
+                "finished": finished and code == 0,
+                "killed_after_step": committed if kill_t else None,
+                "kill_to_next_step_s": (new[0] - kill_t) if new and kill_t else None,
+                "steps_redone": sum(1 for _, s in after if s <= committed)}
+
+
+def _popen(cmd: list[str], **env: str) -> subprocess.Popen:
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+                                     **env),
+                            cwd=ROOT, start_new_session=True)
+
+
+def trial(path: str, steps: int, kill_at: int, deadline: float) -> dict:
+    """One run on one node; every process it started is killed at the end, orphans included
+    (torchrun's workers outlive a killed torchrun and would hold the output pipe open)."""
+    with tempfile.TemporaryDirectory(prefix="recovery-bench-") as tmp:
+        proc = _popen(command(path, steps, f"{tmp}/ckpt", f"{tmp}/state"),
+                      **(FRESH_STORE if path == "torchrun-fresh" else {}))
+
+        def kill() -> bool:
+            victim = worker_of(proc.pid, 3)
+            if victim is not None:
+                os.kill(victim, signal.SIGKILL)
+            return victim is not None
+
+        watch = StepWatch([proc], kill_at, kill)
         code = supervise(proc, deadline)
-        reader.join(10)
-    kill_t, committed = state["kill_t"], state["committed"]
-    after = [(t, s) for t, s in lines if kill_t is not None and t >= kill_t]
-    new = [t for t, s in after if s > committed]
-    finished = sorted({s for _, s in lines}) == list(range(steps))
-    return {"path": path, "exit_code": code, "hung": code is None,
-            "finished": finished and code == 0,
-            "killed_after_step": committed if kill_t else None,
-            "kill_to_next_step_s": (new[0] - kill_t) if new and kill_t else None,
-            "steps_redone": sum(1 for _, s in after if s <= committed)}
+        watch.join()
+        result = watch.result(path, code, steps)
+        result["phases"] = _phases(Path(tmp, "state", "events.jsonl"))
+    return result
+
+
+def _phases(events: Path) -> dict | None:
+    """The last recovery's phase durations, as the agent's ``recovered`` event gives them."""
+    if not events.exists():
+        return None
+    recovered = [e for e in map(json.loads, events.read_text().splitlines())
+                 if e.get("event") == "recovered"]
+    if not recovered:
+        return None
+    return {k: recovered[-1].get(k) for k in PHASES}
+
+
+def two_node_trial(path: str, steps: int, kill_at: int, deadline: float,
+                   endpoint: str, run_id: str) -> dict:
+    """Two agents x two workers on etcd-v3 (lease TTL 2 s), the tiny GPT. ``2n-worker``:
+    kill -9 of device 3's worker; ``2n-node-kill`` / ``2n-node-stop``: SIGKILL / SIGSTOP of
+    the agent and workers of the node that runs device 3 (not the one that prints steps)."""
+    with tempfile.TemporaryDirectory(prefix="recovery-bench-") as tmp:
+        script = [GPT, "--steps", str(steps), "--log-every", "1"]
+        agents = {name: _popen([
+            sys.executable, "-m", "chameleon_elastic.launcher.cli", "--nnodes", "2",
+            "--nproc-per-node", "2", "--rdzv-backend", "etcd-v3", "--rdzv-endpoint", endpoint,
+            "--rdzv-id", run_id, "--rdzv-conf", "lease_ttl=2", "--local-addr", "127.0.0.1",
+            "--monitor-interval", "0.1", "--no-status", "--preset", "tiny-cpu",
+            "--state-dir", f"{tmp}/{name}", *script]) for name in ("a", "b")}
+        victims: list[psutil.Process] = []
+
+        def kill() -> bool:
+            for name, agent in agents.items():
+                worker = worker_of(agent.pid, 3)
+                if worker is None:
+                    continue
+                if path == "2n-worker":
+                    os.kill(worker, signal.SIGKILL)
+                    return True
+                root = psutil.Process(agent.pid)
+                victims.extend([root, *root.children(recursive=True)])
+                sig = signal.SIGKILL if path == "2n-node-kill" else signal.SIGSTOP
+                for proc in victims:
+                    with contextlib.suppress(psutil.Error):
+                        proc.send_signal(sig)
+                survivor.append(next(n for n in agents if n != name))
+                return True
+            return False
+
+        survivor: list[str] = []
+        watch = StepWatch(list(agents.values()), kill_at, kill)
+        end = time.monotonic() + deadline
+        while time.monotonic() < end and any(
+                agents[n].poll() is None for n in (survivor or agents)):
+            time.sleep(0.2)
+        for proc in victims:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+        codes = {name: supervise(agent, 1) for name, agent in agents.items()}
+        watch.join()
+        code = codes[survivor[0]] if survivor else (
+            None if None in codes.values() else max(codes.values()))
+        result = watch.result(path, code, steps)
+        watched = survivor[0] if survivor else "a"
+        result["phases"] = _phases(Path(tmp, watched, "events.jsonl"))
+    return result
 
 
 def summarise(results: list[dict]) -> dict[str, dict]:
@@ -245,6 +347,28 @@ def print_tables(report: dict) -> None:
               "(paper: -32.35% and -26.79%)")
 
 
+def run_trials(paths: list[str], trials: int, steps: int, kill_at: int,
+               deadline: float) -> list[dict]:
+    """Every path ``trials`` times, alternating the order; two-node paths share one etcd."""
+    results = []
+    with contextlib.ExitStack() as stack:
+        etcd = (stack.enter_context(LocalEtcd()) if any(p.startswith("2n-") for p in paths)
+                else None)
+        for i in range(trials):
+            for path in (paths if i % 2 == 0 else paths[::-1]):
+                if etcd is not None and path.startswith("2n-"):
+                    r = two_node_trial(path, steps, kill_at, deadline, etcd.endpoint,
+                                       f"bench-{i}-{path}")
+                else:
+                    r = trial(path, steps, kill_at, deadline)
+                results.append(r)
+                t = r["kill_to_next_step_s"]
+                print(f"  trial {i + 1:2d} {path:14s} finished={r['finished']!s:5s} kill->next="
+                      f"{'-' if t is None else f'{t:.2f} s'} redone={r['steps_redone']} "
+                      f"phases={r['phases']}", file=sys.stderr, flush=True)
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trials", type=int, default=10,
@@ -271,15 +395,7 @@ def main() -> None:
         parser.error(f"--paths takes {', '.join(PATHS)}; --kill-at must leave steps after it.")
     report: dict = {"benchmark": "recovery"}
     if args.trials:
-        results = []
-        for i in range(args.trials):
-            for path in (paths if i % 2 == 0 else paths[::-1]):
-                r = trial(path, args.steps, args.kill_at, args.deadline)
-                results.append(r)
-                t = r["kill_to_next_step_s"]
-                print(f"  trial {i + 1:2d} {path:14s} finished={r['finished']!s:5s} kill->next="
-                      f"{'-' if t is None else f'{t:.2f} s'} redone={r['steps_redone']}",
-                      file=sys.stderr, flush=True)
+        results = run_trials(paths, args.trials, args.steps, args.kill_at, args.deadline)
         report.update(trials=args.trials, kill_at=args.kill_at, steps=args.steps,
                       summary=summarise(results), results=results)
     if args.ablation:

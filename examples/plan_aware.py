@@ -25,8 +25,8 @@ import time
 
 import torch.distributed as dist
 
-from chameleon_elastic.launcher import record_step
 from chameleon_elastic.runtime import PipelineTrainer, init_distributed, plan_from_env
+from chameleon_elastic.runtime.recording import record_step
 from chameleon_elastic.runtime.toy import mlp_model
 
 

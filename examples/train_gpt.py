@@ -18,9 +18,13 @@ is the final norm and the byte head; so ``--blocks N`` gives N + 2 layers (the j
 are trained: the head reuses the byte embedding (tied weights, wherever the two layers sit),
 bf16 autocast over fp32 master weights, the gradient norm clipped to 1 over the whole model,
 and AdamW under a linear warm-up then cosine decay; each is a flag. The corpus is the Python
-standard library's own source, present on every machine that runs this script; sample ``i``
-is a fixed window of it, so which text a step trains on depends only on the step number, never
-on the plan or the number of workers.
+standard library's own source, present on every machine that runs this script, cut into
+windows of ``--context`` bytes: a map-style dataset, which the runtime reads in shuffled epochs
+(each a permutation drawn from the seed and the epoch) one step ahead in the background, so
+which text a step trains on depends only on the step number, never on the plan or the number of
+workers, and every window is trained once per epoch. The last ``--eval-samples`` windows are
+held out: with ``--eval-every K`` their mean loss is computed under the plan in force after
+every K steps and after the last one, and printed as ``eval step N loss X``.
 """
 
 from __future__ import annotations
@@ -39,9 +43,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
-from chameleon_elastic.launcher.profiler import record_step
 from chameleon_elastic.runtime import (
     PRECISIONS,
+    Every,
     PipelineModel,
     PipelineRuntimeError,
     PipelineTrainer,
@@ -79,12 +83,32 @@ def stdlib_corpus(max_bytes: int) -> torch.Tensor:
     return torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(torch.int64)
 
 
-def window(index: int, corpus: torch.Tensor, context: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample ``index``: a context window at a pseudo-random but fixed offset."""
-    span = corpus.numel() - context - 1
-    start = (index * 1_000_003) % span
-    chunk = corpus[start:start + context + 1]
-    return chunk[:-1], chunk[1:]
+class Windows(torch.utils.data.Dataset):
+    """The corpus cut into windows of ``context`` bytes: item ``i`` is (window ``i``, the
+    same window shifted by one byte), the next-byte targets."""
+
+    def __init__(self, corpus: torch.Tensor, context: int) -> None:
+        self.corpus, self.context = corpus, context
+
+    def __len__(self) -> int:
+        return (self.corpus.numel() - 1) // self.context
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not 0 <= index < len(self):
+            raise IndexError(f"window {index} of {len(self)}")
+        start = index * self.context
+        chunk = self.corpus[start:start + self.context + 1]
+        return chunk[:-1], chunk[1:]
+
+
+def split_corpus(corpus: torch.Tensor, context: int,
+                 held_out: int) -> tuple[Windows, Windows]:
+    """(training windows, the last ``held_out`` windows), which training never reads."""
+    cut = corpus.numel() - held_out * context - 1
+    if held_out < 1 or cut < 2 * context:
+        raise SystemExit(f"--eval-samples {held_out} leaves no training text in a corpus of "
+                         f"{corpus.numel()} bytes; pass fewer, or more --corpus-bytes.")
+    return Windows(corpus[:cut], context), Windows(corpus[cut:], context)
 
 
 class Embed(nn.Module):
@@ -173,14 +197,17 @@ def adamw(params, lr: float) -> torch.optim.Optimizer:
 
 def gpt_model(blocks: int, context: int, width: int, heads: int, lr: float,
               corpus: torch.Tensor, seed: int, *, tie: bool = True, warmup: int = 0,
-              total_steps: int = 0) -> PipelineModel:
+              total_steps: int = 0, dataset: torch.utils.data.Dataset | None = None
+              ) -> PipelineModel:
+    """The GPT as the runtime's layers, trained on ``dataset`` (default: all of ``corpus``
+    in windows)."""
     return PipelineModel(
         num_layers=blocks + 2,
         build_layer=functools.partial(build_layer, blocks=blocks, context=context, width=width,
                                       heads=heads),
         loss=byte_loss,
         make_optimizer=functools.partial(adamw, lr=lr),
-        sample=functools.partial(window, corpus=corpus, context=context),
+        dataset=dataset if dataset is not None else Windows(corpus, context),
         seed=seed,
         make_scheduler=(functools.partial(warmup_cosine, warmup=warmup, total=total_steps)
                         if total_steps else None),
@@ -226,17 +253,27 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                     help="commit layer-wise checkpoints here and resume from the last one, so "
                          "a restart under a new plan (chameleon-run re-plan) goes on training")
     ap.add_argument("--checkpoint-every", type=int, default=10)
+    ap.add_argument("--eval-every", type=int, default=0, metavar="K",
+                    help="evaluate the held-out windows under the plan in force after every K "
+                         "steps and after the last one, printing 'eval step N loss X' "
+                         "(0: never)")
+    ap.add_argument("--eval-samples", type=int, default=64,
+                    help="windows held out of training at the corpus's end, for --eval-every")
     args = ap.parse_args(argv)
-    for name in ("steps", "width", "heads", "context", "global_micro_batches", "corpus_bytes", "log_every", "checkpoint_every"):
+    for name in ("steps", "width", "heads", "context", "global_micro_batches", "corpus_bytes",
+                 "log_every", "checkpoint_every", "eval_samples"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
-    for name in ("warmup_steps", "max_grad_norm"):
+    for name in ("warmup_steps", "max_grad_norm", "eval_every"):
         if getattr(args, name) < 0:
             ap.error(f"--{name.replace('_', '-')} must be >= 0")
     if args.micro_batch_size is not None and args.micro_batch_size < 1:
         ap.error("--micro-batch-size must be >= 1")
     if args.width % args.heads:
         ap.error(f"--width {args.width} must be a multiple of --heads {args.heads}")
+    if (args.eval_samples + 2) * args.context >= args.corpus_bytes:
+        ap.error(f"--eval-samples {args.eval_samples} windows of {args.context} bytes leave no "
+                 f"training text in --corpus-bytes {args.corpus_bytes}; hold out fewer")
     return args
 
 
@@ -252,11 +289,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.heads % tp or VOCAB % tp:
         raise SystemExit(f"--heads {args.heads} must be a multiple of training.tp = {tp}: "
                          "tensor parallelism gives every card whole attention heads.")
+    corpus = stdlib_corpus(args.corpus_bytes)
+    train, held_out = split_corpus(corpus, args.context, args.eval_samples)
     init_distributed()
-    model = gpt_model(blocks, args.context, args.width, args.heads, args.lr,
-                      stdlib_corpus(args.corpus_bytes), args.seed, tie=not args.no_tie,
-                      warmup=args.warmup_steps,
-                      total_steps=args.steps if args.warmup_steps else 0)
+    model = gpt_model(blocks, args.context, args.width, args.heads, args.lr, corpus,
+                      args.seed, tie=not args.no_tie, warmup=args.warmup_steps,
+                      total_steps=args.steps if args.warmup_steps else 0, dataset=train)
     try:
         trainer = PipelineTrainer.from_env(model, global_micro_batches=args.global_micro_batches,
                                            micro_batch_size=args.micro_batch_size or (
@@ -280,16 +318,18 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
 
     def report(result: StepResult) -> None:
-        record_step(result.step_s)  # feeds chameleon-run --profile-out; no-op elsewhere
         step = result.step
         if step % args.log_every == 0 or step == args.steps - 1 or result.redone:
             again = "  (trained again)" if result.redone else ""   # the recovery line says why
             say(f"step {step:4d}  loss {result.loss:.4f}  (bits/byte "
                 f"{result.loss / math.log(2):.3f})  lr {result.lr:.2e}  |g| "
                 f"{result.grad_norm:.2f}  {result.step_s * 1e3:.0f} ms{again}")
+        if not math.isnan(result.eval_loss):
+            say(f"eval step {step} loss {result.eval_loss:.4f}")
 
     try:
-        trainer.run(args.steps, report, checkpoint_every=args.checkpoint_every)
+        trainer.run(args.steps, report, checkpoint_every=args.checkpoint_every,
+                    evaluate=Every(args.eval_every, held_out) if args.eval_every else None)
     except PipelineRuntimeError as exc:
         raise SystemExit(f"rank {dist.get_rank()}: {exc}") from None
     if trainer.is_reporter:

@@ -18,8 +18,13 @@ warm-up then cosine decay, the gradient norm clipped to 1 over the whole model, 
 over fp32 master weights (``--precision fp32`` makes losses comparable across launchers to the
 4th decimal; under chameleon-run the default is the job's precision). The text comes from
 ``--data FILE...`` or, by default, the Python standard library's own source, tokenized with
-DIR's tokenizer when it has one and as bytes otherwise; sample ``i`` is a fixed window of it,
-so which text a step trains on depends only on the step number, never on the plan.
+DIR's tokenizer when it has one and as bytes otherwise, and cut into windows of ``--context``
+tokens: a map-style dataset (``hf.TokenWindows``) that the runtime reads in shuffled epochs,
+one step ahead in the background, so which text a step trains on depends only on the step
+number, never on the plan, and every window is trained once per epoch. The last
+``--eval-samples`` windows are held out: with ``--eval-every K`` their mean loss is computed
+under the plan in force after every K steps and after the last one, and printed as
+``eval step N loss X``.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import os
 import socket
 import sys
@@ -37,10 +43,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from chameleon_elastic.launcher.profiler import record_step
 from chameleon_elastic.models import hf
 from chameleon_elastic.runtime import (
     PRECISIONS,
+    Every,
     PipelineModel,
     PipelineRuntimeError,
     PipelineTrainer,
@@ -143,15 +149,22 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--checkpoint-dir", default=None,
                     help="commit layer-wise checkpoints here and resume from the last one")
     ap.add_argument("--checkpoint-every", type=int, default=10)
+    ap.add_argument("--eval-every", type=int, default=0, metavar="K",
+                    help="evaluate the held-out windows under the plan in force after every K "
+                         "steps and after the last one, printing 'eval step N loss X' "
+                         "(0: never)")
+    ap.add_argument("--eval-samples", type=int, default=16,
+                    help="windows held out of training at the text's end, for --eval-every")
     ap.add_argument("--export", metavar="OUT", default=None,
                     help="at the end, save the model where transformers' from_pretrained "
                          "loads it")
     args = ap.parse_args(argv)
     for name in ("steps", "context", "global_micro_batches", "data_bytes", "log_every",
-                 "checkpoint_every"):
+                 "checkpoint_every", "eval_samples"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
-    for name in ("warmup_steps", "max_grad_norm", "pace", "weight_decay", "dropout"):
+    for name in ("warmup_steps", "max_grad_norm", "pace", "weight_decay", "dropout",
+                 "eval_every"):
         if getattr(args, name) < 0:
             ap.error(f"--{name.replace('_', '-')} must be >= 0")
     for name in ("micro_batch_size", "layers"):
@@ -171,8 +184,19 @@ def alone() -> None:
                       WORLD_SIZE="1", LOCAL_RANK="0")
 
 
-def build(args: argparse.Namespace, plan) -> tuple[PipelineModel, str]:
-    """The model, with its data; and how the text was tokenized."""
+def split(tokens: torch.Tensor, context: int,
+          held_out: int) -> tuple[hf.TokenWindows, hf.TokenWindows]:
+    """(training windows, the last ``held_out`` windows), which training never reads."""
+    cut = tokens.numel() - held_out * context
+    if cut < context:
+        raise hf.HFModelError(f"--eval-samples {held_out} leaves no training text in "
+                              f"{tokens.numel()} tokens; pass fewer, or more --data-bytes.")
+    return hf.TokenWindows(tokens[:cut], context), hf.TokenWindows(tokens[cut:], context)
+
+
+def build(args: argparse.Namespace, plan) -> tuple[PipelineModel, hf.TokenWindows, str]:
+    """The model, with its training data; the held-out windows; how the text was
+    tokenized."""
     if args.config:
         layers = args.layers or (plan.num_layers - 2 if plan is not None else 2)
         source = hf.tiny_config(args.config, layers=max(layers, 1))
@@ -182,14 +206,15 @@ def build(args: argparse.Namespace, plan) -> tuple[PipelineModel, str]:
     config, _ = hf.load_config(source)
     vocab = int(config.get_text_config().vocab_size)
     tokens, how = tokenize(read_text(args.data, args.data_bytes), directory, vocab)
+    train, held_out = split(tokens, args.context, args.eval_samples)
     model = hf.causal_lm(
         source,
-        sample=functools.partial(hf.token_windows, tokens, args.context),
+        dataset=train,
         make_optimizer=functools.partial(hf.adamw, lr=args.lr, weight_decay=args.weight_decay),
         make_scheduler=(functools.partial(warmup_cosine, warmup=args.warmup_steps, total=args.steps)
                         if args.warmup_steps else None),
         seed=args.seed, dtype=DTYPES[args.dtype], dropout=args.dropout)
-    return model, how
+    return model, held_out, how
 
 
 def fail(message: str) -> int:
@@ -203,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     plan = plan_from_env()
     try:
         hf.require_extra("examples/train_hf.py")
-        model, tokenized = build(args, plan)
+        model, held_out, tokenized = build(args, plan)
     except hf.HFModelError as exc:
         return fail(str(exc))
     alone()
@@ -238,21 +263,25 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
 
     def report(result: StepResult) -> None:
-        record_step(result.step_s)  # feeds chameleon-run --profile-out; no-op elsewhere
         step = result.step
+        evaluated = not math.isnan(result.eval_loss)
         if args.losses:
             with open(args.losses, "a") as fh:
                 fh.write(json.dumps({"step": step, "loss": result.loss, "lr": result.lr,
                                      "step_s": result.step_s, "compute_s": result.compute_s,
                                      "sync_s": result.sync_s, "redone": result.redone,
+                                     "eval_loss": result.eval_loss if evaluated else None,
                                      "pid": os.getpid(), "time": time.time()}) + "\n")
         if step % args.log_every == 0 or step == args.steps - 1 or result.redone:
             again = "  (trained again)" if result.redone else ""
             say(f"step {step:4d}  loss {result.loss:.4f}  lr {result.lr:.2e}  |g| "
                 f"{result.grad_norm:.2f}  {result.step_s * 1e3:.0f} ms{again}")
+        if evaluated:
+            say(f"eval step {step} loss {result.eval_loss:.4f}")
 
     try:
-        trainer.run(args.steps, report, checkpoint_every=args.checkpoint_every)
+        trainer.run(args.steps, report, checkpoint_every=args.checkpoint_every,
+                    evaluate=Every(args.eval_every, held_out) if args.eval_every else None)
         if args.export:
             hf.save_pretrained(trainer, args.export)
     except PipelineRuntimeError as exc:

@@ -5,6 +5,7 @@ in place. This file is the loop and the wiring; each concern has a room of its o
     reactions.py     the one decision per tick: a pure function (its docstring has the states)
     rounds.py        rendezvous rounds: reuse on one node, failover, survivors, worker stores
     coordination.py  the agents' agreement on the next plan, in protocol order
+    starter.py       the generation published on the node; workers for devices without one
     worker_env.py    the environment a worker starts with
     workers.py       the worker processes, polled one by one (a death stops nobody else)
     reporter.py      one event and one line per recovery, once the workers resumed
@@ -30,7 +31,6 @@ from typing import Any, Literal
 import torch.distributed as dist
 from torch.distributed.elastic.agent.server.api import (
     RunResult,
-    Worker,
     WorkerGroup,
     WorkerSpec,
     WorkerState,
@@ -41,22 +41,21 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
 
 from chameleon_elastic import channel
-from chameleon_elastic.channel import Generation
 from chameleon_elastic.timeouts import Timeouts
 
 from . import coordination
-from .coordination import Decision, NodeReport
+from .coordination import Decision, Members, NodeReport, QuickRoundFailed
 from .detectors import Watchers
 from .failures import FailureEvent, RestartBudget, Trigger
 from .health import AlwaysHealthy, HealthCheck
 from .observe import Event, EventLog, StatusLine
-from .plan_env import LocalAssignment, NodeCards, device_id, local_assignments
+from .plan_env import NodeCards
 from .profiler import Profiler
 from .reactions import Reaction, Tick, react
 from .reporter import Pending, RecoveryReporter
 from .rounds import Rounds
 from .session import JobSession, LauncherPlanningError
-from .worker_env import launch_inputs
+from .starter import TorchHooks, WorkerStarter
 from .worker_logs import WorkerLogs
 from .workers import WorkerProcesses
 
@@ -107,21 +106,22 @@ class ChameleonAgent(LocalElasticAgent):
         self._budget = RestartBudget(spec.max_restarts, spec.max_restarts)
         self._exits: dict[int, Any] = {}        # global rank -> Exit, of the last poll
         self._channel: Any = None               # this node's agent <-> worker store
-        self._channel_address = ""
         if session is not None:
             self._channel = dist.TCPStore("127.0.0.1", 0, is_master=True,
                                           wait_for_workers=False,
                                           timeout=self._timeouts.delta("store_s"))
-            self._channel_address = f"127.0.0.1:{self._channel.port}"
+        self._starter = WorkerStarter(
+            self._procs, self._channel,
+            f"127.0.0.1:{self._channel.port}" if self._channel is not None else "",
+            TorchHooks(self._set_local_rank_env, self._before_start,
+                       self._log_line_prefix_template, logs_specs, start_method),
+            self._emit, lambda: self._profiler.worker_env() if self._profiler is not None else {})
 
     # ------------------------------------------------------------------ helpers
 
     def _emit(self, event: Event, **fields: Any) -> None:
         gen = self._session.plan.generation if self._session is not None else 0
         self._events.emit(event, attempt=max(self._rounds.attempt, 0), generation=gen, **fields)
-
-    def _restarts_used(self) -> int:
-        return self._budget.used
 
     def _update_status(self, state: str) -> None:
         self._status.show(state, self._session, max(self._rounds.attempt, 0), self._budget.used,
@@ -152,10 +152,6 @@ class ChameleonAgent(LocalElasticAgent):
         """Every live worker runs on the runtime (it registered on the channel)."""
         return self._procs.registered(self._channel)
 
-    def _event(self, trigger: Trigger, **fields: Any) -> FailureEvent:
-        gen = self._session.plan.generation if self._session is not None else 0
-        return FailureEvent(trigger, gen, wall=time.time(), **fields)
-
     # ------------------------------------------------------------------ one transition
 
     def _initialize_workers(self, worker_group: WorkerGroup) -> None:
@@ -163,14 +159,21 @@ class ChameleonAgent(LocalElasticAgent):
         self._transition(None, inplace_wanted=False, expect_reports=False)
 
     def _transition(self, event: FailureEvent | None, inplace_wanted: bool,
-                    expect_reports: bool) -> None:
-        """One rendezvous round and what follows it. ``expect_reports``: the workers run on
-        the runtime, so the recovery is reported once they have committed a step."""
+                    expect_reports: bool, quick: bool = False) -> None:
+        """One round (quick when no node can join, rounds.py) and what follows it.
+        ``expect_reports``: the workers run on the runtime, so the recovery is reported once
+        they have committed a step."""
         wg = self._worker_group
         spec = wg.spec
         began = time.perf_counter()
-        info = self._rounds.next(spec, first=self._node is None)
-        self._rdzv_handler = spec.rdzv_handler   # torch's, after a failover too
+        quick = self._rounds.can_quick and (  # plain scripts: torchrun's rounds, but alone
+            (quick and self._session is not None) or self._rounds.params.max_nodes == 1)
+        if quick:
+            info, members = self._rounds.quick(self._node, self._watchers.alive())
+        else:
+            info = self._rounds.next(spec, first=self._node is None)
+            self._rdzv_handler = spec.rdzv_handler   # torch's, after a failover too
+            members = Members(info.rank, tuple(range(info.world_size)))
         self._store = info.store
         if self._node is None:
             self._node = info.rank
@@ -180,7 +183,11 @@ class ChameleonAgent(LocalElasticAgent):
         plan_s, decision, change = 0.0, None, None
         if self._session is not None:
             t = time.perf_counter()
-            decision, change = self._agree(info, inplace_wanted)
+            try:
+                decision, change = self._agree(info, members, inplace_wanted, quick)
+            except QuickRoundFailed as exc:
+                self._emit(Event.FAILURE_SEEN, kind="quick_round_failed", reason=str(exc))
+                return self._transition(event, inplace_wanted, expect_reports)
             plan_s = time.perf_counter() - t
         if self._channel is not None:   # a lost peer reported before this round is handled
             channel.write(self._channel, channel.TROUBLE, -1)
@@ -190,11 +197,15 @@ class ChameleonAgent(LocalElasticAgent):
             t = time.perf_counter()
             self._procs.close(timeout=self._timeouts.shutdown_s)
             stop_s = time.perf_counter() - t
-        addr, port = self._rounds.open_worker_store(spec, info)
-        wg.store, wg.group_rank, wg.group_world_size = info.store, info.rank, info.world_size
-        wg.master_addr, wg.master_port = addr, port
-        self._emit(Event.RENDEZVOUS, group_rank=info.rank, group_world_size=info.world_size,
-                   node=self._node, master_addr=addr, master_port=port, duration_s=rdzv_s)
+        addr, port = self._rounds.open_worker_store(spec, info, members.decides)
+        wg.store, wg.master_addr, wg.master_port = info.store, addr, port
+        wg.group_rank, wg.group_world_size = info.rank, info.world_size
+        if quick and decision is not None:   # the nodes that took part (the exit barrier's)
+            wg.group_rank, wg.group_world_size = (decision.nodes.index(self._node),
+                                                  len(decision.nodes))
+        self._emit(Event.RENDEZVOUS, group_rank=wg.group_rank, quick=quick,
+                   group_world_size=wg.group_world_size, node=self._node, master_addr=addr,
+                   master_port=port, duration_s=rdzv_s)
         t = time.perf_counter()
         started = self._start(decision, info)
         wg.state = WorkerState.HEALTHY
@@ -207,10 +218,11 @@ class ChameleonAgent(LocalElasticAgent):
                                              phases)
             if not waiting:
                 self._report(self._reporter.finish({}, self._session.plan,
-                                                   self._restarts_used()))
+                                                   self._budget.used))
 
-    def _agree(self, info: Any, inplace_wanted: bool) -> tuple[Decision, Any]:
-        """Report, decide (group rank 0) or adopt (coordination.agree), and log it."""
+    def _agree(self, info: Any, members: Members, inplace_wanted: bool,
+               quick: bool) -> tuple[Decision, Any]:
+        """Report, decide (the lowest member) or adopt (coordination.agree), and log it."""
         session = self._session
         assert session is not None and self._node is not None
         live = self._procs.devices
@@ -220,78 +232,43 @@ class ChameleonAgent(LocalElasticAgent):
                                  self._book.why, self._channel)
         try:
             decision, change = coordination.agree(
-                info.store, self._rounds.scope(self._worker_group.spec), info.rank,
-                info.world_size, mine, session, inplace_wanted, self._here.units_per_node,
-                self._timeouts.store_s)
+                info.store, self._rounds.scope(), members, mine, session, inplace_wanted,
+                self._here.units_per_node, self._timeouts.store_s, quick=quick)
         except LauncherPlanningError as exc:
             self._emit(Event.PLANNING_FAILED, error=str(exc))
             raise
+        self._rounds.nodes = decision.nodes
         self._budget.settle(peer_node_lost=bool(
             session.excluded - before - self._here.units(self._here.cards)))
         self._book.settle()
         if change is not None:
             self._emit(Event.PLAN_CHOSEN, plan_file=session.plan_file,
-                       decided_here=info.rank == 0, inplace=decision.inplace,
+                       decided_here=members.decides, inplace=decision.inplace,
                        **change.event_fields())
         return decision, change
 
     # ------------------------------------------------------------------ workers
 
     def _start(self, decision: Decision | None, info: Any) -> tuple[int, ...]:
-        """Publish the generation on the channel; start workers for the local devices of its
-        world that have none (all of them after a relaunch). Returns the devices started."""
+        """Start workers for the local devices of the new world that have none (starter.py);
+        returns the devices started."""
         wg = self._worker_group
-        session = self._session
         if decision is None:  # plain torchrun: torch's rank assignment, every local worker
             todo = [(w, None) for w in self._assign_worker_ranks(
                 info.store, info.rank, info.world_size, wg.spec)]
         else:
-            assert session is not None
-            plan = session.plan
-            channel.write(self._channel, channel.generation_key(plan.generation), Generation(
-                plan.generation, session.plan_file, str(wg.master_addr), int(wg.master_port),
-                decision.world, decision.reported, tp=self._tp))
-            channel.write(self._channel, channel.NEWEST, plan.generation)
-            assigned = local_assignments(plan, self._here.node, self._here.nproc,
-                                         decision.world, self._tp)
-            # kept workers: their ranks in the new world
-            self._procs.renumber(lambda card: self._here.ranks(card, decision.world))
-            todo = [(Worker(local_rank=a.local_rank, global_rank=a.global_rank,
-                            role_rank=a.global_rank, world_size=a.world_size,
-                            role_world_size=a.world_size), a)
-                    for a in assigned if a.device not in self._procs.devices]
-        started = self._launch(todo)
+            todo = self._starter.planned(self._session, decision, wg, self._here)
+        started = self._starter.launch(todo, wg, self._budget.used, self._session, self._here)
+        if started and self._profiler is not None:
+            self._profiler.track(self._procs.pids())
         wg.workers = self._procs.workers()
         self._update_status("running")
         return started
 
-    def _launch(self, todo: list[tuple[Worker, LocalAssignment | None]]) -> tuple[int, ...]:
-        if not todo:
-            return ()
-        wg = self._worker_group
-        spec = wg.spec
-        start = time.perf_counter()
-        envs, args, prefixes = launch_inputs(
-            todo, spec, wg, self._restarts_used(), self._session, self._channel_address,
-            self._profiler.worker_env() if self._profiler is not None else {},
-            self._set_local_rank_env, self._log_line_prefix_template)
-        devices = [device_id(self._here.node, w.local_rank, self._here.nproc) for w, _ in todo]
+    def _before_start(self, envs: dict) -> None:
+        """torch's watchdog and health-check servers, as its ``_start_workers`` sets them up."""
         self._setup_local_watchdog(envs=envs)
         self._setup_healthcheck()
-        if self._channel is not None:
-            # a new process is hang-checked from its own first beat: its dead predecessor's
-            # count, standing still, made a slow start (imports on a busy machine) look hung
-            for device in devices:
-                self._channel.delete_key(channel.beat_key(device))
-        self._procs.start(spec, list(zip(devices, (w for w, _ in todo), strict=True)), envs,
-                          args, prefixes, self._logs_specs, self._start_method)
-        if self._profiler is not None:
-            self._profiler.track(self._procs.pids())
-        self._emit(Event.WORKERS_STARTED, local_ranks=[w.local_rank for w, _ in todo],
-                   devices=devices, ranks=[w.global_rank for w, _ in todo],
-                   world_size=todo[0][0].world_size, master_port=wg.master_port,
-                   duration_s=time.perf_counter() - start)
-        return tuple(devices)
 
     def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
         super()._shutdown(death_sig, timeout)
@@ -352,12 +329,12 @@ class ChameleonAgent(LocalElasticAgent):
                 self._watchers.leave(finished=True)   # no loss for the others
                 self._exit_barrier()
                 self._emit(Event.JOB_FINISHED, state="SUCCEEDED",
-                           restarts_used=self._restarts_used())
+                           restarts_used=self._budget.used)
                 return result
             try:
                 if self._session is not None:
                     self._report(self._reporter.poll(self._channel, self._session.plan,
-                                                     self._procs.pids(), self._restarts_used()))
+                                                     self._procs.pids(), self._budget.used))
                 tick = self._observe(result)
                 wg.state = tick.state
                 reaction = react(tick)
@@ -389,6 +366,7 @@ class ChameleonAgent(LocalElasticAgent):
         return self._watchers.tick(
             result.state, [e for _, e in sorted(self._exits.items())], self._procs.pids(),
             self._here, self._session, self._channel, lambda: self._rounds.nodes_waiting(spec),
+            self._rounds.quick_called,
             max(1.0, 4 * spec.monitor_interval), planned=self._planned,
             inplace_wanted=self._inplace_wanted, runtime=self._runtime,
             some_succeeded=bool(self._procs.succeeded), restarts_left=self._budget.left)
@@ -407,7 +385,7 @@ class ChameleonAgent(LocalElasticAgent):
             self._worker_group.state = WorkerState.FAILED
             self._update_status("failed")
             self._emit(Event.JOB_FINISHED, state="FAILED", reason=r.reason,
-                       restarts_used=self._restarts_used())
+                       restarts_used=self._budget.used)
             return result
         if r.action == "fence":
             # the lease thread has killed the workers already; their deaths are ours, not lost
@@ -420,12 +398,13 @@ class ChameleonAgent(LocalElasticAgent):
                        reason="a local worker lost a peer that this node does not run")
         if r.lost:
             self._book.note_lost(set(r.lost), set(tick.bad), tick.failures, self._tp)
-        event = self._event(r.trigger, lost=r.lost, joined=r.joined,
-                            failures=tick.failures if tick.state != WorkerState.HEALTHY else ())
+        gen = self._session.plan.generation if self._session is not None else 0
+        event = FailureEvent(r.trigger, gen, wall=time.time(), lost=r.lost, joined=r.joined,
+                             failures=tick.failures if tick.state != WorkerState.HEALTHY else ())
         if r.charge:
             self._budget.charge()
         try:
-            self._recover(event, r.inplace)
+            self._recover(event, r.inplace, r.quick)
         finally:
             self._budget.charged = False
         return None
@@ -439,7 +418,7 @@ class ChameleonAgent(LocalElasticAgent):
         self._emit(Event.JOB_FINISHED, state="FAILED", reason=sentence)
         return RunResult(state=WorkerState.FAILED)
 
-    def _recover(self, event: FailureEvent, inplace: bool) -> None:
+    def _recover(self, event: FailureEvent, inplace: bool, quick: bool) -> None:
         mode = "in place" if inplace else "relaunch"
         self._update_status(f"recovering {mode} ({event.reason})")
-        self._transition(event, inplace_wanted=inplace, expect_reports=self._runtime)
+        self._transition(event, inplace, expect_reports=self._runtime, quick=quick)

@@ -25,6 +25,14 @@ plan (a late joiner, a node back from a partition), so decisions are always made
 newest plan; and an agent whose view is stale can never publish over a newer one: its
 compare-and-set fails and it stops (:class:`Fenced`).
 
+Quick rounds. A recovery that adds no node (a worker lost, a node lost) needs no new
+rendezvous round: the members are those of the last agreement (``Decision.nodes``) less the
+nodes known gone, and the round is the last one's store under a fresh scope (``rounds.py``).
+Reports are then keyed by node id, the lowest live one decides, and waiting is polled against
+the others' etcd leases (``alive``): a member whose lease vanishes mid-round is dropped, and a
+round that cannot finish raises :class:`QuickRoundFailed`, after which the agent runs a full
+rendezvous round instead.
+
 Reads block up to the store timeout, so an agent that dies mid-round makes the others fail with
 a store error (the caller's failover), never hang. Everything but the store calls is a pure
 function of its arguments, tested on a ``HashStore``.
@@ -33,7 +41,8 @@ function of its arguments, tested on a ``HashStore``.
 from __future__ import annotations
 
 import json
-from collections.abc import Collection, Sequence
+import time
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Any
@@ -44,15 +53,37 @@ from chameleon_elastic.plan import ExecutionPlan
 from .plan_env import device_id
 from .session import JobSession, LauncherPlanningError, PlanChange
 
-__all__ = ["RECORD", "Decision", "Fenced", "NodeReport", "adopt", "agree", "collect",
-           "commit_record", "decide", "inplace_possible", "losses", "publish", "read_record", "reasons",
-           "report", "world_of"]
+__all__ = ["RECORD", "Decision", "Fenced", "Members", "NodeReport", "QuickRoundFailed", "adopt",
+           "agree", "collect", "commit_record", "decide", "inplace_possible", "losses",
+           "publish", "read_record", "reasons", "report", "world_of"]
 
 RECORD = "chameleon/plan"
+_POLL_S = 0.01   # a quick round's polls: an etcd read each, by the agents of one round only
+#: a live member that has not joined a quick round by then is in a full round (a node joined)
+QUICK_S = 15.0
 
 
 class Fenced(RuntimeError):
     """Another agent published a newer plan than the one this agent decided from."""
+
+
+class QuickRoundFailed(RuntimeError):
+    """A quick round could not finish (a member stopped answering): run a full round."""
+
+
+@dataclass(frozen=True)
+class Members:
+    """Who takes part in one agreement: ``keys`` name the reports (group ranks of a rendezvous
+    round, node ids of a quick round), ``me`` is this agent's; the lowest key decides.
+    ``alive`` (quick rounds with etcd leases): the keys whose node still holds its lease."""
+
+    me: int
+    keys: tuple[int, ...]
+    alive: Callable[[], Collection[int]] | None = None
+
+    @property
+    def decides(self) -> bool:
+        return self.me == min(self.keys)
 
 
 @dataclass(frozen=True)
@@ -96,6 +127,7 @@ class Decision:
     reported: int | None = None
     error: str | None = None
     why: tuple[tuple[int, str], ...] = ()   # each device lost in this decision, and how
+    nodes: tuple[int, ...] = ()             # the nodes that reported: the next quick round's
 
     def to_json(self) -> str:
         d = asdict(self)
@@ -108,16 +140,49 @@ class Decision:
         plan = None if d["plan"] is None else ExecutionPlan.from_dict(d["plan"])
         return cls(plan, tuple(d["excluded"]), tuple(d["world"]), bool(d["inplace"]),
                    d.get("reported"), d.get("error"),
-                   tuple((int(k), str(v)) for k, v in d.get("why", ())))
+                   tuple((int(k), str(v)) for k, v in d.get("why", ())),
+                   tuple(int(n) for n in d.get("nodes", ())))
 
 
 def report(store: Any, scope: str, group_rank: int, mine: NodeReport) -> None:
     store.set(f"{scope}node/{group_rank}", json.dumps(asdict(mine)))
 
 
-def collect(store: Any, scope: str, group_world: int) -> list[NodeReport]:
+def collect(store: Any, scope: str, keys: Sequence[int]) -> list[NodeReport]:
     return [NodeReport.from_dict(json.loads(v)) for v in
-            store.multi_get([f"{scope}node/{r}" for r in range(group_world)])]
+            store.multi_get([f"{scope}node/{k}" for k in keys])]
+
+
+def _live_reports(store: Any, scope: str, members: Members, timeout_s: float) -> list[int]:
+    """The keys of a quick round's reports, once every member whose node is alive has
+    reported (a member that lost its lease without reporting is left out)."""
+    deadline = time.monotonic() + timeout_s
+    keys = list(members.keys)
+    while True:
+        missing = [k for k in keys if not store.check([f"{scope}node/{k}"])]
+        if members.alive is not None:
+            alive = set(members.alive())
+            gone = [k for k in missing if k not in alive]
+            keys = [k for k in keys if k not in gone]
+            missing = [k for k in missing if k not in gone]
+        if not missing:
+            return keys
+        if time.monotonic() > deadline:
+            raise QuickRoundFailed(f"nodes {missing} did not report within {timeout_s:.0f} s")
+        time.sleep(_POLL_S)
+
+
+def _quick_decision(store: Any, scope: str, members: Members, timeout_s: float) -> Decision:
+    """A quick round's decision, polled: if the deciding node loses its lease first, give up."""
+    deadline = time.monotonic() + timeout_s
+    decider = min(members.keys)
+    while not store.check([f"{scope}decision"]):
+        if members.alive is not None and decider not in set(members.alive()):
+            raise QuickRoundFailed(f"node {decider}, which was deciding, is gone")
+        if time.monotonic() > deadline:
+            raise QuickRoundFailed(f"no decision from node {decider} within {timeout_s:.0f} s")
+        time.sleep(_POLL_S)
+    return adopt(store, scope)
 
 
 def losses(reports: Sequence[NodeReport], excluded: Collection[int], devices: int,
@@ -181,7 +246,7 @@ def decide(plan: ExecutionPlan, excluded: Collection[int], reports: Sequence[Nod
                  "from; training cannot go on. Give the script a checkpoint directory (for "
                  "examples/train_gpt.py: --checkpoint-dir) to survive such a loss.")
     return Decision(plan, tuple(sorted(excluded)), world_of(plan, live, inplace), inplace,
-                    reported, error, why)
+                    reported, error, why, tuple(sorted(r.node for r in reports)))
 
 
 def publish(store: Any, scope: str, decision: Decision) -> None:
@@ -217,23 +282,26 @@ def commit_record(fence: Any, seen: str, decision: Decision) -> None:
         )
 
 
-def agree(store: Any, scope: str, group_rank: int, group_world: int, mine: NodeReport,
-          session: JobSession, inplace_wanted: bool, units_per_node: int,
-          timeout_s: float) -> tuple[Decision, PlanChange | None]:
+def agree(store: Any, scope: str, members: Members, mine: NodeReport, session: JobSession,
+          inplace_wanted: bool, units_per_node: int, timeout_s: float,
+          quick: bool = False) -> tuple[Decision, PlanChange | None]:
     """The whole protocol for one round, in its order: catch up with the newest published
-    plan, report, then decide and publish (group rank 0) or adopt. Returns the decision and
-    the plan change it made in ``session`` (None: same plan). Raises
-    ``LauncherPlanningError`` when no plan can run the job, or this agent is fenced; group rank
-    0 publishes the error first, so that the others end with the same sentence."""
+    plan, report, then decide and publish (the lowest member) or adopt. Returns the decision
+    and the plan change it made in ``session`` (None: same plan). Raises
+    ``LauncherPlanningError`` when no plan can run the job, or this agent is fenced; the
+    decider publishes the error first, so that the others end with the same sentence.
+    ``quick``: a quick round (see the module docstring); may raise ``QuickRoundFailed``."""
     fence = getattr(store, "underlying_store", store)   # outlives rounds
     seen, newest = read_record(fence)
     if newest is not None and newest.plan is not None and (
             newest.plan.generation > session.plan.generation):
         session.adopt(newest.plan, newest.excluded)   # catch up before deciding anything
-    report(store, scope, group_rank, mine)
+    report(store, scope, members.me, mine)
     try:
-        if group_rank == 0:
-            reports = collect(store, scope, group_world)
+        if members.decides:
+            keys = (_live_reports(store, scope, members, min(timeout_s, QUICK_S)) if quick
+                    else members.keys)
+            reports = collect(store, scope, keys)
             lost, joined = losses(reports, session.excluded, session.devices, units_per_node)
             change = session.apply(lost=lost, joined=joined)
             if change is None and inplace_possible(reports, inplace_wanted):
@@ -244,16 +312,19 @@ def agree(store: Any, scope: str, group_rank: int, group_world: int, mine: NodeR
                 commit_record(fence, seen, decision)
             publish(store, scope, decision)
         else:
-            decision = adopt(store, scope, timeout_s)
+            decision = (_quick_decision(store, scope, members, min(timeout_s, QUICK_S)) if quick
+                        else adopt(store, scope, timeout_s))
             if decision.error or decision.plan is None:
                 raise LauncherPlanningError(decision.error or "no plan was published")
+            if quick and members.me not in decision.nodes:   # our lease lapsed meanwhile
+                raise QuickRoundFailed("the other nodes decided without this one")
             change = session.adopt(decision.plan, decision.excluded)
         if decision.error:
             raise LauncherPlanningError(decision.error)
     except Fenced as exc:
         raise LauncherPlanningError(str(exc)) from exc
     except LauncherPlanningError as exc:
-        if group_rank == 0:
+        if members.decides:
             publish(store, scope, Decision(None, (), (), False, None, str(exc)))
         raise
     return decision, change

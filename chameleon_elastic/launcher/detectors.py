@@ -255,7 +255,7 @@ class Watchers:
 
     def tick(self, state: WorkerState, exits: list[Any], pids: dict[int, int], here: NodeCards,
              session: Any, store: Any, nodes_waiting: Callable[[], tuple[int, bool]],
-             grace_s: float, **facts: Any) -> Tick:
+             quick_called: Callable[[], bool], grace_s: float, **facts: Any) -> Tick:
         """``exits``: the workers that failed since the last tick; ``facts``: the agent's own
         (``planned``, ``inplace_wanted``, ``runtime``, ``some_succeeded``, ``restarts_left``).
         The detectors are read in the table's order, each only when it can still matter."""
@@ -272,10 +272,13 @@ class Watchers:
         state = WorkerState.UNHEALTHY if healthy and (bad or hung) else state
         failures = tuple(classify_exit(e.exitcode, e.device, e.local_rank)
                          for e in exits) + tuple(hung)
-        waiting, trouble, store_lost, ended = 0, False, False, None
+        waiting, trouble, store_lost, ended, called = 0, False, False, None, False
         if state != WorkerState.HEALTHY:
             log_failures(self._emit, failures, bad)
             ended = channel.read(store, channel.ENDED) if store is not None else None
+        elif lease is None and not self.book.rejoining and session is not None and (
+                quick_called()):
+            called = True
         elif lease is None and not self.book.rejoining:
             waiting, store_lost = nodes_waiting()
             if session is not None and not waiting and not store_lost:
@@ -283,7 +286,7 @@ class Watchers:
         return Tick(state=state, failures=failures, hung=frozenset(f.device for f in hung),
                     bad=frozenset(bad), lease=lease, ended=ended,
                     rejoining=frozenset(self.book.rejoining), waiting=waiting, trouble=trouble,
-                    store_lost=store_lost, tp=here.tp, **facts)
+                    store_lost=store_lost, quick_called=called, tp=here.tp, **facts)
 
     def watch_leases(self, params: Any, node: int, on_fenced: Callable[[], None]) -> None:
         """Hold a lease and watch the others' (etcd-v3 only; see node_watch.py)."""
@@ -294,6 +297,10 @@ class Watchers:
         except Exception as exc:  # noqa: BLE001 - liveness is an accelerator, not a necessity
             log.warning("node leases unavailable (%s); lost nodes are seen through the "
                         "rendezvous and the workers only", exc)
+
+    def alive(self) -> Callable[[], set[int]] | None:
+        """Nodes holding their lease, when leases are watched (etcd-v3)."""
+        return self.lease.alive if self.lease is not None else None
 
     def leave(self, finished: bool) -> None:
         """Give our lease up: as finished (no loss for the others), or as gone."""

@@ -89,6 +89,7 @@ class Trigger(str, enum.Enum):
     REJOINED = "device_rejoined"         # a device passes its health check again
     NODE_LOST = "node_lost"              # another node's etcd lease expired
     FENCED = "fenced"                    # our own lease was lost: our plan may be stale
+    PEER_RECOVERY = "peer_recovery"      # another agent opened a quick round (rounds.py)
 
 
 @dataclass(frozen=True)

@@ -72,6 +72,10 @@ class NodeWatch:
             elif event.kind == "left" and not event.info.get("finished"):
                 lost.append({"node_id": event.node_id, **event.info})
 
+    def alive(self) -> set[int]:
+        """Nodes holding their lease, as the watch last saw them (no etcd call)."""
+        return {int(info["node"]) for info in self._live.members().values() if "node" in info}
+
     def finish(self) -> None:
         """Leave as a node that finished: the others must not count it as lost."""
         try:

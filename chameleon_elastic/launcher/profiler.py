@@ -2,11 +2,11 @@
 
 Who writes what:
 
-- workers (optional, one line in the training loop): ``record_step(seconds)`` appends a JSON
-  line to ``$CHAMELEON_PROFILE_DIR/device-<d>.jsonl``, with the device's peak memory when the
-  script passes it (``torch.cuda.max_memory_allocated()``, say: only the worker's own process
-  can see its device allocations). A script that never calls it still gets resident-memory
-  figures. Without ``CHAMELEON_PROFILE_DIR`` the call does nothing.
+- workers: ``record_step(seconds)`` (:mod:`chameleon_elastic.runtime.recording`, re-exported
+  here) appends a JSON line to ``$CHAMELEON_PROFILE_DIR/device-<d>.jsonl``, with the device's
+  peak memory when the script passes it. ``PipelineTrainer.run`` calls it on every working
+  device after each step; a script with its own loop calls it itself. A script that never
+  calls it still gets resident-memory figures.
 - the agent: samples every worker's resident set size (psutil, the process and its children)
   about once a second, and notes the fixed cost of each in-place recovery.
 - at the end the agent writes ``--profile-out`` as a :class:`~chameleon_elastic.profile.
@@ -20,7 +20,6 @@ Who writes what:
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import time
 from collections.abc import Mapping, Sequence
@@ -34,6 +33,7 @@ from chameleon_elastic.profile import (
     MeasuredProfile,
     ModelFigures,
 )
+from chameleon_elastic.runtime.recording import PROFILE_DIR_VAR, record_step
 from chameleon_elastic.spec import JobSpec
 
 __all__ = [
@@ -43,23 +43,7 @@ __all__ = [
     "record_step",
 ]
 
-PROFILE_DIR_VAR = "CHAMELEON_PROFILE_DIR"
 _SAMPLE_EVERY_S = 1.0
-
-
-def record_step(seconds: float, device_memory_peak_bytes: int | None = None) -> None:
-    """Called by a worker after each training step; cheap, and a no-op outside chameleon-run
-    ``--profile-out``. ``device_memory_peak_bytes``: the device's peak so far, if known."""
-    directory = os.environ.get(PROFILE_DIR_VAR)
-    if not directory:
-        return
-    device = os.environ.get("CHAMELEON_DEVICE", os.environ.get("RANK", "0"))
-    record: dict[str, object] = {"ts": time.time(), "step_s": float(seconds),
-                                 "generation": os.environ.get("CHAMELEON_PLAN_GENERATION")}
-    if device_memory_peak_bytes is not None:
-        record["device_memory_peak_bytes"] = int(device_memory_peak_bytes)
-    with open(Path(directory) / f"device-{device}.jsonl", "a") as fh:
-        fh.write(json.dumps(record) + "\n")
 
 
 def per_layer_times(spec: JobSpec, plan: ExecutionPlan, step_s: Mapping[int, float]

@@ -18,9 +18,13 @@ group, and each tick moves it by one :class:`Reaction`:
     HEALTHY, a node lost, a device   recover (new round)                   HEALTHY
       back, a node waiting, a peer
       lost on another node, the
-      rendezvous store lost
+      rendezvous store lost, another
+      agent opened a quick round
     HEALTHY, nothing new             monitor                               HEALTHY
     SUCCEEDED                        (the loop ends: exit barrier)         SUCCEEDED
+
+A recovery's round is quick (no rendezvous round, rounds.py) unless a node may join: a node
+waiting, the rendezvous store lost (failover), our own lease lost (the others count us gone).
 
 Detectors (detectors.py) produce the facts, the agent applies the reaction; this module only
 decides, so every transition is tested without a process (tests/launcher/test_reactions.py).
@@ -60,6 +64,7 @@ class Tick:
     waiting: int = 0                           # nodes waiting to join (HEALTHY ticks)
     trouble: bool = False                      # a worker lost a peer on another node
     store_lost: bool = False                   # the rendezvous store is unreachable
+    quick_called: bool = False                 # another agent opened a quick round
     tp: int = 1
 
 
@@ -73,6 +78,12 @@ class Reaction:
     kill: frozenset[int] = frozenset()      # cards to SIGKILL first
     charge: bool = False                    # a crash: spend one restart
     reason: str | None = None               # "end": the sentence
+
+    @property
+    def quick(self) -> bool:
+        """No node can join, so no rendezvous round is needed: a quick round (rounds.py)."""
+        return self.trigger not in (None, Trigger.MEMBERSHIP, Trigger.RENDEZVOUS_LOST,
+                                    Trigger.FENCED)
 
 
 _MONITOR = Reaction("monitor")
@@ -90,6 +101,8 @@ def react(t: Tick) -> Reaction:
         return Reaction("recover", Trigger.NODE_LOST, inplace)
     if t.rejoining:
         return Reaction("recover", Trigger.REJOINED, inplace, joined=t.rejoining)
+    if t.quick_called:
+        return Reaction("recover", Trigger.PEER_RECOVERY, inplace)
     if t.store_lost:
         return Reaction("recover", Trigger.RENDEZVOUS_LOST, inplace)
     if t.waiting > 0:

@@ -2,9 +2,14 @@
 
 One round per transition (launch or recovery). Three things make them differ from torch's:
 
-- **Reused on one node.** With ``--nnodes 1`` no other agent can join or leave, so the previous
-  round's result is still the truth: skipping the store round-trips makes a restart several
-  times faster. Keys of a reused round are scoped by attempt (:meth:`Rounds.scope`).
+- **Quick rounds.** A recovery that adds no node (a worker lost, a crash, a node lost) needs no
+  rendezvous round: membership can only shrink, and who is left is known (the last agreement's
+  nodes, less those whose etcd lease is gone). torch's round would cost a second or more of
+  polling, plus, for a lost node, its keep-alive expiry and ``last_call_timeout``. A quick round
+  reuses the last round's store under a fresh scope (``q<epoch>/``); its first agent writes
+  ``q<epoch>/open``, which wakes the others at their next tick (:meth:`Rounds.quick_called`).
+  A node that wants to join still makes a full round. With ``--nnodes 1`` every recovery is
+  quick: no other agent can join or leave.
 - **Failover.** When the rendezvous store is unreachable (its host agent died), the handler is
   rebuilt from the same parameters, at most ``_FAILOVER_ATTEMPTS`` times within
   ``failover_s``: torch's c10d backend lets the first survivor on that host bind the port again.
@@ -33,6 +38,7 @@ from chameleon_elastic import torch_compat
 from chameleon_elastic.rendezvous.handler import handler_for
 from chameleon_elastic.timeouts import Timeouts
 
+from .coordination import Members
 from .observe import Event, StatusLine
 from .waiting import RendezvousWait
 
@@ -54,19 +60,40 @@ class Rounds:
                  emit: Callable[..., None]) -> None:
         self.params = params
         self.attempt = -1               # rounds so far, minus one
-        self.reused = False             # the last round was the one before, reused
+        self.epoch = 0                  # quick rounds since the last full one (0: none)
+        self.nodes: tuple[int, ...] = ()  # the last agreement's nodes (Decision.nodes)
+        self._full_attempt = 0          # the attempt of the last full round
         self._timeouts = timeouts
         self._status = status
         self._emit = emit
         self._last_info: Any = None
-        self._worker_store: Any = None  # this generation's TCPStore (group rank 0 only)
+        self._worker_store: Any = None  # this generation's TCPStore (the decider's only)
+
+    @property
+    def can_quick(self) -> bool:
+        return self._last_info is not None
+
+    def quick(self, node: int, alive: Callable[[], set[int]] | None) -> tuple[Any, Members]:
+        """Open the next quick round: (the last round's info, this round's members)."""
+        self.attempt += 1
+        self.epoch += 1
+        self._last_info.store.set(self.scope() + "open", str(node))
+        keys = self.nodes or (node,)
+        gone = set(keys) - alive() - {node} if alive is not None else set()
+        return self._last_info, Members(node, tuple(k for k in keys if k not in gone), alive)
+
+    def quick_called(self) -> bool:
+        """Another agent opened the next quick round (one store read)."""
+        if not self.can_quick or self.params.max_nodes == 1:
+            return False
+        try:
+            return self._last_info.store.check([self._scope(self.epoch + 1) + "open"])
+        except STORE_LOST:
+            return False   # nodes_waiting() fails over
 
     def next(self, spec: Any, first: bool) -> Any:
         self.attempt += 1
-        if self.params.max_nodes == 1 and self._last_info is not None:
-            self.reused = True
-            return self._last_info
-        self.reused = False
+        self._full_attempt, self.epoch = self.attempt, 0
         if first:   # the job's first round: say what it waits for
             with RendezvousWait(spec.rdzv_handler, self.params, self._status):
                 self._last_info = self._with_failover(spec)
@@ -120,17 +147,21 @@ class Rounds:
         self.params.min_nodes = 1   # a failover's new handler keeps it too
         torch_compat.set_min_nodes(spec.rdzv_handler, 1)
 
-    def scope(self, spec: Any) -> str:
+    def scope(self) -> str:
         """Key prefix of the round: dynamic rendezvous stores are scoped by round already; the
-        static one and a reused round are not."""
-        reused = spec.rdzv_handler.get_backend() == "static" or self.reused
-        return f"chameleon/{self.attempt}/" if reused else "chameleon/"
+        static one is not; a quick round adds its epoch."""
+        return self._scope(self.epoch)
 
-    def open_worker_store(self, spec: Any, info: Any) -> tuple[str, int]:
-        """A fresh TCPStore per generation, hosted by the group-rank-0 agent; (addr, port)."""
-        key = self.scope(spec) + "worker_store"
+    def _scope(self, epoch: int) -> str:
+        full = (f"chameleon/{self._full_attempt}/" if self.params.backend == "static"
+                else "chameleon/")
+        return full + (f"q{epoch}/" if epoch else "")
+
+    def open_worker_store(self, spec: Any, info: Any, host: bool) -> tuple[str, int]:
+        """A fresh TCPStore per generation, hosted by the deciding agent (``host``)."""
+        key = self.scope() + "worker_store"
         self._worker_store = None  # drop the previous generation's server first
-        if info.rank == 0:
+        if host:
             addr = spec.master_addr or info.bootstrap_store_info.master_addr
             server = dist.TCPStore(host_name=addr, port=0, is_master=True,
                                    wait_for_workers=False, multi_tenant=False,

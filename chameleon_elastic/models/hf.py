@@ -40,7 +40,7 @@ from chameleon_elastic.runtime.model import PipelineModel, Tie, sizing_boundarie
 from .hf_layers import SUPPORTED, Layout, Stage, init_modules, layout_of, materialize
 from .hf_weights import has_weights
 
-__all__ = ["TINY", "CausalLMLayers", "HFModelError", "adamw", "causal_lm",
+__all__ = ["TINY", "CausalLMLayers", "HFModelError", "TokenWindows", "adamw", "causal_lm",
            "convert_checkpoint", "layers_of", "load_config", "parameter_count",
            "require_extra", "save_pretrained", "tiny_config", "token_windows"]
 
@@ -251,6 +251,26 @@ def _causal_loss(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int) ->
     return ForCausalLMLoss(logits, labels, vocab_size)
 
 
+class TokenWindows(torch.utils.data.Dataset):
+    """A token stream cut into windows of ``context`` tokens, a map-style dataset: item ``i``
+    is ``(input_ids, labels)`` of window ``i`` (the same tokens: the loss shifts)."""
+
+    def __init__(self, tokens: torch.Tensor, context: int) -> None:
+        if tokens.numel() < context:
+            raise HFModelError(f"the data holds {tokens.numel()} tokens, fewer than one "
+                               f"context of {context}; give more text or a shorter context.")
+        self.tokens, self.context = tokens, context
+
+    def __len__(self) -> int:
+        return self.tokens.numel() // self.context
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not 0 <= index < len(self):
+            raise IndexError(f"window {index} of {len(self)}")
+        window = self.tokens[index * self.context:(index + 1) * self.context]
+        return window, window.clone()
+
+
 def token_windows(tokens: torch.Tensor, context: int, index: int
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample ``index`` of a token stream: a window of ``context`` tokens at a fixed
@@ -284,6 +304,7 @@ def adamw(params: Iterable[nn.Parameter], lr: float = 3e-4, weight_decay: float 
 
 
 def causal_lm(source: Any, *, sample: Callable[[int], tuple[Any, Any]] | None = None,
+              dataset: Any = None,
               make_optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
               | None = None, make_scheduler: Callable[[torch.optim.Optimizer], Any]
               | None = None, seed: int = 0, dtype: torch.dtype = torch.float32,
@@ -291,7 +312,8 @@ def causal_lm(source: Any, *, sample: Callable[[int], tuple[Any, Any]] | None = 
     """The runtime's model of a Hugging Face causal LM (see the module's docstring).
 
     ``sample(index) -> (input_ids, labels)``: one global sample (default: random tokens of
-    ``context`` length, for profiling and tests). ``make_optimizer``: default :func:`adamw`.
+    ``context`` length, for profiling and tests); or ``dataset``: a map-style dataset of such
+    pairs (e.g. :class:`TokenWindows`), read in seeded epochs. ``make_optimizer``: default :func:`adamw`.
     ``dtype``: the master weights' type (float32; float64 for exact comparisons).
     ``dropout``: replaces every dropout probability of the config (None: the config's; note
     that dropout draws random numbers, so only 0 gives the same result under every plan).
@@ -318,7 +340,9 @@ def causal_lm(source: Any, *, sample: Callable[[int], tuple[Any, Any]] | None = 
         build_layer=layers,
         loss=functools.partial(_causal_loss, vocab_size=vocab),
         make_optimizer=make_optimizer or adamw,
-        sample=sample or functools.partial(_random_tokens, vocab, context),
+        sample=None if dataset is not None else (
+            sample or functools.partial(_random_tokens, vocab, context)),
+        dataset=dataset,
         seed=seed,
         make_scheduler=make_scheduler,
         tied=tied,

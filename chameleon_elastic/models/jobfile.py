@@ -138,7 +138,7 @@ def measure(model: Any, choice: JobChoice, every: bool, repeats: int,
     chosen = _measured_layers(n, every)
     view = PipelineModel(num_layers=len(chosen), build_layer=lambda j: model.build_layer(
         chosen[j]), loss=model.loss, make_optimizer=model.make_optimizer,
-        sample=model.sample, seed=model.seed)
+        sample=model.sample, seed=model.seed, dataset=model.dataset)
     last = [time.perf_counter()]
 
     def advance(j: int) -> None:

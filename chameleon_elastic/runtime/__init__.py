@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from .checkpoint import latest_step, load_checkpoint, save_checkpoint
 from .errors import PeerLost, PipelineRuntimeError
+from .evaluation import Every
 from .join import init_distributed
 from .model import PipelineModel, Tie
 from .precision import PRECISIONS, Precision
@@ -26,6 +27,7 @@ from .trainer import PipelineTrainer
 
 __all__ = [
     "PRECISIONS",
+    "Every",
     "PeerLost",
     "PipelineModel",
     "PipelineRuntimeError",

@@ -191,7 +191,7 @@ def _build(t: TrainerState, plan: ExecutionPlan, ranks: RankMap) -> None:
         plan, t.device, t.model, stack, t.micro_batch_size, ranks,
         input_spec=_boundary(t, start) if start > 0 else None,
         torch_device=t.torch_device, precision=t.precision,
-        recompute=pipe.recompute[stage], tp_rank=t.tp_rank,
+        recompute=pipe.recompute[stage], tp_rank=t.tp_rank, feed=t.feed,
         fifo_links=links_into(orders, t.device) if fifo_matching() else None)
     t.orders = tuple(orders[t.device])
 

@@ -51,10 +51,10 @@ from torch.utils.checkpoint import checkpoint
 from chameleon_elastic.plan import ExecutionPlan
 from chameleon_elastic.torch_compat import fake_tensor_mode
 
-from .data import sample_ids
 from .errors import PeerLost, PipelineRuntimeError, communication_failure
+from .feed import Feed
 from .inbox import FifoInbox
-from .model import PipelineModel, _sizing, build_layers, collate
+from .model import PipelineModel, _sizing, build_layers, collate, sample_indices
 from .precision import Precision, autocast
 from .tensors import Structure, flatten, leaf_map, unflatten
 from .topology import RankMap
@@ -113,7 +113,8 @@ def boundary_spec(model: PipelineModel, layer: int, micro_batch_size: int,
     real on one micro-batch, built one at a time under their seeds (one layer's memory at a
     time), and a warning says why in one sentence. Only when that fails too is it an error.
     """
-    inputs, _ = collate(model, range(micro_batch_size))
+    inputs, _ = collate(model, sample_indices(model, range(micro_batch_size),
+                                              micro_batch_size))
     device = device or torch.device("cpu")
     try:
         with fake_tensor_mode(), _sizing(), _quiet("torch._subclasses.fake_tensor"):
@@ -200,9 +201,10 @@ class PipelineExecutor:
     the first stage). ``recompute``: run the stage under activation checkpointing.
     ``loss_scale``: multiplies each micro-batch's loss before backward (fp16). ``tp_rank``:
     this card's place in its unit; it talks to the cards of the same rank, and only card 0 of
-    the last stage counts the loss (every card of a unit computes it). ``fifo_links``: on a
-    back-end that matches point-to-point messages first-in first-out (NCCL, HCCL), per sending
-    device the operations whose outputs it sends here, in its order
+    the last stage counts the loss (every card of a unit computes it). ``feed``: where
+    micro-batches come from (:mod:`.feed`; default: read when needed, no read-ahead).
+    ``fifo_links``: on a back-end that matches point-to-point messages first-in first-out
+    (NCCL, HCCL), per sending device the operations whose outputs it sends here, in its order
     (``schedule.link_messages``); each link is then read in that order (:mod:`.inbox`) and
     tags are not sent. None: gloo, messages matched by tag.
     """
@@ -211,7 +213,8 @@ class PipelineExecutor:
                  layers: nn.ModuleList | None, micro_batch_size: int, ranks: RankMap, *,
                  input_spec: BoundarySpec | None = None, torch_device: torch.device | None = None,
                  precision: Precision = "fp32", recompute: bool = False,
-                 tp_rank: int = 0, fifo_links: Mapping[int, Sequence] | None = None) -> None:
+                 tp_rank: int = 0, feed: Feed | None = None,
+                 fifo_links: Mapping[int, Sequence] | None = None) -> None:
         self.plan = plan
         self.device = device
         self.model = model
@@ -225,6 +228,7 @@ class PipelineExecutor:
         self._input_spec = input_spec
         self._fifo_links = fifo_links
         self._inbox: FifoInbox | None = None
+        self.feed = feed or Feed(model, micro_batch_size, self.torch_device, prefetch=False)
         self._max_quota = max(p.micro_batches for p in plan.pipelines) or 1
         self._max_stages = max(p.num_stages for p in plan.pipelines)
 
@@ -285,10 +289,7 @@ class PipelineExecutor:
                 for i, leaf in enumerate(leaves) if leaf.requires_grad]
 
     def _batch(self, step: int, pipeline: int, micro_batch: int):
-        ids = sample_ids(step, self.plan, pipeline, micro_batch, self.micro_batch_size)
-        inputs, targets = collate(self.model, ids)
-        move = lambda t: t.to(self.torch_device)
-        return leaf_map(move, inputs), leaf_map(move, targets)
+        return self.feed.batch(self.plan, step, pipeline, micro_batch)
 
     def _receive_input(self, op) -> tuple[Any, list[torch.Tensor]]:
         """The stage input from ``op.source``, and the leaves that will want a gradient."""
@@ -308,7 +309,8 @@ class PipelineExecutor:
     def run(self, step: int, ops: Sequence, record: bool = False,
             on_phase: Callable[[int, str], None] | None = None,
             loss_scale: float = 1.0,
-            final_backward: Callable[[], contextlib.AbstractContextManager] | None = None) -> StepOutcome:
+            final_backward: Callable[[], contextlib.AbstractContextManager] | None = None,
+            ) -> StepOutcome:
         """Execute ``ops`` (this device's order) for ``step``; gradients accumulate in place.
         ``on_phase(step, "forward" | "backward")`` runs before the first operation of each kind
         (the trainer's fault-injection hook). ``final_backward()``: a context entered around
@@ -324,6 +326,8 @@ class PipelineExecutor:
         if self._fifo_links is not None:
             self._inbox = FifoInbox(self._fifo_links, functools.partial(self._messages, stash),
                                     self._recv_wire)
+        self.feed.begin(self.plan, step, [(op.pipeline, op.micro_batch) for op in ops
+                                          if op.kind == "F" and None in (op.source, op.dest)])
         try:
             for index, op in enumerate(ops):
                 if on_phase is not None and op.kind not in entered:
@@ -438,3 +442,57 @@ class PipelineExecutor:
             except RuntimeError as exc:
                 raise PeerLost(f"device {self.device} could not complete a send of step "
                                f"{step}: {exc}") from exc
+
+    # ------------------------------------------------------------------ forward only
+
+    def infer(self, ops: Sequence, count: Callable[[int, int], int],
+              read: Callable[[int, int], tuple[Any, Any]]) -> float:
+        """Forward only, in eval mode and without gradients (evaluation): the ``F`` operations
+        of ``ops`` in their order, which cannot deadlock since the order without its
+        backwards only loses dependencies. ``count(pipeline, micro_batch)``: the real samples
+        of that micro-batch, the same on every device (0: skipped everywhere; fewer than the
+        micro-batch size: the micro-batch is padded and the loss taken over the first
+        ``count`` rows). ``read``: its ``(inputs, targets)``, asked only where needed. Returns
+        this device's sum of ``loss * count`` (0 off the last stage, and off card 0)."""
+        total, pending, training = 0.0, [], self.layers.training
+        self.layers.eval()
+        try:
+            with torch.no_grad():
+                for op in ops:
+                    n = count(op.pipeline, op.micro_batch)
+                    if op.kind != "F" or n == 0:
+                        continue
+                    total += self._infer_op(op, n, read, pending)
+            self._wait_sends(pending, -1)
+        except RuntimeError as exc:
+            if isinstance(exc, PipelineRuntimeError) or not communication_failure(exc):
+                raise
+            raise PeerLost(f"device {self.device} lost a peer of its unit in an "
+                           f"evaluation: {str(exc).splitlines()[0][:300]}") from exc
+        finally:
+            self.layers.train(training)
+        return total
+
+    def _infer_op(self, op: Any, n: int, read: Callable[[int, int], tuple[Any, Any]],
+                  pending: list) -> float:
+        targets = None
+        if op.source is None:
+            x, targets = read(op.pipeline, op.micro_batch)
+        else:
+            x, _ = self._receive_input(op)
+        with autocast(self.precision, self.torch_device):
+            out = self._layers(x)
+        if op.dest is not None:
+            leaves, _ = flatten(out, f"device {self.device}'s stage output")
+            for i, leaf in enumerate(leaves):
+                self._send(leaf, op.dest,
+                           self._tag(op.pipeline, op.micro_batch, op.stage + 1, False, i),
+                           pending)
+            return 0.0
+        if targets is None:
+            _, targets = read(op.pipeline, op.micro_batch)
+        if n < self.micro_batch_size:
+            out, targets = (leaf_map(lambda t: t[:n], z) for z in (out, targets))
+        with autocast(self.precision, self.torch_device):
+            loss = self.model.loss(out, targets)
+        return float(loss.detach().double()) * n if self.tp_rank == 0 else 0.0

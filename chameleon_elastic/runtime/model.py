@@ -24,11 +24,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from .data import Epochs
 from .errors import PipelineRuntimeError
 from .tensors import stack
 
-__all__ = ["PipelineModel", "Tie", "build_layers", "collate", "sizing_boundaries",
-           "tied_parameter"]
+__all__ = ["PipelineModel", "Tie", "build_layers", "check_dataset", "collate", "collate_samples",
+           "read_samples", "sample_indices", "sizing_boundaries", "tied_parameter"]
 
 LayerFactory = Callable[[int], nn.Module]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -80,7 +81,15 @@ class PipelineModel:
 
     ``build_layer(i)`` builds layer ``i`` (0-based) of ``num_layers``; layer ``i + 1`` consumes
     layer ``i``'s output tensor. ``loss(output, target)`` returns the mean loss of one
-    micro-batch. ``sample(index)`` returns ``(input, target)`` of one global sample.
+    micro-batch. The data is either ``sample(index)``, which returns ``(input, target)`` of
+    global sample ``index``, or ``dataset``: any map-style dataset (``torch.utils.data.Dataset``
+    or an object with ``__getitem__`` and ``__len__``) whose items are ``(input, target)``
+    pairs, read in epochs, each a permutation drawn from ``(seed, epoch)`` (``shuffle=False``:
+    in index order) so that every sample is trained once per epoch under every plan;
+    ``drop_last`` leaves out each epoch's last incomplete global batch (see :mod:`.data`). A
+    dataset with ``__getitems__`` (as torch's ``DataLoader`` uses) is read a micro-batch at a
+    time. Items must be a pure function of the index, and reading must be thread-safe: the
+    trainer reads the next step's micro-batches in the background.
     ``make_optimizer(params)`` builds the optimizer of one device's layers; optimizers whose
     update of a parameter depends only on that parameter (SGD, Adam, AdamW, ...) give the same
     result however the layers are split (global gradient-norm clipping is the trainer's
@@ -97,17 +106,26 @@ class PipelineModel:
     build_layer: LayerFactory
     loss: LossFn
     make_optimizer: OptimizerFactory
-    sample: SampleFn
+    sample: SampleFn | None = None
     seed: int = 0
     make_scheduler: SchedulerFactory | None = None
     tied: tuple[Tie, ...] = ()
     tp_plan: TensorParallelPlan | None = None
+    dataset: Any = None
+    shuffle: bool = True
+    drop_last: bool = False
 
     def __post_init__(self) -> None:
         if self.num_layers < 1:
             raise PipelineRuntimeError(
                 f"PipelineModel.num_layers = {self.num_layers}; a model needs at least one layer."
             )
+        if (self.sample is None) == (self.dataset is None):
+            raise PipelineRuntimeError(
+                "a PipelineModel needs its data from exactly one of sample= (a function of "
+                "the global sample index) and dataset= (a map-style dataset); pass one.")
+        if self.dataset is not None:
+            check_dataset(self.dataset, "dataset")
         seen: set[tuple[int, str]] = set()
         for tie in self.tied:
             if len(tie.members) < 2 or len(set(tie.layers)) != len(tie.layers):
@@ -184,9 +202,58 @@ def _tie_initial_values(model: PipelineModel, start: int, layers: Sequence[nn.Mo
                 param.copy_(value)
 
 
-def collate(model: PipelineModel, sample_ids: Sequence[int]) -> tuple[Any, Any]:
-    """Stack the samples ``sample_ids`` into one micro-batch ``(inputs, targets)``; inputs and
-    targets may be tensors or tuples / dicts of tensors (stacked leaf by leaf)."""
-    pairs = [model.sample(int(i)) for i in sample_ids]
+def check_dataset(dataset: Any, what: str) -> None:
+    """A map-style dataset, or one sentence."""
+    if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
+        raise PipelineRuntimeError(
+            f"{what} is a {type(dataset).__name__}, which has no __getitem__ and __len__; "
+            "pass a map-style dataset (torch.utils.data.Dataset, a list, ...), not an "
+            "iterable one.")
+    if len(dataset) < 1:
+        raise PipelineRuntimeError(f"{what} is empty; give it at least one sample.")
+
+
+def sample_indices(model: PipelineModel, positions: Sequence[int],
+                   global_batch: int) -> list[int]:
+    """The dataset index (or ``sample`` index) each global sample position reads; a
+    ``dataset`` is read in epochs (:class:`~.data.Epochs`), ``sample`` at the position."""
+    if model.dataset is None:
+        return [int(p) for p in positions]
+    return Epochs(len(model.dataset), model.seed, model.shuffle, model.drop_last,
+                  global_batch).indices(positions)
+
+
+def read_samples(source: Any, indices: Sequence[int]) -> list[tuple[Any, Any]]:
+    """``(input, target)`` of each index: one ``__getitems__`` call when the dataset has it
+    (a batched read), else one ``source[i]`` (a dataset) or ``source(i)`` (a function) each."""
+    indices = [int(i) for i in indices]
+    many = getattr(source, "__getitems__", None)
+    if many is not None:
+        pairs = list(many(indices))
+        if len(pairs) != len(indices):
+            raise PipelineRuntimeError(
+                f"the dataset's __getitems__ returned {len(pairs)} items for {len(indices)} "
+                "indices; it must return one (input, target) pair per index.")
+        return pairs
+    if hasattr(source, "__getitem__"):
+        return [source[i] for i in indices]
+    return [source(i) for i in indices]
+
+
+def collate_samples(source: Any, indices: Sequence[int]) -> tuple[Any, Any]:
+    """Stack the samples ``indices`` of ``source`` into one micro-batch ``(inputs, targets)``;
+    inputs and targets may be tensors or tuples / dicts of tensors (stacked leaf by leaf)."""
+    pairs = read_samples(source, indices)
+    for pair in pairs:
+        if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
+            raise PipelineRuntimeError(
+                f"a sample is a {type(pair).__name__}; the data must give (input, target) "
+                "pairs.")
     return (stack([x for x, _ in pairs], "a sample's input"),
             stack([y for _, y in pairs], "a sample's target"))
+
+
+def collate(model: PipelineModel, sample_ids: Sequence[int]) -> tuple[Any, Any]:
+    """The micro-batch of the model's samples (``sample``) or dataset items ``sample_ids``."""
+    return collate_samples(model.dataset if model.dataset is not None else model.sample,
+                           sample_ids)

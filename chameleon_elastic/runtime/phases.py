@@ -1,7 +1,7 @@
 """Entering a phase of a training step: progress for the agent, then the test hook.
 
 Every phase of a step (``forward``, ``backward``, ``sync``, ``vote``, ``apply``, ``applied``,
-and ``enter`` as a plan is entered) passes through one :class:`Phases` object, which the trainer
+``enter`` as a plan is entered, and ``evaluate`` as an evaluation starts) passes through one :class:`Phases` object, which the trainer
 hands down to the executor. Why one object: the executor and the step only need "a phase
 begins", not the trainer; so nothing below the trainer calls back into it. A phase is progress
 for the agent's hang detection (``beat``: the channel's counter, set once the worker trains in

@@ -52,6 +52,8 @@ class StepResult:
     grad_norm: float = math.nan  # job-wide gradient norm before clipping (each weight once)
     lr: float = math.nan         # learning rate the step was applied with (first param group)
     skipped: bool = False        # fp16: a gradient overflowed, no rank applied the step
+    data_s: float = 0.0          # this device's wait for its micro-batches (within compute_s)
+    eval_loss: float = math.nan  # held-out mean loss after this step (run's ``evaluate``)
 
 
 def learning_rate(t: TrainerState) -> float:
@@ -131,6 +133,7 @@ def train_step(t: TrainerState, step: int, record: bool = False) -> StepResult:
             f"the next one is step {t.committed}."
         )
     began = time.perf_counter()
+    waited = t.feed.waited_s
     loss_sum, square, timings, issued, compute_done = 0.0, 0.0, (), 0, began
     if t.executor is not None:
         loss_sum, square, timings, issued, compute_done = _compute_and_sync(t, step, record)
@@ -143,7 +146,8 @@ def train_step(t: TrainerState, step: int, record: bool = False) -> StepResult:
     skipped = apply_step(t, norm)
     result = StepResult(step, loss, compute_done - began, synced - compute_done,
                         time.perf_counter() - began, issued, timings,
-                        redone=step < t.redo_below, grad_norm=norm, lr=lr, skipped=skipped)
+                        redone=step < t.redo_below, grad_norm=norm, lr=lr, skipped=skipped,
+                        data_s=t.feed.waited_s - waited)
     t.results[step] = result
     t.results.pop(step - 8, None)
     t.phases(step, "applied")

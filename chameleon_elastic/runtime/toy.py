@@ -21,8 +21,8 @@ from torch import nn
 
 from .model import PipelineModel
 
-__all__ = ["EmulatedLayer", "Reference", "emulated_model", "featured_model", "megatron_plan",
-           "mlp_model", "reference_run", "reference_training", "tp_mlp_model", "warmup_cosine"]
+__all__ = ["EmulatedLayer", "Reference", "RegressionData", "emulated_model", "featured_model",
+           "megatron_plan", "mlp_model", "reference_evaluation", "reference_run", "reference_training", "tp_mlp_model", "warmup_cosine"]
 
 
 class _Dense(nn.Module):
@@ -45,6 +45,23 @@ def _regression_sample(index: int, width: int, dtype: torch.dtype, seed: int):
     return x, y
 
 
+class RegressionData(torch.utils.data.Dataset):
+    """:func:`mlp_model`'s samples as a map-style dataset of ``length`` samples (``seed``: another
+    seed gives other samples, e.g. a held-out set)."""
+
+    def __init__(self, length: int, width: int = 16, dtype: torch.dtype = torch.float64,
+                 seed: int = 0) -> None:
+        self.length, self.width, self.dtype, self.seed = length, width, dtype, seed
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int):
+        if not 0 <= index < self.length:
+            raise IndexError(f"sample {index} of a dataset of {self.length}")
+        return _regression_sample(index, self.width, self.dtype, self.seed)
+
+
 def _mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.mse_loss(out, target)
 
@@ -54,14 +71,18 @@ def _sgd(params: Iterable[nn.Parameter], lr: float, momentum: float) -> torch.op
 
 
 def mlp_model(layers: int = 7, width: int = 16, dtype: torch.dtype = torch.float64,
-              seed: int = 0, lr: float = 0.1, momentum: float = 0.9) -> PipelineModel:
+              seed: int = 0, lr: float = 0.1, momentum: float = 0.9,
+              dataset: object = None) -> PipelineModel:
+    """``dataset``: train on it in seeded epochs instead of on ``sample(index)``."""
     return PipelineModel(
         num_layers=layers,
         build_layer=functools.partial(_dense, width=width, dtype=dtype),
         loss=_mse,
         make_optimizer=functools.partial(_sgd, lr=lr, momentum=momentum),
-        sample=functools.partial(_regression_sample, width=width, dtype=dtype, seed=seed),
+        sample=(None if dataset is not None else
+                functools.partial(_regression_sample, width=width, dtype=dtype, seed=seed)),
         seed=seed,
+        dataset=dataset,
     )
 
 
@@ -250,7 +271,7 @@ def reference_run(model: PipelineModel, steps: int, global_micro_batches: int,
     mean losses divided by the micro-batch count, exactly the runtime's weighting.
     """
     from .data import step_sample_ids
-    from .model import build_layers, collate, tied_parameter
+    from .model import build_layers, collate, sample_indices, tied_parameter
     from .precision import autocast, check_precision
 
     precision = check_precision(precision)
@@ -270,7 +291,9 @@ def reference_run(model: PipelineModel, steps: int, global_micro_batches: int,
     out = Reference([], [], [], layers)
     for step in range(steps):
         optimizer.zero_grad()
-        ids = list(step_sample_ids(step, global_micro_batches, micro_batch_size))
+        ids = sample_indices(model, step_sample_ids(step, global_micro_batches,
+                                                    micro_batch_size),
+                             global_micro_batches * micro_batch_size)
         total = 0.0
         for g in range(global_micro_batches):
             x, y = collate(model, ids[g * micro_batch_size:(g + 1) * micro_batch_size])
@@ -302,3 +325,20 @@ def reference_training(model: PipelineModel, steps: int, global_micro_batches: i
     """:func:`reference_run`'s losses and layers (``options``: its keyword arguments)."""
     ref = reference_run(model, steps, global_micro_batches, micro_batch_size, **options)
     return ref.losses, ref.layers
+
+
+def reference_evaluation(model: PipelineModel, layers: nn.ModuleList, dataset) -> float:
+    """Single-process evaluation: the model's loss over every sample of ``dataset`` at once, in
+    eval mode and without gradients (what the runtime's evaluation must equal)."""
+    from .model import collate_samples
+
+    x, y = collate_samples(dataset, range(len(dataset)))
+    training = layers.training
+    layers.eval()
+    try:
+        with torch.no_grad():
+            for layer in layers:
+                x = layer(x)
+            return float(model.loss(x, y).double())
+    finally:
+        layers.train(training)

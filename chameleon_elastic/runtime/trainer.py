@@ -10,6 +10,8 @@ called downward only:
 - :mod:`.restore`: where the layers come from (peers, checkpoint, seed);
 - :mod:`.carry_over`: optimizer state and learning-rate schedule across a plan change;
 - :mod:`.step`: one training step (1F1B, gradient sync, vote, apply);
+- :mod:`.feed`: this device's micro-batches, read one step ahead;
+- :mod:`.evaluation`: the held-out loss under the plan, forward only;
 - :mod:`.recovery`: the in-place recovery chain after a lost peer;
 - :mod:`.phases`: progress for the agent and the fault-injection hook at each phase.
 
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -38,7 +41,9 @@ from chameleon_elastic.timeouts import Timeouts
 from .checkpoint import save_checkpoint
 from .entering import Entry, enter, release_groups
 from .errors import PeerLost, PipelineRuntimeError, keep_message_only, say_peer_loss_in_one_line
+from .evaluation import Every, evaluate
 from .executor import BoundarySpec, PipelineExecutor
+from .feed import Feed
 from .grad_sync import SyncMode, TiedCopies
 from .groups import GroupTable
 from .layout import data_parallel_plan
@@ -46,6 +51,7 @@ from .link import WorkerLink
 from .model import PipelineModel
 from .phases import PhaseHook, Phases
 from .precision import LossScale, Precision, check_precision
+from .recording import record_step
 from .recovery import Recovery
 from .step import StepResult, train_step
 from .tensor_parallel import full
@@ -88,13 +94,16 @@ class PipelineTrainer:
     (``chameleon-run --job``), which makes recovery in place possible. ``on_phase(step, phase)``
     is a fault-injection hook for tests, called before each phase of a step (``forward``,
     ``backward``, ``sync``, ``vote``, ``apply``) and after ``apply`` (``applied``), and with
-    ``enter`` as the process starts entering a plan (``step``: steps committed, -1 when fresh).
+    ``enter`` as the process starts entering a plan (``step``: steps committed, -1 when fresh),
+    and ``evaluate`` as an evaluation starts (``step``: steps committed).
     ``max_grad_norm``: clip the job-wide gradient norm to it (as
     ``torch.nn.utils.clip_grad_norm_`` over the whole model). ``precision``: ``fp32``, ``bf16``
     or ``fp16`` (:mod:`.precision`). Stages run with activation recomputation where the plan
     says so. ``tp_size`` > 1: the plan's ``device`` is a unit of that many cards, this process
     is card ``tp_rank`` of it, and the layers are sharded by the model's ``tp_plan``
-    (:mod:`.tensor_parallel`).
+    (:mod:`.tensor_parallel`). ``prefetch``: read the next step's micro-batches in the
+    background while a step computes (:mod:`.feed`), with ``data_workers`` readers: threads,
+    or worker processes with ``data_processes`` (the dataset must then be picklable).
     """
 
     def __init__(self, model: PipelineModel, plan: ExecutionPlan, device: int, *,
@@ -103,7 +112,8 @@ class PipelineTrainer:
                  checkpoint_dir: str | Path | None = None, link: WorkerLink | None = None,
                  on_phase: PhaseHook | None = None, max_grad_norm: float | None = None,
                  precision: Precision | str = "fp32", tp_rank: int = 0,
-                 tp_size: int = 1) -> None:
+                 tp_size: int = 1, prefetch: bool = True, data_workers: int = 1,
+                 data_processes: bool = False) -> None:
         if not dist.is_initialized():
             raise PipelineRuntimeError(
                 "torch.distributed is not initialised; call "
@@ -124,6 +134,9 @@ class PipelineTrainer:
         self.tp_groups: GroupTable | None = None   # one per unit, rebuilt with every plan
         self.mesh = None                            # this unit's DeviceMesh (tp_size > 1)
         self.boundaries: dict[int, BoundarySpec] = {}   # layer -> what enters it (per model)
+        self.feed = Feed(model, micro_batch_size, torch_device, prefetch=prefetch,
+                         workers=data_workers, processes=data_processes)
+        self.evaluated: tuple[int, int] | None = None   # (generation, step) last evaluated
         # training state: survives plan changes
         self.layers: dict[int, nn.Module] = {}
         self.optimizer: torch.optim.Optimizer | None = None
@@ -241,7 +254,8 @@ class PipelineTrainer:
     # ------------------------------------------------------------------ the loop
 
     def run(self, steps: int, report: Report | None = None, *,
-            checkpoint_every: int = 0) -> None:
+            checkpoint_every: int = 0, evaluate: Every | None = None,
+            on_step: Report | None = None) -> None:
         """Train until ``steps`` steps are committed, recovering in place from lost peers.
 
         ``report(result)`` is called exactly once per committed step, in the process that
@@ -249,35 +263,70 @@ class PipelineTrainer:
         over and goes on where the previous one stopped). A step trained again after a rollback
         to a checkpoint comes with ``result.redone``. With ``checkpoint_every`` and a
         ``checkpoint_dir``, a checkpoint is committed after every that many steps and after the
-        last one.
+        last one. ``evaluate=Every(K, dataset)``: the mean loss over ``dataset`` after every K
+        steps and after the last one (:mod:`.evaluation`), reported as the step's
+        ``result.eval_loss``; a peer lost during it is recovered from like one lost in a step.
+        ``on_step(result)`` is called in every process after each step it trains, with this
+        device's own times (``compute_s``, ``sync_s``, ``data_s``, ``step_s``); every working
+        device also records its step time for ``chameleon-run --profile-out``.
         """
         if self.recovery is not None:
             self.recovery.register()
             self.phases.beat = self.recovery.link.beat   # progress for hang detection
             if self.checkpoint_dir is not None and checkpoint_every:
                 self.recovery.link.checkpoints()
-        self._report(report)
-        while self.committed < steps:
+        self._report(report, evaluate, steps)
+        while self.committed < steps or self._evaluation_due(evaluate, steps):
             with keep_message_only(self.recovery is not None) as lost:
                 if self.recovery is not None and self.recovery.announced():
                     raise PeerLost("the agent announced a new plan generation")
-                self.step(self.committed)
-                if self.recovery is not None:
-                    self.recovery.step_committed()
-                done = self.committed
-                if (self.checkpoint_dir is not None and checkpoint_every
-                        and (done % checkpoint_every == 0 or done == steps)):
-                    save_checkpoint(self, self.checkpoint_dir, done)
-                    if self.recovery is not None:
-                        self.recovery.link.checkpointed(done)
+                if not self._evaluation_due(evaluate, steps):
+                    self._train_one(steps, checkpoint_every, on_step)
+                if self._evaluation_due(evaluate, steps):
+                    self._evaluate(evaluate)
             if lost.message is not None:
                 self.recovery.recover(lost.message)
-            self._report(report)
+            self._report(report, evaluate, steps)
 
-    def _report(self, report: Report | None) -> None:
+    def _train_one(self, steps: int, checkpoint_every: int, on_step: Report | None) -> None:
+        """The next step, then its checkpoint when one is due."""
+        result = self.step(self.committed)
+        if self.recovery is not None:
+            self.recovery.step_committed()
+        if self.working:
+            record_step(result.step_s)
+        if on_step is not None:
+            on_step(result)
+        done = self.committed
+        if (self.checkpoint_dir is not None and checkpoint_every
+                and (done % checkpoint_every == 0 or done == steps)):
+            save_checkpoint(self, self.checkpoint_dir, done)
+            if self.recovery is not None:
+                self.recovery.link.checkpointed(done)
+
+    def _evaluation_due(self, every: Every | None, steps: int) -> bool:
+        """Whether the committed state still needs its evaluation. The same on every rank of a
+        generation: it depends on the committed step and on whether this generation evaluated
+        it, so after a recovery an interrupted evaluation is run again by all, a process that
+        joins included (it has evaluated nothing)."""
+        return (every is not None and every.due(self.committed, steps)
+                and self.evaluated != (self.plan.generation, self.committed))
+
+    def _evaluate(self, every: Every) -> None:
+        loss = evaluate(self, every.dataset)
+        self.evaluated = (self.plan.generation, self.committed)
+        last = self.results.get(self.committed - 1)
+        if last is not None:
+            self.results[self.committed - 1] = replace(last, eval_loss=loss)
+
+    def _report(self, report: Report | None, every: Every | None = None,
+                steps: int = 0) -> None:
+        """Hand the committed steps to ``report``; a step whose evaluation is still due waits
+        for it."""
         if report is None or not self.is_reporter:
             return
-        for step in range(self.reported + 1, self.committed):
+        end = self.committed - 1 if self._evaluation_due(every, steps) else self.committed
+        for step in range(self.reported + 1, end):
             result = self.results.get(step)
             if result is not None:
                 report(result)
@@ -289,4 +338,5 @@ class PipelineTrainer:
         """Release this plan's process groups (the default group stays)."""
         if self.recovery is not None:
             self.recovery.close()
+        self.feed.close()
         self.release_groups()

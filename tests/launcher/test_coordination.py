@@ -24,7 +24,7 @@ def test_two_agents_agree_on_one_plan_through_a_store(session, tmp_path):
     coordination.report(store, "r1/", 1, NodeReport(1, (3,), (2,), True, reported=7,
                                                     checkpoint=None))
     coordination.report(store, "r1/", 0, NodeReport(0, (), (0, 1), True, reported=None))
-    reports = coordination.collect(store, "r1/", 2)
+    reports = coordination.collect(store, "r1/", range(2))
     lost, joined = coordination.losses(reports, session.excluded, session.devices, 2)
     assert (lost, joined) == ({3}, set())
     change = session.apply(lost=lost, joined=joined)
@@ -133,7 +133,7 @@ def test_every_agent_learns_how_each_device_was_lost_from_the_node_that_saw_it(s
     node sent no report at all are "node gone" (it used to be said of any remote device)."""
     store = dist.HashStore()
     coordination.report(store, "r1/", 0, NodeReport(0, (1,), (0,), True, why=((1, "SIGKILL"),)))
-    reports = coordination.collect(store, "r1/", 1)      # node 1 (devices 2, 3) is gone
+    reports = coordination.collect(store, "r1/", range(1))    # node 1 (devices 2, 3) is gone
     lost, _ = coordination.losses(reports, session.excluded, session.devices, 2)
     why = coordination.reasons(reports, lost, 2)
     assert why == ((1, "SIGKILL"), (2, "node gone"), (3, "node gone"))
@@ -141,3 +141,44 @@ def test_every_agent_learns_how_each_device_was_lost_from_the_node_that_saw_it(s
     decision = coordination.decide(session.plan, session.excluded, reports, True, why)
     coordination.publish(store, "r1/", decision)
     assert coordination.adopt(store, "r1/", timeout_s=5).why == why
+
+
+def test_a_quick_round_decides_without_a_node_whose_lease_is_gone(session, tmp_path):
+    """Quick round on one store, two agents as threads: node 1 dies before reporting; the
+    decider (node 0) drops it once its lease is gone, and the decision names who took part.
+    A node that reports too late to be counted does not go on with a plan made without it: it
+    falls back to a full round (the agent's), as a node whose lease lapsed."""
+    import threading
+
+    store = dist.HashStore()
+    alive = {0, 1}
+    members = coordination.Members(0, (0, 1), alive=lambda: set(alive))
+    mine = NodeReport(0, (), (0, 1), True)
+    result: dict = {}
+
+    def decider() -> None:
+        result["decision"], _ = coordination.agree(store, "q1/", members, mine, session, True,
+                                                   2, timeout_s=30, quick=True)
+
+    thread = threading.Thread(target=decider)
+    thread.start()
+    assert not store.check(["q1/decision"])     # still waiting for node 1's report
+    alive.discard(1)                             # node 1's lease expires
+    thread.join(30)
+    assert not thread.is_alive(), "the decider kept waiting for a node whose lease is gone"
+    decision = result["decision"]
+    assert decision.nodes == (0,) and set(decision.excluded) == {2, 3}
+
+    late = JobSession(JobSpec.preset("tiny-cpu"), "auto", tmp_path / "late", warm_cache=False)
+    with pytest.raises(coordination.QuickRoundFailed):
+        coordination.agree(store, "q1/", coordination.Members(1, (0, 1)),
+                           NodeReport(1, (), (2, 3), True), late, True, 2, timeout_s=5,
+                           quick=True)
+
+
+def test_a_quick_round_gives_up_when_its_decider_is_gone(session):
+    store = dist.HashStore()
+    members = coordination.Members(1, (0, 1), alive=lambda: {1})   # node 0's lease is gone
+    with pytest.raises(coordination.QuickRoundFailed, match="node 0"):
+        coordination.agree(store, "q1/", members, NodeReport(1, (), (2, 3), True), session,
+                           True, 2, timeout_s=30, quick=True)

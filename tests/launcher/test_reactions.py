@@ -84,6 +84,7 @@ def test_with_no_restart_left_the_leases_are_asked_first():
 @pytest.mark.parametrize("facts, trigger", [
     (dict(lease=Trigger.NODE_LOST), Trigger.NODE_LOST),
     (dict(rejoining=frozenset({1})), Trigger.REJOINED),
+    (dict(quick_called=True), Trigger.PEER_RECOVERY),
     (dict(store_lost=True), Trigger.RENDEZVOUS_LOST),
     (dict(waiting=1), Trigger.MEMBERSHIP),
     (dict(trouble=True), Trigger.PEER_LOST),
@@ -100,3 +101,18 @@ def test_news_on_a_healthy_node_starts_a_round(facts, trigger):
 
 def test_a_device_back_is_named_in_the_reaction():
     assert react(Tick(HEALTHY, rejoining=frozenset({1}), **PLANNED)).joined == {1}
+
+
+@pytest.mark.parametrize("tick, quick", [
+    (Tick(FAILED, failures=(_killed(1),), **PLANNED), True),          # a worker lost
+    (Tick(FAILED, failures=(_crashed(1),), restarts_left=1, **PLANNED), True),
+    (Tick(HEALTHY, lease=Trigger.NODE_LOST, **PLANNED), True),       # membership shrinks
+    (Tick(HEALTHY, trouble=True, **PLANNED), True),
+    (Tick(HEALTHY, quick_called=True, **PLANNED), True),
+    (Tick(HEALTHY, waiting=1, **PLANNED), False),                    # a node may join
+    (Tick(HEALTHY, store_lost=True, **PLANNED), False),              # failover
+    (Tick(FAILED, lease=Trigger.FENCED, **PLANNED), False),          # the others count us gone
+])
+def test_a_recovery_needs_a_rendezvous_round_only_when_a_node_may_join(tick, quick):
+    r = react(tick)
+    assert r.action in ("recover", "fence") and r.quick is quick

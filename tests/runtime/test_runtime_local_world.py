@@ -132,14 +132,19 @@ def test_gpt_example_with_tensor_parallel_units_trains_like_single_process():
 
 
 @pytest.mark.timeout(60)
-def test_gpt_example_usage_error_exits_2_without_traceback():
+@pytest.mark.parametrize(("args", "message"), [
+    (["--width", "30", "--heads", "4"], "must be a multiple of --heads"),
+    (["--eval-every", "-1"], "--eval-every must be >= 0"),
+    (["--eval-samples", "1000", "--corpus-bytes", "8192"], "leave no training text"),
+])
+def test_gpt_example_usage_error_exits_2_without_traceback(args, message):
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, str(EXAMPLE), "--width", "30", "--heads", "4"],
+    proc = subprocess.run([sys.executable, str(EXAMPLE), *args],
                           check=False, capture_output=True, text=True, timeout=50)
     assert proc.returncode == 2
-    assert "must be a multiple of --heads" in proc.stderr and "Traceback" not in proc.stderr
+    assert message in proc.stderr and "Traceback" not in proc.stderr
 
 
 def _join_plan(rank: int, world: int, plan_json: str) -> None:

@@ -20,6 +20,12 @@ do the ``pid-<card>`` files.
 and dicts between stages, warm-up + cosine schedule, AdamW) and the trainer clips the gradient
 norm to ``FEATURED_CLIP``; still float64.
 
+``--dataset N``: train on a map-style dataset of N samples (``toy.RegressionData``), read in
+seeded epochs, instead of ``sample(index)``. ``--eval-every K``: evaluate on
+``toy.RegressionData(EVAL_SAMPLES, seed=EVAL_SEED)`` every K steps (``trainer.run``'s
+``evaluate``); PHASE ``evaluate`` then names an evaluation (STEP: the steps committed), and
+each reported line carries ``eval_loss`` (null when the step was not evaluated).
+
 ``--busy-start S``: a process that replaces an earlier one of its device spins S seconds before
 it starts. ``--pace S`` makes every step last at least S seconds (a sleep before its forward), so that a
 test can act while training runs. ``--min-world N``: a worker started in a smaller world waits
@@ -31,6 +37,7 @@ window in which one node may begin alone). Writes ``OUT/steps.jsonl`` (one line 
 
 import faulthandler
 import json
+import math
 import os
 import signal
 import sys
@@ -38,13 +45,14 @@ import time
 
 import torch
 
-from chameleon_elastic.runtime import PeerLost, PipelineTrainer, init_distributed
-from chameleon_elastic.runtime.toy import featured_model, mlp_model, tp_mlp_model
+from chameleon_elastic.runtime import Every, PeerLost, PipelineTrainer, init_distributed
+from chameleon_elastic.runtime.toy import RegressionData, featured_model, mlp_model, tp_mlp_model
 
 # a launcher test that times out asks every worker where it is (tests/launcher/conftest.py)
 faulthandler.register(signal.SIGUSR2, all_threads=False)
 
 FEATURED_CLIP = 0.08
+EVAL_SAMPLES, EVAL_SEED = 13, 5
 
 
 def main() -> None:
@@ -52,7 +60,8 @@ def main() -> None:
     featured, sharded = "--featured" in args, "--tp-model" in args
     args = [a for a in args if a not in ("--featured", "--tp-model")]
     options = {}
-    for flag in ("--checkpoint-dir", "--pace", "--min-world", "--busy-start"):
+    for flag in ("--checkpoint-dir", "--pace", "--min-world", "--busy-start", "--dataset",
+                 "--eval-every"):
         if flag in args:
             i = args.index(flag)
             options[flag] = args[i + 1]
@@ -96,14 +105,20 @@ def main() -> None:
     def report(result) -> None:
         with open(os.path.join(out, "steps.jsonl"), "a") as fh:
             fh.write(json.dumps({"step": result.step, "loss": result.loss,
-                                 "redone": result.redone, "device": device}) + "\n")
+                                 "redone": result.redone, "device": device,
+                                 "eval_loss": None if math.isnan(result.eval_loss)
+                                 else result.eval_loss}) + "\n")
 
     init_distributed()
+    dataset = (RegressionData(int(options["--dataset"])) if "--dataset" in options
+               else None)
     model = (featured_model(layers=8) if featured else tp_mlp_model(layers=8) if sharded
-             else mlp_model(layers=8))
+             else mlp_model(layers=8, dataset=dataset))
+    every = (Every(int(options["--eval-every"]), RegressionData(EVAL_SAMPLES, seed=EVAL_SEED))
+             if "--eval-every" in options else None)
     trainer = PipelineTrainer.from_env(model, on_phase=on_phase, checkpoint_dir=checkpoint,
                                        max_grad_norm=FEATURED_CLIP if featured else None)
-    trainer.run(steps, report, checkpoint_every=2 if checkpoint else 0)
+    trainer.run(steps, report, checkpoint_every=2 if checkpoint else 0, evaluate=every)
     state = trainer.state()   # whole tensors: every card of a unit takes part
     if tp_rank == 0:
         torch.save(state, os.path.join(out, f"params-{unit}.pt"))
