@@ -8,7 +8,7 @@ runtime's ``PipelineTrainer`` and torch's tool on the same layers (same seeds: t
 weights) and trains them step by step, alternating which goes first; every step starts and
 ends at a barrier. Its ratio is the runtime's step over the adjacent native step (paired:
 load from other jobs on this shared machine hits both alike); the verdict is the median of the
-ratios. Both see the same samples (``runtime.data.sample_ids``), fp32, AdamW, the whole
+ratios. Both see the same samples (the runtime's ``Feed``), fp32, AdamW, the whole
 model's gradient norm clipped to 1 (the runtime's ``max_grad_norm``; torch's
 ``clip_grad_norm_`` under DDP, and across stages for the pipelines: each stage's squared norm
 summed over the pipeline's group); the step-0 losses must agree (rtol 1e-5: only the order of
@@ -116,9 +116,11 @@ class _Native:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B
         from torch.nn.parallel import DistributedDataParallel as DDP
 
+        from chameleon_elastic.runtime.feed import Feed
         from chameleon_elastic.runtime.model import build_layers
 
         self.model, self.plan, self.mbs = model, plan, case["mbs"]
+        self.feed = Feed(model, self.mbs, torch.device("cpu"), prefetch=False)
         pipes = plan.pipelines
         stages = pipes[0].num_stages
         self.pipeline, self.stage = rank // stages, rank % stages
@@ -144,11 +146,8 @@ class _Native:
         self.pp_group = pp_groups[self.pipeline]
 
     def _batches(self, step: int):
-        from chameleon_elastic.runtime.data import sample_ids
-        from chameleon_elastic.runtime.model import collate
-
-        return [collate(self.model, sample_ids(step, self.plan, self.pipeline, m, self.mbs))
-                for m in range(self.quota)]
+        """The runtime's own reader, synchronous: the same samples in the same order."""
+        return [self.feed.batch(self.plan, step, self.pipeline, m) for m in range(self.quota)]
 
     def _clip(self) -> None:
         params = list(self.module.parameters())
