@@ -17,6 +17,13 @@ worker restarts and loads the checkpoint) and ``torchrun-fresh`` (the same with
 TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, torch's switch away from the store it shares across
 restarts, whose stale keys make plain torchrun's relaunched workers fail or hang).
 
+Two nodes (paths ``2n-worker``, ``2n-node-kill``, ``2n-node-stop``): two chameleon-run agents
+x 2 workers on one local etcd (``--rdzv-backend etcd-v3``, ``lease_ttl=2``, ``--nnodes 2``), the
+same tiny GPT without checkpoints; the fault is a kill -9 of device 3's worker, a SIGKILL of its
+node's agent and workers, or a SIGSTOP of them (nothing resets: only the node's lease tells).
+Each trial also records the survivor's ``recovered`` event phases (detect, rendezvous, plan,
+stop, launch, regroup, transfer, first step, total).
+
 Part 2 (``--ablation``): 8 gloo processes hold a 16-layer model as DP=4 x PP=2 (the paper's
 setting); device 7 is lost; the planner re-plans. The same new layout is entered twice per
 repetition in the same processes, with the planner's transfer sources and with the naive choice
@@ -24,6 +31,7 @@ repetition in the same processes, with the planner's transfer sources and with t
 time (the slowest process's) and total recovery time (entering the plan plus the first step).
 
     python benchmarks/recovery.py --trials 10
+    python benchmarks/recovery.py --trials 10 --paths inplace,2n-worker,2n-node-kill,2n-node-stop
     python benchmarks/recovery.py --ablation --repeats 5
     python benchmarks/recovery.py --trials 10 --ablation --json > recovery.json
 """
@@ -226,6 +234,10 @@ def summarise(results: list[dict]) -> dict[str, dict]:
             "min_s": min(times) if times else None, "max_s": max(times) if times else None,
             "redone_median": statistics.median(redone) if redone else None,
             "redone_max": max(redone) if redone else None,
+            "phases_median": {
+                k: statistics.median(vals) if (vals := [
+                    r["phases"][k] for r in mine if r.get("phases") and r["phases"].get(k)
+                    is not None]) else None for k in PHASES},
         }
     return table
 
@@ -330,6 +342,12 @@ def print_tables(report: dict) -> None:
             print(f"{path:15s} {row['finished']:>4d}/{row['trials']:<4d} {row['hung']:>5d} "
                   f"{fmt(row['median_s']):>26s} {fmt(row['min_s']):>6s} {fmt(row['max_s']):>6s} "
                   f"{fmt(row['redone_median'], 'g'):>21s} {fmt(row['redone_max'], 'g'):>4s}")
+        print("\nthe agent's `recovered` event, medians in seconds (total: the fault's first "
+              "sign to the start of the first new step)")
+        print(f"{'path':15s} " + " ".join(f"{k[:-2]:>9s}" for k in PHASES))
+        for path, row in report["summary"].items():
+            ph = row.get("phases_median") or {}
+            print(f"{path:15s} " + " ".join(f"{fmt(ph.get(k), '.3f'):>9s}" for k in PHASES))
     if "ablation" in report:
         a = report["ablation"]
         print(f"\nweight-transfer ablation: 16 layers of {a['layer_bytes'] / 1e6:.1f} MB "

@@ -3,7 +3,8 @@ in place. This file is the loop and the wiring; each concern has a room of its o
 
     detectors.py     what is watched: hangs, a peer lost on another node, health, leases
     reactions.py     the one decision per tick: a pure function (its docstring has the states)
-    rounds.py        rendezvous rounds: reuse on one node, failover, survivors, worker stores
+    transition.py    one transition in its order: round, agree, stop, store, start, report
+    rounds.py        rounds: quick ones (no node can join), failover, survivors, worker stores
     coordination.py  the agents' agreement on the next plan, in protocol order
     starter.py       the generation published on the node; workers for devices without one
     worker_env.py    the environment a worker starts with
@@ -11,7 +12,7 @@ in place. This file is the loop and the wiring; each concern has a room of its o
     reporter.py      one event and one line per recovery, once the workers resumed
 
 A tick: poll the workers, read the detectors into a Tick, react, apply. A recovery is one
-transition: a rendezvous round, the agreement, then IN PLACE (every live worker registered with
+transition (transition.py): a round, the agreement, then IN PLACE (every live worker registered with
 the runtime, ``--recovery inplace``: nobody is stopped, the new generation is published on the
 node's channel with a fresh worker store, workers start only for devices without a live one,
 and the survivors regroup, runtime/recovery.py) or RELAUNCH (unmodified scripts, a crash,
@@ -40,11 +41,8 @@ from torch.distributed.elastic.multiprocessing import LogsSpecs
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
 
-from chameleon_elastic import channel
 from chameleon_elastic.timeouts import Timeouts
 
-from . import coordination
-from .coordination import Decision, Members, NodeReport, QuickRoundFailed
 from .detectors import Watchers
 from .failures import FailureEvent, RestartBudget, Trigger
 from .health import AlwaysHealthy, HealthCheck
@@ -52,10 +50,11 @@ from .observe import Event, EventLog, StatusLine
 from .plan_env import NodeCards
 from .profiler import Profiler
 from .reactions import Reaction, Tick, react
-from .reporter import Pending, RecoveryReporter
+from .reporter import RecoveryReporter
 from .rounds import Rounds
 from .session import JobSession, LauncherPlanningError
 from .starter import TorchHooks, WorkerStarter
+from .transition import Crew, Transition
 from .worker_logs import WorkerLogs
 from .workers import WorkerProcesses
 
@@ -95,10 +94,10 @@ class ChameleonAgent(LocalElasticAgent):
         self._profiler = profiler
         self._recovery = recovery
         self._rounds = Rounds(rdzv_parameters, self._timeouts, self._status, self._emit)
-        self._node: int | None = None           # node id in the initial world (device ids)
         self._procs = WorkerProcesses()
-        self._watchers = Watchers(self._timeouts.hang_s, self._here_of(spec), health or
-                                  AlwaysHealthy(), self._emit, self._update_status)
+        self._watchers = Watchers(self._timeouts.hang_s,
+                                  NodeCards(0, spec.local_world_size, self._tp),
+                                  health or AlwaysHealthy(), self._emit, self._update_status)
         self._book = self._watchers.book
         self._reporter = RecoveryReporter(
             self._emit, self._status, profiler,
@@ -110,12 +109,18 @@ class ChameleonAgent(LocalElasticAgent):
             self._channel = dist.TCPStore("127.0.0.1", 0, is_master=True,
                                           wait_for_workers=False,
                                           timeout=self._timeouts.delta("store_s"))
-        self._starter = WorkerStarter(
+        starter = WorkerStarter(
             self._procs, self._channel,
             f"127.0.0.1:{self._channel.port}" if self._channel is not None else "",
             TorchHooks(self._set_local_rank_env, self._before_start,
                        self._log_line_prefix_template, logs_specs, start_method),
             self._emit, lambda: self._profiler.worker_env() if self._profiler is not None else {})
+        self._transition = Transition(Crew(
+            self._rounds, self._procs, self._watchers, self._budget, self._reporter, starter,
+            self._timeouts, self._emit, self._update_status, self._report, session,
+            self._channel, self._assign_worker_ranks,
+            self._profiler.track if self._profiler is not None else lambda pids: None),
+            planned=self._planned)
 
     # ------------------------------------------------------------------ helpers
 
@@ -134,10 +139,7 @@ class ChameleonAgent(LocalElasticAgent):
 
     @property
     def _here(self) -> NodeCards:
-        return self._here_of(self._worker_group.spec)
-
-    def _here_of(self, spec: WorkerSpec) -> NodeCards:
-        return NodeCards(self._node or 0, spec.local_world_size, self._tp)
+        return self._transition.here(self._worker_group.spec)
 
     @property
     def _planned(self) -> bool:
@@ -149,121 +151,20 @@ class ChameleonAgent(LocalElasticAgent):
 
     @property
     def _runtime(self) -> bool:
-        """Every live worker runs on the runtime (it registered on the channel)."""
-        return self._procs.registered(self._channel)
+        return self._transition.runtime()
 
     # ------------------------------------------------------------------ one transition
 
     def _initialize_workers(self, worker_group: WorkerGroup) -> None:
         """The first launch: agree, then start every local worker."""
-        self._transition(None, inplace_wanted=False, expect_reports=False)
+        self._transition_to(None, inplace_wanted=False, expect_reports=False)
 
-    def _transition(self, event: FailureEvent | None, inplace_wanted: bool,
-                    expect_reports: bool, quick: bool = False) -> None:
-        """One round (quick when no node can join, rounds.py) and what follows it.
-        ``expect_reports``: the workers run on the runtime, so the recovery is reported once
-        they have committed a step."""
-        wg = self._worker_group
-        spec = wg.spec
-        began = time.perf_counter()
-        quick = self._rounds.can_quick and (  # plain scripts: torchrun's rounds, but alone
-            (quick and self._session is not None) or self._rounds.params.max_nodes == 1)
-        if quick:
-            info, members = self._rounds.quick(self._node, self._watchers.alive())
-        else:
-            info = self._rounds.next(spec, first=self._node is None)
-            self._rdzv_handler = spec.rdzv_handler   # torch's, after a failover too
-            members = Members(info.rank, tuple(range(info.world_size)))
+    def _transition_to(self, event: FailureEvent | None, inplace_wanted: bool,
+                       expect_reports: bool, quick: bool = False) -> None:
+        info = self._transition.run(self._worker_group, event, inplace_wanted, expect_reports,
+                                    quick)
+        self._rdzv_handler = self._worker_group.spec.rdzv_handler   # after a failover too
         self._store = info.store
-        if self._node is None:
-            self._node = info.rank
-            if self._planned:
-                self._rounds.admit_survivors(spec)
-        rdzv_s = time.perf_counter() - began
-        plan_s, decision, change = 0.0, None, None
-        if self._session is not None:
-            t = time.perf_counter()
-            try:
-                decision, change = self._agree(info, members, inplace_wanted, quick)
-            except QuickRoundFailed as exc:
-                self._emit(Event.FAILURE_SEEN, kind="quick_round_failed", reason=str(exc))
-                return self._transition(event, inplace_wanted, expect_reports)
-            plan_s = time.perf_counter() - t
-        if self._channel is not None:   # a lost peer reported before this round is handled
-            channel.write(self._channel, channel.TROUBLE, -1)
-        self._watchers.hangs.reset()
-        stop_s = 0.0
-        if decision is None or not decision.inplace:
-            t = time.perf_counter()
-            self._procs.close(timeout=self._timeouts.shutdown_s)
-            stop_s = time.perf_counter() - t
-        addr, port = self._rounds.open_worker_store(spec, info, members.decides)
-        wg.store, wg.master_addr, wg.master_port = info.store, addr, port
-        wg.group_rank, wg.group_world_size = info.rank, info.world_size
-        if quick and decision is not None:   # the nodes that took part (the exit barrier's)
-            wg.group_rank, wg.group_world_size = (decision.nodes.index(self._node),
-                                                  len(decision.nodes))
-        self._emit(Event.RENDEZVOUS, group_rank=wg.group_rank, quick=quick,
-                   group_world_size=wg.group_world_size, node=self._node, master_addr=addr,
-                   master_port=port, duration_s=rdzv_s)
-        t = time.perf_counter()
-        started = self._start(decision, info)
-        wg.state = WorkerState.HEALTHY
-        phases = {"rendezvous_s": rdzv_s, "plan_s": plan_s, "stop_s": stop_s,
-                  "launch_s": time.perf_counter() - t}
-        if event is not None and decision is not None:
-            kept = tuple(sorted(self._procs.devices - set(started)))
-            waiting = frozenset(self._procs.devices if expect_reports else ())
-            self._reporter.pending = Pending(event, decision, change, kept, started, waiting,
-                                             phases)
-            if not waiting:
-                self._report(self._reporter.finish({}, self._session.plan,
-                                                   self._budget.used))
-
-    def _agree(self, info: Any, members: Members, inplace_wanted: bool,
-               quick: bool) -> tuple[Decision, Any]:
-        """Report, decide (the lowest member) or adopt (coordination.agree), and log it."""
-        session = self._session
-        assert session is not None and self._node is not None
-        live = self._procs.devices
-        before = set(session.excluded)
-        mine = NodeReport.gather(self._node, self._book.lost - self._book.rejoining,
-                                 self._here.units(live), not live or self._runtime,
-                                 self._book.why, self._channel)
-        try:
-            decision, change = coordination.agree(
-                info.store, self._rounds.scope(), members, mine, session, inplace_wanted,
-                self._here.units_per_node, self._timeouts.store_s, quick=quick)
-        except LauncherPlanningError as exc:
-            self._emit(Event.PLANNING_FAILED, error=str(exc))
-            raise
-        self._rounds.nodes = decision.nodes
-        self._budget.settle(peer_node_lost=bool(
-            session.excluded - before - self._here.units(self._here.cards)))
-        self._book.settle()
-        if change is not None:
-            self._emit(Event.PLAN_CHOSEN, plan_file=session.plan_file,
-                       decided_here=members.decides, inplace=decision.inplace,
-                       **change.event_fields())
-        return decision, change
-
-    # ------------------------------------------------------------------ workers
-
-    def _start(self, decision: Decision | None, info: Any) -> tuple[int, ...]:
-        """Start workers for the local devices of the new world that have none (starter.py);
-        returns the devices started."""
-        wg = self._worker_group
-        if decision is None:  # plain torchrun: torch's rank assignment, every local worker
-            todo = [(w, None) for w in self._assign_worker_ranks(
-                info.store, info.rank, info.world_size, wg.spec)]
-        else:
-            todo = self._starter.planned(self._session, decision, wg, self._here)
-        started = self._starter.launch(todo, wg, self._budget.used, self._session, self._here)
-        if started and self._profiler is not None:
-            self._profiler.track(self._procs.pids())
-        wg.workers = self._procs.workers()
-        self._update_status("running")
-        return started
 
     def _before_start(self, envs: dict) -> None:
         """torch's watchdog and health-check servers, as its ``_start_workers`` sets them up."""
@@ -282,7 +183,7 @@ class ChameleonAgent(LocalElasticAgent):
     def _fence(self) -> None:
         """Our lease is lost (lease thread): stop every worker now, whatever the loop does."""
         self._procs.signal_all(signal.SIGKILL)
-        self._emit(Event.FAILURE_SEEN, kind="fenced", node=self._node,
+        self._emit(Event.FAILURE_SEEN, kind="fenced", node=self._transition.node,
                    reason="this node's lease was lost (cut off from etcd, or frozen): its "
                           "workers were stopped, as their plan may be stale")
 
@@ -318,8 +219,8 @@ class ChameleonAgent(LocalElasticAgent):
         except LauncherPlanningError as exc:
             self._status.say(f"chameleon-run: {exc}")
             return RunResult(state=WorkerState.FAILED)
-        if self._node is not None:
-            self._watchers.watch_leases(self._rounds.params, self._node, self._fence)
+        if self._transition.node is not None:
+            self._watchers.watch_leases(self._rounds.params, self._transition.node, self._fence)
         while True:
             time.sleep(spec.monitor_interval)
             result = self._monitor_workers(wg)
@@ -421,4 +322,4 @@ class ChameleonAgent(LocalElasticAgent):
     def _recover(self, event: FailureEvent, inplace: bool, quick: bool) -> None:
         mode = "in place" if inplace else "relaunch"
         self._update_status(f"recovering {mode} ({event.reason})")
-        self._transition(event, inplace, expect_reports=self._runtime, quick=quick)
+        self._transition_to(event, inplace, expect_reports=self._runtime, quick=quick)

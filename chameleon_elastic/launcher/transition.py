@@ -1,0 +1,169 @@
+"""One transition of the agent, in its order: the launch, and every recovery after it.
+
+    round      quick when no node can join (rounds.py), else torch's rendezvous round
+    agree      report, decide (the lowest member) or adopt (coordination.py)
+    stop       every local worker, unless the decision is in place
+    store      a fresh worker store for the generation, hosted by the deciding agent
+    start      the generation published on the node; workers for devices without one
+               (starter.py)
+    report     once the workers have resumed (reporter.py), or at once when nothing waits
+
+A quick round that cannot finish falls back to a full round, from the top. Each step's time
+goes into the ``recovered`` event's phases (``rendezvous_s``, ``plan_s``, ``stop_s``,
+``launch_s``); the workers add theirs (docs/launcher.md).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from torch.distributed.elastic.agent.server.api import WorkerState
+
+from chameleon_elastic import channel
+from chameleon_elastic.timeouts import Timeouts
+
+from . import coordination
+from .coordination import Decision, Members, NodeReport, QuickRoundFailed
+from .detectors import Watchers
+from .failures import FailureEvent, RestartBudget
+from .observe import Event
+from .plan_env import NodeCards
+from .reporter import Pending, RecoveryReporter
+from .rounds import Rounds
+from .session import JobSession, LauncherPlanningError
+from .starter import WorkerStarter
+from .workers import WorkerProcesses
+
+__all__ = ["Crew", "Transition"]
+
+
+@dataclass(frozen=True)
+class Crew:
+    """The agent's collaborators that a transition uses."""
+
+    rounds: Rounds
+    procs: WorkerProcesses
+    watchers: Watchers
+    budget: RestartBudget
+    reporter: RecoveryReporter
+    starter: WorkerStarter
+    timeouts: Timeouts
+    emit: Callable[..., None]
+    status: Callable[[str], None]
+    report: Callable[[str | None], None]            # a recovery reported: the status's state
+    session: JobSession | None
+    channel: Any                                    # this node's agent <-> worker store
+    assign_ranks: Callable[..., list[Any]]          # torch's rank assignment (plain scripts)
+    track: Callable[[dict[int, int]], None]         # the profiler's, given the workers' pids
+
+
+class Transition:
+    def __init__(self, crew: Crew, planned: bool) -> None:
+        self._c = crew
+        self._planned = planned          # a job, with a policy other than restart
+        self.node: int | None = None     # node id in the initial world (device ids)
+
+    def here(self, spec: Any) -> NodeCards:
+        tp = self._c.session.tp if self._c.session is not None else 1
+        return NodeCards(self.node or 0, spec.local_world_size, tp)
+
+    def runtime(self) -> bool:
+        """Every live worker runs on the runtime (it registered on the channel)."""
+        return self._c.procs.registered(self._c.channel)
+
+    def run(self, wg: Any, event: FailureEvent | None, inplace_wanted: bool,
+            expect_reports: bool, quick: bool = False) -> Any:
+        """One transition of worker group ``wg``; returns the round's info (torch's
+        ``RendezvousInfo``). ``expect_reports``: the workers run on the runtime, so the recovery
+        is reported once they have committed a step."""
+        c, spec, session = self._c, wg.spec, self._c.session
+        began = time.perf_counter()
+        quick = c.rounds.can_quick and (  # plain scripts: torchrun's rounds, but alone
+            (quick and session is not None) or c.rounds.params.max_nodes == 1)
+        info, members = c.rounds.open(spec, self.node, quick, c.watchers.alive())
+        if self.node is None:
+            self.node = info.rank
+            if self._planned:
+                c.rounds.admit_survivors(spec)
+        rdzv_s = time.perf_counter() - began
+        plan_s, decision, change = 0.0, None, None
+        if session is not None:
+            t = time.perf_counter()
+            try:
+                decision, change = self._agree(info, members, spec, inplace_wanted, quick)
+            except QuickRoundFailed as exc:
+                c.emit(Event.FAILURE_SEEN, kind="quick_round_failed", reason=str(exc))
+                return self.run(wg, event, inplace_wanted, expect_reports)
+            plan_s = time.perf_counter() - t
+        if c.channel is not None:   # a lost peer reported before this round is handled
+            channel.write(c.channel, channel.TROUBLE, -1)
+        c.watchers.hangs.reset()
+        stop_s = 0.0
+        if decision is None or not decision.inplace:
+            t = time.perf_counter()
+            c.procs.close(timeout=c.timeouts.shutdown_s)
+            stop_s = time.perf_counter() - t
+        wg.master_addr, wg.master_port = c.rounds.open_worker_store(spec, info, members.decides)
+        wg.store = info.store
+        wg.group_rank, wg.group_world_size = info.rank, info.world_size
+        if quick and decision is not None:   # the nodes that took part (the exit barrier's)
+            wg.group_rank, wg.group_world_size = (decision.nodes.index(self.node),
+                                                  len(decision.nodes))
+        c.emit(Event.RENDEZVOUS, group_rank=wg.group_rank, quick=quick,
+               group_world_size=wg.group_world_size, node=self.node,
+               master_addr=wg.master_addr, master_port=wg.master_port, duration_s=rdzv_s)
+        t = time.perf_counter()
+        started = self._start(wg, decision, info)
+        wg.state = WorkerState.HEALTHY
+        phases = {"rendezvous_s": rdzv_s, "plan_s": plan_s, "stop_s": stop_s,
+                  "launch_s": time.perf_counter() - t}
+        if event is not None and decision is not None:
+            kept = tuple(sorted(c.procs.devices - set(started)))
+            waiting = frozenset(c.procs.devices if expect_reports else ())
+            c.reporter.pending = Pending(event, decision, change, kept, started, waiting, phases)
+            if not waiting:
+                c.report(c.reporter.finish({}, session.plan, c.budget.used))
+        return info
+
+    def _agree(self, info: Any, members: Members, spec: Any, inplace_wanted: bool,
+               quick: bool) -> tuple[Decision, Any]:
+        """Report, decide (the lowest member) or adopt (coordination.agree), and log it."""
+        c, session, here = self._c, self._c.session, self.here(spec)
+        assert session is not None and self.node is not None
+        book, live = c.watchers.book, c.procs.devices
+        before = set(session.excluded)
+        mine = NodeReport.gather(self.node, book.lost - book.rejoining, here.units(live),
+                                 not live or self.runtime(), book.why, c.channel)
+        try:
+            decision, change = coordination.agree(
+                info.store, c.rounds.scope(), members, mine, session, inplace_wanted,
+                here.units_per_node, c.timeouts.store_s, quick=quick)
+        except LauncherPlanningError as exc:
+            c.emit(Event.PLANNING_FAILED, error=str(exc))
+            raise
+        c.rounds.nodes = decision.nodes
+        c.budget.settle(peer_node_lost=bool(session.excluded - before - here.units(here.cards)))
+        book.settle()
+        if change is not None:
+            c.emit(Event.PLAN_CHOSEN, plan_file=session.plan_file, decided_here=members.decides,
+                   inplace=decision.inplace, **change.event_fields())
+        return decision, change
+
+    def _start(self, wg: Any, decision: Decision | None, info: Any) -> tuple[int, ...]:
+        """Start workers for the local devices of the new world that have none (starter.py);
+        returns the devices started."""
+        c, here = self._c, self.here(wg.spec)
+        if decision is None:  # plain torchrun: torch's rank assignment, every local worker
+            todo = [(w, None) for w in c.assign_ranks(info.store, info.rank, info.world_size,
+                                                       wg.spec)]
+        else:
+            todo = c.starter.planned(c.session, decision, wg, here)
+        started = c.starter.launch(todo, wg, c.budget.used, c.session, here)
+        if started:
+            c.track(c.procs.pids())
+        wg.workers = c.procs.workers()
+        c.status("running")
+        return started
