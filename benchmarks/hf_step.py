@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         per_run = [_median_interval(r["ends"], args.skip) for r in results]
         rows[name] = {"step_s": statistics.median(per_run), "per_run_step_s": per_run,
                       "first_losses": results[0]["losses"][:3]}
-        if "sync_s" in results[0]:   # the runtime's gradient sync, after backward
+        if "sync_s" in results[0]:   # the runtime's gradient sync left after the backward
             rows[name]["sync_s"] = statistics.median(r["sync_s"] for r in results)
     # each round's pair ran back to back: the median of the per-round ratios shrugs off the
     # load other jobs put on a shared machine between rounds
@@ -224,8 +224,8 @@ def main(argv: list[str] | None = None) -> int:
         loss = " ".join(f"{x:.4f}" for x in r["first_losses"])
         print(f"{what:<34} {r['step_s']:>9.4f} {per:>20} {loss:>28}")
     sync = rows["chameleon-run"]["sync_s"]
-    print(f"chameleon-run's gradient sync (one flat all-reduce after backward, not overlapped "
-          f"with it as DDP's buckets are): {sync:.4f} s per step, "
+    print(f"chameleon-run's gradient sync left after the backward (the sums start during the "
+          f"last backward, as DDP's buckets do): {sync:.4f} s per step, "
           f"{100 * sync / rows['chameleon-run']['step_s']:.0f}% of its step")
     verdict = "within" if abs(result["change_pct"]) <= 5.0 else "outside"
     print(f"chameleon-run vs DDP, same layout (dp 4): {result['change_pct']:+.1f}% (median "

@@ -36,7 +36,7 @@ from .errors import PeerLost, PipelineRuntimeError
 from .executor import BoundarySpec, PipelineExecutor, boundary_spec
 from .grad_sync import bucket_rank_sets, layer_holder_rank_sets, tied_copies
 from .groups import GroupTable
-from .layout import check_message_matching, layer_holders, plan_rounds
+from .layout import fifo_matching, layer_holders, links_into, plan_rounds
 from .restore import restore
 from .step import StepResult, apply_step, learning_rate
 from .tensor_parallel import make_mesh
@@ -194,14 +194,14 @@ def _build(t: TrainerState, plan: ExecutionPlan, ranks: RankMap) -> None:
     pipe = plan.pipelines[pipeline]
     start = pipe.layers[stage][0]
     stack = nn.ModuleList([t.layers[x] for x in sorted(t.layers)])
+    orders = device_orders(plan)
     t.executor = PipelineExecutor(
         plan, t.device, t.model, stack, t.micro_batch_size, ranks,
         input_spec=_boundary(t, start) if start > 0 else None,
         torch_device=t.torch_device, precision=t.precision,
-        recompute=pipe.recompute[stage], tp_rank=t.tp_rank, feed=t.feed)
-    orders = device_orders(plan)
+        recompute=pipe.recompute[stage], tp_rank=t.tp_rank, feed=t.feed,
+        fifo_links=links_into(orders, t.device) if fifo_matching() else None)
     t.orders = tuple(orders[t.device])
-    check_message_matching(orders)
 
 
 def _boundary(t: TrainerState, layer: int) -> BoundarySpec:

@@ -36,10 +36,11 @@ autocast and random streams, just before that micro-batch's backward.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +55,7 @@ from chameleon_elastic.torch_compat import fake_tensor_mode
 from .data import global_micro_batch
 from .errors import PeerLost, PipelineRuntimeError, communication_failure
 from .feed import Feed
+from .inbox import FifoInbox
 from .model import PipelineModel, _sizing, build_layers, collate, sample_indices
 from .precision import Precision, autocast
 from .streams import own_streams, seed_layer
@@ -204,13 +206,18 @@ class PipelineExecutor:
     this card's place in its unit; it talks to the cards of the same rank, and only card 0 of
     the last stage counts the loss (every card of a unit computes it). ``feed``: where
     micro-batches come from (:mod:`.feed`; default: read when needed, no read-ahead).
+    ``fifo_links``: on a back-end that matches point-to-point messages first-in first-out
+    (NCCL, HCCL), per sending device the operations whose outputs it sends here, in its order
+    (``schedule.link_messages``); each link is then read in that order (:mod:`.inbox`) and
+    tags are not sent. None: gloo, messages matched by tag.
     """
 
     def __init__(self, plan: ExecutionPlan, device: int, model: PipelineModel,
                  layers: nn.ModuleList | None, micro_batch_size: int, ranks: RankMap, *,
                  input_spec: BoundarySpec | None = None, torch_device: torch.device | None = None,
                  precision: Precision = "fp32", recompute: bool = False,
-                 tp_rank: int = 0, feed: Feed | None = None) -> None:
+                 tp_rank: int = 0, feed: Feed | None = None,
+                 fifo_links: Mapping[int, Sequence] | None = None) -> None:
         self.plan = plan
         self.device = device
         self.model = model
@@ -222,6 +229,8 @@ class PipelineExecutor:
         self.recompute = recompute
         self.tp_rank = tp_rank
         self._input_spec = input_spec
+        self._fifo_links = fifo_links
+        self._inbox: FifoInbox | None = None
         self.feed = feed or Feed(model, micro_batch_size, self.torch_device, prefetch=False)
         self._max_quota = max(p.micro_batches for p in plan.pipelines) or 1
         self._max_stages = max(p.num_stages for p in plan.pipelines)
@@ -259,6 +268,11 @@ class PipelineExecutor:
             return self._layers(x, step, micro_batch)
 
     def _recv(self, spec: TensorSpec, device: int, tag: int) -> torch.Tensor:
+        if self._inbox is not None:
+            return self._inbox.take(device, tag)
+        return self._recv_wire(spec, device, tag)
+
+    def _recv_wire(self, spec: TensorSpec, device: int, tag: int = 0) -> torch.Tensor:
         buf = torch.empty(spec.shape, dtype=spec.dtype, device=self.torch_device)
         try:
             dist.recv(buf, src=self.ranks.rank(device, self.tp_rank), tag=tag)
@@ -269,12 +283,27 @@ class PipelineExecutor:
 
     def _send(self, tensor: torch.Tensor, device: int, tag: int, pending: list) -> None:
         tensor = tensor.detach().contiguous()
+        wire = 0 if self._fifo_links is not None else tag
         try:
-            work = dist.isend(tensor, dst=self.ranks.rank(device, self.tp_rank), tag=tag)
+            work = dist.isend(tensor, dst=self.ranks.rank(device, self.tp_rank), tag=wire)
         except RuntimeError as exc:
             raise PeerLost(f"device {self.device} could not send to device {device}: "
                            f"{exc}") from exc
         pending.append((work, tensor))
+
+    def _messages(self, stash: Mapping, op: Any) -> list[tuple[int, TensorSpec]]:
+        """The tagged messages ``op`` (another device's operation) sends here: a forward
+        sends what enters this stage; a backward, the gradients of this device's output for
+        that micro-batch, which it holds (it has not run that backward yet)."""
+        if op.kind == "F":
+            assert self._input_spec is not None
+            return [(self._tag(op.pipeline, op.micro_batch, op.stage + 1, False, i), spec)
+                    for i, spec in enumerate(self._input_spec.leaves)]
+        _, out = stash[(op.pipeline, op.micro_batch)]
+        leaves, _ = flatten(out)
+        return [(self._tag(op.pipeline, op.micro_batch, op.stage - 1, True, i),
+                 TensorSpec(tuple(leaf.shape), leaf.dtype))
+                for i, leaf in enumerate(leaves) if leaf.requires_grad]
 
     def _batch(self, step: int, pipeline: int, micro_batch: int):
         return self.feed.batch(self.plan, step, pipeline, micro_batch)
@@ -296,20 +325,28 @@ class PipelineExecutor:
 
     def run(self, step: int, ops: Sequence, record: bool = False,
             on_phase: Callable[[int, str], None] | None = None,
-            loss_scale: float = 1.0) -> StepOutcome:
+            loss_scale: float = 1.0,
+            final_backward: Callable[[], contextlib.AbstractContextManager] | None = None,
+            ) -> StepOutcome:
         """Execute ``ops`` (this device's order) for ``step``; gradients accumulate in place.
         ``on_phase(step, "forward" | "backward")`` runs before the first operation of each kind
-        (the trainer's fault-injection hook)."""
+        (the trainer's fault-injection hook). ``final_backward()``: a context entered around
+        the step's last backward here, the one after which this device's gradients are final
+        (the gradient sums start inside it, :class:`~.grad_sync.GradientSums`)."""
         scale = 1.0 / self.plan.global_micro_batches
         stash: dict[tuple[int, int], tuple[list[torch.Tensor], Any]] = {}
         pending: list = []
         timings: list[OpTiming] = []
         loss_sum = 0.0
         entered: set[str] = set()
+        last_b = max((i for i, op in enumerate(ops) if op.kind == "B"), default=-1)
+        if self._fifo_links is not None:
+            self._inbox = FifoInbox(self._fifo_links, functools.partial(self._messages, stash),
+                                    self._recv_wire)
         self.feed.begin(self.plan, step, [(op.pipeline, op.micro_batch) for op in ops
                                           if op.kind == "F" and None in (op.source, op.dest)])
         try:
-            for op in ops:
+            for index, op in enumerate(ops):
                 if on_phase is not None and op.kind not in entered:
                     entered.add(op.kind)
                     on_phase(step, "forward" if op.kind == "F" else "backward")
@@ -322,7 +359,10 @@ class PipelineExecutor:
                 if op.kind == "F":
                     loss_sum += self._forward_op(step, op, scale, loss_scale, stash, pending)
                 elif op.kind == "B":
-                    self._backward_op(op, stash, pending)
+                    final = (final_backward() if final_backward is not None and index == last_b
+                             else contextlib.nullcontext())
+                    with final:
+                        self._backward_op(op, stash, pending)
                 else:
                     raise PipelineRuntimeError(f"unknown operation kind {op.kind!r}")
                 if record:
@@ -337,6 +377,8 @@ class PipelineExecutor:
             # unit is gone, as for a broken transfer
             raise PeerLost(f"device {self.device} lost a peer of its unit in step {step}: "
                            f"{str(exc).splitlines()[0][:300]}") from exc
+        finally:
+            self._inbox = None
         self._wait_sends(pending, step)
         if stash:
             raise PipelineRuntimeError(
@@ -376,14 +418,15 @@ class PipelineExecutor:
     def _backward_op(self, op: Any, stash: dict, pending: list) -> None:
         """One backward: from the loss (last stage) or the gradients the next stage sent, and
         the input's gradients on to the previous stage (only the leaves that want them)."""
-        try:
-            wanting, out = stash.pop((op.pipeline, op.micro_batch))
+        try:  # kept until its gradients arrive: a FIFO inbox sizes them from it
+            wanting, out = stash[(op.pipeline, op.micro_batch)]
         except KeyError:
             raise PipelineRuntimeError(
                 f"backward of pipeline {op.pipeline} micro-batch {op.micro_batch} "
                 f"comes before its forward on device {self.device}; the order is "
                 "invalid.") from None
         if op.source is None:
+            del stash[(op.pipeline, op.micro_batch)]
             out.backward()
         else:
             leaves, _ = flatten(out)
@@ -394,6 +437,7 @@ class PipelineExecutor:
                     grads.append(self._recv(
                         TensorSpec(tuple(leaf.shape), leaf.dtype), op.source,
                         self._tag(op.pipeline, op.micro_batch, op.stage, True, i)))
+            del stash[(op.pipeline, op.micro_batch)]
             if outs:
                 torch.autograd.backward(outs, grads)
         if op.dest is None:

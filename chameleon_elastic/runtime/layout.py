@@ -1,5 +1,5 @@
 """What a plan means for the processes that run it: who holds which layer, the colour rounds,
-the data-parallel plan used without one, and whether the back-end can carry its transfers.
+the data-parallel plan used without one, and how the back-end matches its transfers.
 
 Pure functions of the plan, shared by entering a plan (:mod:`.entering`), the gradient sync
 and the benchmarks; kept out of the trainer so that reading a plan needs no trainer.
@@ -7,13 +7,16 @@ and the benchmarks; kept out of the trainer so that reading a plan needs no trai
 
 from __future__ import annotations
 
+import os
+
 import torch.distributed as dist
 
 from chameleon_elastic.plan import AllReduceGroup, ExecutionPlan, Pipeline
 
 from .errors import PipelineRuntimeError
 
-__all__ = ["check_message_matching", "data_parallel_plan", "layer_holders", "plan_rounds"]
+__all__ = ["FIFO_ENV", "data_parallel_plan", "fifo_matching", "layer_holders", "links_into",
+           "plan_rounds"]
 
 
 def layer_holders(plan: ExecutionPlan) -> dict[int, tuple[int, ...]]:
@@ -53,19 +56,19 @@ def data_parallel_plan(world_size: int, num_layers: int,
     return ExecutionPlan(policy="initial", generation=0, pipelines=pipelines).validate()
 
 
-def check_message_matching(orders) -> None:
-    """Our transfers are matched by tag, which gloo honours; NCCL/HCCL match point-to-point
-    messages first-in first-out and ignore tags, which is only correct on links where the
-    receiver consumes messages in the sender's order (``schedule.fifo_violations``)."""
-    backend = str(dist.get_backend())
-    if backend == "gloo":
-        return
-    from chameleon_elastic.planning.schedule import fifo_violations
+#: set to 1, gloo too reads every link in send order and sends no tags (tests of the FIFO path)
+FIFO_ENV = "CHAMELEON_FIFO_P2P"
 
-    bad = fifo_violations(orders)
-    if bad:
-        raise PipelineRuntimeError(
-            f"this plan needs tag-matched point-to-point messages on links {bad[:4]}, but "
-            f"backend {backend!r} matches them in FIFO order; run it on gloo, or use a plan "
-            "whose pipelines share length and quota (symmetric layouts are always safe)."
-        )
+
+def fifo_matching() -> bool:
+    """Whether point-to-point messages are matched first-in first-out: NCCL and HCCL ignore
+    tags; gloo honours them, unless ``CHAMELEON_FIFO_P2P=1`` asks it to act as they do."""
+    return str(dist.get_backend()) != "gloo" or os.environ.get(FIFO_ENV) == "1"
+
+
+def links_into(orders, device: int) -> dict[int, tuple]:
+    """Per sending device, the operations whose outputs reach ``device``, in send order
+    (what :class:`~.inbox.FifoInbox` reads each link by)."""
+    from chameleon_elastic.planning.schedule import link_messages
+
+    return {src: ops for (src, dst), ops in link_messages(orders).items() if dst == device}

@@ -11,7 +11,9 @@ decides anything. Kept apart from the recovery chain so that joining a generatio
 
 from __future__ import annotations
 
+import atexit
 import os
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -24,7 +26,10 @@ from chameleon_elastic.timeouts import Timeouts
 from .errors import PipelineRuntimeError
 from .topology import tp_from_env
 
-__all__ = ["WorkerLink"]
+__all__ = ["BEAT_EVERY_S", "WorkerLink"]
+
+#: how often a worker's progress count goes to its agent (when it moved)
+BEAT_EVERY_S = 0.1
 
 
 class WorkerLink:
@@ -39,6 +44,7 @@ class WorkerLink:
         self.timeouts = timeouts
         self.address = address
         self.tp_rank, self.tp = tp_rank, tp
+        self._beats: _BeatSender | None = None
 
     @property
     def card(self) -> int:
@@ -121,7 +127,24 @@ class WorkerLink:
 
     def beat(self) -> None:
         """Progress: the agent declares a worker whose count stops moving (and that is not
-        asleep waiting for a peer) hung past ``--hang-timeout``."""
+        asleep waiting for a peer) hung past ``--hang-timeout``. Counted here and sent by a
+        thread every :data:`BEAT_EVERY_S`: a phase of a step costs no round trip to the agent
+        (several per step, each a scheduling delay of the agent's process on a loaded host),
+        and hang timeouts are seconds long."""
+        if self._beats is None:
+            self._beats = _BeatSender(self.another(), channel.beat_key(self.card))
+        self._beats.count += 1
+
+    def stop_beats(self) -> None:
+        """Stop sending progress (before the process ends)."""
+        if self._beats is not None:
+            self._beats.stop()
+            self._beats = None
+
+    def trouble(self, generation: int) -> None:
+        """A peer failed us: the agent should look now. Also progress, sent at once, since a
+        worker busy reacting to its peer's loss has not beaten since it blocked on that peer."""
+        channel.write(self.store, channel.TROUBLE, generation)
         self.store.add(channel.beat_key(self.card), 1)
 
     def ended(self, sentence: str) -> None:
@@ -129,8 +152,33 @@ class WorkerLink:
         this sentence instead of reporting a crashed worker."""
         channel.write(self.store, channel.ENDED, sentence)
 
-    def trouble(self, generation: int) -> None:
-        """A peer failed us: the agent should look now. Also progress, since a worker busy
-        reacting to its peer's loss has not beaten since it blocked on that peer."""
-        channel.write(self.store, channel.TROUBLE, generation)
-        self.beat()
+
+class _BeatSender:
+    """Sends the progress counted in ``count`` (by the training thread) on its own
+    connection, every :data:`BEAT_EVERY_S` when it moved. Stopped before the process ends: a
+    daemon thread caught inside a store call at interpreter exit aborts the process."""
+
+    def __init__(self, link: WorkerLink, key: str) -> None:
+        self.count = 0
+        self._sent = 0
+        self._link, self._key = link, key
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="chameleon-beats", daemon=True)
+        self._thread.start()
+        atexit.register(self.stop)   # also when the script ends without closing its trainer
+
+    def stop(self) -> None:
+        atexit.unregister(self.stop)
+        self._stop.set()
+        self._thread.join(timeout=self._link.timeouts.store_s)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(BEAT_EVERY_S):
+            count = self.count
+            if count == self._sent:
+                continue
+            try:
+                self._link.store.add(self._key, count - self._sent)
+            except RuntimeError:  # the agent is gone: its death signal follows
+                continue
+            self._sent = count

@@ -153,6 +153,7 @@ class Recovery:
     def close(self) -> None:
         if self.watchdog is not None:
             self.watchdog.stop()
+        self.link.stop_beats()
 
     def step_committed(self) -> None:
         if self._pending is None:

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from .errors import PeerLost, PipelineRuntimeError
 from .executor import OpTiming
-from .grad_sync import square_share, sync_gradients
+from .grad_sync import GradientSums, square_share, sum_order, sync_gradients
 from .user_state import after_step
 
 __all__ = ["StepResult", "apply_step", "learning_rate", "train_step"]
@@ -96,12 +96,18 @@ def _compute_and_sync(t: TrainerState, step: int, record: bool
     issued, when compute ended)."""
     assert t.optimizer is not None and t.groups is not None
     t.optimizer.zero_grad(set_to_none=False)
+    sums = None
+    if t.sync_mode == "rounds":  # started during the last backward, as gradients are final
+        order = sum_order(t.layers, t.device, t.ranks, t.rounds, t.ties, t.tp_rank)
+        sums = GradientSums(t.layers, order, t.groups)
     outcome = t.executor.run(step, t.orders, record=record, on_phase=t.phases,
-                             loss_scale=t.loss_scale.scale)
+                             loss_scale=t.loss_scale.scale,
+                             final_backward=sums.armed if sums is not None else None)
     compute_done = time.perf_counter()
     t.phases(step, "sync")
     issued = sync_gradients(t.layers, t.device, t.ranks, t.groups, rounds=t.rounds,
-                            holders=t.holders, mode=t.sync_mode, ties=t.ties, tp_rank=t.tp_rank)
+                            holders=t.holders, mode=t.sync_mode, ties=t.ties, tp_rank=t.tp_rank,
+                            sums=sums)
     if not t.loss_scale.fixed:
         factor = t.loss_scale.unscale_factor()
         for module in t.layers.values():

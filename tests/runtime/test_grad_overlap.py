@@ -1,0 +1,102 @@
+"""Gradient sums start during the backward, as each chunk's gradients become final, in the
+order every holder shares; a chunk waits for the chunks before it; the sums are exact."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from chameleon_elastic.plan import AllReduceGroup
+from chameleon_elastic.runtime.grad_sync import GradientSums, sum_order, sync_gradients
+from chameleon_elastic.runtime.groups import GroupTable
+from chameleon_elastic.runtime.local_world import run_local_world
+from chameleon_elastic.runtime.topology import RankMap
+
+WIDTH, LAYERS = 8, 4
+LAYER_BYTES = (WIDTH * WIDTH + WIDTH) * 8  # float64 weight and bias
+
+
+class Skipping(nn.Module):
+    """A layer with a parameter no backward reaches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.used = nn.Linear(WIDTH, WIDTH, dtype=torch.float64)
+        self.unused = nn.Linear(WIDTH, WIDTH, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.used(x)
+
+
+def _layers(skip_last: bool) -> dict[int, nn.Module]:
+    torch.manual_seed(0)
+    out: dict[int, nn.Module] = {i: nn.Linear(WIDTH, WIDTH, dtype=torch.float64)
+                                 for i in range(LAYERS)}
+    if skip_last:
+        out[LAYERS - 1] = Skipping()
+    return out
+
+
+def _backward(layers: dict[int, nn.Module], rank: int, micro_batch: int) -> None:
+    gen = torch.Generator().manual_seed(100 * rank + micro_batch)
+    x = torch.randn(3, WIDTH, dtype=torch.float64, generator=gen)
+    for i in sorted(layers):
+        x = torch.tanh(layers[i](x))
+    x.square().sum().backward()
+
+
+def _grads(layers: dict[int, nn.Module]) -> list[torch.Tensor]:
+    return [p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+            for i in sorted(layers) for p in layers[i].parameters()]
+
+
+def _expected(world: int, skip_last: bool) -> list[torch.Tensor]:
+    """Every rank's two micro-batches, accumulated in one process, rank by rank summed."""
+    total = None
+    for rank in range(world):
+        layers = _layers(skip_last)
+        for mb in range(2):
+            _backward(layers, rank, mb)
+        grads = _grads(layers)
+        total = grads if total is None else [a + b for a, b in zip(total, grads)]
+    return total
+
+
+def _sum(rank: int, world: int, skip_last: bool) -> tuple[list, int, int, list]:
+    ranks = RankMap(tuple(range(world)))
+    rounds = ((AllReduceGroup(tuple(range(LAYERS)), tuple(range(world))),),)
+    groups = GroupTable([tuple(range(world))])
+    layers = _layers(skip_last)
+    order = sum_order(layers, rank, ranks, rounds, cap_bytes=LAYER_BYTES)
+    sums = GradientSums(layers, order, groups)
+    _backward(layers, rank, 0)  # not the last micro-batch: nothing is final yet
+    before = sums.started
+    with sums.armed():
+        _backward(layers, rank, 1)
+        during = sums.started
+    sync_gradients(layers, rank, ranks, groups, rounds=rounds, sums=sums)
+    return [g.numpy() for g in _grads(layers)], before, during, [c.params for c in order]
+
+
+@pytest.mark.timeout(60)
+def test_sums_start_during_the_last_backward_in_reverse_layer_order_and_are_exact():
+    out = run_local_world(_sum, 2, False, timeout_s=50)
+    expected = _expected(2, False)
+    for grads, before, during, chunks in out:
+        assert before == 0
+        assert during == len(chunks) == LAYERS  # one chunk per layer, all started in backward
+        assert [c[0][0] for c in chunks] == list(reversed(range(LAYERS)))
+        assert all(np.array_equal(g, e.numpy()) for g, e in zip(grads, expected))
+    assert out[0][3] == out[1][3]
+
+
+@pytest.mark.timeout(60)
+def test_a_chunk_never_final_holds_back_the_chunks_after_it_and_is_summed_at_the_end():
+    out = run_local_world(_sum, 2, True, timeout_s=50)
+    expected = _expected(2, True)
+    for grads, before, during, chunks in out:
+        assert chunks[0][-1][0] == LAYERS - 1  # the skipping layer comes first
+        assert before == 0 and during == 0
+        assert all(np.array_equal(g, e.numpy()) for g, e in zip(grads, expected))
