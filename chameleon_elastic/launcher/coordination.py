@@ -157,6 +157,16 @@ def collect(store: Any, scope: str, keys: Sequence[int]) -> list[NodeReport]:
             store.multi_get([f"{scope}node/{k}" for k in keys])]
 
 
+def _still_in(members: Members) -> set[int]:
+    """The members alive now; this node's lease lost meanwhile (the others count it gone)
+    ends its quick round."""
+    assert members.alive is not None
+    alive = set(members.alive())
+    if members.me not in alive:
+        raise QuickRoundFailed("this node's lease was lost: the others count it gone")
+    return alive
+
+
 def _live_reports(store: Any, scope: str, members: Members, timeout_s: float) -> list[int]:
     """The keys of a quick round's reports, once every member whose node is alive has
     reported (a member that lost its lease without reporting is left out). One poll is one
@@ -166,7 +176,7 @@ def _live_reports(store: Any, scope: str, members: Members, timeout_s: float) ->
     keys = list(members.keys)
     while True:
         if members.alive is not None:
-            alive = set(members.alive())
+            alive = _still_in(members)
             keys = [k for k in keys if k in alive or store.check([f"{scope}node/{k}"])]
         if store.check([f"{scope}node/{k}" for k in keys]):
             return keys
@@ -191,7 +201,7 @@ def _quick_decision(store: Any, scope: str, members: Members, timeout_s: float) 
             return adopt(store, scope)
         except dist.DistStoreError:   # this slice's timeout
             pass
-        if members.alive is not None and decider not in set(members.alive()):
+        if members.alive is not None and decider not in _still_in(members):
             raise QuickRoundFailed(f"node {decider}, which was deciding, is gone")
         if time.monotonic() > deadline:
             raise QuickRoundFailed(f"no decision from node {decider} within {timeout_s:.0f} s")
@@ -308,6 +318,8 @@ def agree(store: Any, scope: str, members: Members, mine: NodeReport, session: J
     if newest is not None and newest.plan is not None and (
             newest.plan.generation > session.plan.generation):
         session.adopt(newest.plan, newest.excluded)   # catch up before deciding anything
+    if quick and members.alive is not None:
+        _still_in(members)
     report(store, scope, members.me, mine)
     try:
         if members.decides:

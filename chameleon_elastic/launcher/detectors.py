@@ -302,6 +302,11 @@ class Watchers:
         """Nodes holding their lease, when leases are watched (etcd-v3)."""
         return self.lease.alive if self.lease is not None else None
 
+    def rejoined(self) -> None:
+        """A full round readmitted this node: its lease counts again (node_watch.py)."""
+        if self.lease is not None:
+            self.lease.rejoined()
+
     def leave(self, finished: bool) -> None:
         """Give our lease up: as finished (no loss for the others), or as gone."""
         if self.lease is not None:

@@ -81,9 +81,11 @@ class Transition:
         is reported once they have committed a step."""
         c, spec, session = self._c, wg.spec, self._c.session
         began = time.perf_counter()
+        alive = c.watchers.alive()
         quick = c.rounds.can_quick and (  # plain scripts: torchrun's rounds, but alone
-            (quick and session is not None) or c.rounds.params.max_nodes == 1)
-        info, members = c.rounds.open(spec, self.node, quick, c.watchers.alive())
+            (quick and session is not None) or c.rounds.params.max_nodes == 1) and (
+            alive is None or self.node in alive())   # our lease lost: the others count us gone
+        info, members = c.rounds.open(spec, self.node, quick, alive)
         if self.node is None:
             self.node = info.rank
             if self._planned:
@@ -98,6 +100,8 @@ class Transition:
                 c.emit(Event.FAILURE_SEEN, kind="quick_round_failed", reason=str(exc))
                 return self.run(wg, event, inplace_wanted, expect_reports)
             plan_s = time.perf_counter() - t
+        if not quick:
+            c.watchers.rejoined()
         if c.channel is not None:   # a lost peer reported before this round is handled
             channel.write(c.channel, channel.TROUBLE, -1)
         c.watchers.hangs.reset()
