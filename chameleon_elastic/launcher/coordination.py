@@ -2,7 +2,7 @@
 
 Protocol, once per rendezvous round (and once per recovery on a single node, where the round is
 reused). Keys live in the round's store under a scope that no other round shares (dynamic
-rendezvous stores are fresh per round; a reused round gets a per-attempt prefix), so an agent
+rendezvous stores are fresh per round; a quick round adds its epoch, ``q<epoch>/``), so an agent
 can never read a decision of an earlier round. They are not scoped by plan generation because an
 agent that joins late still holds generation 0: the round is the one id all agents share.
 
@@ -10,7 +10,7 @@ agent that joins late still holds generation 0: the round is the one id all agen
              the local devices it lost, the ones with a live worker, whether all those workers
              run on the runtime (so they can recover in place), and what its workers said about
              the last reported step and the last checkpoint.
-2. decide  - the group-rank-0 agent reads every report (``collect``), works out which devices
+2. decide  - the lowest member (group rank 0 of a full round) reads every report (``collect``), works out which devices
              are lost or back (``losses``), asks the planner (the session; when nothing changed
              but the workers regroup in place, the same layout as a new generation), and
              publishes one :class:`Decision` under ``decision``: the plan, the world in rank

@@ -16,7 +16,7 @@ One round per transition (launch or recovery). Three things make them differ fro
 - **Survivors admitted.** After a planned job's first round, later rounds close with whoever is
   left (:meth:`Rounds.admit_survivors`).
 
-Every generation gets a FRESH worker store: the group-rank-0 agent opens a new TCPStore on an
+Every generation gets a FRESH worker store: the deciding agent opens a new TCPStore on an
 OS-chosen port. torch keeps one shared store and one MASTER_PORT for the whole job, so a
 restarted worker can read the previous attempt's gloo addresses and hang or fail with
 "connectFullMesh ... Connection refused"; a new store cannot hold them. The store lives in the

@@ -6,7 +6,7 @@ plan change, so that at the next failure the decision is a lookup. The decision 
 planner's (``chameleon_elastic.planning``); this module only feeds it the lost / returning
 devices, keeps the plan-file per generation and summarises the decision for the event log.
 
-In a multi-node job the group-rank-0 agent decides (``apply``) and publishes the plan; the
+In a multi-node job the lowest member of the round decides (``apply``) and publishes the plan; the
 other agents ``adopt`` it, so their sessions follow the same plans even when they joined late.
 
 ``policy = "restart"`` is torchrun's behaviour: the plan never changes, the whole group restarts.
