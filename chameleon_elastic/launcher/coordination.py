@@ -1,7 +1,6 @@
 """How the agents agree on the next plan: report, decide and publish, adopt.
 
-Protocol, once per rendezvous round (and once per recovery on a single node, where the round is
-reused). Keys live in the round's store under a scope that no other round shares (dynamic
+Protocol, once per round: a rendezvous round, or a quick round (below). Keys live in the round's store under a scope that no other round shares (dynamic
 rendezvous stores are fresh per round; a quick round adds its epoch, ``q<epoch>/``), so an agent
 can never read a decision of an earlier round. They are not scoped by plan generation because an
 agent that joins late still holds generation 0: the round is the one id all agents share.
