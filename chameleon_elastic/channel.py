@@ -18,11 +18,17 @@ key                   writer   meaning
                                recover in place (unregistered scripts are relaunched)
 ``resumed/<N>/<d>``   worker   :class:`Resumed`: how device d entered generation N (timings)
 ``beat/<device>``     worker   a counter moved at every phase of every step (hang detection)
+``pace/<device>``     worker   its typical gap between phases in seconds (the auto hang timeout)
+``slow/<device>``     worker   present while it is in a stretch expected to be slow (hang.py)
 ``reported``          worker   last step the job's reporter handed to the user's callback
 ``checkpoint``        worker   last step a committed checkpoint holds (none: no checkpoint)
 ``checkpoints``       worker   set when the job writes checkpoints (even before its first one)
 ``trouble``           worker   a plan generation in which a worker lost a peer (so the agent
                                learns of peers on other nodes that it does not run)
+``cause/<N>``         worker   the first line of the first failure a worker met in generation N
+                               (named when failures keep coming back, retries.py)
+``ended``             worker   training cannot go on: the sentence that ends the job (the first
+                               one written stays)
 ====================  =======  ===================================================================
 
 A generation's process groups meet on the worker store named in its record, under the key
@@ -49,14 +55,18 @@ __all__ = [
     "Registration",
     "Resumed",
     "beat_key",
+    "cause_key",
     "chameleon_env",
     "generation_key",
     "job_env",
+    "pace_key",
     "read",
     "read_int",
     "resumed_key",
+    "slow_key",
     "worker_key",
     "write",
+    "write_once",
 ]
 
 AGENT_STORE_ENV = "CHAMELEON_AGENT_STORE"
@@ -135,6 +145,18 @@ def beat_key(card: int) -> str:
 
 def resumed_key(generation: int, card: int) -> str:
     return f"resumed/{generation}/{card}"
+
+
+def pace_key(card: int) -> str:
+    return f"pace/{card}"
+
+
+def slow_key(card: int) -> str:
+    return f"slow/{card}"
+
+
+def cause_key(generation: int) -> str:
+    return f"cause/{generation}"
 
 
 @dataclass(frozen=True)
@@ -223,6 +245,11 @@ def write(store: Any, key: str, record: Any) -> None:
     """Store a record (a dataclass above) or a plain JSON value under ``key``."""
     value = asdict(record) if hasattr(record, "__dataclass_fields__") else record
     store.set(key, json.dumps(value))
+
+
+def write_once(store: Any, key: str, value: Any) -> None:
+    """Store a plain JSON value under ``key`` unless one is there: the first writer's stays."""
+    store.compare_set(key, "", json.dumps(value))
 
 
 def read(store: Any, key: str) -> Any | None:

@@ -24,7 +24,9 @@ frozen value, checked once, and both sides (agent and workers) resolve it the sa
 | shutdown_s   | (torchrun's --shutdown-timeout)   | SIGTERM to SIGKILL when stopping workers|
 +--------------+-----------------------------------+-----------------------------------------+
 
-When ``hang_s`` is not set it is 60 s or half the collective timeout, whichever is less.
+When ``hang_s`` is not set it is 60 s or half the collective timeout, whichever is less, and
+``hang_auto`` is set: the agent then derives each worker's hang timeout from its measured phase
+times, with ``hang_s`` as the ceiling (chameleon_elastic/hang.py).
 
 Invariants: every value is positive (``hang_s`` may be 0: off), ``hang_s < collective_s`` (a
 hung worker is killed, which makes its peers' collectives fail at once, before any of them
@@ -66,9 +68,12 @@ class Timeouts:
     generation_s: float = 300.0
     failover_s: float = 60.0
     shutdown_s: float = 30.0
+    hang_auto: bool = False   # hang_s is the ceiling of a timeout derived from measurements
 
     def __post_init__(self) -> None:
         for f in fields(self):
+            if f.name == "hang_auto":
+                continue
             value = getattr(self, f.name)
             least = 0 if f.name == "hang_s" else None
             if not (isinstance(value, (int, float)) and math.isfinite(value)
@@ -97,11 +102,13 @@ class Timeouts:
     def resolve(cls, env: Mapping[str, str] | None = None, **given: float | None) -> Timeouts:
         """Environment > ``given`` (a flag or an argument; None means not given) > default."""
         env = os.environ if env is None else env
-        unknown = set(given) - {f.name for f in fields(cls)}
+        unknown = set(given) - ({f.name for f in fields(cls)} - {"hang_auto"})
         if unknown:
             raise TypeError(f"unknown timeout(s) {sorted(unknown)}")
         values: dict[str, float] = {}
         for f in fields(cls):
+            if f.name == "hang_auto":
+                continue
             var = ENV_VARS.get(f.name)
             raw = env.get(var) if var else None
             if raw is not None:
@@ -115,6 +122,7 @@ class Timeouts:
                 values[f.name] = float(given[f.name])  # type: ignore[arg-type]
         if "hang_s" not in values:   # follow a lowered collective timeout, keep below it
             values["hang_s"] = min(cls.hang_s, values.get("collective_s", cls.collective_s) / 2)
+            return cls(**values, hang_auto=True)
         return cls(**values)
 
     def delta(self, name: str) -> timedelta:

@@ -41,6 +41,7 @@ from torch.distributed.elastic.multiprocessing import LogsSpecs
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
 
+from chameleon_elastic import channel, retries
 from chameleon_elastic.timeouts import Timeouts
 
 from .detectors import Watchers
@@ -64,6 +65,9 @@ log = logging.getLogger("chameleon_elastic.launcher.agent")
 
 RecoveryMode = Literal["inplace", "relaunch"]
 
+# what abandons a generation (a node joining or a device coming back does not)
+_FAILURES = frozenset(Trigger) - {Trigger.MEMBERSHIP, Trigger.REJOINED}
+
 
 class ChameleonAgent(LocalElasticAgent):
     def __init__(
@@ -79,6 +83,7 @@ class ChameleonAgent(LocalElasticAgent):
         profiler: Profiler | None = None,
         recovery: RecoveryMode = "inplace",
         timeouts: Timeouts | None = None,
+        max_failed_generations: int = retries.DEFAULT_CAP,
         start_method: str = "spawn",
         exit_barrier_timeout: float = 300,
         log_line_prefix_template: str | None = None,
@@ -97,12 +102,15 @@ class ChameleonAgent(LocalElasticAgent):
         self._procs = WorkerProcesses()
         self._watchers = Watchers(self._timeouts.hang_s,
                                   NodeCards(0, spec.local_world_size, self._tp),
-                                  health or AlwaysHealthy(), self._emit, self._update_status)
+                                  health or AlwaysHealthy(), self._emit, self._update_status,
+                                  hang_auto=self._timeouts.hang_auto,
+                                  note=self._status.update)
         self._book = self._watchers.book
         self._reporter = RecoveryReporter(
             self._emit, self._status, profiler,
             logs_specs.root_log_dir if isinstance(logs_specs, WorkerLogs) else None, self._tp)
         self._budget = RestartBudget(spec.max_restarts, spec.max_restarts)
+        self._streak = retries.FailureStreak(max_failed_generations)
         self._exits: dict[int, Any] = {}        # global rank -> Exit, of the last poll
         self._channel: Any = None               # this node's agent <-> worker store
         if session is not None:
@@ -114,7 +122,7 @@ class ChameleonAgent(LocalElasticAgent):
             f"127.0.0.1:{self._channel.port}" if self._channel is not None else "",
             TorchHooks(self._set_local_rank_env, self._before_start,
                        self._log_line_prefix_template, logs_specs, start_method),
-            self._emit, lambda: self._profiler.worker_env() if self._profiler is not None else {})
+            self._emit, self._worker_env)
         self._transition = Transition(Crew(
             self._rounds, self._procs, self._watchers, self._budget, self._reporter, starter,
             self._timeouts, self._emit, self._update_status, self._report, session,
@@ -131,6 +139,14 @@ class ChameleonAgent(LocalElasticAgent):
     def _update_status(self, state: str) -> None:
         self._status.show(state, self._session, max(self._rounds.attempt, 0), self._budget.used,
                           self._budget.max_restarts)
+
+    def _worker_env(self) -> dict[str, str]:
+        """What the agent adds to a worker's environment: the cap on failed generations (the
+        workers count too) and the profiler's variables."""
+        env = {retries.ENV_VAR: str(self._streak.cap)}
+        if self._profiler is not None:
+            env.update(self._profiler.worker_env())
+        return env
 
     @property
     def _tp(self) -> int:
@@ -302,6 +318,8 @@ class ChameleonAgent(LocalElasticAgent):
         gen = self._session.plan.generation if self._session is not None else 0
         event = FailureEvent(r.trigger, gen, wall=time.time(), lost=r.lost, joined=r.joined,
                              failures=tick.failures if tick.state != WorkerState.HEALTHY else ())
+        if r.trigger in _FAILURES and self._gave_up(r, tick):
+            return self._end(f"giving up: {self._streak.sentence()}")
         if r.charge:
             self._budget.charge()
         try:
@@ -309,6 +327,24 @@ class ChameleonAgent(LocalElasticAgent):
         finally:
             self._budget.charged = False
         return None
+
+    def _gave_up(self, r: Reaction, tick: Tick) -> bool:
+        """Count the generation being abandoned unless it committed a step (a worker here said
+        how it resumed in it); True past the cap. Only runtime workers can say so: registered
+        ones, or ones that reported trouble before they could register."""
+        runtime = tick.runtime or r.trigger is Trigger.PEER_LOST
+        if not runtime or self._session is None or self._channel is None:
+            return False
+        gen = self._session.plan.generation
+        keys = [channel.resumed_key(gen, c) for c in self._here.cards]
+        if any(self._channel.check([k]) for k in keys):
+            self._streak.progressed()
+        for key in keys:   # a relaunch with no device changed keeps the generation's number
+            self._channel.delete_key(key)
+        said = "; ".join(f"device {f.device}: {f.reason}" for f in tick.failures)
+        if not said and r.trigger is Trigger.PEER_LOST:   # the workers' own words
+            said = channel.read(self._channel, channel.cause_key(gen)) or ""
+        return self._streak.failed(said or (r.trigger.value if r.trigger else "unknown"))
 
     def _end(self, sentence: str) -> RunResult:
         """The job cannot go on: one sentence, every worker stopped."""

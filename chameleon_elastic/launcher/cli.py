@@ -37,8 +37,8 @@ from typing import Any
 
 __all__ = ["LaunchConfigError", "ScriptNotFound", "build_parser", "console", "main"]
 
-OUR_FLAGS = ("--job", "--preset", "--policy", "--recovery", "--hang-timeout", "--plan-cache",
-             "--state-dir", "--event-log", "--health-file", "--profile", "--profile-out",
+OUR_FLAGS = ("--job", "--preset", "--policy", "--recovery", "--hang-timeout",
+             "--max-failed-generations", "--plan-cache", "--state-dir", "--event-log", "--health-file", "--profile", "--profile-out",
              "--no-status")
 
 _DYNAMIC_RDZV_DEFAULTS = {"keep_alive_interval": 1, "keep_alive_max_attempt": 3,
@@ -125,8 +125,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help="Seconds a worker on chameleon_elastic.runtime may make no progress "
                             "(and not be waiting for a peer) before its device is declared lost "
                             "and the worker killed; 0 turns it off. Scripts that never report "
-                            "progress are never killed. Default: 60, or half the collective "
-                            "timeout if that is lower (CHAMELEON_HANG_TIMEOUT_S overrides).")
+                            "progress are never killed. Default: auto, derived for each worker "
+                            "from its measured phase times, at most 60 s or half the collective "
+                            "timeout (CHAMELEON_HANG_TIMEOUT_S overrides).")
+    group.add_argument("--max-failed-generations", "--max_failed_generations", action=env,
+                       type=int, default=None,
+                       help="Plan generations in a row that may fail before committing a step "
+                            "(a failure that keeps coming back) before the job ends with one "
+                            "sentence naming the cause; 0: no cap. Default: 5 "
+                            "(CHAMELEON_MAX_FAILED_GENERATIONS overrides).")
     group.add_argument("--plan-cache", "--plan_cache", action=env, type=int, default=None,
                        help="Precompute plans for up to K simultaneous losses in the background "
                             "(default: the job's planner.cache_failures; 0 disables).")
@@ -228,6 +235,7 @@ class _Launch:
     cmd: Any
     cmd_args: list[Any]
     timeouts: Any
+    max_failed_generations: int
     state_dir: Path | None
     session: Any                 # JobSession with --job / --preset, else None
 
@@ -267,6 +275,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
         status=StatusLine(enabled=not args.no_status),
         health=FileHealthCheck(args.health_file) if args.health_file else AlwaysHealthy(),
         profiler=profiler, timeouts=launch.timeouts,
+        max_failed_generations=launch.max_failed_generations,
         recovery="relaunch" if session is None else session.spec.cluster.recovery,
         start_method=config.start_method,
         log_line_prefix_template=config.log_line_prefix_template,
@@ -291,6 +300,7 @@ def _check_job_flags(args: argparse.Namespace, parser: argparse.ArgumentParser) 
     job_only = (("--health-file", args.health_file), ("--profile", args.profile),
                 ("--plan-cache", args.plan_cache), ("--recovery", args.recovery),
                 ("--hang-timeout", args.hang_timeout),
+                ("--max-failed-generations", args.max_failed_generations),
                 ("--policy", None if args.policy == "auto" else args.policy))
     for flag, value in job_only:
         if value is not None and not job_mode:
@@ -304,6 +314,7 @@ def _resolve(args: argparse.Namespace, parser: argparse.ArgumentParser,
     every usage error is raised here, before anything starts or prints."""
     from torch.distributed.run import config_from_args, parse_min_max_nnodes
 
+    from chameleon_elastic.retries import RetrySettingError, resolve_cap
     from chameleon_elastic.timeouts import Timeouts, TimeoutSettingError
 
     try:
@@ -314,7 +325,8 @@ def _resolve(args: argparse.Namespace, parser: argparse.ArgumentParser,
     _, max_nodes = parse_min_max_nnodes(args.nnodes)
     try:
         timeouts = Timeouts.resolve(shutdown_s=config.shutdown_timeout, hang_s=args.hang_timeout)
-    except TimeoutSettingError as exc:
+        cap = resolve_cap(given=args.max_failed_generations)
+    except (TimeoutSettingError, RetrySettingError) as exc:
         parser.error(str(exc))
     _register_backends()
     if config.rdzv_backend not in ("static",):
@@ -338,7 +350,7 @@ def _resolve(args: argparse.Namespace, parser: argparse.ArgumentParser,
             if made_state_dir:   # nothing ran: leave nothing behind
                 shutil.rmtree(state_dir, ignore_errors=True)
             raise
-    return _Launch(config, cmd, list(cmd_args), timeouts, state_dir, session)
+    return _Launch(config, cmd, list(cmd_args), timeouts, cap, state_dir, session)
 
 
 def _worker_spec(launch: _Launch) -> tuple[Any, Any]:

@@ -13,6 +13,7 @@ decided in reactions.py.
 from __future__ import annotations
 
 import logging
+import math
 import signal
 import time
 from collections.abc import Callable
@@ -23,6 +24,7 @@ import psutil
 from torch.distributed.elastic.agent.server.api import WorkerState
 
 from chameleon_elastic import channel
+from chameleon_elastic.hang import derive_hang_s, describe
 
 from .failures import FailureKind, Trigger, WorkerFailure, classify_exit
 from .node_watch import NodeWatch
@@ -38,6 +40,8 @@ log = logging.getLogger("chameleon_elastic.launcher.detectors")
 # How long a worker past its hang timeout must look awake (running, in the kernel) before it
 # counts as hung: long enough for a peer's reaction to its partner's death to pass.
 _HANG_CONFIRM_S = 1.0
+# How often the workers' paces (for the auto hang timeout) are read from the channel.
+_PACE_READ_S = 2.0
 
 
 @dataclass
@@ -83,12 +87,19 @@ class HangWatch:
     ``_HANG_CONFIRM_S`` of consecutive looks, and "running" must have used at least half a
     core meanwhile (a process starved of a core by other load is runnable, not spinning).
     Scripts that never report progress are never hung. While one waits to be convicted, the
-    status line says so (a minute of silence looked like a frozen launcher)."""
+    status line says so (a minute of silence looked like a frozen launcher).
 
-    def __init__(self, hang_s: float, nproc: int, card: str = "device") -> None:
+    ``auto``: ``hang_s`` is a ceiling, and each worker's timeout is derived from its pace
+    (chameleon_elastic/hang.py), or is the ceiling while it says it is in a slow stretch."""
+
+    def __init__(self, hang_s: float, nproc: int, card: str = "device",
+                 auto: bool = False) -> None:
         self.hang_s = hang_s
+        self.auto = auto and bool(hang_s)
         self._nproc = nproc
         self._card = card
+        self._pace: dict[int, float] = {}   # device -> typical gap between its phases
+        self._pace_read = -math.inf
         self._beats: dict[int, tuple[int, float]] = {}   # device -> (progress count, since)
         # device -> (first look awake without progress, its CPU seconds then)
         self._awake: dict[int, tuple[float, float]] = {}
@@ -100,14 +111,40 @@ class HangWatch:
         self._awake.clear()
         self._shown.clear()
 
+    def in_force(self) -> str:
+        """The timeout in force, as the status line says it: ``5 s (auto)`` (the most lenient
+        over this node's workers, slow stretches aside), ``3 s`` or ``off``."""
+        if not self.auto:
+            return describe(self.hang_s, False)
+        paces = [self._pace.get(d) for d in self._beats]
+        figure = max((derive_hang_s(p, self.hang_s) for p in paces), default=self.hang_s)
+        return describe(figure, True)
+
+    def _limit(self, store: Any, device: int, looked: bool) -> float:
+        """``device``'s timeout now; ``looked``: ask whether it is in a slow stretch (a
+        read), else the least it can be."""
+        if not self.auto:
+            return self.hang_s
+        slow = looked and bool(store.check([channel.slow_key(device)]))
+        return derive_hang_s(self._pace.get(device), self.hang_s, slow)
+
+    def _read_paces(self, store: Any, pids: dict[int, int], now: float) -> None:
+        if not self.auto or now - self._pace_read < _PACE_READ_S:
+            return
+        self._pace_read = now
+        for device in pids:
+            pace = channel.read(store, channel.pace_key(device))
+            if pace is not None:
+                self._pace[device] = float(pace)
+
     def check(self, store: Any, pids: dict[int, int]) -> tuple[list[WorkerFailure], str | None]:
         """(hung workers, the status text when what it should say changed, else None)."""
-        limit = self.hang_s
-        if not limit or store is None:
+        if not self.hang_s or store is None:
             return [], None
         now = time.monotonic()
+        self._read_paces(store, pids, now)
         hung = []
-        stalled: dict[int, float] = {}
+        stalled: dict[int, tuple[float, float]] = {}   # device -> (idle, its timeout)
         for device, pid in sorted(pids.items()):
             count = channel.read_int(store, channel.beat_key(device))
             if count is None:
@@ -118,7 +155,7 @@ class HangWatch:
                 self._awake.pop(device, None)
                 continue
             idle = now - seen[1]
-            if idle < stall_shown_after(limit):
+            if idle < stall_shown_after(self._limit(store, device, looked=False)):
                 continue
             try:
                 proc = psutil.Process(pid)
@@ -129,12 +166,13 @@ class HangWatch:
             if state in (psutil.STATUS_SLEEPING, psutil.STATUS_IDLE):
                 self._awake.pop(device, None)
                 continue
-            stalled[device] = idle
+            limit = self._limit(store, device, looked=True)
+            stalled[device] = (idle, limit)
             if idle >= limit and self._convicted(device, state, cpu, now):
                 hung.append(WorkerFailure(
                     device, device % self._nproc, -signal.SIGKILL, None, FailureKind.DEVICE_LOST,
                     f"hung: no progress for {idle:.1f} s, process {state}",
-                    since=time.time() - idle))
+                    since=time.time() - idle, hang_s=limit, hang_auto=self.auto))
         return hung, self._status(stalled)
 
     def _convicted(self, device: int, state: str, cpu: float, now: float) -> bool:
@@ -147,19 +185,20 @@ class HangWatch:
             return False
         return True
 
-    def _status(self, stalled: dict[int, float]) -> str | None:
+    def _status(self, stalled: dict[int, tuple[float, float]]) -> str | None:
         """``device 2: no progress for 20 s (hung at 60 s)``, renewed each time a stall crosses
-        another step of ``stall_shown_after``; ``running`` once it is gone."""
-        step = stall_shown_after(self.hang_s)
-        shown = {d: int(idle // step) for d, idle in stalled.items()}
+        another step of ``stall_shown_after``; ``running`` once it is gone. An auto timeout
+        says so: ``(hung at 5 s, auto)``."""
+        shown = {d: int(idle // stall_shown_after(limit)) for d, (idle, limit) in stalled.items()}
         if shown == self._shown:
             return None
         self._shown = shown
         if not stalled:
             return "running"
         said = "; ".join(f"{self._card} {d}: no progress for {idle:.0f} s"
-                         for d, idle in sorted(stalled.items()))
-        return f"{said} (hung at {self.hang_s:g} s)"
+                         for d, (idle, _) in sorted(stalled.items()))
+        limit = max(limit for _, limit in stalled.values())
+        return f"{said} (hung at {limit:.3g} s{', auto' if self.auto else ''})"
 
 
 class PeerTrouble:
@@ -231,8 +270,9 @@ def log_failures(emit: Callable[..., None], failures: tuple[WorkerFailure, ...],
                  bad: set[int]) -> None:
     """One ``failure_seen`` event per failed worker and per unit failing the health check."""
     for f in failures:
+        hang = {} if f.hang_s is None else {"hang_s": f.hang_s, "hang_auto": f.hang_auto}
         emit(Event.FAILURE_SEEN, device=f.device, local_rank=f.local_rank, exitcode=f.exitcode,
-             signal=f.signal, kind=f.kind.value, reason=f.reason)
+             signal=f.signal, kind=f.kind.value, reason=f.reason, **hang)
     for d in sorted(bad):
         emit(Event.FAILURE_SEEN, device=d, kind=FailureKind.DEVICE_LOST.value,
              reason="device failed its health check", exitcode=None, signal=None,
@@ -244,9 +284,13 @@ class Watchers:
     ``lease`` is the etcd node watch (None elsewhere), set once the first round is done."""
 
     def __init__(self, hang_s: float, here: NodeCards, health: Any,
-                 emit: Callable[..., None], status: Callable[[str], None]) -> None:
+                 emit: Callable[..., None], status: Callable[[str], None],
+                 hang_auto: bool = False, note: Callable[..., None] = lambda **_: None) -> None:
         self.book = DeviceBook()
-        self.hangs = HangWatch(hang_s, here.nproc, "device" if here.tp == 1 else "card")
+        self.hangs = HangWatch(hang_s, here.nproc, "device" if here.tp == 1 else "card",
+                               auto=hang_auto)
+        self._note = note   # a field of the status line: the hang timeout in force
+        self._in_force = ""
         self.trouble = PeerTrouble()
         self.lease: Any = None
         self._health = health
@@ -261,6 +305,9 @@ class Watchers:
         The detectors are read in the table's order, each only when it can still matter."""
         healthy = state == WorkerState.HEALTHY
         hung, stall = self.hangs.check(store, pids) if healthy else ([], None)
+        if self.hangs.in_force() != self._in_force:
+            self._in_force = self.hangs.in_force()
+            self._note(hang=self._in_force)
         if stall is not None:
             self._status(stall)
         bad = set()

@@ -44,6 +44,8 @@ class WorkerFailure:
     reason: str
     since: float | None = None   # Unix time the failure began, when earlier than its sighting
                                  # (a hang: the worker's last progress)
+    hang_s: float | None = None  # a hang: the timeout in force, and whether it was derived
+    hang_auto: bool = False
 
     @property
     def stopped_on_request(self) -> bool:

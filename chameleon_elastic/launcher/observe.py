@@ -96,6 +96,8 @@ class StatusLine:
         if "live" in f:
             parts.append(f"live {f['live']}/{f.get('devices', '?')}")
         parts.append(f"restarts {f.get('restarts', 0)}/{f.get('max_restarts', 0)}")
+        if "hang" in f:
+            parts.append(f"hang timeout {f['hang']}")
         if "state" in f:
             parts.append(str(f["state"]))
         return " | ".join(parts)

@@ -13,11 +13,15 @@ if TYPE_CHECKING:
 __all__ = ["LostPeerMessage", "PeerLost", "PipelineRuntimeError", "communication_failure",
            "keep_message_only", "say_peer_loss_in_one_line"]
 
-#: What torch says when a collective broke because a peer died or tore its groups down (gloo's
-#: socket errors, a timeout, NCCL/HCCL): the collectives inside a tensor-parallel layer raise
-#: torch's own errors, not ours.
-_BROKEN_LINK = ("/gloo/", "Connection closed by peer", "Connection reset by peer", "Broken pipe",
-                "timed out", "Timed out", "NCCL error", "HCCL")
+#: How a broken collective reads where torch gives it no type: gloo's errors are bare
+#: ``RuntimeError``s in torch 2.13 (``[.../third_party/gloo/gloo/transport/tcp/pair.cc:553]
+#: Connection closed by peer``, ``Timed out waiting 3000ms for recv operation to complete``,
+#: ``Application timeout caused pair closure``), and so are torch_npu's HCCL errors. NCCL's
+#: errors and the stores' have types (:func:`communication_failure`). A generic "timed out" in
+#: a script's own error is not a lost peer: taken for one, it would be recovered from forever.
+_UNTYPED_BROKEN_LINK = ("/gloo/", "Gloo", "Connection closed by peer", "Connection reset by peer",
+                        "Broken pipe", "Timed out waiting",
+                        "Application timeout caused pair closure", "HCCL")
 
 
 class PipelineRuntimeError(RuntimeError):
@@ -68,12 +72,14 @@ def keep_message_only(catch: bool = True) -> LostPeerMessage:
 
 
 def communication_failure(exc: BaseException) -> bool:
-    """Whether ``exc`` is a broken collective or transfer (a lost peer), not a bug."""
+    """Whether ``exc`` is a broken collective or transfer (a lost peer), not a bug: by its type
+    where torch gives one (``DistError``: ``DistBackendError`` from NCCL, ``DistNetworkError``
+    and ``DistStoreError`` from the stores), by its words for the back-ends that give none."""
     import torch.distributed as dist
 
-    distributed = getattr(dist, "DistError", ())
-    return (distributed and isinstance(exc, distributed)) or any(
-        s in str(exc) for s in _BROKEN_LINK)
+    if isinstance(exc, dist.DistError):
+        return True
+    return type(exc) is RuntimeError and any(s in str(exc) for s in _UNTYPED_BROKEN_LINK)
 
 
 def say_peer_loss_in_one_line(device: int) -> None:

@@ -375,7 +375,7 @@ class PipelineExecutor:
                 raise
             # a collective inside a sharded layer (tensor parallelism) broke: a peer of this
             # unit is gone, as for a broken transfer
-            raise PeerLost(f"device {self.device} lost a peer of its unit in step {step}: "
+            raise PeerLost(f"device {self.device}: a collective failed in step {step}: "
                            f"{str(exc).splitlines()[0][:300]}") from exc
         finally:
             self._inbox = None
@@ -484,7 +484,7 @@ class PipelineExecutor:
         except RuntimeError as exc:
             if isinstance(exc, PipelineRuntimeError) or not communication_failure(exc):
                 raise
-            raise PeerLost(f"device {self.device} lost a peer of its unit in an "
+            raise PeerLost(f"device {self.device}: a collective failed in an "
                            f"evaluation: {str(exc).splitlines()[0][:300]}") from exc
         finally:
             self.layers.train(training)

@@ -14,7 +14,8 @@ from __future__ import annotations
 import atexit
 import os
 import threading
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch.distributed as dist
@@ -30,6 +31,8 @@ __all__ = ["BEAT_EVERY_S", "WorkerLink"]
 
 #: how often a worker's progress count goes to its agent (when it moved)
 BEAT_EVERY_S = 0.1
+#: how often its pace (typical gap between phases) does (when it moved by a tenth)
+PACE_EVERY_S = 1.0
 
 
 class WorkerLink:
@@ -131,15 +134,40 @@ class WorkerLink:
         thread every :data:`BEAT_EVERY_S`: a phase of a step costs no round trip to the agent
         (several per step, each a scheduling delay of the agent's process on a loaded host),
         and hang timeouts are seconds long."""
+        self._sender().count += 1
+
+    def slow(self, on: bool) -> None:
+        """This worker is in a stretch expected to be slow (entering a plan, a checkpoint, an
+        evaluation; runtime/phases.py): its agent holds it to the ceiling of the hang timeout,
+        not to the timeout derived from its pace. Said at once, not by the beat thread."""
+        key = channel.slow_key(self.card)
+        if on:
+            channel.write(self.store, key, True)
+        else:
+            self.store.delete_key(key)
+
+    def pace(self, typical: Callable[[], float | None]) -> None:
+        """Where the beat thread reads this worker's typical gap between phases (seconds),
+        which it sends to the agent about once a second when it moved (hang.py)."""
+        self._sender().typical = typical
+
+    def _sender(self) -> _BeatSender:
         if self._beats is None:
-            self._beats = _BeatSender(self.another(), channel.beat_key(self.card))
-        self._beats.count += 1
+            self._beats = _BeatSender(self.another(), self.card)
+        return self._beats
 
     def stop_beats(self) -> None:
         """Stop sending progress (before the process ends)."""
         if self._beats is not None:
             self._beats.stop()
             self._beats = None
+
+    def failed(self, generation: int, cause: str) -> None:
+        """What made this worker leave ``generation``, for the agent's sentence if failures keep
+        coming back; the first worker's words stay (its peers fail because it did)."""
+        lines = cause.strip().splitlines()
+        channel.write_once(self.store, channel.cause_key(generation),
+                           lines[0][:300] if lines else "unknown")
 
     def trouble(self, generation: int) -> None:
         """A peer failed us: the agent should look now. Also progress, sent at once, since a
@@ -148,20 +176,25 @@ class WorkerLink:
         self.store.add(channel.beat_key(self.card), 1)
 
     def ended(self, sentence: str) -> None:
-        """Training cannot go on (some layer's state exists nowhere): the agent ends the job with
-        this sentence instead of reporting a crashed worker."""
-        channel.write(self.store, channel.ENDED, sentence)
+        """Training cannot go on (some layer's state exists nowhere, or failures keep coming
+        back): the agent ends the job with this sentence instead of reporting a crashed worker.
+        The first sentence stays: the worker that failed first says why the others did."""
+        channel.write_once(self.store, channel.ENDED, sentence)
 
 
 class _BeatSender:
     """Sends the progress counted in ``count`` (by the training thread) on its own
-    connection, every :data:`BEAT_EVERY_S` when it moved. Stopped before the process ends: a
+    connection, every :data:`BEAT_EVERY_S` when it moved, and the worker's pace (``typical``)
+    every :data:`PACE_EVERY_S` when it moved by a tenth. Stopped before the process ends: a
     daemon thread caught inside a store call at interpreter exit aborts the process."""
 
-    def __init__(self, link: WorkerLink, key: str) -> None:
+    def __init__(self, link: WorkerLink, card: int) -> None:
         self.count = 0
+        self.typical: Callable[[], float | None] = lambda: None
         self._sent = 0
-        self._link, self._key = link, key
+        self._pace_sent: float | None = None
+        self._pace_at = 0.0
+        self._link, self._key, self._pace_key = link, channel.beat_key(card), channel.pace_key(card)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="chameleon-beats", daemon=True)
         self._thread.start()
@@ -174,6 +207,7 @@ class _BeatSender:
 
     def _loop(self) -> None:
         while not self._stop.wait(BEAT_EVERY_S):
+            self._send_pace()
             count = self.count
             if count == self._sent:
                 continue
@@ -182,3 +216,18 @@ class _BeatSender:
             except RuntimeError:  # the agent is gone: its death signal follows
                 continue
             self._sent = count
+
+    def _send_pace(self) -> None:
+        now = time.monotonic()
+        if now - self._pace_at < PACE_EVERY_S:
+            return
+        self._pace_at = now
+        pace = self.typical()
+        if pace is None or (self._pace_sent is not None
+                            and abs(pace - self._pace_sent) <= self._pace_sent / 10):
+            return
+        try:
+            channel.write(self._link.store, self._pace_key, pace)
+        except RuntimeError:  # the agent is gone: its death signal follows
+            return
+        self._pace_sent = pace

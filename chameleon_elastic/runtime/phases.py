@@ -1,16 +1,26 @@
 """Entering a phase of a training step: progress for the agent, then the test hook.
 
 Every phase of a step (``forward``, ``backward``, ``sync``, ``vote``, ``apply``, ``applied``,
-``enter`` as a plan is entered, and ``evaluate`` as an evaluation starts) passes through one :class:`Phases` object, which the trainer
-hands down to the executor. Why one object: the executor and the step only need "a phase
-begins", not the trainer; so nothing below the trainer calls back into it. A phase is progress
-for the agent's hang detection (``beat``: the channel's counter, set once the worker trains in
+``enter`` as a plan is entered, ``evaluate`` as an evaluation starts and ``checkpoint`` as a
+checkpoint starts) passes through one :class:`Phases` object, which the trainer hands down to
+the executor. Why one object: the executor and the step only need "a phase begins", not the
+trainer; so nothing below the trainer calls back into it. A phase is progress for the agent's
+hang detection (``beat``: the channel's counter, set once the worker trains in
 ``trainer.run``), then the fault-injection hook of tests (``on_phase(step, phase)``).
+
+The same object times the gaps between phases, from which the agent derives this worker's hang
+timeout (chameleon_elastic/hang.py): ``enter``, ``evaluate`` and ``checkpoint`` begin a stretch
+expected to be slow, which is not measured, and which the worker announces on its channel
+until the end of the next committed step. Timing a phase costs a clock read and a list append.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
+from typing import Any
+
+from chameleon_elastic.hang import SLOW_PHASES, GapWindow
 
 __all__ = ["PhaseHook", "Phases"]
 
@@ -24,9 +34,34 @@ class Phases:
     def __init__(self, hook: PhaseHook | None = None) -> None:
         self.hook = hook
         self.beat: Callable[[], None] | None = None
+        self.gaps = GapWindow()
+        self._say_slow: Callable[[bool], None] | None = None
+        self._slow = False
+        self._last: float | None = None
+
+    def report_to(self, link: Any) -> None:
+        """Beat on ``link`` (a WorkerLink), and tell it the measured pace and slow stretches."""
+        self.beat = link.beat
+        self._say_slow = link.slow
+        link.pace(self.gaps.typical)
+        if self._slow:
+            link.slow(True)
 
     def __call__(self, step: int, phase: str) -> None:
+        now = time.perf_counter()
+        if self._last is not None and not self._slow and phase not in SLOW_PHASES:
+            self.gaps.add(now - self._last)
+        self._last = now
+        if phase in SLOW_PHASES and not self._slow:
+            self._slow_stretch(True)
+        elif phase == "applied" and self._slow:
+            self._slow_stretch(False)
         if self.beat is not None:
             self.beat()
         if self.hook is not None:
             self.hook(step, phase)
+
+    def _slow_stretch(self, on: bool) -> None:
+        self._slow = on
+        if self._say_slow is not None:
+            self._say_slow(on)

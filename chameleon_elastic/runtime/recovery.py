@@ -36,6 +36,11 @@ A failure inside the chain (a second device lost while regrouping) aborts again 
 the generation after: the chain is idempotent because it starts from what every process holds
 and has committed, never from what the previous attempt assumed. Without an agent (plain
 torchrun, tests) :class:`~.errors.PeerLost` reaches the caller unchanged.
+
+Bounded (chameleon_elastic/retries.py): each generation abandoned before it committed a step
+counts, and past ``CHAMELEON_MAX_FAILED_GENERATIONS`` in a row the worker gives up with
+:class:`GaveUp`, after telling its agent the sentence that ends the job; a failure that
+repeats deterministically would otherwise regroup forever, its beats fooling the hang detector.
 """
 
 from __future__ import annotations
@@ -48,17 +53,22 @@ from dataclasses import replace
 from typing import Any
 
 from chameleon_elastic.channel import Resumed
+from chameleon_elastic.retries import FailureStreak, resolve_cap
 
 from .abort import Watchdog
 from .commit import StateLost
 from .entering import Entry, enter, release_groups
-from .errors import keep_message_only
+from .errors import PipelineRuntimeError, keep_message_only
 from .join import join_generation, read_plan
 from .link import WorkerLink
 
-__all__ = ["Recovery"]
+__all__ = ["GaveUp", "Recovery"]
 
 log = logging.getLogger("chameleon_elastic.runtime.recovery")
+
+
+class GaveUp(PipelineRuntimeError):
+    """Too many generations in a row failed before committing a step; the message says why."""
 
 
 class Recovery:
@@ -70,6 +80,7 @@ class Recovery:
         self.trainer = trainer
         self.link = link
         self.backend = backend   # a chameleon_elastic.plugins DeviceBackend
+        self.streak = FailureStreak(resolve_cap())
         self._pending: Resumed | None = None
         self._resumed_at = 0.0
         self.registered = False
@@ -95,6 +106,7 @@ class Recovery:
         trainer runs the new generation and ``trainer.committed`` is the step to resume at."""
         noticed_at = time.time()
         log.info("device %d: recovering (%s)", self.link.device, cause.splitlines()[0])
+        self.failed(self.trainer.plan.generation, cause)   # before its peers fail too
         self.abort()
         self.link.trouble(self.trainer.plan.generation)
         after = self.trainer.plan.generation
@@ -113,6 +125,7 @@ class Recovery:
                 break
             log.info("device %d: generation %d failed too (%s)", self.link.device,
                      gen.generation, again.message.splitlines()[0])
+            self.failed(gen.generation, again.message)
             self.abort()
             # say so: if no worker died (a peer that could not connect in time), no agent
             # would otherwise form the next generation, and everyone would wait for it
@@ -120,6 +133,14 @@ class Recovery:
             after = gen.generation
         self.started(entry, regroup_s=time.perf_counter() - began - entry.transfer_s,
                      noticed_at=noticed_at)
+
+    def failed(self, generation: int, cause: str) -> None:
+        """``generation`` was abandoned; past the cap of such in a row, end the job."""
+        self.link.failed(generation, cause)
+        if self.streak.failed(cause):
+            sentence = f"device {self.link.device}: {self.streak.sentence()}"
+            self.link.ended(sentence)
+            raise GaveUp(sentence)
 
     def started(self, entry: Entry, regroup_s: float, noticed_at: float | None) -> None:
         """Remember how this generation was entered; reported after its first step commits."""
@@ -156,6 +177,8 @@ class Recovery:
         self.link.stop_beats()
 
     def step_committed(self) -> None:
+        if self.streak.count:
+            self.streak.progressed()
         if self._pending is None:
             return
         self.link.resumed(replace(self._pending,

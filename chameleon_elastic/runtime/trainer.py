@@ -288,7 +288,7 @@ class PipelineTrainer:
         """
         if self.recovery is not None:
             self.recovery.register()
-            self.phases.beat = self.recovery.link.beat   # progress for hang detection
+            self.phases.report_to(self.recovery.link)   # progress for hang detection
             if self.checkpoint_dir is not None and checkpoint_every:
                 self.recovery.link.checkpoints()
         self._report(report, evaluate, steps)
@@ -333,6 +333,7 @@ class PipelineTrainer:
         if (self.checkpoint_dir is not None and checkpoint_every
                 and (done % checkpoint_every == 0 or done == steps)):
             self._settle_save()   # one save at a time
+            self.phases(done, "checkpoint")
             self.saving = BackgroundSave.start(self, self.checkpoint_dir, done)
         self._tell_saved()
 

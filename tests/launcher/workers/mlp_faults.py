@@ -12,7 +12,10 @@ peer's last message of the all-reduce never arrives): it abandons the step befor
 ``kill-saved`` - as ``kill``, once the checkpoint being written in the background has ended
 (a loss after the checkpoint is on disk, as a save that took no time would have it);
 ``raise`` - a bug: the script raises (only in the first process of the device, so the process
-that replaces it trains on); ``spin`` - a hang that keeps a core busy.
+that replaces it trains on); ``spin`` - a hang that keeps a core busy; ``dist-error`` - a
+``torch.distributed.DistBackendError`` (what NCCL raises), every time the phase is reached, in
+every generation: a failure that keeps coming back; ``stop-S`` - another process SIGSTOPs this
+one and SIGCONTs it S seconds later (a device frozen for a while).
 
 ``--tp-model``: residual MLP blocks with a tensor-parallel plan (``toy.tp_mlp_model``), for jobs
 with ``training.tp`` > 1; DEVICE in a fault then names a card (``unit * tp + tp rank``), and so
@@ -30,6 +33,10 @@ seeded epochs, instead of ``sample(index)``. ``--eval-every K``: evaluate on
 ``evaluate``); PHASE ``evaluate`` then names an evaluation (STEP: the steps committed), and
 each reported line carries ``eval_loss`` (null when the step was not evaluated).
 
+``--hold-at STEP``: every process waits as it enters the checkpoint phase after STEP steps
+(checkpoints every 2 steps) until ``OUT/release`` exists, so that a test can wait for what the
+launcher says before the faults that follow.
+
 ``--busy-start S``: a process that replaces an earlier one of its device spins S seconds before
 it starts. ``--pace S`` makes every step last at least S seconds (a sleep before its forward), so that a
 test can act while training runs. ``--min-world N``: a worker started in a smaller world waits
@@ -44,6 +51,7 @@ import json
 import math
 import os
 import signal
+import subprocess
 import sys
 import time
 
@@ -72,7 +80,7 @@ def main() -> None:
     args = [a for a in args if a not in ("--featured", "--tp-model")]
     options = {}
     for flag in ("--checkpoint-dir", "--pace", "--min-world", "--busy-start", "--dataset",
-                 "--eval-every"):
+                 "--eval-every", "--hold-at"):
         if flag in args:
             i = args.index(flag)
             options[flag] = args[i + 1]
@@ -101,10 +109,17 @@ def main() -> None:
 
     trainers = []   # the trainer, once built (kill-saved looks at its save in flight)
 
+    hold_at = int(options.get("--hold-at", -1))
+
     def on_phase(step: int, phase: str) -> None:
         if pace and phase == "forward":
             time.sleep(pace)
-        action = mine.pop((step, phase), None)
+        if (step, phase) == (hold_at, "checkpoint"):
+            while not os.path.exists(os.path.join(out, "release")):
+                time.sleep(0.05)
+        action = mine.get((step, phase))
+        if action != "dist-error":
+            mine.pop((step, phase), None)
         if action == "kill-saved" and trainers[0].saving is not None:
             trainers[0].saving.settle()
         if action in ("kill", "kill-saved"):
@@ -113,6 +128,11 @@ def main() -> None:
             raise PeerLost("injected: this rank's vote result was lost")
         elif action == "raise" and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
             raise ValueError("injected: a bug in the training script")
+        elif action == "dist-error":
+            raise torch.distributed.DistBackendError("injected: NCCL communicator was aborted")
+        elif action is not None and action.startswith("stop-"):
+            pid, seconds = os.getpid(), float(action.split("-")[1])
+            subprocess.Popen(["sh", "-c", f"kill -STOP {pid}; sleep {seconds}; kill -CONT {pid}"])
         elif action == "spin":
             while True:   # a hang that burns a core (a stuck kernel polling, a livelock)
                 pass

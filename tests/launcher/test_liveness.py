@@ -1,0 +1,125 @@
+"""Liveness end to end: a failure that keeps coming back ends the job within the cap, in one
+sentence, with no process left behind; the hang timeout derived from the workers' pace
+convicts a frozen worker, but not one frozen where slowness is expected."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+
+import pytest
+
+from .conftest import (
+    MLP_FAULTS,
+    assert_single_process_results,
+    pid_alive,
+    read_events,
+    wait_for,
+)
+
+
+def _launch_mlp(launch, tmp_path, steps: int, *worker_args: str, flags: tuple = (),
+                status: bool = False):
+    out, state = tmp_path / "out", tmp_path / "state"
+    out.mkdir()
+    run = launch("chameleon", ["--standalone", "--nproc-per-node", "4", "--preset", "tiny-cpu",
+                               "--state-dir", str(state), "--monitor-interval", "0.05",
+                               *(() if status else ("--no-status",)), *flags, MLP_FAULTS,
+                               str(out), str(steps), *worker_args])
+    return run, out, state
+
+
+def _pids(out) -> list[int]:
+    return [int(p) for f in out.glob("pid-*") for p in f.read_text().split()]
+
+
+@pytest.mark.timeout(90)
+def test_a_failure_in_every_generation_ends_the_job_within_the_cap_in_one_sentence(
+        tmp_path, launch):
+    """Device 1 raises torch's DistBackendError (a lost peer, by its type) in step 2's forward
+    of every generation: each recovery regroups, resumes at step 2 and fails again. With a cap
+    of 2 the third failed generation ends the job: exit 1, one sentence naming the error, no
+    traceback, every worker gone."""
+    run, out, state = _launch_mlp(launch, tmp_path, 6, "1:2:forward:dist-error",
+                                  flags=("--max-failed-generations", "2"))
+    assert run.wait(80) == 1, run.log.read_text()[-3000:]
+    log = run.log.read_text()
+    said = [x for x in log.splitlines() if "plan generations in a row failed" in x]
+    assert len(said) == 1, log[-3000:]
+    assert "3 plan generations in a row failed before committing a step" in said[0]
+    assert "injected: NCCL communicator was aborted" in said[0]
+    assert "--max-failed-generations (now 2)" in said[0]
+    assert "Traceback" not in log and "ChildFailedError" not in log
+    events = read_events(state / "events.jsonl")
+    assert [e["generation"] for e in events if e["event"] == "plan_chosen"] == [1, 2]
+    assert events[-1]["event"] == "job_finished" and events[-1]["state"] == "FAILED"
+    for pid in _pids(out):
+        wait_for(lambda pid=pid: not pid_alive(pid), 10, f"worker {pid} to stop")
+
+
+@pytest.mark.timeout(90)
+def test_relaunched_workers_that_fail_every_generation_are_bounded_by_the_agent(
+        tmp_path, launch):
+    """Under --recovery relaunch every generation starts fresh processes, so no worker can count
+    the generations that failed before it: device 1 says it lost a peer as it enters the plan,
+    in every process. The agent counts, and ends the job within the cap (1 here: a relaunch
+    is slow on a busy machine) with the sentence that names what the workers said."""
+    run, out, _ = _launch_mlp(launch, tmp_path, 6, "1:-1:enter:lose-vote",
+                                  flags=("--max-failed-generations", "1", "--recovery",
+                                         "relaunch"))
+    assert run.wait(80) == 1, run.log.read_text()[-3000:]
+    log = run.log.read_text()
+    said = [x for x in log.splitlines() if "plan generations in a row failed" in x]
+    assert len(said) == 1, log[-3000:]
+    assert said[0].startswith("chameleon-run: giving up: 2 plan generations in a row failed")
+    assert "injected: this rank's vote result was lost" in said[0]
+    assert "Traceback" not in log and "ChildFailedError" not in log
+    assert len((out / "pid-1").read_text().split()) == 2   # one process per failed generation
+    for pid in _pids(out):
+        wait_for(lambda pid=pid: not pid_alive(pid), 10, f"worker {pid} to stop")
+
+
+def _in_force(log: str) -> list[float]:
+    """The auto hang timeouts the status line said were in force, in order."""
+    return [float(m) for m in re.findall(r"hang timeout ([\d.]+) s \(auto\)", log)]
+
+
+@pytest.mark.timeout(90)
+def test_a_stopped_worker_is_convicted_on_the_timeout_derived_from_its_pace(tmp_path, launch):
+    """No --hang-timeout: the status line says the auto timeout in force once every worker has
+    a measured pace (steps of about 0.2 s: the 5 s floor, far below the 60 s ceiling); a
+    SIGSTOPped worker is then convicted on it and recovered from in place."""
+    run, out, state = _launch_mlp(launch, tmp_path, 14, "--pace", "0.2", status=True)
+    wait_for(lambda: any(x < 60 for x in _in_force(run.log.read_text())), 60,
+             "the status line's auto hang timeout below the ceiling")
+    victim = int((out / "pid-1").read_text().split()[0])
+    os.kill(victim, signal.SIGSTOP)
+    assert run.wait(80) == 0, run.log.read_text()[-3000:]
+    seen = [e for e in read_events(state / "events.jsonl") if e["event"] == "failure_seen"]
+    assert [e["device"] for e in seen] == [1] and seen[0]["hang_auto"] is True
+    assert 5 <= seen[0]["hang_s"] < 60
+    assert seen[0]["hang_s"] in _in_force(run.log.read_text())
+    log = run.log.read_text()
+    assert f"(hung at {seen[0]['hang_s']:.3g} s, auto)" in log
+    assert "device 1 lost (hung: no progress for " in log
+    assert not pid_alive(victim)
+
+
+@pytest.mark.timeout(90)
+def test_slow_phases_are_held_to_the_ceiling_not_to_the_derived_timeout(tmp_path, launch):
+    """Once the auto timeout is below the time device 1 will be frozen (8 s), device 1 is
+    frozen twice where slowness is expected: while it enters the plan made after device 3's
+    loss (a first step), and in a checkpoint. Neither is a hang: only device 3 is lost, and the
+    job finishes with single-process results."""
+    run, out, state = _launch_mlp(
+        launch, tmp_path, 16, "3:12:forward:kill", "1:12:enter:stop-8",
+        "1:14:checkpoint:stop-8", "--pace", "0.1", "--hold-at", "10",
+        "--checkpoint-dir", str(tmp_path / "ckpt"), status=True)
+    wait_for(lambda: any(x < 8 for x in _in_force(run.log.read_text())), 60,
+             "the status line's auto hang timeout below 8 s")
+    (out / "release").touch()
+    assert run.wait(80) == 0, run.log.read_text()[-3000:]
+    seen = [e for e in read_events(state / "events.jsonl") if e["event"] == "failure_seen"]
+    assert [(e["device"], e["signal"]) for e in seen] == [(3, "SIGKILL")]
+    assert_single_process_results(out, [0, 1, 2], 16)
