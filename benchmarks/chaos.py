@@ -6,13 +6,18 @@ the previous one:
 
     worker-kill   kill -9 of one worker
     worker-stop   SIGSTOP of one worker (a stuck device)
+    slow-device   one worker stopped 60 ms of every 120 ms for 10 s (SIGSTOP/SIGCONT from
+                  outside: a device at half speed); not a failure, so no device may be
+                  declared hung
     node-kill     SIGKILL of a node's launcher and workers (a node loss)
     node-stop     SIGSTOP of a node's launcher and workers (a frozen node)
     etcd-leader   SIGKILL of the etcd leader of a three-member cluster (chameleon-run only);
                   the member is restarted once the job trains again
+    etcd-restart  SIGKILL of a random member of the three (the leader included), started
+                  again at once on its data directory (chameleon-run only)
     partition     a node's link cut (network namespaces; needs root)
 
-chameleon-run runs with ``--rdzv-backend etcd-v3`` (lease_ttl 2 s, ``--hang-timeout 3``),
+chameleon-run runs with ``--rdzv-backend etcd-v3`` (lease_ttl 2 s, the automatic hang timeout),
 torchrun with ``--rdzv-backend c10d`` on the first node and ``--max-restarts 3``; both with a
 30 s collective timeout. Measured per fault: **detection** (the fault -> chameleon-run's first
 ``failure_seen`` after it; torchrun logs none) and **recovery** (the fault -> the first step that
@@ -23,7 +28,8 @@ example's default bf16 that can move the 4th decimal of later steps, which is ro
 lost step. A run *finishes* (every
 launcher left exits 0, every step printed), *ends* (exit 1 with one sentence, as when too few
 devices remain), *fails* (another exit, or a traceback) or *hangs* (no new step for ``--stall``
-seconds, or past ``--deadline``).
+seconds, or past ``--deadline``). Each run also counts the devices chameleon-run declared hung
+(``hung_declared``): a slowed device must not be one.
 
     python benchmarks/chaos.py --trials 50
     python benchmarks/chaos.py --trials 3 --launchers chameleon --json
@@ -52,7 +58,11 @@ import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 GPT = str(ROOT / "examples" / "train_gpt.py")
-KINDS = ("worker-kill", "worker-stop", "node-kill", "node-stop", "etcd-leader", "partition")
+KINDS = ("worker-kill", "worker-stop", "slow-device", "node-kill", "node-stop", "etcd-leader",
+         "etcd-restart", "partition")
+ETCD_FAULTS = ("etcd-leader", "etcd-restart")
+#: the slow device: stopped STOPPED_S of every PERIOD_S, for SLOW_FOR_S
+SLOW_FOR_S, STOPPED_S, PERIOD_S = 10.0, 0.06, 0.12
 LAUNCHERS = ("chameleon", "torchrun")
 STEP = re.compile(r"step\s+(\d+)\s+loss\s+([0-9.]+)")
 SENTENCE = re.compile(r"^chameleon-run: .*(lost|closed|no plan|cannot|left)", re.MULTILINE)
@@ -99,6 +109,22 @@ def _signal(pids, sig) -> None:
             os.kill(pid, sig)
 
 
+def _duty_cycle(pid: int) -> None:
+    """Slow ``pid`` down from outside, as a throttled device is: stopped ``STOPPED_S`` of every
+    ``PERIOD_S`` for ``SLOW_FOR_S``, then left running."""
+    end = time.monotonic() + SLOW_FOR_S
+    try:
+        while time.monotonic() < end:
+            os.kill(pid, signal.SIGSTOP)
+            time.sleep(STOPPED_S)
+            os.kill(pid, signal.SIGCONT)
+            time.sleep(PERIOD_S - STOPPED_S)
+    except ProcessLookupError:
+        pass   # killed meanwhile (another fault, or the end of the trial)
+    finally:
+        _signal([pid], signal.SIGCONT)
+
+
 @contextlib.contextmanager
 def testbed(netns: bool) -> Iterator[tuple[object | None, list[object | None]]]:
     if not netns:
@@ -121,7 +147,7 @@ def launch(launcher: str, index: int, hosts, endpoint: str, steps: int, tmp: Pat
                "--nproc-per-node", "2", "--rdzv-backend", "etcd-v3", "--rdzv-endpoint",
                endpoint, "--rdzv-id", "chaos", "--rdzv-conf",
                "last_call_timeout=3,lease_ttl=2", "--local-addr", addr, "--monitor-interval",
-               "0.1", "--no-status", "--preset", "tiny-cpu", "--hang-timeout", "3",
+               "0.1", "--no-status", "--preset", "tiny-cpu",
                "--state-dir", str(tmp / f"state{index}"), *script]
     else:
         rdzv = hosts[0].ip if hosts[0] is not None else "127.0.0.1"
@@ -245,7 +271,7 @@ class Trial:
         node_fault = kind in ("node-kill", "node-stop", "partition")
         if node_fault and len(alive_nodes) < 2:
             kind = "worker-kill"   # never take the last node: nothing would be left to say
-        if kind == "etcd-leader" and etcd is None:
+        if kind in ETCD_FAULTS and etcd is None:
             self.injected.append({"kind": kind, "skipped": "no etcd under torchrun + c10d"})
             return
         if kind == "partition" and bed is None:
@@ -254,12 +280,15 @@ class Trial:
         target = self.rng.choice(alive_nodes)
         printed = last_step(alive_nodes)
         at = time.time()
-        if kind in ("worker-kill", "worker-stop"):
+        if kind in ("worker-kill", "worker-stop", "slow-device"):
             workers = [p for n in alive_nodes for p in n.workers()]
             if not workers:
                 return
-            _signal([self.rng.choice(workers)],
-                    signal.SIGKILL if kind == "worker-kill" else signal.SIGSTOP)
+            victim = self.rng.choice(workers)
+            if kind == "slow-device":
+                threading.Thread(target=_duty_cycle, args=(victim,), daemon=True).start()
+            else:
+                _signal([victim], signal.SIGKILL if kind == "worker-kill" else signal.SIGSTOP)
         elif kind in ("node-kill", "node-stop"):
             _signal([target.proc.pid, *target.family],
                     signal.SIGKILL if kind == "node-kill" else signal.SIGSTOP)
@@ -267,6 +296,8 @@ class Trial:
         elif kind == "partition":
             bed.cut(target.host)
             alive_nodes.remove(target)
+        elif kind == "etcd-restart":
+            etcd.restart(self.rng.randrange(len(etcd.members)))
         else:
             killed = etcd.leader()
             etcd.kill(killed)
@@ -296,8 +327,10 @@ class Trial:
             outcome = "ended"
         else:
             outcome = "failed"
+        declared = sum(1 for e in events(tmp) if e["event"] == "failure_seen"
+                       and str(e.get("reason", "")).startswith("hung"))
         return {"launcher": self.launcher, "faults": self.injected, "outcome": outcome,
-                "exit_codes": codes, "losses": printed,
+                "exit_codes": codes, "losses": printed, "hung_declared": declared,
                 "output": {n.name: n.text() for n in nodes} | {
                     f"{p.parent.name}-events": p.read_text()
                     for p in tmp.glob("state*/events.jsonl")}}
@@ -346,10 +379,12 @@ def summarise(results: list[dict], ref: dict[int, float]) -> dict:
                 continue
             row = table.setdefault((r["launcher"], f["kind"]), {
                 "runs": 0, "finished": 0, "ended": 0, "failed": 0, "hung": 0, "detect": [],
-                "recover": [], "losses_differ": 0})
+                "recover": [], "losses_differ": 0, "hung_declared": None})
             row["runs"] += 1
             row[r["outcome"]] += 1
             row["losses_differ"] += bad
+            if "hung_declared" in r:   # journals before the slow device have none
+                row["hung_declared"] = (row["hung_declared"] or 0) + r["hung_declared"]
             if f.get("detect_s") is not None:
                 row["detect"].append(f["detect_s"])
             if f.get("recovery_s") is not None:
@@ -372,13 +407,14 @@ def print_table(report: dict) -> None:
     print(f"\nchaos: {report['trials']} trials, 1-3 faults each (seed {report['seed']}), tiny GPT "
           f"on 2 nodes x 2 gloo workers, {'network namespaces' if report['netns'] else 'loopback'}")
     print(f"{'launcher/fault':24s} {'runs':>5s} {'finished':>9s} {'ended':>6s} {'failed':>7s} "
-          f"{'hung':>5s} {'detect s med/max':>17s} {'recover s med/max':>18s} {'loss !=':>8s}")
+          f"{'hung':>5s} {'detect s med/max':>17s} {'recover s med/max':>18s} {'loss !=':>8s} "
+          f"{'declared hung':>13s}")
     for key, row in report["summary"].items():
         print(f"{key:24s} {row['runs']:>5d} {row['finished']:>9d} {row['ended']:>6d} "
               f"{row['failed']:>7d} {row['hung']:>5d} "
               f"{fmt(row['detect_median_s']):>8s}/{fmt(row['detect_max_s']):<8s} "
               f"{fmt(row['recover_median_s']):>9s}/{fmt(row['recover_max_s']):<8s} "
-              f"{row['losses_differ']:>8d}")
+              f"{row['losses_differ']:>8d} {str(row.get('hung_declared', '-')).replace('None', '-'):>13s}")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -30,3 +30,22 @@ def test_one_chaos_trial_finishes_with_the_failure_free_losses(tmp_path):
     kill = trial["faults"][0]
     assert kill["detect_s"] is not None and kill["recovery_s"] is not None
     assert trial["losses_differ"] == 0   # every printed step, 4 decimals
+
+
+@pytest.mark.timeout(150)
+def test_a_slowed_device_and_a_restarted_etcd_member_cost_nothing_but_time(tmp_path):
+    """Issue #22's two faults: one worker is slowed to half speed for 10 s (stopped 60 ms of
+    every 120 ms from outside), then an etcd member (any of the three) is killed and started
+    again. Neither is a lost device: the run finishes with the failure-free losses and no
+    device declared hung."""
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "chaos.py"), "--trials", "1",
+         "--launchers", "chameleon", "--faults", "slow-device,etcd-restart", "--steps", "14",
+         "--stall", "45", "--deadline", "110", "--no-netns", "--json"],
+        capture_output=True, text=True, timeout=140, cwd=tmp_path, check=False)
+    assert run.returncode == 0, run.stderr[-3000:]
+    (trial,) = json.loads(run.stdout)["results"]
+    assert trial["outcome"] == "finished", trial
+    assert [f["kind"] for f in trial["faults"]] == ["slow-device", "etcd-restart"]
+    assert trial["hung_declared"] == 0
+    assert trial["losses_differ"] == 0
