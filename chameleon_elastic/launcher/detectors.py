@@ -132,10 +132,8 @@ class HangWatch:
         if not self.auto or now - self._pace_read < _PACE_READ_S:
             return
         self._pace_read = now
-        for device in pids:
-            pace = channel.read(store, channel.pace_key(device))
-            if pace is not None:
-                self._pace[device] = float(pace)
+        paces = {d: channel.read(store, channel.pace_key(d)) for d in pids}
+        self._pace = {d: float(p) for d, p in paces.items() if p is not None}
 
     def check(self, store: Any, pids: dict[int, int]) -> tuple[list[WorkerFailure], str | None]:
         """(hung workers, the status text when what it should say changed, else None)."""

@@ -166,11 +166,14 @@ class Rounds:
         return full + (f"q{epoch}/" if epoch else "")
 
     def open_worker_store(self, spec: Any, info: Any, host: bool) -> tuple[str, int]:
-        """A fresh TCPStore per generation, hosted by the deciding agent (``host``)."""
+        """A fresh TCPStore per generation, hosted by the deciding agent (``host``), at its own
+        address: ``--local-addr`` when given, since in a quick round the decider need not be
+        the node that hosted the last full round's store (whose address the round's info
+        holds; a lost node's, when that node is the one that was lost)."""
         key = self.scope() + "worker_store"
         self._worker_store = None  # drop the previous generation's server first
         if host:
-            addr = spec.master_addr or info.bootstrap_store_info.master_addr
+            addr = spec.master_addr or spec.local_addr or info.bootstrap_store_info.master_addr
             server = dist.TCPStore(host_name=addr, port=0, is_master=True,
                                    wait_for_workers=False, multi_tenant=False,
                                    timeout=self._timeouts.delta("store_s"))

@@ -109,6 +109,19 @@ def assert_single_process_results(out: Path, survivors: list[int], steps: int,
     assert held == set(ref_params)
 
 
+def launch_mlp(launch, tmp_path: Path, steps: int, *worker_args: str, flags: tuple = (),
+               status: bool = False):
+    """chameleon-run --preset tiny-cpu over 4 workers of workers/mlp_faults.py:
+    (launcher, its OUT directory, its state directory)."""
+    out, state = tmp_path / "out", tmp_path / "state"
+    out.mkdir()
+    run = launch("chameleon", ["--standalone", "--nproc-per-node", "4", "--preset", "tiny-cpu",
+                               "--state-dir", str(state), "--monitor-interval", "0.05",
+                               *(() if status else ("--no-status",)), *flags, MLP_FAULTS,
+                               str(out), str(steps), *worker_args])
+    return run, out, state
+
+
 def wait_for(predicate: Callable[[], object], timeout: float, what: str) -> object:
     deadline = time.monotonic() + timeout
     while True:

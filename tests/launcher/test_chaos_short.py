@@ -1,6 +1,7 @@
-"""The chaos benchmark's short version (issue #16 asks the suite to run one): one trial of
-chameleon-run on 2 nodes x 2 gloo workers with a three-member etcd cluster, a worker
-``kill -9`` and the etcd leader killed, against the failure-free run's losses."""
+"""The chaos benchmark's short version (issue #16 asks the suite to run one): trials of
+chameleon-run on 2 nodes x 2 gloo workers with a three-member etcd cluster, against the
+failure-free run's losses: a worker ``kill -9`` and the etcd leader killed; a slowed device and
+an etcd member restarted (issue #22)."""
 
 from __future__ import annotations
 
@@ -14,16 +15,21 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.timeout(150)   # about 45 s on 2 quiet cores; the timeouts leave room for load
-def test_one_chaos_trial_finishes_with_the_failure_free_losses(tmp_path):
+def _one_trial(tmp_path: Path, faults: str, deadline: int) -> dict:
+    """One chameleon-run trial of benchmarks/chaos.py with ``faults``, on loopback."""
     run = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "chaos.py"), "--trials", "1",
-         "--launchers", "chameleon", "--faults", "worker-kill,etcd-leader", "--steps", "14",
-         "--stall", "45", "--deadline", "80", "--no-netns", "--json"],
+         "--launchers", "chameleon", "--faults", faults, "--steps", "14",
+         "--stall", "45", "--deadline", str(deadline), "--no-netns", "--json"],
         capture_output=True, text=True, timeout=140, cwd=tmp_path, check=False)
     assert run.returncode == 0, run.stderr[-3000:]
-    report = json.loads(run.stdout)
-    (trial,) = report["results"]
+    (trial,) = json.loads(run.stdout)["results"]
+    return trial
+
+
+@pytest.mark.timeout(150)   # about 45 s on 2 quiet cores; the timeouts leave room for load
+def test_one_chaos_trial_finishes_with_the_failure_free_losses(tmp_path):
+    trial = _one_trial(tmp_path, "worker-kill,etcd-leader", 80)
     assert trial["outcome"] == "finished", trial
     kinds = [f["kind"] for f in trial["faults"]]
     assert kinds == ["worker-kill", "etcd-leader"]
@@ -38,13 +44,7 @@ def test_a_slowed_device_and_a_restarted_etcd_member_cost_nothing_but_time(tmp_p
     every 120 ms from outside), then an etcd member (any of the three) is killed and started
     again. Neither is a lost device: the run finishes with the failure-free losses and no
     device declared hung."""
-    run = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "chaos.py"), "--trials", "1",
-         "--launchers", "chameleon", "--faults", "slow-device,etcd-restart", "--steps", "14",
-         "--stall", "45", "--deadline", "110", "--no-netns", "--json"],
-        capture_output=True, text=True, timeout=140, cwd=tmp_path, check=False)
-    assert run.returncode == 0, run.stderr[-3000:]
-    (trial,) = json.loads(run.stdout)["results"]
+    trial = _one_trial(tmp_path, "slow-device,etcd-restart", 110)
     assert trial["outcome"] == "finished", trial
     assert [f["kind"] for f in trial["faults"]] == ["slow-device", "etcd-restart"]
     assert trial["hung_declared"] == 0

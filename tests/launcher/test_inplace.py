@@ -26,6 +26,9 @@ from .conftest import (
     read_events,
     wait_for,
 )
+from .conftest import (
+    launch_mlp as _launch_mlp,
+)
 
 STEPS = 6
 
@@ -78,17 +81,6 @@ def test_fault_in_every_phase_recovers_in_place_with_single_process_results(
         assert set(r["rolled_forward"]) == rolled and r["resumed_step"] == 4
     assert all(e["restarts_used"] == 0 for e in recovered)
     assert "Traceback" not in run.log.read_text()
-
-
-def _launch_mlp(launch, tmp_path, steps: int, *worker_args: str, flags: tuple = (),
-                status: bool = False):
-    out, state = tmp_path / "out", tmp_path / "state"
-    out.mkdir()
-    run = launch("chameleon", ["--standalone", "--nproc-per-node", "4", "--preset", "tiny-cpu",
-                               "--state-dir", str(state), "--monitor-interval", "0.05",
-                               *(() if status else ("--no-status",)), *flags, MLP_FAULTS,
-                               str(out), str(steps), *worker_args])
-    return run, out, state
 
 
 def _reported(out) -> list[dict]:

@@ -11,23 +11,14 @@ import signal
 import pytest
 
 from .conftest import (
-    MLP_FAULTS,
     assert_single_process_results,
     pid_alive,
     read_events,
     wait_for,
 )
-
-
-def _launch_mlp(launch, tmp_path, steps: int, *worker_args: str, flags: tuple = (),
-                status: bool = False):
-    out, state = tmp_path / "out", tmp_path / "state"
-    out.mkdir()
-    run = launch("chameleon", ["--standalone", "--nproc-per-node", "4", "--preset", "tiny-cpu",
-                               "--state-dir", str(state), "--monitor-interval", "0.05",
-                               *(() if status else ("--no-status",)), *flags, MLP_FAULTS,
-                               str(out), str(steps), *worker_args])
-    return run, out, state
+from .conftest import (
+    launch_mlp as _launch_mlp,
+)
 
 
 def _pids(out) -> list[int]:
