@@ -114,3 +114,29 @@ def test_slow_phases_are_held_to_the_ceiling_not_to_the_derived_timeout(tmp_path
     seen = [e for e in read_events(state / "events.jsonl") if e["event"] == "failure_seen"]
     assert [(e["device"], e["signal"]) for e in seen] == [(3, "SIGKILL")]
     assert_single_process_results(out, [0, 1, 2], 16)
+
+
+def test_a_quick_rounds_decider_hosts_the_worker_store_at_its_own_address():
+    """In a quick round the decider may be another node than the one that hosted the last full
+    round's store; when that node is the one lost, its address is unreachable. The decider
+    hosts the new worker store at its own --local-addr (chaos trials 2, 6 and 8 timed out
+    connecting to the lost node's address)."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from chameleon_elastic.launcher.observe import StatusLine
+    from chameleon_elastic.launcher.rounds import Rounds
+    from chameleon_elastic.timeouts import Timeouts
+
+    rounds = Rounds(SimpleNamespace(backend="etcd-v3"), Timeouts(store_s=2, hang_s=1,
+                                                                  collective_s=2),
+                    StatusLine(enabled=False), lambda *a, **k: None)
+    lost_host = SimpleNamespace(master_addr="10.255.255.1")   # TEST-NET: never answers
+    info = SimpleNamespace(store=dist.HashStore(), bootstrap_store_info=lost_host)
+    spec = SimpleNamespace(master_addr=None, local_addr="127.0.0.1")
+    addr, port = rounds.open_worker_store(spec, info, host=True)
+    assert addr == "127.0.0.1"
+    client = dist.TCPStore(addr, port, is_master=False)   # reachable there
+    client.set("k", "v")
+    rounds.close()
