@@ -98,4 +98,7 @@ def test_the_agent_holds_each_worker_to_its_own_pace_and_a_slow_one_to_the_ceili
     assert watch._limit(store, 1, looked=False) == FLOOR_S
     assert watch._limit(store, 1, looked=True) == 60
     fixed = HangWatch(3, nproc=2)
-    assert fixed._limit(store, 0, looked=True) == 3 and fixed.in_force() == "3 s"
+    assert fixed._limit(store, 0, looked=True) == 3 and fixed.in_force() == ""   # no beat yet
+    channel.write(store, channel.beat_key(0), 1)
+    fixed.check(store, {0: 1})
+    assert fixed.in_force() == "3 s"

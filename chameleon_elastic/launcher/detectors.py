@@ -113,7 +113,10 @@ class HangWatch:
 
     def in_force(self) -> str:
         """The timeout in force, as the status line says it: ``5 s (auto)`` (the most lenient
-        over this node's workers, slow stretches aside), ``3 s`` or ``off``."""
+        over this node's workers, slow stretches aside), ``3 s`` or ``off``; nothing before a
+        worker beats (a script off the runtime is never hang-checked)."""
+        if not self._beats:
+            return ""
         if not self.auto:
             return describe(self.hang_s, False)
         paces = [self._pace.get(d) for d in self._beats]
@@ -303,9 +306,10 @@ class Watchers:
         The detectors are read in the table's order, each only when it can still matter."""
         healthy = state == WorkerState.HEALTHY
         hung, stall = self.hangs.check(store, pids) if healthy else ([], None)
-        if self.hangs.in_force() != self._in_force:
-            self._in_force = self.hangs.in_force()
-            self._note(hang=self._in_force)
+        in_force = self.hangs.in_force()
+        if in_force and in_force != self._in_force:
+            self._in_force = in_force
+            self._note(hang=in_force)
         if stall is not None:
             self._status(stall)
         bad = set()
