@@ -23,6 +23,7 @@ key                   writer   meaning
 ``reported``          worker   last step the job's reporter handed to the user's callback
 ``checkpoint``        worker   last step a committed checkpoint holds (none: no checkpoint)
 ``checkpoints``       worker   set when the job writes checkpoints (even before its first one)
+``max_failed``        agent    the cap on failed generations in a row (retries.py)
 ``trouble``           worker   a plan generation in which a worker lost a peer (so the agent
                                learns of peers on other nodes that it does not run)
 ``cause/<N>``         worker   the first line of the first failure a worker met in generation N
@@ -75,6 +76,7 @@ REPORTED = "reported"
 CHECKPOINT = "checkpoint"
 CHECKPOINTS = "checkpoints"
 TROUBLE = "trouble"
+MAX_FAILED = "max_failed"
 ENDED = "ended"          # a worker found that training cannot go on: the sentence that says why
 
 CHAMELEON_VARS: tuple[str, ...] = (

@@ -13,7 +13,7 @@ that names the cause which kept coming back, and a non-zero exit.
 
 The cap resolves as the timeouts do: ``CHAMELEON_MAX_FAILED_GENERATIONS`` > ``chameleon-run
 --max-failed-generations`` > :data:`DEFAULT_CAP`; 0 means no cap. The agent hands the resolved
-value to its workers in that variable.
+value to its workers on its channel (``max_failed``).
 """
 
 from __future__ import annotations

@@ -117,12 +117,14 @@ class ChameleonAgent(LocalElasticAgent):
             self._channel = dist.TCPStore("127.0.0.1", 0, is_master=True,
                                           wait_for_workers=False,
                                           timeout=self._timeouts.delta("store_s"))
+            # the workers count failed generations too, up to the same cap
+            channel.write(self._channel, channel.MAX_FAILED, max_failed_generations)
         starter = WorkerStarter(
             self._procs, self._channel,
             f"127.0.0.1:{self._channel.port}" if self._channel is not None else "",
             TorchHooks(self._set_local_rank_env, self._before_start,
                        self._log_line_prefix_template, logs_specs, start_method),
-            self._emit, self._worker_env)
+            self._emit, lambda: self._profiler.worker_env() if self._profiler is not None else {})
         self._transition = Transition(Crew(
             self._rounds, self._procs, self._watchers, self._budget, self._reporter, starter,
             self._timeouts, self._emit, self._update_status, self._report, session,
@@ -139,14 +141,6 @@ class ChameleonAgent(LocalElasticAgent):
     def _update_status(self, state: str) -> None:
         self._status.show(state, self._session, max(self._rounds.attempt, 0), self._budget.used,
                           self._budget.max_restarts)
-
-    def _worker_env(self) -> dict[str, str]:
-        """What the agent adds to a worker's environment: the cap on failed generations (the
-        workers count too) and the profiler's variables."""
-        env = {retries.ENV_VAR: str(self._streak.cap)}
-        if self._profiler is not None:
-            env.update(self._profiler.worker_env())
-        return env
 
     @property
     def _tp(self) -> int:

@@ -38,7 +38,7 @@ and has committed, never from what the previous attempt assumed. Without an agen
 torchrun, tests) :class:`~.errors.PeerLost` reaches the caller unchanged.
 
 Bounded (chameleon_elastic/retries.py): each generation abandoned before it committed a step
-counts, and past ``CHAMELEON_MAX_FAILED_GENERATIONS`` in a row the worker gives up with
+counts, and past the agent's cap (``--max-failed-generations``) in a row the worker gives up with
 :class:`GaveUp`, after telling its agent the sentence that ends the job; a failure that
 repeats deterministically would otherwise regroup forever, its beats fooling the hang detector.
 """
@@ -52,8 +52,9 @@ import time
 from dataclasses import replace
 from typing import Any
 
+from chameleon_elastic import channel
 from chameleon_elastic.channel import Resumed
-from chameleon_elastic.retries import FailureStreak, resolve_cap
+from chameleon_elastic.retries import DEFAULT_CAP, FailureStreak
 
 from .abort import Watchdog
 from .commit import StateLost
@@ -80,7 +81,8 @@ class Recovery:
         self.trainer = trainer
         self.link = link
         self.backend = backend   # a chameleon_elastic.plugins DeviceBackend
-        self.streak = FailureStreak(resolve_cap())
+        cap = channel.read_int(link.store, channel.MAX_FAILED)   # the agent's
+        self.streak = FailureStreak(DEFAULT_CAP if cap is None else cap)
         self._pending: Resumed | None = None
         self._resumed_at = 0.0
         self.registered = False
