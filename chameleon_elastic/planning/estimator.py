@@ -71,7 +71,7 @@ from .schedule import (
     Lane,
     Stream,
     coupled_makespan,
-    pipeline_schedule,
+    pipeline_end,
     streams_in_flight_peak,
 )
 
@@ -179,8 +179,7 @@ def pipeline_makespan(stage_times: tuple[tuple[float, float], ...], micro_batche
     first = stage_times[0]
     if all(t == first for t in stage_times):
         return (len(stage_times) + micro_batches - 1) * (first[0] + first[1])
-    ends = pipeline_schedule(stage_times, micro_batches)
-    return max(ends[0][1])
+    return pipeline_end(stage_times, micro_batches)
 
 
 def ring_time(spec: JobSpec, layers: Iterable[int], n_devices: int) -> float:

@@ -114,22 +114,19 @@ class Placement:
 
 def holdings(current: ExecutionPlan, live: Sequence[int]) -> dict[int, LayerRange]:
     """Layer range each live device holds now: its stage's range if it works in ``current``."""
-    working = set(current.working_devices)
-    where: dict[int, LayerRange] = {}
-    for p in current.pipelines:
-        for device, layer_range in zip(p.devices, p.layers):
-            if device in working:
-                where[device] = layer_range
-    return {d: where.get(d, _NOTHING) for d in live}
+    where = _positions(current)
+    return {d: where[d][2] if d in where else _NOTHING for d in live}
 
 
-def _positions(current: ExecutionPlan) -> dict[int, tuple[int, int]]:
-    working = set(current.working_devices)
+def _positions(current: ExecutionPlan) -> dict[int, tuple[int, int, LayerRange]]:
+    """(pipeline, stage, layer range) of every working device of ``current``: one pass over
+    the plan that both the holdings and the assignment's tie-break read."""
+    dead = set(current.failed_devices)
     return {
-        d: (i, s)
+        d: (i, s, layer_range)
         for i, p in enumerate(current.pipelines)
-        for s, d in enumerate(p.devices)
-        if d in working
+        for s, (d, layer_range) in enumerate(zip(p.devices, p.layers))
+        if d not in dead
     }
 
 
@@ -203,8 +200,9 @@ def transfer_cost_matrix(spec: JobSpec, current: ExecutionPlan, layout: Sequence
     return np.where(lo < hi, missing, np.broadcast_to(whole, missing.shape))
 
 
-def _assign(spec: JobSpec, current: ExecutionPlan, layout: Sequence[Pipeline],
-            live: Sequence[int]) -> list[int | None]:
+def _assign(spec: JobSpec, current: ExecutionPlan, slots: Sequence[tuple[int, int, LayerRange]],
+            positions: Mapping[int, tuple[int, int, LayerRange]], live: Sequence[int]
+            ) -> list[int | None]:
     """Slot number taken by each device of ``live`` (``None``: spare).
 
     Devices that hold the same range are interchangeable for the cost, and so are slots that
@@ -214,19 +212,18 @@ def _assign(spec: JobSpec, current: ExecutionPlan, layout: Sequence[Pipeline],
     fraction of the cost: O(N^3) Hungarian took 1.7 s at 2048 devices, this takes milliseconds.
     The tie penalty then decides which devices of a class take which slots of a class: first
     every device whose own pipeline and stage is such a slot, then the rest in id order.
+    ``slots``: ``_slot_table`` of the layout; ``positions``: ``_positions(current)``.
     """
-    slots = _slot_table(layout, current.num_layers)
     n_live, n_slots = len(live), len(slots)
     if n_live < n_slots:
         raise RestoreError(
             f"the layout has {n_slots} slots but only {n_live} live devices; plan a layout "
             "with at most as many slots as live devices."
         )
-    held = holdings(current, live)
-    working = set(current.working_devices)
     dev_classes: dict[tuple[LayerRange, bool], list[int]] = {}
     for d in live:
-        dev_classes.setdefault((held[d], d in working), []).append(d)
+        at = positions.get(d)
+        dev_classes.setdefault((_NOTHING, False) if at is None else (at[2], True), []).append(d)
     slot_classes: dict[LayerRange, list[int]] = {}
     for j, (_, _, rng) in enumerate(slots):
         slot_classes.setdefault(rng, []).append(j)
@@ -258,26 +255,30 @@ def _assign(spec: JobSpec, current: ExecutionPlan, layout: Sequence[Pipeline],
         graph.add_edge(("s", rng), "sink", capacity=len(members), weight=0)
     flow = nx.min_cost_flow(graph)
 
-    positions = _positions(current)
     slot_at = {(p, s): j for j, (p, s, _) in enumerate(slots)}
     taken: dict[int, int | None] = {}
     free_slots = {rng: set(members) for rng, members in slot_classes.items()}
+    cursor = dict.fromkeys(slot_classes, 0)  # slots before it in a class are taken
     for key, members in dev_classes.items():
         quota = {rng: flow[("d", key)].get(("s", rng), 0) for rng in slot_classes}
         for d in members:  # keep a device where it stands when its class may take that slot
-            j = slot_at.get(positions.get(d, (-1, -1)))
+            at = positions.get(d)
+            j = None if at is None else slot_at.get(at[:2])
             if j is not None:
                 rng = slots[j][2]
                 if quota.get(rng, 0) > 0 and j in free_slots[rng]:
                     taken[d] = j
                     quota[rng] -= 1
                     free_slots[rng].discard(j)
-        rest = [d for d in members if d not in taken]
-        for rng in slot_classes:
+        rest = iter([d for d in members if d not in taken])
+        for rng, in_order in slot_classes.items():  # each class's slots, ascending
+            free = free_slots[rng]
             for _ in range(quota[rng]):
-                j = min(free_slots[rng])
-                free_slots[rng].discard(j)
-                taken[rest.pop(0)] = j
+                while in_order[cursor[rng]] not in free:  # the least free slot, as min() would
+                    cursor[rng] += 1
+                j = in_order[cursor[rng]]
+                free.discard(j)
+                taken[next(rest)] = j
         for d in rest:
             taken[d] = None
     return [taken[d] for d in live]
@@ -433,16 +434,17 @@ def place(spec: JobSpec, current: ExecutionPlan, layout: Sequence[Pipeline],
     if len(live_sorted) != len(live):
         raise RestoreError(f"live devices {list(live)} name a device twice; list each once.")
     slots = _slot_table(layout, current.num_layers)
-    held = holdings(current, live_sorted)
-    taken = _assign(spec, current, layout, live_sorted)
+    positions = _positions(current)
+    taken = _assign(spec, current, slots, positions, live_sorted)
+    held = {d: positions[d][2] if d in positions else _NOTHING for d in live_sorted}
     device_of = {slot: d for d, slot in zip(live_sorted, taken) if slot is not None}
     needs: dict[int, list[int]] = {}
     for slot, (_, _, (start, end)) in enumerate(slots):
         d = device_of[slot]
         have_start, have_end = held[d]
-        lacking = [x for x in range(start, end) if not have_start <= x < have_end]
-        if lacking:
-            needs[d] = lacking
+        if have_start <= start and end <= have_end:
+            continue  # holds them all already: the common case, decided without a list
+        needs[d] = [x for x in range(start, end) if not have_start <= x < have_end]
     pipelines = tuple(
         Pipeline(tuple(device_of[s] for s in p.devices), tuple(p.layers), p.micro_batches,
                  p.recompute)

@@ -77,6 +77,7 @@ __all__ = [
     "link_messages",
     "one_f_one_b",
     "orders_of_devices",
+    "pipeline_end",
     "pipeline_schedule",
     "simulate",
     "streams_in_flight_peak",
@@ -159,41 +160,78 @@ def pipeline_schedule(
 
     ``stage_times[s] = (T_f, T_b)`` of stage ``s``. Returns, per stage, ``(ends of F by
     micro-batch, ends of B by micro-batch)``; the makespan is stage 0's last backward end.
-    O(N_pp * N_m): a worklist of stages, each advanced while its next operation's input is ready.
+    O(N_pp * N_m): one pass over the operations in ``_sweep_order``.
     """
+    n, nm = len(stage_times), micro_batches
+    end = _sweep(stage_times, nm)
+    size = n * nm
+    return tuple((tuple(end[s * nm:(s + 1) * nm]), tuple(end[size + s * nm:size + (s + 1) * nm]))
+                 for s in range(n))
+
+
+def pipeline_end(stage_times: Sequence[tuple[float, float]], micro_batches: int) -> float:
+    """Makespan of one failure-free 1F1B pipeline: ``pipeline_schedule``'s stage 0 last
+    backward end, without building the per-stage tuples (the estimator's hot path)."""
+    if micro_batches == 0:
+        return 0.0
     n = len(stage_times)
-    nm = micro_batches
+    return _sweep(stage_times, micro_batches)[n * micro_batches + micro_batches - 1]
+
+
+def _sweep(stage_times: Sequence[tuple[float, float]], nm: int) -> list[float]:
+    """Every operation's end, laid out as in ``_nominal_groups`` (F of ``(s, m)`` at
+    ``s * N_m + m``, B at ``N_pp N_m + s * N_m + m``), plus a last slot that stays 0.0.
+
+    ``start = max(end of the input op, end of the previous op on the stage)`` evaluated once
+    per operation in ``_sweep_order``: the same additions as any other valid order, so the
+    same floats, with no worklist."""
+    n = len(stage_times)
     if n == 0:
         raise ValueError("a pipeline needs at least one stage")
+    if nm < 0:
+        raise ValueError(f"a pipeline needs micro_batches >= 0, got {nm}.")
+    durations = [t for pair in stage_times for t in pair]  # F of stage s at 2s, B at 2s + 1
+    end = [0.0] * (2 * n * nm + 1)
+    for own, ready, prev, kind in _sweep_order(n, nm):
+        a, b = end[ready], end[prev]
+        # Not max(): the call costs a third of this loop; equal values are equal floats.
+        end[own] = (a if a > b else b) + durations[kind]  # noqa: FURB136
+    return end
+
+
+@lru_cache(maxsize=4096)
+def _sweep_order(n: int, nm: int) -> tuple[tuple[int, int, int, int], ...]:
+    """A 1F1B pipeline's operations as ``(own, ready, previous on the stage, duration index)``
+    in an order where each comes after both operations it waits for.
+
+    Stage ``s`` runs its ``2 N_m`` operations at positions ``0 .. 2 N_m - 1`` of its
+    ``one_f_one_b`` order. The input of a forward (the previous stage's forward of the same
+    micro-batch) and of a backward (the next stage's backward) always sits at the same or an
+    earlier position of its own stage (warm-up counts fall by one per stage), so taking the
+    positions in turn, forwards by rising stage and then backwards by falling stage, is a
+    topological order: one pass, exact, and built once per (N_pp, N_m).
+    """
+    size = n * nm
+    zero = 2 * size
     orders = [one_f_one_b(n, s, nm) for s in range(n)]
-    end_f = [[-1.0] * nm for _ in range(n)]
-    end_b = [[-1.0] * nm for _ in range(n)]
-    pos = [0] * n
-    clock = [0.0] * n
-    pending = list(range(n - 1, -1, -1))
-    while pending:
-        s = pending.pop()
-        order = orders[s]
-        tf, tb = stage_times[s]
-        while pos[s] < len(order):
-            kind, m = order[pos[s]]
+    prev = [zero] * n
+    out: list[tuple[int, int, int, int]] = []
+    for p in range(2 * nm):
+        backwards = []
+        for s in range(n):
+            kind, m = orders[s][p]
+            cell = s * nm + m
             if kind == "F":
-                ready = 0.0 if s == 0 else end_f[s - 1][m]
+                own = cell
+                out.append((own, cell - nm if s else zero, prev[s], 2 * s))
+                prev[s] = own
             else:
-                ready = end_f[s][m] if s == n - 1 else end_b[s + 1][m]
-            if ready < 0.0:
-                break
-            start = max(ready, clock[s])
-            if kind == "F":
-                clock[s] = end_f[s][m] = start + tf
-                if s + 1 < n:
-                    pending.append(s + 1)
-            else:
-                clock[s] = end_b[s][m] = start + tb
-                if s > 0:
-                    pending.append(s - 1)
-            pos[s] += 1
-    return tuple((tuple(end_f[s]), tuple(end_b[s])) for s in range(n))
+                backwards.append((s, cell))
+        for s, cell in reversed(backwards):
+            own = size + cell
+            out.append((own, cell if s == n - 1 else own + nm, prev[s], 2 * s + 1))
+            prev[s] = own
+    return tuple(out)
 
 
 @lru_cache(maxsize=1024)
