@@ -72,6 +72,7 @@ from .schedule import (
     Stream,
     coupled_makespan,
     pipeline_end,
+    pipeline_end_floor,
     streams_in_flight_peak,
 )
 
@@ -86,6 +87,7 @@ __all__ = [
     "pipeline_fits",
     "pipeline_makespan",
     "pipeline_time",
+    "pipeline_time_floor",
     "reroute_closed_form",
     "ring_seconds",
     "ring_time",
@@ -151,6 +153,14 @@ def pipeline_time(spec: JobSpec, layers: Sequence[tuple[int, int]], micro_batche
     return _pipeline_time_of(spec.model, tuple((a, b) for a, b in layers), micro_batches, flags)
 
 
+def pipeline_time_floor(spec: JobSpec, layers: Sequence[tuple[int, int]], micro_batches: int,
+                        recompute: Sequence[bool] | None = None) -> float:
+    """A lower bound on ``pipeline_time`` in O(N_pp) (``schedule.pipeline_end_floor``): lets
+    a search skip simulating a split that cannot beat the best one found."""
+    flags = tuple(recompute) if recompute is not None else (False,) * len(layers)
+    return pipeline_end_floor(_flagged_times(spec.model, tuple(layers), flags), micro_batches)
+
+
 @lru_cache(maxsize=1 << 16)
 def _pipeline_time_of(model: ModelProfile, layers: tuple[tuple[int, int], ...],
                       micro_batches: int, recompute: tuple[bool, ...]) -> float:
@@ -160,11 +170,21 @@ def _pipeline_time_of(model: ModelProfile, layers: tuple[tuple[int, int], ...],
 def _flagged_times(model: ModelProfile, layers: tuple[tuple[int, int], ...],
                    recompute: tuple[bool, ...]) -> tuple[tuple[float, float], ...]:
     """Per stage ``(T_f, T_b)``, ``T_b + T_f`` where the stage recomputes."""
+    figures = _figures_memo(model)  # hashing the model once, not per stage
     out = []
     for (a, b), r in zip(layers, recompute):
-        tf, tb = _stage_figures(model, a, b)
+        found = figures.get((a, b))
+        if found is None:
+            found = figures[(a, b)] = _stage_figures(model, a, b)
+        tf, tb = found
         out.append((tf, tb + tf) if r else (tf, tb))
     return tuple(out)
+
+
+@lru_cache(maxsize=16)
+def _figures_memo(model: ModelProfile) -> dict[tuple[int, int], tuple[float, float]]:
+    """``_stage_figures`` of one model by layer range, filled as asked (the same values)."""
+    return {}
 
 
 @lru_cache(maxsize=1 << 16)

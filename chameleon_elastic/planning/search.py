@@ -84,6 +84,10 @@ PolicyChoice = Literal["auto", "reroute", "replan"]
 # ``_split_layers_cached``).
 MAX_SPLIT_ENUMERATION = 2048
 
+# Lower bounds are summed in another order than the figures they bound: a candidate is skipped
+# only when its bound, lowered by this relative margin, still cannot beat the best one.
+FLOOR_MARGIN = 1e-9
+
 
 class PlanningError(Exception):
     """An impossible request; the message is one sentence naming the problem and the fix."""
@@ -184,7 +188,11 @@ def _split_layers_cached(spec: JobSpec, stages: int, quota: int
             flags = recompute_flags(spec, layers, quota) if must_fit else unchecked
             if flags is None:
                 continue
-            t, n = estimator.pipeline_time(spec, layers, quota, flags), sum(flags)
+            n = sum(flags)
+            if best is not None and _cannot_win(
+                    estimator.pipeline_time_floor(spec, layers, quota, flags), n, best_key):
+                continue  # its time could neither beat nor tie the best: not simulated
+            t = estimator.pipeline_time(spec, layers, quota, flags)
             if t < best_key[0] - 1e-12 or (t <= best_key[0] + 1e-12 and n < best_key[1]):
                 best, best_key = (layers, flags), (t, n)
         return best
@@ -201,6 +209,15 @@ def _split_layers_cached(spec: JobSpec, stages: int, quota: int
     if math.comb(stages, extra) <= MAX_SPLIT_ENUMERATION:
         return fastest(itertools.combinations(range(stages), extra))
     return fastest(structured)
+
+
+def _cannot_win(floor: float, recomputing: int, best_key: tuple[float, float]) -> bool:
+    """Whether a split whose time is at least ``floor`` (``pipeline_time_floor``) and that
+    recomputes on ``recomputing`` stages would lose to ``best_key`` in ``fastest``'s test:
+    it replaces the best when faster by 1e-12, or within 1e-12 with fewer recomputing stages."""
+    low = floor * (1.0 - FLOOR_MARGIN)
+    best_t, best_n = best_key
+    return low >= best_t - 1e-12 and (recomputing >= best_n or low > best_t + 1e-12)
 
 
 def split_layers(spec: JobSpec, stages: int, quota: int) -> tuple[tuple[int, int], ...] | None:
@@ -314,6 +331,54 @@ def _compute_floor(spec: JobSpec, shape: Shape) -> float:
         return math.inf
     memo = _shape_memo(spec)
     return min(_figures(spec, memo, n, -(-total // dp))[2] for n, _ in shape)
+
+
+def _shape_floor(spec: JobSpec, shape: Shape) -> float:
+    """No layout of this shape takes less per step, computed without simulating: some
+    pipeline runs at least ceil(B / dp) micro-batches, so ``_split_floor`` at that quota for
+    the cheapest length, plus ``_allreduce_floor``."""
+    dp = sum(count for _, count in shape)
+    total = spec.training.global_micro_batches
+    if dp > total:
+        return math.inf
+    quota = -(-total // dp)
+    return (min(_split_floor(spec.model, n, quota) for n, _ in shape)
+            + _allreduce_floor(spec, shape))
+
+
+def _split_floor(model: ModelProfile, stages: int, quota: int) -> float:
+    """A lower bound on the time of every split of the model into ``stages`` stages running
+    ``quota`` micro-batches, recomputing or not (that only lengthens backwards). Some stage
+    holds ceil(L / N_pp) layers and every stage floor(L / N_pp), each at least the sum of that
+    many of the smallest per-layer figures; ``schedule.pipeline_end_floor``'s paths and the
+    1F1B closed form of identical stages at those minima then bound the makespan."""
+    total, forward, backward, both = _layer_floors(model)
+    most, least = -(-model.layers // stages), model.layers // stages
+    return max(total + (quota - 1) * backward[most], quota * both[most],
+               (stages + quota - 1) * (forward[least] + backward[least]))
+
+
+@lru_cache(maxsize=16)
+def _layer_floors(model: ModelProfile) -> tuple[float, tuple[float, ...], tuple[float, ...],
+                                                  tuple[float, ...]]:
+    """(sum of every layer's T_f + T_b, and prefix sums of the smallest T_f, T_b and T_f + T_b:
+    entry k sums the k smallest)."""
+    def prefix(values: Iterable[float]) -> tuple[float, ...]:
+        return (0.0, *itertools.accumulate(sorted(values)))
+
+    return (math.fsum(model.forward_s) + math.fsum(model.backward_s), prefix(model.forward_s),
+            prefix(model.backward_s),
+            prefix(f + b for f, b in zip(model.forward_s, model.backward_s)))
+
+
+def _allreduce_floor(spec: JobSpec, shape: Shape) -> float:
+    """No layout of this shape reduces its gradients faster: every layer has one holder per
+    pipeline, a device's buckets go in distinct rounds, and the longest pipeline has a stage
+    holding at least 1 / N_pp of the gradient bytes, summed over dp devices in those rounds."""
+    dp = sum(count for _, count in shape)
+    longest = max(n for n, _ in shape)
+    return estimator.ring_seconds(math.fsum(spec.model.param_bytes) / longest, dp,
+                                  spec.cluster.bandwidth_bytes_per_s)
 
 
 def _allocate(shape: Shape, total: int, time_of: Callable[[int, int], float]
@@ -553,13 +618,18 @@ def _best_layout(spec: JobSpec, current: ExecutionPlan, failed: Collection[int],
         raise PlanningError("no live device is left; the job cannot continue.")
     # Branch and bound: shapes in order of their compute floor, each allocated and priced
     # (compute + all-reduce) only while its floor can still beat the best step found.
+    # Two bounds, each below the step time of every layout of the shape: a cheap one without
+    # simulation orders the shapes and ends the walk, a simulated one then skips a shape.
     shapes = _candidate_shapes(spec, current, len(live))
     priced: list[tuple[float, float, int, int, _Layout]] = []
     best_step = math.inf
-    for floor, i, shape in sorted((_compute_floor(spec, shape), i, shape)
+    for bound, i, shape in sorted((_shape_floor(spec, shape), i, shape)
                                   for i, shape in enumerate(shapes)):
-        if floor > best_step:
+        if bound * (1.0 - FLOOR_MARGIN) > best_step:
             break
+        floor = _compute_floor(spec, shape) + _allreduce_floor(spec, shape)
+        if floor * (1.0 - FLOOR_MARGIN) > best_step:
+            continue
         layout = _layout_for(spec, shape)
         if layout is not None:
             step = layout.compute_s + _allreduce_s(spec, layout)
