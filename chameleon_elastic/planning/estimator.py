@@ -295,13 +295,15 @@ def reroute_closed_form(spec: JobSpec, plan: ExecutionPlan) -> float | None:
         return None
     nm = first.micro_batches
     dead = set(plan.failed_devices)
-    group_of: dict[int, tuple[int, int]] = {}  # device -> the layer range its group holds
-    live: dict[tuple[int, int], int] = dict.fromkeys(first.layers, 0)
-    for pipe in plan.pipelines:
-        for rng, d in zip(pipe.layers, pipe.devices):
-            group_of[d] = rng
-            if d not in dead:
-                live[rng] += 1
+    # Every pipeline has the same split, so a group holds one stage of each: only the dead
+    # devices and the peers need their range looked up, not all devices.
+    asked = dead.union(share.device for r in plan.reroute for share in r.peers)
+    group_of: dict[int, tuple[int, int]] = {  # device -> the layer range its group holds
+        d: rng for pipe in plan.pipelines if not asked.isdisjoint(pipe.devices)
+        for rng, d in zip(pipe.layers, pipe.devices) if d in asked}
+    live: dict[tuple[int, int], int] = dict.fromkeys(first.layers, len(plan.pipelines))
+    for d in dead:
+        live[group_of[d]] -= 1
     absorbed: dict[int, int] = {}
     for r in plan.reroute:
         rng = first.layers[r.stage]

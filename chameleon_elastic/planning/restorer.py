@@ -574,7 +574,8 @@ def _classes(pipelines: Sequence[Pipeline], failed: Collection[int]
     dead = set(failed)
     classes: dict[_ClassKey, list[Pipeline]] = {}
     for p in pipelines:
-        dead_stages = tuple(s for s, d in enumerate(p.devices) if d in dead) if dead else ()
+        dead_stages = () if dead.isdisjoint(p.devices) else tuple(
+            s for s, d in enumerate(p.devices) if d in dead)
         classes.setdefault((p.layers, dead_stages), []).append(p)
     return classes
 

@@ -347,14 +347,21 @@ def _shape_floor(spec: JobSpec, shape: Shape) -> float:
 
 
 def _split_floor(model: ModelProfile, stages: int, quota: int) -> float:
-    """A lower bound on the time of every split of the model into ``stages`` stages running
-    ``quota`` micro-batches, recomputing or not (that only lengthens backwards). Some stage
-    holds ceil(L / N_pp) layers and every stage floor(L / N_pp), each at least the sum of that
-    many of the smallest per-layer figures; ``schedule.pipeline_end_floor``'s paths and the
-    1F1B closed form of identical stages at those minima then bound the makespan."""
+    """A lower bound on the time of every split the search makes of the model into ``stages``
+    stages running ``quota`` micro-batches, recomputing or not (that only lengthens backwards).
+
+    Such a split gives r = L mod N_pp stages ceil(L / N_pp) layers and the others floor(L /
+    N_pp), each stage at least the sum of that many of the smallest per-layer figures. Bounds,
+    all paths of ``schedule.pipeline_end_floor`` or the 1F1B closed form at those minima: a
+    long stage's backwards after micro-batch 0's round trip; the last long stage's whole order
+    after the r - 1 long stages before it (and likewise the last short one); identical stages
+    as short as a stage can be."""
     total, forward, backward, both = _layer_floors(model)
     most, least = -(-model.layers // stages), model.layers // stages
-    return max(total + (quota - 1) * backward[most], quota * both[most],
+    extra = model.layers % stages
+    return max(total + (quota - 1) * backward[most],
+               (extra - 1 + quota) * both[most] if extra else 0.0,
+               (stages - extra - 1 + quota) * both[least],
                (stages + quota - 1) * (forward[least] + backward[least]))
 
 
@@ -521,13 +528,9 @@ def reroute_plan(spec: JobSpec, current: ExecutionPlan, failed: Collection[int],
     dead_spares = set(failed) & set(current.spare_devices)
     dead = tuple(sorted(set(current.failed_devices) | (set(failed) - dead_spares)))
     dead_set = set(dead)
-    where: dict[int, tuple[int, int]] = {}
-    holders: dict[tuple[int, int], list[int]] = {}
-    for i, pipe in enumerate(current.pipelines):
-        for t, (d, rng) in enumerate(zip(pipe.devices, pipe.layers)):
-            where[d] = (i, t)
-            if d not in dead_set:
-                holders.setdefault(rng, []).append(d)
+    where = _positions_of(current, dead_set)
+    holders = _live_holders(current, {current.pipelines[p].layers[s] for p, s in where.values()},
+                            dead_set)
     reroutes = []
     # Where the next dead device of a layer group starts its round-robin: the extra
     # micro-batches of uneven shares then rotate over the peers instead of piling on the first.
@@ -567,13 +570,44 @@ def reroute_plan(spec: JobSpec, current: ExecutionPlan, failed: Collection[int],
         plan = _finish(spec, plan)
     ok, why = _memory_ok(spec, plan)
     if not ok:  # only then is recomputation for the peers worth a look (and a second estimate)
-        flagged = _peers_recompute(spec, plan, where)
+        flagged = _peers_recompute(spec, plan, _positions_of(current))
         if flagged is not None:
             plan = _finish(spec, flagged)
             ok, why = _memory_ok(spec, plan)
     if not ok:
         raise PlanningError(f"cannot reroute: {why}; re-plan instead.")
     return plan
+
+
+def _positions_of(plan: ExecutionPlan, devices: Collection[int] | None = None
+                  ) -> dict[int, tuple[int, int]]:
+    """(pipeline, stage) of ``devices`` (default: every device in the layout); pipelines
+    without one are skipped whole, which at 16k devices is most of them."""
+    if devices is None:
+        return {d: (i, t) for i, pipe in enumerate(plan.pipelines)
+                for t, d in enumerate(pipe.devices)}
+    wanted = set(devices)
+    return {d: (i, t) for i, pipe in enumerate(plan.pipelines) if not wanted.isdisjoint(pipe.devices)
+            for t, d in enumerate(pipe.devices) if d in wanted}
+
+
+def _live_holders(plan: ExecutionPlan, ranges: Collection[tuple[int, int]],
+                  dead: Collection[int]) -> dict[tuple[int, int], list[int]]:
+    """The devices outside ``dead`` holding each of ``ranges`` as a stage, in layout order.
+    Which stages those are is found once per layer split (the pipelines of a layout share
+    theirs), not per pipeline."""
+    holders: dict[tuple[int, int], list[int]] = {rng: [] for rng in ranges}
+    stages_of: dict[int, list[tuple[int, tuple[int, int]]]] = {}
+    for pipe in plan.pipelines:
+        stages = stages_of.get(id(pipe.layers))
+        if stages is None:
+            stages = stages_of[id(pipe.layers)] = [
+                (t, rng) for t, rng in enumerate(pipe.layers) if rng in holders]
+        for t, rng in stages:
+            d = pipe.devices[t]
+            if d not in dead:
+                holders[rng].append(d)
+    return {rng: found for rng, found in holders.items() if found}
 
 
 def _peers_recompute(spec: JobSpec, plan: ExecutionPlan,
@@ -619,13 +653,18 @@ def _best_layout(spec: JobSpec, current: ExecutionPlan, failed: Collection[int],
     # Branch and bound: shapes in order of their compute floor, each allocated and priced
     # (compute + all-reduce) only while its floor can still beat the best step found.
     # Two bounds, each below the step time of every layout of the shape: a cheap one without
-    # simulation orders the shapes and ends the walk, a simulated one then skips a shape.
+    # simulation orders the shapes and ends the walk, a simulated one then skips a shape. The
+    # first shape of one pipeline length goes first: its bound is close to its step time (one
+    # class, one all-reduce round per stage), so the skipping starts from a good step at once;
+    # the walk after it stays in bound order, which is all the stopping rule needs.
     shapes = _candidate_shapes(spec, current, len(live))
+    walk = sorted((_shape_floor(spec, shape), i, shape) for i, shape in enumerate(shapes))
+    probe = next((k for k, (_, _, shape) in enumerate(walk) if len(shape) == 1), 0)
+    walk.insert(0, walk.pop(probe)) if walk else None
     priced: list[tuple[float, float, int, int, _Layout]] = []
     best_step = math.inf
-    for bound, i, shape in sorted((_shape_floor(spec, shape), i, shape)
-                                  for i, shape in enumerate(shapes)):
-        if bound * (1.0 - FLOOR_MARGIN) > best_step:
+    for k, (bound, i, shape) in enumerate(walk):
+        if k and bound * (1.0 - FLOOR_MARGIN) > best_step:
             break
         floor = _compute_floor(spec, shape) + _allreduce_floor(spec, shape)
         if floor * (1.0 - FLOOR_MARGIN) > best_step:
