@@ -364,7 +364,8 @@ def peak_memory(spec: JobSpec, plan: ExecutionPlan) -> dict[int, float]:
         out[d] = memory(layers, streams_in_flight_peak(streams), recompute)
     for d in plan.failed_devices:
         out.pop(d, None)
-    return {d: out[d] for d in sorted(out)}
+    order = sorted(out)
+    return out if order == list(out) else {d: out[d] for d in order}
 
 
 def in_flight(plan: ExecutionPlan) -> dict[int, int]:
@@ -581,6 +582,8 @@ def _served_streams(plan: ExecutionPlan
                   for r in plan.reroute]
     out: dict[int, tuple[tuple[int, int], bool, tuple[Stream, ...]]] = {}
     for p, pipe in enumerate(pipes):
+        if parts.keys().isdisjoint(pipe.devices):  # most pipelines serve nobody
+            continue
         for s, d in enumerate(pipe.devices):
             mine = parts.get(d)
             if mine is None:

@@ -237,18 +237,24 @@ def _sweep_order(n: int, nm: int) -> tuple[tuple[int, int, int, int], ...]:
     """
     size = n * nm
     zero = 2 * size
-    orders = [one_f_one_b(n, s, nm) for s in range(n)]
+    warm = [min(n - 1 - s, nm) for s in range(n)]
     prev = [zero] * n
     out: list[tuple[int, int, int, int]] = []
     for p in range(2 * nm):
         backwards = []
-        for s in range(n):
-            kind, m = orders[s][p]
+        for s in range(n):  # what one_f_one_b(n, s, nm)[p] is, by arithmetic
+            w = warm[s]
+            if p < w:
+                m, forward = p, True
+            elif p < 2 * nm - w:
+                forward = not (p - w) & 1
+                m = w + ((p - w) >> 1) if forward else (p - w) >> 1
+            else:
+                m, forward = p - nm, False
             cell = s * nm + m
-            if kind == "F":
-                own = cell
-                out.append((own, cell - nm if s else zero, prev[s], 2 * s))
-                prev[s] = own
+            if forward:
+                out.append((cell, cell - nm if s else zero, prev[s], 2 * s))
+                prev[s] = cell
             else:
                 backwards.append((s, cell))
         for s, cell in reversed(backwards):
