@@ -23,10 +23,11 @@ any more (every replica died): the receiver loads those from the last checkpoint
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from functools import cache
+from functools import cache, cached_property
 from typing import Any, Literal
 
 __all__ = [
@@ -263,13 +264,13 @@ class ExecutionPlan:
     def global_micro_batches(self) -> int:
         return sum(p.micro_batches for p in self.pipelines)
 
-    @property
+    @cached_property  # a plan is frozen; at 16k devices each sort cost a decision 2 ms
     def live_devices(self) -> tuple[int, ...]:
         dead = set(self.failed_devices)
         working = [d for p in self.pipelines for d in p.devices if d not in dead]
         return tuple(sorted(working + list(self.spare_devices)))
 
-    @property
+    @cached_property
     def working_devices(self) -> tuple[int, ...]:
         dead = set(self.failed_devices)
         return tuple(sorted(d for p in self.pipelines for d in p.devices if d not in dead))
@@ -328,6 +329,8 @@ class ExecutionPlan:
         layers = self.pipelines[0].layers[-1][1] if self.pipelines[0].layers else 0
         seen: set[int] = set()
         splits_ok: set[int] = set()  # ids of layer splits checked (alive: the plan holds them)
+        placed = list(itertools.chain.from_iterable(p.devices for p in self.pipelines))
+        repeated = len(set(placed)) != len(placed)
         for i, p in enumerate(self.pipelines):
             if len(p.devices) == 0 or len(p.devices) != len(p.layers):
                 raise PlanError(f"pipeline {i} needs one layer range per device")
@@ -351,12 +354,13 @@ class ExecutionPlan:
                     raise PlanError(
                         f"pipeline {i} covers [0, {expected}) instead of [0, {layers})")
                 splits_ok.add(id(p.layers))
-            if len(set(p.devices)) != len(p.devices) or not seen.isdisjoint(p.devices):
-                for d in p.devices:  # name the first repeated device
+            if repeated:  # some device is named twice: find the first, in this order
+                for d in p.devices:
                     if d in seen:
                         raise PlanError(f"device {d} appears twice in the plan")
                     seen.add(d)
-            seen.update(p.devices)
+        if not repeated:
+            seen.update(placed)
         for d in self.spare_devices:
             if d in seen:
                 raise PlanError(f"spare device {d} is also in a pipeline")
