@@ -61,6 +61,7 @@ the expected time to the next failure of the live devices.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable, Sequence
 from functools import lru_cache
@@ -351,14 +352,14 @@ def peak_memory(spec: JobSpec, plan: ExecutionPlan) -> dict[int, float]:
     # pipelines of one layout share (the plan keeps them alive): hashing their contents for
     # each of thousands of pipelines would cost more than the rest of this loop.
     plain: dict[tuple[int, int, int], list[float]] = {}
-    out: dict[int, float] = {}
-    for pipe in plan.pipelines:  # plain 1F1B: min(N_pp - s, N_m) micro-batches in flight
-        shape = (id(pipe.layers), pipe.micro_batches, id(pipe.recompute))
+    shapes = [(id(pipe.layers), pipe.micro_batches, id(pipe.recompute)) for pipe in plan.pipelines]
+    for pipe, shape in zip(plan.pipelines, shapes):  # plain 1F1B: min(N_pp - s, N_m) in flight
         if shape not in plain:
             n = pipe.num_stages
             plain[shape] = [memory(rng, min(n - s, pipe.micro_batches), r)
                             for s, (rng, r) in enumerate(zip(pipe.layers, pipe.recompute))]
-        out.update(zip(pipe.devices, plain[shape]))
+    chain = itertools.chain.from_iterable
+    out = dict(zip(chain(pipe.devices for pipe in plan.pipelines), chain(map(plain.get, shapes))))
     # A peer's foreign activations are of its own layers: count its micro-batches in flight.
     for d, (layers, recompute, streams) in _served_streams(plan).items():
         out[d] = memory(layers, streams_in_flight_peak(streams), recompute)
