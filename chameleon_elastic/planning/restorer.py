@@ -659,7 +659,7 @@ def _class_rounds(structure: tuple[_ClassKey, ...], counts: Sequence[int]
 
 
 def _devices(members: list[list[Pipeline]], cells: frozenset[_Cell]) -> tuple[int, ...]:
-    return tuple(sorted(p.devices[s] for c, s in cells for p in members[c]))
+    return tuple(sorted([p.devices[s] for c, s in cells for p in members[c]]))
 
 
 def holder_buckets(pipelines: Sequence[Pipeline],

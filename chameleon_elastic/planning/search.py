@@ -481,7 +481,8 @@ def _recompute_note(spec: JobSpec) -> str:
 def _memory_ok(spec: JobSpec, plan: ExecutionPlan) -> tuple[bool, str]:
     peaks = plan.estimate.peak_memory_bytes
     limit = spec.cluster.device_memory_bytes
-    device, peak = max(peaks.items(), key=lambda kv: kv[1])
+    device = max(peaks, key=peaks.__getitem__)  # the first busiest, as max() over items gives
+    peak = peaks[device]
     if peak > limit:
         return False, (f"device {device} would need {peak / 1e9:.2f} GB but "
                        f"cluster.device_memory_bytes is {limit / 1e9:.2f} GB")
