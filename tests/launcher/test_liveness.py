@@ -11,6 +11,7 @@ import signal
 import pytest
 
 from .conftest import (
+    MLP_FAULTS,
     assert_single_process_results,
     pid_alive,
     read_events,
@@ -19,6 +20,27 @@ from .conftest import (
 from .conftest import (
     launch_mlp as _launch_mlp,
 )
+
+TWO_DEVICES = """
+name = "two"
+[model]
+layers = 8
+forward_s = 0.002
+backward_s = 0.004
+param_bytes = 1.0e6
+optimizer_bytes = 2.0e6
+activation_bytes = 2.0e5
+[cluster]
+devices = 2
+device_memory_bytes = 2e9
+bandwidth_bytes_per_s = 1e9
+restart_s = 2.0
+failure_rate_per_hour = 0.1
+[training]
+dp = 1
+pp = 2
+global_micro_batches = 8
+"""
 
 
 def _pids(out) -> list[int]:
@@ -56,9 +78,15 @@ def test_relaunched_workers_that_fail_every_generation_are_bounded_by_the_agent(
     the generations that failed before it: device 1 says it lost a peer as it enters the plan,
     in every process. The agent counts, and ends the job within the cap (1 here: a relaunch
     is slow on a busy machine) with the sentence that names what the workers said."""
-    run, out, _ = _launch_mlp(launch, tmp_path, 6, "1:-1:enter:lose-vote",
-                                  flags=("--max-failed-generations", "1", "--recovery",
-                                         "relaunch"))
+    job = tmp_path / "two.toml"   # tiny-cpu on 2 devices: each relaunch starts 2 processes
+    job.write_text(TWO_DEVICES)
+    out = tmp_path / "out"
+    out.mkdir()
+    run = launch("chameleon", ["--standalone", "--nproc-per-node", "2", "--job", str(job),
+                               "--state-dir", str(tmp_path / "state"), "--monitor-interval",
+                               "0.05", "--no-status", "--max-failed-generations", "1",
+                               "--recovery", "relaunch", MLP_FAULTS, str(out), "6",
+                               "1:-1:enter:lose-vote"])
     assert run.wait(80) == 1, run.log.read_text()[-3000:]
     log = run.log.read_text()
     said = [x for x in log.splitlines() if "plan generations in a row failed" in x]
