@@ -132,8 +132,21 @@ class WorkerLink:
         (several per step, each a scheduling delay of the agent's process on a loaded host),
         and hang timeouts are seconds long."""
         if self._beats is None:
-            self._beats = _BeatSender(self.another(), channel.beat_key(self.card))
+            self._beats = _BeatSender(self.another(), self.card)
         self._beats.count += 1
+
+    def paced(self, generation: int, busy_s: float, compute_s: float, sync_s: float) -> None:
+        """One more step of ``generation`` trained: ``busy_s`` of it computing, ``compute_s``
+        in the pipeline part (computing and waiting), ``sync_s`` summing gradients. Sent with
+        the next beat, never on the step's path."""
+        if self._beats is None:
+            self._beats = _BeatSender(self.another(), self.card)
+        was = self._beats.pace
+        if was is None or was.generation != generation:
+            was = channel.Pace(generation)
+        self._beats.pace = channel.Pace(generation, was.steps + 1, was.busy_s + busy_s,
+                                        was.wait_s + max(0.0, compute_s - busy_s),
+                                        was.sync_s + sync_s)
 
     def stop_beats(self) -> None:
         """Stop sending progress (before the process ends)."""
@@ -158,10 +171,13 @@ class _BeatSender:
     connection, every :data:`BEAT_EVERY_S` when it moved. Stopped before the process ends: a
     daemon thread caught inside a store call at interpreter exit aborts the process."""
 
-    def __init__(self, link: WorkerLink, key: str) -> None:
+    def __init__(self, link: WorkerLink, card: int) -> None:
         self.count = 0
         self._sent = 0
-        self._link, self._key = link, key
+        self.pace: channel.Pace | None = None   # set by the training thread
+        self._pace_sent: channel.Pace | None = None
+        self._link = link
+        self._key, self._pace_key = channel.beat_key(card), channel.pace_key(card)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="chameleon-beats", daemon=True)
         self._thread.start()
@@ -174,11 +190,13 @@ class _BeatSender:
 
     def _loop(self) -> None:
         while not self._stop.wait(BEAT_EVERY_S):
-            count = self.count
-            if count == self._sent:
-                continue
+            count, pace = self.count, self.pace
             try:
-                self._link.store.add(self._key, count - self._sent)
+                if pace is not self._pace_sent and pace is not None:
+                    channel.write(self._link.store, self._pace_key, pace)
+                    self._pace_sent = pace
+                if count != self._sent:
+                    self._link.store.add(self._key, count - self._sent)
+                    self._sent = count
             except RuntimeError:  # the agent is gone: its death signal follows
                 continue
-            self._sent = count
