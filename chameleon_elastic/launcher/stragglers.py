@@ -21,6 +21,10 @@ generation's first step left out: it warms up), and then at the median of those 
   ``threshold`` times its planned speed (it slowed further).
 
 Between the two bounds nothing changes: that is the hysteresis that keeps plans from flapping.
+
+A device left spare for being slow does no work, so nothing measures it. It is tried again
+(planned at 1.0) once the job has trained ``PROBATION`` windows of steps without it; if it is
+still slow it is found again within a window, and its next probation is twice as long.
 The factors a plan was made for come back with every decision (``adopt``), so a plan chosen
 for a failure, which is made at profiled speeds, lets the watch find a slow device again.
 """
@@ -36,7 +40,10 @@ from chameleon_elastic import channel
 from chameleon_elastic.plan import ExecutionPlan
 from chameleon_elastic.spec import JobSpec, StragglerSpec
 
-__all__ = ["Samples", "StragglerWatch", "speeds_of"]
+__all__ = ["PROBATION", "Samples", "StragglerWatch", "speeds_of"]
+
+#: windows of steps a device left spare for being slow waits before it is tried again
+PROBATION = 4
 
 
 @dataclass
@@ -82,6 +89,7 @@ class StragglerWatch:
         self._samples: dict[int, Samples] = {}
         self._streak: dict[int, list[float]] = {}   # device -> speeds seen past a bound, a step each
         self._seen: dict[int, int] = {}   # device -> steps when its last speed was counted
+        self._probation: dict[int, int] = {}   # spared device -> windows it waits next time
 
     def adopt(self, speeds: Mapping[int, float]) -> None:
         """The factors the new plan was made for; measurements start afresh."""
@@ -127,9 +135,10 @@ class StragglerWatch:
             else:
                 self._streak.pop(device, None)
             changed |= len(self._streak.get(device, ())) >= window
-        if not changed:
+        trial = self._trial(plan)
+        if not changed and not trial:
             return None
-        out = dict(self.planned)
+        out = {d: f for d, f in self.planned.items() if d not in trial}
         for device, seen in self._streak.items():
             if len(seen) >= window:
                 speed = round(statistics.median(seen[-window:]), 2)
@@ -138,6 +147,20 @@ class StragglerWatch:
                 else:
                     out[device] = speed
         self.found = out
+        return out
+
+    def _trial(self, plan: ExecutionPlan) -> set[int]:
+        """Spared slow devices whose probation is over: the job trained that many steps in
+        this generation (as far as this node's workers say)."""
+        spared = [d for d in self.planned if d not in plan.working_devices]
+        steps = max((s.paces[-1].steps for s in self._samples.values()
+                     if s.generation == plan.generation and s.paces), default=0)
+        out = set()
+        for d in spared:
+            windows = self._probation.setdefault(d, PROBATION)
+            if steps >= windows * self.settings.window:
+                self._probation[d] = 2 * windows
+                out.add(d)
         return out
 
     def report(self, devices: set[int]) -> dict[int, float]:

@@ -12,7 +12,8 @@ chooses among three options, priced by the same estimator and the same score as 
 - ``spare``: a re-plan without the slow devices (``search.replan``), which wait as spares.
 
 A device whose speed is back at 1.0 is simply priced at 1.0 again: ``reduce`` then gives its
-work back (a balanced split and quotas) when that beats keeping the reduced layout. Whether a
+work back (a balanced split and quotas) when that beats keeping the reduced layout, and
+``spare``, a re-plan over every live device at speed, takes a spared one back in. Whether a
 speed change is worth asking about at all (a threshold held for a window of steps,
 hysteresis) is the launcher's business; this module is pure, like ``search``.
 """
@@ -101,13 +102,14 @@ def reduce_plan(spec: JobSpec, current: ExecutionPlan, speeds: Mapping[int, floa
 
 def spare_plan(spec: JobSpec, current: ExecutionPlan, speeds: Mapping[int, float]
                ) -> ExecutionPlan:
-    """A re-plan over the live devices but the slow working ones, which become spares.
-    Raises PlanningError when none is slow, or when only a slow device holds some layer (it
-    would have to come from the checkpoint although its holder is alive)."""
-    slow = sorted(d for d, f in estimator.slow_only(speeds, current.working_devices).items()
+    """A re-plan over the live devices but the slow ones, which become spares; spares at full
+    speed (a straggler back at speed) are planned in. Raises PlanningError when no device is
+    slow and none spare, or when only a slow device holds some layer (it would have to come
+    from the checkpoint although its holder is alive)."""
+    slow = sorted(d for d, f in estimator.slow_only(speeds, current.live_devices).items()
                   if f < 1.0)
-    if not slow:
-        raise PlanningError("no working device is slow.")
+    if not slow and not current.spare_devices:
+        raise PlanningError("no device is slow and none is spare.")
     if set(slow) >= set(current.live_devices):
         raise PlanningError("every live device is slow; there is no one to leave them to.")
     plan = replan(spec, current, failed=slow)

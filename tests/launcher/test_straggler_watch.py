@@ -94,3 +94,35 @@ def test_speeds_are_relative_to_the_median_so_a_uniformly_off_profile_names_nobo
     assert speeds_of(expected, dict.fromkeys(range(4), 2.0)) == dict.fromkeys(range(4), 1.0)
     assert speeds_of(expected, {0: 2.0, 1: 2.0, 2: 2.0, 3: 4.0})[3] == 0.5
     assert speeds_of(expected, {0: 1.0, 1: 2.0}) == {0: 1.0, 1: 0.5}   # too few: as profiled
+
+
+def test_a_spared_straggler_is_tried_again_after_its_probation_which_then_doubles():
+    from dataclasses import replace
+
+    from chameleon_elastic.launcher.stragglers import PROBATION
+    from chameleon_elastic.planning.stragglers import spare_plan
+
+    spared = spare_plan(SPEC, PLAN, {3: 0.1})
+    assert 3 in spared.spare_devices
+    watch = StragglerWatch(StragglerSpec(threshold=0.7, recover=0.9, window=2))
+    watch.adopt({3: 0.1})
+    workers = Workers(dist.HashStore(), generation=spared.generation)
+    workers.expected = expected_compute(SPEC, spared)
+    del workers.paces[3]
+    found = []
+    for _ in range(PROBATION * 2):
+        workers.step({})
+        watch.read(workers.store, CARDS, spared.generation)
+        found.append(watch.check(SPEC, spared))
+    assert found[:-1] == [None] * (PROBATION * 2 - 1) and found[-1] == {}
+    watch.adopt({3: 0.1})   # still slow: spared again, and it waits twice as long
+    workers = Workers(dist.HashStore(), generation=spared.generation + 1)
+    workers.expected = expected_compute(SPEC, spared)
+    del workers.paces[3]
+    again = replace(spared, generation=spared.generation + 1)
+    found = []
+    for _ in range(PROBATION * 4):
+        workers.step({})
+        watch.read(workers.store, CARDS, again.generation)
+        found.append(watch.check(SPEC, again))
+    assert found.count(None) == PROBATION * 4 - 1 and found[-1] == {}

@@ -86,10 +86,12 @@ def test_a_half_speed_device_gets_less_work_and_it_comes_back_when_it_recovers()
         (p.devices, p.layers, p.micro_batches) for p in start.pipelines]
 
 
-def test_a_very_slow_device_is_left_out_when_that_scores_best():
+def test_a_very_slow_device_is_left_out_when_that_scores_best_and_taken_back_at_speed():
     spec = make_spec(layers=8, devices=4, dp=4, pp=1, mbs=8, rate=0.01)
     d = decide_speeds(spec, initial_plan(spec), {2: 0.1})
     assert 2 in d.chosen.spare_devices and 2 not in d.chosen.working_devices
+    back = decide_speeds(spec, d.chosen, {}, before={2: 0.1})
+    assert 2 in back.chosen.working_devices and not back.chosen.spare_devices
 
 
 def test_frequent_failures_keep_the_layout_since_a_switch_never_pays():
