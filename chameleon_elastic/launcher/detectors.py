@@ -289,7 +289,7 @@ class Watchers:
                 trouble = self.trouble.check(store, session.plan.generation, grace_s)
         slow = None
         if (state == WorkerState.HEALTHY and self.stragglers is not None and session is not None
-                and store is not None):
+                and store is not None and self.stragglers.due()):
             self.stragglers.read(store, {c: c // here.tp for c in pids}, session.plan.generation)
             found = self.stragglers.check(session.planned, session.plan)
             slow = None if found is None else tuple(sorted(found.items()))

@@ -31,7 +31,9 @@ for a failure, which is made at profiled speeds, lets the watch find a slow devi
 
 from __future__ import annotations
 
+import math
 import statistics
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,6 +46,9 @@ __all__ = ["PROBATION", "Samples", "StragglerWatch", "speeds_of"]
 
 #: windows of steps a device left spare for being slow waits before it is tried again
 PROBATION = 4
+#: seconds between two reads of the paces: steps take longer, and a tick (every
+#: ``--monitor-interval``) should not pay a store read per worker
+READ_EVERY_S = 0.2
 
 
 @dataclass
@@ -90,6 +95,16 @@ class StragglerWatch:
         self._streak: dict[int, list[float]] = {}   # device -> speeds seen past a bound, a step each
         self._seen: dict[int, int] = {}   # device -> steps when its last speed was counted
         self._probation: dict[int, int] = {}   # spared device -> windows it waits next time
+        self._expected: tuple[int, dict[int, float]] | None = None   # (generation, per device)
+        self._read_at = -math.inf
+
+    def due(self) -> bool:
+        """Whether a read is due (one every ``READ_EVERY_S``)."""
+        now = time.monotonic()
+        if now - self._read_at < READ_EVERY_S:
+            return False
+        self._read_at = now
+        return True
 
     def adopt(self, speeds: Mapping[int, float]) -> None:
         """The factors the new plan was made for; measurements start afresh."""
@@ -123,7 +138,9 @@ class StragglerWatch:
         window = self.settings.window
         busy = {d: b for d, s in self._samples.items() if s.generation == plan.generation
                 and (b := s.busy_per_step(1)) is not None}
-        speeds = speeds_of(expected_compute(spec, plan), busy)
+        if self._expected is None or self._expected[0] != plan.generation:
+            self._expected = (plan.generation, expected_compute(spec, plan))
+        speeds = speeds_of(self._expected[1], busy)
         changed = False
         for device, speed in speeds.items():
             steps = self._samples[device].paces[-1].steps
