@@ -58,7 +58,7 @@ from .starter import TorchHooks, WorkerStarter
 from .stragglers import StragglerWatch
 from .transition import Crew, Transition
 from .worker_logs import WorkerLogs
-from .workers import WorkerProcesses
+from .workers import ExitBell, WorkerProcesses
 
 __all__ = ["ChameleonAgent", "RecoveryMode"]
 
@@ -226,8 +226,13 @@ class ChameleonAgent(LocalElasticAgent):
             return RunResult(state=WorkerState.FAILED)
         if self._transition.node is not None:
             self._watchers.watch_leases(self._rounds.params, self._transition.node, self._fence)
+        with ExitBell() as bell:
+            return self._loop(wg, bell)
+
+    def _loop(self, wg: WorkerGroup, bell: ExitBell) -> RunResult:
+        spec = wg.spec
         while True:
-            time.sleep(spec.monitor_interval)
+            bell.wait(spec.monitor_interval)
             result = self._monitor_workers(wg)
             if result.state == WorkerState.SUCCEEDED:
                 wg.state = result.state
