@@ -68,6 +68,7 @@ its unscaled compute divided by the slowest working device's factor.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from functools import lru_cache
@@ -78,7 +79,8 @@ from .schedule import (
     Lane,
     Stream,
     coupled_makespan,
-    pipeline_schedule,
+    pipeline_end,
+    pipeline_end_floor,
     streams_in_flight_peak,
 )
 
@@ -94,6 +96,7 @@ __all__ = [
     "pipeline_fits",
     "pipeline_makespan",
     "pipeline_time",
+    "pipeline_time_floor",
     "reroute_closed_form",
     "ring_seconds",
     "ring_time",
@@ -160,6 +163,14 @@ def pipeline_time(spec: JobSpec, layers: Sequence[tuple[int, int]], micro_batche
     return _pipeline_time_of(spec.model, tuple((a, b) for a, b in layers), micro_batches, flags)
 
 
+def pipeline_time_floor(spec: JobSpec, layers: Sequence[tuple[int, int]], micro_batches: int,
+                        recompute: Sequence[bool] | None = None) -> float:
+    """A lower bound on ``pipeline_time`` in O(N_pp) (``schedule.pipeline_end_floor``): lets
+    a search skip simulating a split that cannot beat the best one found."""
+    flags = tuple(recompute) if recompute is not None else (False,) * len(layers)
+    return pipeline_end_floor(_flagged_times(spec.model, tuple(layers), flags), micro_batches)
+
+
 @lru_cache(maxsize=1 << 16)
 def _pipeline_time_of(model: ModelProfile, layers: tuple[tuple[int, int], ...],
                       micro_batches: int, recompute: tuple[bool, ...]) -> float:
@@ -169,11 +180,21 @@ def _pipeline_time_of(model: ModelProfile, layers: tuple[tuple[int, int], ...],
 def _flagged_times(model: ModelProfile, layers: tuple[tuple[int, int], ...],
                    recompute: tuple[bool, ...]) -> tuple[tuple[float, float], ...]:
     """Per stage ``(T_f, T_b)``, ``T_b + T_f`` where the stage recomputes."""
+    figures = _figures_memo(model)  # hashing the model once, not per stage
     out = []
     for (a, b), r in zip(layers, recompute):
-        tf, tb = _stage_figures(model, a, b)
+        found = figures.get((a, b))
+        if found is None:
+            found = figures[(a, b)] = _stage_figures(model, a, b)
+        tf, tb = found
         out.append((tf, tb + tf) if r else (tf, tb))
     return tuple(out)
+
+
+@lru_cache(maxsize=16)
+def _figures_memo(model: ModelProfile) -> dict[tuple[int, int], tuple[float, float]]:
+    """``_stage_figures`` of one model by layer range, filled as asked (the same values)."""
+    return {}
 
 
 @lru_cache(maxsize=1 << 16)
@@ -188,8 +209,7 @@ def pipeline_makespan(stage_times: tuple[tuple[float, float], ...], micro_batche
     first = stage_times[0]
     if all(t == first for t in stage_times):
         return (len(stage_times) + micro_batches - 1) * (first[0] + first[1])
-    ends = pipeline_schedule(stage_times, micro_batches)
-    return max(ends[0][1])
+    return pipeline_end(stage_times, micro_batches)
 
 
 def ring_time(spec: JobSpec, layers: Iterable[int], n_devices: int) -> float:
@@ -290,13 +310,15 @@ def reroute_closed_form(spec: JobSpec, plan: ExecutionPlan) -> float | None:
         return None
     nm = first.micro_batches
     dead = set(plan.failed_devices)
-    group_of: dict[int, tuple[int, int]] = {}  # device -> the layer range its group holds
-    live: dict[tuple[int, int], int] = dict.fromkeys(first.layers, 0)
-    for pipe in plan.pipelines:
-        for rng, d in zip(pipe.layers, pipe.devices):
-            group_of[d] = rng
-            if d not in dead:
-                live[rng] += 1
+    # Every pipeline has the same split, so a group holds one stage of each: only the dead
+    # devices and the peers need their range looked up, not all devices.
+    asked = dead.union(share.device for r in plan.reroute for share in r.peers)
+    group_of: dict[int, tuple[int, int]] = {  # device -> the layer range its group holds
+        d: rng for pipe in plan.pipelines if not asked.isdisjoint(pipe.devices)
+        for rng, d in zip(pipe.layers, pipe.devices) if d in asked}
+    live: dict[tuple[int, int], int] = dict.fromkeys(first.layers, len(plan.pipelines))
+    for d in dead:
+        live[group_of[d]] -= 1
     absorbed: dict[int, int] = {}
     for r in plan.reroute:
         rng = first.layers[r.stage]
@@ -391,20 +413,21 @@ def peak_memory(spec: JobSpec, plan: ExecutionPlan) -> dict[int, float]:
     # pipelines of one layout share (the plan keeps them alive): hashing their contents for
     # each of thousands of pipelines would cost more than the rest of this loop.
     plain: dict[tuple[int, int, int], list[float]] = {}
-    out: dict[int, float] = {}
-    for pipe in plan.pipelines:  # plain 1F1B: min(N_pp - s, N_m) micro-batches in flight
-        shape = (id(pipe.layers), pipe.micro_batches, id(pipe.recompute))
+    shapes = [(id(pipe.layers), pipe.micro_batches, id(pipe.recompute)) for pipe in plan.pipelines]
+    for pipe, shape in zip(plan.pipelines, shapes):  # plain 1F1B: min(N_pp - s, N_m) in flight
         if shape not in plain:
             n = pipe.num_stages
             plain[shape] = [memory(rng, min(n - s, pipe.micro_batches), r)
                             for s, (rng, r) in enumerate(zip(pipe.layers, pipe.recompute))]
-        out.update(zip(pipe.devices, plain[shape]))
+    chain = itertools.chain.from_iterable
+    out = dict(zip(chain(pipe.devices for pipe in plan.pipelines), chain(map(plain.get, shapes))))
     # A peer's foreign activations are of its own layers: count its micro-batches in flight.
     for d, (layers, recompute, streams) in _served_streams(plan).items():
         out[d] = memory(layers, streams_in_flight_peak(streams), recompute)
     for d in plan.failed_devices:
         out.pop(d, None)
-    return {d: out[d] for d in sorted(out)}
+    order = sorted(out)
+    return out if order == list(out) else {d: out[d] for d in order}
 
 
 def in_flight(plan: ExecutionPlan) -> dict[int, int]:
@@ -623,6 +646,8 @@ def _served_streams(plan: ExecutionPlan
                   for r in plan.reroute]
     out: dict[int, tuple[tuple[int, int], bool, tuple[Stream, ...]]] = {}
     for p, pipe in enumerate(pipes):
+        if parts.keys().isdisjoint(pipe.devices):  # most pipelines serve nobody
+            continue
         for s, d in enumerate(pipe.devices):
             mine = parts.get(d)
             if mine is None:
