@@ -18,7 +18,9 @@ key                   writer   meaning
                                recover in place (unregistered scripts are relaunched)
 ``resumed/<N>/<d>``   worker   :class:`Resumed`: how device d entered generation N (timings)
 ``beat/<device>``     worker   a counter moved at every phase of every step (hang detection)
-``pace/<device>``     worker   its typical gap between phases in seconds (the auto hang timeout)
+``pace/<device>``     worker   :class:`Pace`: this generation's steps and their times so far,
+                               sent with the beats (the agent's straggler watch)
+``gap/<device>``      worker   its typical gap between phases in seconds (the auto hang timeout)
 ``slow/<device>``     worker   present while it is in a stretch expected to be slow (hang.py)
 ``reported``          worker   last step the job's reporter handed to the user's callback
 ``checkpoint``        worker   last step a committed checkpoint holds (none: no checkpoint)
@@ -53,11 +55,13 @@ __all__ = [
     "AGENT_STORE_ENV",
     "CHAMELEON_VARS",
     "Generation",
+    "Pace",
     "Registration",
     "Resumed",
     "beat_key",
     "cause_key",
     "chameleon_env",
+    "gap_key",
     "generation_key",
     "job_env",
     "pace_key",
@@ -145,12 +149,16 @@ def beat_key(card: int) -> str:
     return f"beat/{card}"
 
 
+def pace_key(card: int) -> str:
+    return f"pace/{card}"
+
+
 def resumed_key(generation: int, card: int) -> str:
     return f"resumed/{generation}/{card}"
 
 
-def pace_key(card: int) -> str:
-    return f"pace/{card}"
+def gap_key(card: int) -> str:
+    return f"gap/{card}"
 
 
 def slow_key(card: int) -> str:
@@ -241,6 +249,25 @@ class Resumed:
     def from_dict(cls, d: Mapping[str, Any]) -> Resumed:
         known = {f for f in cls.__dataclass_fields__}
         return cls(**{k: v for k, v in d.items() if k in known})
+
+
+@dataclass(frozen=True)
+class Pace:
+    """One worker's steps in one generation so far, with their times summed: ``busy_s``
+    computing (forwards, losses, backwards: what its device's speed is measured from),
+    ``wait_s`` the rest of the pipeline part (receiving from peers, data), ``sync_s`` the
+    gradient sums. Cumulative, so a sample lost between two reads loses nothing."""
+
+    generation: int
+    steps: int = 0
+    busy_s: float = 0.0
+    wait_s: float = 0.0
+    sync_s: float = 0.0
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Pace:
+        return cls(int(d["generation"]), int(d["steps"]), float(d["busy_s"]),
+                   float(d["wait_s"]), float(d["sync_s"]))
 
 
 def write(store: Any, key: str, record: Any) -> None:

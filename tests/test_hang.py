@@ -56,7 +56,7 @@ class _Link:
     def slow(self, on: bool) -> None:
         self.said.append(on)
 
-    def pace(self, typical) -> None:
+    def gaps(self, typical) -> None:
         self.typical = typical
 
 
@@ -90,10 +90,10 @@ def test_resolved_timeouts_are_auto_unless_the_hang_timeout_is_given():
 def test_the_agent_holds_each_worker_to_its_own_pace_and_a_slow_one_to_the_ceiling():
     store = dist.HashStore()
     watch = HangWatch(60, nproc=2, auto=True)
-    channel.write(store, channel.pace_key(0), 2.0)
+    channel.write(store, channel.gap_key(0), 2.0)
     channel.write(store, channel.slow_key(1), True)
-    channel.write(store, channel.pace_key(1), 0.1)
-    watch._read_paces(store, {0: 1, 1: 2}, now=1e9)
+    channel.write(store, channel.gap_key(1), 0.1)
+    watch._read_gaps(store, {0: 1, 1: 2}, now=1e9)
     assert watch._limit(store, 0, looked=True) == 10.0
     assert watch._limit(store, 1, looked=False) == FLOOR_S
     assert watch._limit(store, 1, looked=True) == 60

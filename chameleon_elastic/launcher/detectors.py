@@ -5,6 +5,7 @@
 - :func:`unhealthy_units`: the device health hook.
 - :func:`lease_news` / :func:`lease_verdict`: other nodes' etcd leases and our own.
 - :class:`DeviceBook`: this node's devices out of the plan, and how each was lost.
+- :class:`~.stragglers.StragglerWatch`: local devices whose speed changed for long enough.
 
 Each returns typed facts (``WorkerFailure``, ``Trigger``, unit ids); what to do about them is
 decided in reactions.py.
@@ -31,6 +32,7 @@ from .node_watch import NodeWatch
 from .observe import Event
 from .plan_env import NodeCards, device_id
 from .reactions import Tick
+from .stragglers import StragglerWatch
 
 __all__ = ["DeviceBook", "HangWatch", "PeerTrouble", "Watchers", "lease_news",
            "lease_verdict", "log_failures", "unhealthy_units"]
@@ -40,8 +42,8 @@ log = logging.getLogger("chameleon_elastic.launcher.detectors")
 # How long a worker past its hang timeout must look awake (running, in the kernel) before it
 # counts as hung: long enough for a peer's reaction to its partner's death to pass.
 _HANG_CONFIRM_S = 1.0
-# How often the workers' paces (for the auto hang timeout) are read from the channel.
-_PACE_READ_S = 2.0
+# How often the workers' typical gaps (for the auto hang timeout) are read from the channel.
+_GAP_READ_S = 2.0
 
 
 @dataclass
@@ -89,7 +91,7 @@ class HangWatch:
     Scripts that never report progress are never hung. While one waits to be convicted, the
     status line says so (a minute of silence looked like a frozen launcher).
 
-    ``auto``: ``hang_s`` is a ceiling, and each worker's timeout is derived from its pace
+    ``auto``: ``hang_s`` is a ceiling, and each worker's timeout is derived from its typical gap between phases
     (chameleon_elastic/hang.py), or is the ceiling while it says it is in a slow stretch."""
 
     def __init__(self, hang_s: float, nproc: int, card: str = "device",
@@ -98,8 +100,8 @@ class HangWatch:
         self.auto = auto and bool(hang_s)
         self._nproc = nproc
         self._card = card
-        self._pace: dict[int, float] = {}   # device -> typical gap between its phases
-        self._pace_read = -math.inf
+        self._gap: dict[int, float] = {}   # device -> typical gap between its phases
+        self._gap_read = -math.inf
         self._beats: dict[int, tuple[int, float]] = {}   # device -> (progress count, since)
         # device -> (first look awake without progress, its CPU seconds then)
         self._awake: dict[int, tuple[float, float]] = {}
@@ -119,8 +121,8 @@ class HangWatch:
             return ""
         if not self.auto:
             return describe(self.hang_s, False)
-        paces = [self._pace.get(d) for d in self._beats]
-        figure = max((derive_hang_s(p, self.hang_s) for p in paces), default=self.hang_s)
+        gaps = [self._gap.get(d) for d in self._beats]
+        figure = max((derive_hang_s(g, self.hang_s) for g in gaps), default=self.hang_s)
         return describe(figure, True)
 
     def _limit(self, store: Any, device: int, looked: bool) -> float:
@@ -129,21 +131,21 @@ class HangWatch:
         if not self.auto:
             return self.hang_s
         slow = looked and bool(store.check([channel.slow_key(device)]))
-        return derive_hang_s(self._pace.get(device), self.hang_s, slow)
+        return derive_hang_s(self._gap.get(device), self.hang_s, slow)
 
-    def _read_paces(self, store: Any, pids: dict[int, int], now: float) -> None:
-        if not self.auto or now - self._pace_read < _PACE_READ_S:
+    def _read_gaps(self, store: Any, pids: dict[int, int], now: float) -> None:
+        if not self.auto or now - self._gap_read < _GAP_READ_S:
             return
-        self._pace_read = now
-        paces = {d: channel.read(store, channel.pace_key(d)) for d in pids}
-        self._pace = {d: float(p) for d, p in paces.items() if p is not None}
+        self._gap_read = now
+        gaps = {d: channel.read(store, channel.gap_key(d)) for d in pids}
+        self._gap = {d: float(g) for d, g in gaps.items() if g is not None}
 
     def check(self, store: Any, pids: dict[int, int]) -> tuple[list[WorkerFailure], str | None]:
         """(hung workers, the status text when what it should say changed, else None)."""
         if not self.hang_s or store is None:
             return [], None
         now = time.monotonic()
-        self._read_paces(store, pids, now)
+        self._read_gaps(store, pids, now)
         hung = []
         stalled: dict[int, tuple[float, float]] = {}   # device -> (idle, its timeout)
         for device, pid in sorted(pids.items()):
@@ -286,13 +288,15 @@ class Watchers:
 
     def __init__(self, hang_s: float, here: NodeCards, health: Any,
                  emit: Callable[..., None], status: Callable[[str], None],
-                 hang_auto: bool = False, note: Callable[..., None] = lambda **_: None) -> None:
+                 stragglers: StragglerWatch | None = None, hang_auto: bool = False,
+                 note: Callable[..., None] = lambda **_: None) -> None:
         self.book = DeviceBook()
         self.hangs = HangWatch(hang_s, here.nproc, "device" if here.tp == 1 else "card",
                                auto=hang_auto)
         self._note = note   # a field of the status line: the hang timeout in force
         self._in_force = ""
         self.trouble = PeerTrouble()
+        self.stragglers = stragglers   # None: --stragglers off
         self.lease: Any = None
         self._health = health
         self._emit = emit
@@ -332,10 +336,16 @@ class Watchers:
             waiting, store_lost = nodes_waiting()
             if session is not None and not waiting and not store_lost:
                 trouble = self.trouble.check(store, session.plan.generation, grace_s)
+        slow = None
+        if (state == WorkerState.HEALTHY and self.stragglers is not None and session is not None
+                and store is not None and self.stragglers.due()):
+            self.stragglers.read(store, {c: c // here.tp for c in pids}, session.plan.generation)
+            found = self.stragglers.check(session.planned, session.plan)
+            slow = None if found is None else tuple(sorted(found.items()))
         return Tick(state=state, failures=failures, hung=frozenset(f.device for f in hung),
                     bad=frozenset(bad), lease=lease, ended=ended,
                     rejoining=frozenset(self.book.rejoining), waiting=waiting, trouble=trouble,
-                    store_lost=store_lost, quick_called=called, tp=here.tp, **facts)
+                    store_lost=store_lost, quick_called=called, tp=here.tp, slow=slow, **facts)
 
     def watch_leases(self, params: Any, node: int, on_fenced: Callable[[], None]) -> None:
         """Hold a lease and watch the others' (etcd-v3 only; see node_watch.py)."""

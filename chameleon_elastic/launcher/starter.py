@@ -83,7 +83,7 @@ class WorkerStarter:
             # a new process is hang-checked from its own first beat: its dead predecessor's
             # count, standing still, made a slow start (imports on a busy machine) look hung
             for device in devices:
-                for key in (channel.beat_key(device), channel.pace_key(device),
+                for key in (channel.beat_key(device), channel.gap_key(device),
                             channel.slow_key(device)):
                     self._channel.delete_key(key)
         self._procs.start(wg.spec, list(zip(devices, (w for w, _ in todo), strict=True)), envs,

@@ -57,13 +57,20 @@ itself is ~0 because plans are cached ahead of failures.
 
 Score (the paper's objective): ``throughput * t_run / (t_transition + t_run)`` with ``t_run``
 the expected time to the next failure of the live devices.
+
+Speed factors (stragglers, ``speeds``: device -> factor, 1.0 = as profiled, 0.5 = half speed).
+A device at speed ``s`` takes ``T / s`` for any work ``T``. Without factors, or with all of them
+1.0, every figure is exactly the one above (the same code path). With factors, each pipeline is
+timed with its own stages' scaled ``(T_f, T_b)`` (the DP simulation, since its stages then
+differ); a rerouted plan, whose coupled pipelines run merged orders, is priced pessimistically:
+its unscaled compute divided by the slowest working device's factor.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from functools import lru_cache
 
 from ..plan import AllReduceGroup, Estimate, ExecutionPlan, Pipeline, Transfer
@@ -82,6 +89,7 @@ __all__ = [
     "allreduce_time",
     "compute_time",
     "evaluate",
+    "expected_compute",
     "fits_in_memory",
     "in_flight",
     "peak_memory",
@@ -93,6 +101,7 @@ __all__ = [
     "ring_seconds",
     "ring_time",
     "score",
+    "slow_only",
     "stage_memory",
     "stage_times",
     "step_time",
@@ -250,14 +259,19 @@ def score(throughput: float, transition_s: float, run_s: float) -> float:
 # --------------------------------------------------------------------------- a whole plan
 
 
-def compute_time(spec: JobSpec, plan: ExecutionPlan, *, simulate_reroute: bool = False) -> float:
+def compute_time(spec: JobSpec, plan: ExecutionPlan, *, simulate_reroute: bool = False,
+                 speeds: Mapping[int, float] | None = None) -> float:
     """Pipeline part of one training step (see the module docstring for which model applies).
 
     ``simulate_reroute=True`` skips the paper's rerouting closed form and times the executed
     orders instead: slower at scale, closer to what the runtime does when failures hit
     several layer groups (the closed form adds their penalties; the orders overlap them).
+    ``speeds``: per-device speed factors (module docstring); absent devices run at 1.0.
     """
     _check_plan(spec, plan)
+    slow = slow_only(speeds, plan.working_devices)
+    if slow:
+        return _compute_with_speeds(spec, plan, slow, simulate_reroute)
     if not plan.reroute:
         return _slowest_alone(spec, plan.pipelines)
     closed = None if simulate_reroute else reroute_closed_form(spec, plan)
@@ -331,9 +345,56 @@ def allreduce_time(spec: JobSpec, plan: ExecutionPlan) -> float:
                      for rnd in plan.allreduce_rounds)
 
 
-def step_time(spec: JobSpec, plan: ExecutionPlan, *, simulate_reroute: bool = False) -> float:
-    """Compute plus gradient all-reduce; ``simulate_reroute`` as in ``compute_time``."""
-    return compute_time(spec, plan, simulate_reroute=simulate_reroute) + allreduce_time(spec, plan)
+def step_time(spec: JobSpec, plan: ExecutionPlan, *, simulate_reroute: bool = False,
+              speeds: Mapping[int, float] | None = None) -> float:
+    """Compute plus gradient all-reduce; ``simulate_reroute`` and ``speeds`` as in
+    ``compute_time`` (the all-reduce is a link's, not a device's: speeds leave it alone)."""
+    return (compute_time(spec, plan, simulate_reroute=simulate_reroute, speeds=speeds)
+            + allreduce_time(spec, plan))
+
+
+def slow_only(speeds: Mapping[int, float] | None, devices: Iterable[int]) -> dict[int, float]:
+    """The factors of ``devices`` other than 1.0, checked: empty means "price as profiled"."""
+    if not speeds:
+        return {}
+    out = {}
+    for d in devices:
+        factor = speeds.get(d, 1.0)
+        if not (factor > 0 and math.isfinite(factor)):
+            raise EstimatorError(
+                f"device {d} has speed factor {factor}; give a positive finite factor "
+                "(1.0 = as profiled, 0.5 = half speed)."
+            )
+        if factor != 1.0:
+            out[d] = factor
+    return out
+
+
+def expected_compute(spec: JobSpec, plan: ExecutionPlan) -> dict[int, float]:
+    """Seconds of forward and backward work each working device does per step at speed 1.0:
+    its micro-batches (absorbed ones included) times its layers' ``T_f + T_b`` (recomputing:
+    ``+ T_f``). What a measured compute time is compared with to get a device's speed."""
+    _check_plan(spec, plan)
+    out = {}
+    for role in plan.roles():
+        tf, tb = stage_times(spec, role.layer_start, role.layer_end, role.recompute)
+        out[role.device] = role.micro_batches * (tf + tb)
+    return out
+
+
+def _compute_with_speeds(spec: JobSpec, plan: ExecutionPlan, slow: Mapping[int, float],
+                         simulate_reroute: bool) -> float:
+    if plan.reroute:   # merged orders: pessimistic, the slowest device sets the pace
+        base = compute_time(spec, plan, simulate_reroute=simulate_reroute)
+        return base / min(slow.values())
+    worst = 0.0
+    for pipe in plan.pipelines:
+        times = _flagged_times(spec.model, pipe.layers, pipe.recompute)
+        factors = [slow.get(d, 1.0) for d in pipe.devices]
+        if any(f != 1.0 for f in factors):
+            times = tuple((tf / f, tb / f) for (tf, tb), f in zip(times, factors))
+        worst = max(worst, pipeline_makespan(times, pipe.micro_batches))
+    return worst
 
 
 def peak_memory(spec: JobSpec, plan: ExecutionPlan) -> dict[int, float]:
@@ -395,9 +456,11 @@ def transition_time(spec: JobSpec, plan: ExecutionPlan) -> float:
     return 0.0
 
 
-def evaluate(spec: JobSpec, plan: ExecutionPlan) -> Estimate:
-    """Everything above for one plan; ``t_run`` is the expected time to the next failure."""
-    step = step_time(spec, plan)
+def evaluate(spec: JobSpec, plan: ExecutionPlan,
+             speeds: Mapping[int, float] | None = None) -> Estimate:
+    """Everything above for one plan; ``t_run`` is the expected time to the next failure;
+    ``speeds`` as in ``compute_time``."""
+    step = step_time(spec, plan, speeds=speeds)
     if step <= 0:
         raise EstimatorError(
             "the plan gives no micro-batch to any pipeline, so it trains nothing; give the "

@@ -31,8 +31,8 @@ __all__ = ["BEAT_EVERY_S", "WorkerLink"]
 
 #: how often a worker's progress count goes to its agent (when it moved)
 BEAT_EVERY_S = 0.1
-#: how often its pace (typical gap between phases) does (when it moved by a tenth)
-PACE_EVERY_S = 1.0
+#: how often its typical gap between phases does (when it moved by a tenth)
+GAP_EVERY_S = 1.0
 
 
 class WorkerLink:
@@ -146,7 +146,7 @@ class WorkerLink:
         else:
             self.store.delete_key(key)
 
-    def pace(self, typical: Callable[[], float | None]) -> None:
+    def gaps(self, typical: Callable[[], float | None]) -> None:
         """Where the beat thread reads this worker's typical gap between phases (seconds),
         which it sends to the agent about once a second when it moved (hang.py)."""
         self._sender().typical = typical
@@ -155,6 +155,17 @@ class WorkerLink:
         if self._beats is None:
             self._beats = _BeatSender(self.another(), self.card)
         return self._beats
+
+    def paced(self, generation: int, busy_s: float, compute_s: float, sync_s: float) -> None:
+        """One more step of ``generation`` trained: ``busy_s`` of it computing, ``compute_s``
+        in the pipeline part (computing and waiting), ``sync_s`` summing gradients. Sent with
+        the next beat, never on the step's path."""
+        was = self._sender().pace
+        if was is None or was.generation != generation:
+            was = channel.Pace(generation)
+        self._beats.pace = channel.Pace(generation, was.steps + 1, was.busy_s + busy_s,
+                                        was.wait_s + max(0.0, compute_s - busy_s),
+                                        was.sync_s + sync_s)
 
     def stop_beats(self) -> None:
         """Stop sending progress (before the process ends)."""
@@ -184,17 +195,22 @@ class WorkerLink:
 
 class _BeatSender:
     """Sends the progress counted in ``count`` (by the training thread) on its own
-    connection, every :data:`BEAT_EVERY_S` when it moved, and the worker's pace (``typical``)
-    every :data:`PACE_EVERY_S` when it moved by a tenth. Stopped before the process ends: a
+    connection, every :data:`BEAT_EVERY_S` when it moved, the step times (``pace``) with it,
+    and the worker's typical gap between phases (``typical``, hang.py) every
+    :data:`GAP_EVERY_S` when it moved by a tenth. Stopped before the process ends: a
     daemon thread caught inside a store call at interpreter exit aborts the process."""
 
     def __init__(self, link: WorkerLink, card: int) -> None:
         self.count = 0
         self.typical: Callable[[], float | None] = lambda: None
         self._sent = 0
-        self._pace_sent: float | None = None
-        self._pace_at = 0.0
-        self._link, self._key, self._pace_key = link, channel.beat_key(card), channel.pace_key(card)
+        self.pace: channel.Pace | None = None   # set by the training thread
+        self._pace_sent: channel.Pace | None = None
+        self._gap_sent: float | None = None
+        self._gap_at = 0.0
+        self._link = link
+        self._key, self._pace_key = channel.beat_key(card), channel.pace_key(card)
+        self._gap_key = channel.gap_key(card)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="chameleon-beats", daemon=True)
         self._thread.start()
@@ -207,27 +223,29 @@ class _BeatSender:
 
     def _loop(self) -> None:
         while not self._stop.wait(BEAT_EVERY_S):
-            self._send_pace()
-            count = self.count
-            if count == self._sent:
-                continue
+            self._send_gap()
+            count, pace = self.count, self.pace
             try:
-                self._link.store.add(self._key, count - self._sent)
+                if pace is not self._pace_sent and pace is not None:
+                    channel.write(self._link.store, self._pace_key, pace)
+                    self._pace_sent = pace
+                if count != self._sent:
+                    self._link.store.add(self._key, count - self._sent)
+                    self._sent = count
             except RuntimeError:  # the agent is gone: its death signal follows
                 continue
-            self._sent = count
 
-    def _send_pace(self) -> None:
+    def _send_gap(self) -> None:
         now = time.monotonic()
-        if now - self._pace_at < PACE_EVERY_S:
+        if now - self._gap_at < GAP_EVERY_S:
             return
-        self._pace_at = now
-        pace = self.typical()
-        if pace is None or (self._pace_sent is not None
-                            and abs(pace - self._pace_sent) <= self._pace_sent / 10):
+        self._gap_at = now
+        gap = self.typical()
+        if gap is None or (self._gap_sent is not None
+                           and abs(gap - self._gap_sent) <= self._gap_sent / 10):
             return
         try:
-            channel.write(self._link.store, self._pace_key, pace)
+            channel.write(self._link.store, self._gap_key, gap)
         except RuntimeError:  # the agent is gone: its death signal follows
             return
-        self._pace_sent = pace
+        self._gap_sent = gap

@@ -40,10 +40,10 @@ class Phases:
         self._last: float | None = None
 
     def report_to(self, link: Any) -> None:
-        """Beat on ``link`` (a WorkerLink), and tell it the measured pace and slow stretches."""
+        """Beat on ``link`` (a WorkerLink), and tell it the measured gaps and slow stretches."""
         self.beat = link.beat
         self._say_slow = link.slow
-        link.pace(self.gaps.typical)
+        link.gaps(self.gaps.typical)
         if self._slow:
             link.slow(True)
 
