@@ -18,6 +18,8 @@ key                   writer   meaning
                                recover in place (unregistered scripts are relaunched)
 ``resumed/<N>/<d>``   worker   :class:`Resumed`: how device d entered generation N (timings)
 ``beat/<device>``     worker   a counter moved at every phase of every step (hang detection)
+``steps/<device>``    worker   ``{"recent": [[step, seconds], ...]}``: its last committed steps
+                               and their times (``--metrics-port``), sent with the beats
 ``reported``          worker   last step the job's reporter handed to the user's callback
 ``checkpoint``        worker   last step a committed checkpoint holds (none: no checkpoint)
 ``checkpoints``       worker   set when the job writes checkpoints (even before its first one)
@@ -55,6 +57,7 @@ __all__ = [
     "read",
     "read_int",
     "resumed_key",
+    "steps_key",
     "worker_key",
     "write",
 ]
@@ -131,6 +134,10 @@ def worker_key(card: int) -> str:
 
 def beat_key(card: int) -> str:
     return f"beat/{card}"
+
+
+def steps_key(card: int) -> str:
+    return f"steps/{card}"
 
 
 def resumed_key(generation: int, card: int) -> str:

@@ -27,7 +27,7 @@ import dataclasses
 import logging
 import signal
 import time
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch.distributed as dist
 from torch.distributed.elastic.agent.server.api import (
@@ -58,6 +58,9 @@ from .transition import Crew, Transition
 from .worker_logs import WorkerLogs
 from .workers import WorkerProcesses
 
+if TYPE_CHECKING:
+    from .metrics import AgentMetrics
+
 __all__ = ["ChameleonAgent", "RecoveryMode"]
 
 log = logging.getLogger("chameleon_elastic.launcher.agent")
@@ -77,6 +80,7 @@ class ChameleonAgent(LocalElasticAgent):
         status: StatusLine | None = None,
         health: HealthCheck | None = None,
         profiler: Profiler | None = None,
+        metrics: AgentMetrics | None = None,
         recovery: RecoveryMode = "inplace",
         timeouts: Timeouts | None = None,
         start_method: str = "spawn",
@@ -92,6 +96,8 @@ class ChameleonAgent(LocalElasticAgent):
         self._events = events if events is not None else EventLog(None)
         self._status = status if status is not None else StatusLine(enabled=False)
         self._profiler = profiler
+        self._metrics = metrics
+        self._busy = True                       # in a transition (not ready, /readyz)
         self._recovery = recovery
         self._rounds = Rounds(rdzv_parameters, self._timeouts, self._status, self._emit)
         self._procs = WorkerProcesses()
@@ -161,8 +167,12 @@ class ChameleonAgent(LocalElasticAgent):
 
     def _transition_to(self, event: FailureEvent | None, inplace_wanted: bool,
                        expect_reports: bool, quick: bool = False) -> None:
-        info = self._transition.run(self._worker_group, event, inplace_wanted, expect_reports,
-                                    quick)
+        self._busy = True
+        try:
+            info = self._transition.run(self._worker_group, event, inplace_wanted,
+                                        expect_reports, quick)
+        finally:
+            self._busy = False
         self._rdzv_handler = self._worker_group.spec.rdzv_handler   # after a failover too
         self._store = info.store
 
@@ -198,6 +208,22 @@ class ChameleonAgent(LocalElasticAgent):
             return RunResult(state=WorkerState.SUCCEEDED,
                              return_values={w.global_rank: None for w in worker_group.workers})
         return RunResult(state=WorkerState.HEALTHY)
+
+    def ready(self) -> bool:
+        """This node's workers train under the current generation (``/readyz``)."""
+        return (not self._busy and self._worker_group.state == WorkerState.HEALTHY
+                and self._reporter.pending is None and bool(self._procs.devices))
+
+    def _tick_metrics(self) -> None:
+        if self._metrics is None:
+            return
+        workers = self._worker_group.workers
+        if self._session is not None:
+            generation, live = self._session.plan.generation, len(self._session.plan.live_devices)
+        else:
+            generation = max(self._rounds.attempt, 0)
+            live = workers[0].world_size if workers else None
+        self._metrics.tick(self._channel, self._procs.devices, generation, live)
 
     def stderr_log(self, global_rank: int) -> str | None:
         """The file that a worker which just failed wrote its stderr to (None: the console)."""
@@ -236,6 +262,7 @@ class ChameleonAgent(LocalElasticAgent):
                 if self._session is not None:
                     self._report(self._reporter.poll(self._channel, self._session.plan,
                                                      self._procs.pids(), self._budget.used))
+                self._tick_metrics()
                 tick = self._observe(result)
                 wg.state = tick.state
                 reaction = react(tick)

@@ -39,7 +39,7 @@ __all__ = ["LaunchConfigError", "ScriptNotFound", "build_parser", "console", "ma
 
 OUR_FLAGS = ("--job", "--preset", "--policy", "--recovery", "--hang-timeout", "--plan-cache",
              "--state-dir", "--event-log", "--health-file", "--profile", "--profile-out",
-             "--no-status")
+             "--no-status", "--metrics-port", "--metrics-address")
 
 _DYNAMIC_RDZV_DEFAULTS = {"keep_alive_interval": 1, "keep_alive_max_attempt": 3,
                           "last_call_timeout": 3}
@@ -148,6 +148,16 @@ def build_parser() -> argparse.ArgumentParser:
                             "regroup time, memory per device) here.")
     group.add_argument("--no-status", "--no_status", action=check_env,
                        help="Do not print the status line.")
+    group.add_argument("--metrics-port", "--metrics_port", action=env, type=int, default=None,
+                       help="Serve Prometheus metrics on /metrics, and the probes /healthz "
+                            "(agent alive) and /readyz (this node trains under the current "
+                            "generation), on this port (0: any free port, printed). Default: "
+                            "off.")
+    group.add_argument("--metrics-address", "--metrics_address", action=env, type=str,
+                       default="127.0.0.1",
+                       help="Address the metrics server binds to (0.0.0.0 for every "
+                            "interface, as a Prometheus scrape or a Kubernetes probe from "
+                            "outside the node needs). Default: 127.0.0.1.")
     return parser
 
 
@@ -249,7 +259,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
         launch = _resolve(args, parser, job_mode)
     config, state_dir, session = launch.config, launch.state_dir, launch.session
     event_path = args.event_log or (None if state_dir is None else state_dir / "events.jsonl")
-    events = EventLog(event_path)
+    served = _serve_metrics(args, parser, launch.timeouts.hang_s)
+    events = EventLog(event_path, listeners=() if served is None else (served.metrics.observe,))
     profiler = None
     if args.profile_out:
         assert state_dir is not None
@@ -267,20 +278,47 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
         status=StatusLine(enabled=not args.no_status),
         health=FileHealthCheck(args.health_file) if args.health_file else AlwaysHealthy(),
         profiler=profiler, timeouts=launch.timeouts,
+        metrics=None if served is None else served.metrics,
         recovery="relaunch" if session is None else session.spec.cluster.recovery,
         start_method=config.start_method,
         log_line_prefix_template=config.log_line_prefix_template,
     )
+    if served is not None:
+        served.ready = agent.ready
     try:
         return _run_agent(agent, spec, config,
                           torch_compat.entrypoint_name(launch.cmd, list(launch.cmd_args)))
     finally:
+        if served is not None:
+            served.close()
         if profiler is not None and args.profile_out:
             profiler.write(args.profile_out, None if session is None else session.spec,
                            None if session is None else session.plan)
         events.close()
         if event_path is not None and Path(event_path).exists():
             sys.stderr.write(f"chameleon-run: events of this run: {event_path}\n")
+
+
+def _serve_metrics(args: argparse.Namespace, parser: argparse.ArgumentParser,
+                   hang_s: float) -> Any:
+    """The metrics server of ``--metrics-port`` (None without it), bound before anything
+    starts, so that a port in use is a usage error, not a failed job."""
+    if args.metrics_port is None:
+        return None
+    from .metrics import AgentMetrics, MetricsServer
+
+    if not 0 <= args.metrics_port < 65536:
+        parser.error(f"--metrics-port {args.metrics_port} is not a port; pass 0..65535 "
+                     "(0: any free port).")
+    try:
+        served = MetricsServer(AgentMetrics(hang_s), args.metrics_address, args.metrics_port)
+    except OSError as exc:
+        parser.error(f"cannot serve metrics on {args.metrics_address}:{args.metrics_port} "
+                     f"({exc.strerror or exc}); pass another --metrics-port or "
+                     "--metrics-address.")
+    sys.stderr.write(f"chameleon-run: metrics on {served.url}/metrics (probes /healthz, "
+                     "/readyz)\n")
+    return served
 
 
 def _check_job_flags(args: argparse.Namespace, parser: argparse.ArgumentParser) -> bool:

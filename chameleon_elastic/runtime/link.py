@@ -12,6 +12,8 @@ decides anything. Kept apart from the recovery chain so that joining a generatio
 from __future__ import annotations
 
 import atexit
+import collections
+import json
 import os
 import threading
 from collections.abc import Mapping
@@ -30,6 +32,9 @@ __all__ = ["BEAT_EVERY_S", "WorkerLink"]
 
 #: how often a worker's progress count goes to its agent (when it moved)
 BEAT_EVERY_S = 0.1
+#: committed steps a worker keeps for its agent's metrics: enough for steps much faster than
+#: the beats, without growing
+RECENT_STEPS = 64
 
 
 class WorkerLink:
@@ -131,9 +136,19 @@ class WorkerLink:
         thread every :data:`BEAT_EVERY_S`: a phase of a step costs no round trip to the agent
         (several per step, each a scheduling delay of the agent's process on a loaded host),
         and hang timeouts are seconds long."""
+        self._sender().count += 1
+
+    def committed(self, step: int, seconds: float) -> None:
+        """A step committed here, for the agent's metrics (sent with the beats)."""
+        sender = self._sender()
+        sender.steps.append((step, seconds))
+        sender.count += 1
+
+    def _sender(self) -> _BeatSender:
         if self._beats is None:
-            self._beats = _BeatSender(self.another(), channel.beat_key(self.card))
-        self._beats.count += 1
+            self._beats = _BeatSender(self.another(), channel.beat_key(self.card),
+                                      channel.steps_key(self.card))
+        return self._beats
 
     def stop_beats(self) -> None:
         """Stop sending progress (before the process ends)."""
@@ -158,10 +173,13 @@ class _BeatSender:
     connection, every :data:`BEAT_EVERY_S` when it moved. Stopped before the process ends: a
     daemon thread caught inside a store call at interpreter exit aborts the process."""
 
-    def __init__(self, link: WorkerLink, key: str) -> None:
+    def __init__(self, link: WorkerLink, key: str, steps_key: str) -> None:
         self.count = 0
+        self.steps: collections.deque[tuple[int, float]] = collections.deque(
+            maxlen=RECENT_STEPS)
         self._sent = 0
-        self._link, self._key = link, key
+        self._sent_step: tuple[int, float] | None = None
+        self._link, self._key, self._steps_key = link, key, steps_key
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="chameleon-beats", daemon=True)
         self._thread.start()
@@ -174,11 +192,19 @@ class _BeatSender:
 
     def _loop(self) -> None:
         while not self._stop.wait(BEAT_EVERY_S):
-            count = self.count
-            if count == self._sent:
-                continue
-            try:
-                self._link.store.add(self._key, count - self._sent)
-            except RuntimeError:  # the agent is gone: its death signal follows
-                continue
-            self._sent = count
+            self._send()
+        self._send()   # the last steps too
+
+    def _send(self) -> None:
+        count = self.count
+        if count == self._sent:
+            return
+        steps = list(self.steps)
+        try:
+            self._link.store.add(self._key, count - self._sent)
+            if steps and steps[-1] != self._sent_step:
+                self._link.store.set(self._steps_key, json.dumps({"recent": steps}))
+        except RuntimeError:  # the agent is gone: its death signal follows
+            return
+        self._sent = count
+        self._sent_step = steps[-1] if steps else None

@@ -327,6 +327,8 @@ class PipelineTrainer:
             self.recovery.step_committed()
         if self.working:
             record_step(result.step_s)
+            if self.recovery is not None:
+                self.recovery.link.committed(result.step, result.step_s)
         if on_step is not None:
             on_step(result)
         done = self.committed
