@@ -23,6 +23,8 @@ key                   writer   meaning
 ``reported``          worker   last step the job's reporter handed to the user's callback
 ``checkpoint``        worker   last step a committed checkpoint holds (none: no checkpoint)
 ``checkpoints``       worker   set when the job writes checkpoints (even before its first one)
+``stop``              agent    the signal that preempts the job (``SIGTERM``, ...): stop at the
+                               next step boundary with a checkpoint (runtime/preemption.py)
 ``trouble``           worker   a plan generation in which a worker lost a peer (so the agent
                                learns of peers on other nodes that it does not run)
 ====================  =======  ===================================================================
@@ -68,6 +70,7 @@ REPORTED = "reported"
 CHECKPOINT = "checkpoint"
 CHECKPOINTS = "checkpoints"
 TROUBLE = "trouble"
+STOP = "stop"            # the agent was preempted: stop at the next step boundary
 ENDED = "ended"          # a worker found that training cannot go on: the sentence that says why
 
 CHAMELEON_VARS: tuple[str, ...] = (

@@ -38,9 +38,11 @@ from torch.distributed.elastic.agent.server.api import (
 )
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import LogsSpecs
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
 
+from chameleon_elastic.exit_status import ExitStatus
 from chameleon_elastic.timeouts import Timeouts
 
 from .detectors import Watchers
@@ -48,6 +50,7 @@ from .failures import FailureEvent, RestartBudget, Trigger
 from .health import AlwaysHealthy, HealthCheck
 from .observe import Event, EventLog, StatusLine
 from .plan_env import NodeCards
+from .preemption import PREEMPTION_SIGNALS, Preempted, drain
 from .profiler import Profiler
 from .reactions import Reaction, Tick, react
 from .reporter import RecoveryReporter
@@ -98,6 +101,7 @@ class ChameleonAgent(LocalElasticAgent):
         self._profiler = profiler
         self._metrics = metrics
         self._busy = True                       # in a transition (not ready, /readyz)
+        self.exit_status = ExitStatus.FAILED    # of a run the agent ended itself
         self._recovery = recovery
         self._rounds = Rounds(rdzv_parameters, self._timeouts, self._status, self._emit)
         self._procs = WorkerProcesses()
@@ -233,6 +237,17 @@ class ChameleonAgent(LocalElasticAgent):
     # ------------------------------------------------------------------ the loop
 
     def _invoke_run(self, role: str = "default") -> RunResult:
+        try:
+            return self._run_loop()
+        except SignalException as exc:
+            if exc.sigval not in PREEMPTION_SIGNALS:
+                raise
+            drained = drain(self._channel, self._procs, exc.sigval, self._timeouts.shutdown_s)
+            self._emit(Event.JOB_FINISHED, state="PREEMPTED", reason=exc.sigval.name,
+                       checkpoint=drained.committed, stopped=drained.stopped)
+            raise Preempted(drained.sentence(self._timeouts.shutdown_s), exc.sigval) from None
+
+    def _run_loop(self) -> RunResult:
         spec = self._worker_group.spec
         wg = self._worker_group
         self._emit(Event.AGENT_STARTED, entrypoint=spec.get_entrypoint_name(),
@@ -244,6 +259,7 @@ class ChameleonAgent(LocalElasticAgent):
             self._initialize_workers(wg)
         except LauncherPlanningError as exc:
             self._status.say(f"chameleon-run: {exc}")
+            self.exit_status = ExitStatus.DO_NOT_REQUEUE
             return RunResult(state=WorkerState.FAILED)
         if self._transition.node is not None:
             self._watchers.watch_leases(self._rounds.params, self._transition.node, self._fence)
@@ -271,13 +287,12 @@ class ChameleonAgent(LocalElasticAgent):
                     reaction = react(dataclasses.replace(
                         tick, leases_asked=True, lease=Trigger.NODE_LOST if asked else None))
                 outcome = self._apply(reaction, tick, result)
-            except (LauncherPlanningError, RendezvousClosedError) as exc:
-                if isinstance(exc, RendezvousClosedError):
-                    exc = LauncherPlanningError(
-                        "the job's rendezvous is closed: the other nodes finished or gave up "
-                        "while this node was cut off, so there is nothing to rejoin."
-                    )
-                return self._end(str(exc))
+            except LauncherPlanningError as exc:   # no plan for the devices left
+                return self._end(str(exc), ExitStatus.DO_NOT_REQUEUE)
+            except RendezvousClosedError:
+                return self._end("the job's rendezvous is closed: the other nodes finished or "
+                                 "gave up while this node was cut off, so there is nothing to "
+                                 "rejoin.")
             if outcome is not None:
                 return outcome
 
@@ -305,9 +320,9 @@ class ChameleonAgent(LocalElasticAgent):
             self._procs.kill(set(r.kill))
         if r.action == "monitor":
             return None
-        if r.action == "end":
+        if r.action == "end":   # the workers found that training cannot go on
             self._emit(Event.PLANNING_FAILED, error=r.reason)
-            raise LauncherPlanningError(r.reason)
+            return self._end(r.reason or "training cannot go on")
         if r.action == "fail":
             self._procs.close(timeout=self._timeouts.shutdown_s)
             self._worker_group.state = WorkerState.FAILED
@@ -337,8 +352,9 @@ class ChameleonAgent(LocalElasticAgent):
             self._budget.charged = False
         return None
 
-    def _end(self, sentence: str) -> RunResult:
-        """The job cannot go on: one sentence, every worker stopped."""
+    def _end(self, sentence: str, status: ExitStatus = ExitStatus.FAILED) -> RunResult:
+        """The job cannot go on: one sentence, every worker stopped, the exit status."""
+        self.exit_status = status
         self._status.say(f"chameleon-run: {sentence}")
         self._procs.close(timeout=self._timeouts.shutdown_s)
         self._worker_group.state = WorkerState.FAILED

@@ -78,10 +78,11 @@ def _epilog() -> str:
         ["A job of your own: describe it in a TOML file and pass --job. Docs: docs/launcher.md",
          "(flags, events, differences from torchrun) and docs/rendezvous.md."],
         [(0, "the workers finished"),
-         (1, ("workers failed for good, the launch configuration or the rendezvous failed, the\n"
-             "     script is missing, or no plan can run the job any more (one sentence says "
-             "which)")),
-         (2, "a flag was used wrongly (one line)")])
+         (1, ("workers failed for good, the launch configuration or the rendezvous failed, or\n"
+             "      the script is missing (one sentence says which): retryable")),
+         (2, "a flag was used wrongly (one line)"),
+         (75, "preempted (SIGTERM, or SIGUSR1/2 in --signals-to-handle): requeue"),
+         (93, "no plan can run the job on the devices left: do not requeue")])
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -432,7 +433,7 @@ def _run_agent(agent: Any, spec: Any, config: Any, entrypoint_name: str) -> Any:
             return None
         if result.is_failed():
             if not result.failures:  # ended by the agent, which said why in one sentence
-                raise SystemExit(1)
+                raise SystemExit(int(agent.exit_status))
             raise WorkersFailed(entrypoint_name, result.failures,
                                 {rank: agent.stderr_log(rank) for rank in result.failures})
         return result.return_values
@@ -489,16 +490,23 @@ def console() -> None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
     from torch.distributed.elastic.rendezvous.api import RendezvousError
 
+    from chameleon_elastic.exit_status import ExitStatus
     from chameleon_elastic.rendezvous.errors import rendezvous_message
+
+    from .preemption import Preempted
 
     parser = build_parser()
     args = parser.parse_args()
     try:
         record(run)(args, parser)
+    except Preempted as exc:
+        sys.stderr.write(f"chameleon-run: {exc.sentence} (exit status "
+                         f"{int(ExitStatus.PREEMPTED)}: requeue)\n")
+        raise SystemExit(int(ExitStatus.PREEMPTED)) from None
     except (SignalException, KeyboardInterrupt) as exc:
         # torch's agent has stopped the workers already (SignalException); before any worker
         # started, Python's KeyboardInterrupt ends the wait. Exit as torchrun does (1), with
-        # no traceback. SIGTERM reads the same until it gets a meaning of its own.
+        # no traceback. A preemption signal (SIGTERM, SIGUSR1/2) is Preempted, above.
         sig = signal.Signals(exc.sigval).name if isinstance(exc, SignalException) else "SIGINT"
         sys.stderr.write(f"chameleon-run: interrupted ({sig}): workers stopped\n")
         raise SystemExit(1) from None

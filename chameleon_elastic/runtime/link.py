@@ -49,6 +49,7 @@ class WorkerLink:
         self.timeouts = timeouts
         self.address = address
         self.tp_rank, self.tp = tp_rank, tp
+        self.stop_requested = False   # the agent asked for a stop (``stop``, read with beats)
         self._beats: _BeatSender | None = None
 
     @property
@@ -147,7 +148,7 @@ class WorkerLink:
     def _sender(self) -> _BeatSender:
         if self._beats is None:
             self._beats = _BeatSender(self.another(), channel.beat_key(self.card),
-                                      channel.steps_key(self.card))
+                                      channel.steps_key(self.card), owner=self)
         return self._beats
 
     def stop_beats(self) -> None:
@@ -173,13 +174,14 @@ class _BeatSender:
     connection, every :data:`BEAT_EVERY_S` when it moved. Stopped before the process ends: a
     daemon thread caught inside a store call at interpreter exit aborts the process."""
 
-    def __init__(self, link: WorkerLink, key: str, steps_key: str) -> None:
+    def __init__(self, link: WorkerLink, key: str, steps_key: str, owner: WorkerLink) -> None:
         self.count = 0
         self.steps: collections.deque[tuple[int, float]] = collections.deque(
             maxlen=RECENT_STEPS)
         self._sent = 0
         self._sent_step: tuple[int, float] | None = None
         self._link, self._key, self._steps_key = link, key, steps_key
+        self._owner = owner   # the training thread's link, told of a stop request
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="chameleon-beats", daemon=True)
         self._thread.start()
@@ -193,7 +195,19 @@ class _BeatSender:
     def _loop(self) -> None:
         while not self._stop.wait(BEAT_EVERY_S):
             self._send()
+            self._read_stop()
         self._send()   # the last steps too
+
+    def _read_stop(self) -> None:
+        """The agent's preemption notice (runtime/preemption.py), read on this thread so that
+        a step costs the training thread no round trip for it."""
+        if self._owner.stop_requested:
+            return
+        try:
+            asked = bool(self._link.store.check([channel.STOP]))
+        except RuntimeError:
+            return
+        self._owner.stop_requested = asked
 
     def _send(self) -> None:
         count = self.count

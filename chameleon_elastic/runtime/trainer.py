@@ -51,6 +51,7 @@ from .link import WorkerLink
 from .model import PipelineModel
 from .phases import PhaseHook, Phases
 from .precision import LossScale, Precision, check_precision
+from .preemption import Preemption, stop_here
 from .recording import record_step
 from .recovery import Recovery
 from .step import StepResult, train_step
@@ -173,6 +174,7 @@ class PipelineTrainer:
         self.recovery: Recovery | None = None
         self.save_group = None                      # background saves' own group, per plan
         self.saving: BackgroundSave | None = None   # the checkpoint being written
+        self.preemption = Preemption(link)   # a stop at a step boundary (runtime/preemption)
         if link is not None:
             from chameleon_elastic.plugins import get_backend
 
@@ -286,6 +288,7 @@ class PipelineTrainer:
         device's own times (``compute_s``, ``sync_s``, ``data_s``, ``step_s``); every working
         device also records its step time for ``chameleon-run --profile-out``.
         """
+        self.preemption.install()
         if self.recovery is not None:
             self.recovery.register()
             self.phases.beat = self.recovery.link.beat   # progress for hang detection
@@ -303,6 +306,8 @@ class PipelineTrainer:
             if lost.message is not None:
                 self.recovery.recover(lost.message)
             self._report(report, evaluate, steps)
+            if self.preemption.agreed and self.committed < steps:
+                stop_here(self)   # a checkpoint at this boundary, then exit PREEMPTED
         self._settle_save()
 
     def _settle_save(self) -> None:
