@@ -55,7 +55,7 @@ from .profiler import Profiler
 from .reactions import Reaction, Tick, react
 from .reporter import RecoveryReporter
 from .rounds import Rounds
-from .session import JobSession, LauncherPlanningError
+from .session import JobSession, LauncherPlanningError, NoPlanError
 from .starter import TorchHooks, WorkerStarter
 from .transition import Crew, Transition
 from .worker_logs import WorkerLogs
@@ -259,7 +259,7 @@ class ChameleonAgent(LocalElasticAgent):
             self._initialize_workers(wg)
         except LauncherPlanningError as exc:
             self._status.say(f"chameleon-run: {exc}")
-            self.exit_status = ExitStatus.DO_NOT_REQUEUE
+            self.exit_status = _status_of(exc)
             return RunResult(state=WorkerState.FAILED)
         if self._transition.node is not None:
             self._watchers.watch_leases(self._rounds.params, self._transition.node, self._fence)
@@ -287,8 +287,8 @@ class ChameleonAgent(LocalElasticAgent):
                     reaction = react(dataclasses.replace(
                         tick, leases_asked=True, lease=Trigger.NODE_LOST if asked else None))
                 outcome = self._apply(reaction, tick, result)
-            except LauncherPlanningError as exc:   # no plan for the devices left
-                return self._end(str(exc), ExitStatus.DO_NOT_REQUEUE)
+            except LauncherPlanningError as exc:
+                return self._end(str(exc), _status_of(exc))
             except RendezvousClosedError:
                 return self._end("the job's rendezvous is closed: the other nodes finished or "
                                  "gave up while this node was cut off, so there is nothing to "
@@ -366,3 +366,8 @@ class ChameleonAgent(LocalElasticAgent):
         mode = "in place" if inplace else "relaunch"
         self._update_status(f"recovering {mode} ({event.reason})")
         self._transition_to(event, inplace, expect_reports=self._runtime, quick=quick)
+
+
+def _status_of(exc: LauncherPlanningError) -> ExitStatus:
+    """No plan for the devices left: do not requeue; any other end: retryable."""
+    return ExitStatus.DO_NOT_REQUEUE if isinstance(exc, NoPlanError) else ExitStatus.FAILED

@@ -39,7 +39,7 @@ __all__ = ["LaunchConfigError", "ScriptNotFound", "build_parser", "console", "ma
 
 OUR_FLAGS = ("--job", "--preset", "--policy", "--recovery", "--hang-timeout", "--plan-cache",
              "--state-dir", "--event-log", "--health-file", "--profile", "--profile-out",
-             "--no-status", "--metrics-port", "--metrics-address")
+             "--no-status", "--metrics-port", "--metrics-address", "--slurm")
 
 _DYNAMIC_RDZV_DEFAULTS = {"keep_alive_interval": 1, "keep_alive_max_attempt": 3,
                           "last_call_timeout": 3}
@@ -159,6 +159,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="Address the metrics server binds to (0.0.0.0 for every "
                             "interface, as a Prometheus scrape or a Kubernetes probe from "
                             "outside the node needs). Default: 127.0.0.1.")
+    group.add_argument("--slurm", action=env, type=str, nargs="?", const="on", default="auto",
+                       choices=("auto", "on", "off"),
+                       help="Take --nnodes, --rdzv-id, --rdzv-backend (c10d), --rdzv-endpoint "
+                            "(c10d: the first host) and --node-rank (static) from the Slurm "
+                            "allocation, for flags left at their defaults (one line says what "
+                            "was taken). auto (default): inside an srun step; on (--slurm): "
+                            "whenever SLURM_JOB_ID is set; off: never.")
     return parser
 
 
@@ -252,6 +259,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
     from .profiler import Profiler
     from .worker_logs import WorkerLogs
 
+    _take_slurm(args, parser)
     job_mode = _check_job_flags(args, parser)
     logging.getLogger("torch.distributed.elastic.agent.server.api").addFilter(
         _without_death_signal_warning)
@@ -298,6 +306,31 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
         events.close()
         if event_path is not None and Path(event_path).exists():
             sys.stderr.write(f"chameleon-run: events of this run: {event_path}\n")
+
+
+def _take_slurm(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Fill the flags the Slurm allocation knows (launcher/slurm.py), saying so in one line."""
+    from .slurm import SlurmAllocation, SlurmError, from_allocation
+
+    alloc = SlurmAllocation.from_env(os.environ)
+    if args.slurm == "off" or alloc is None:
+        if args.slurm == "on":
+            parser.error("--slurm: SLURM_JOB_ID is not set, so there is no allocation to read; "
+                         "run inside sbatch/srun, or drop --slurm.")
+        return
+    if args.slurm == "auto" and not alloc.in_step:
+        return
+    try:
+        taken = from_allocation(alloc, vars(args), args.standalone)
+    except SlurmError as exc:
+        parser.error(str(exc))
+    for dest, value in taken.items():
+        setattr(args, dest, value)
+    if taken:
+        flags = " ".join(f"--{d.replace('_', '-')} {v}" for d, v in taken.items())
+        sys.stderr.write(f"chameleon-run: under Slurm job {alloc.job_id} (node "
+                         f"{alloc.node_rank} of {alloc.nnodes}): {flags} (--slurm off to "
+                         "launch exactly as given)\n")
 
 
 def _serve_metrics(args: argparse.Namespace, parser: argparse.ArgumentParser,
