@@ -287,6 +287,10 @@ class PipelineTrainer:
         ``on_step(result)`` is called in every process after each step it trains, with this
         device's own times (``compute_s``, ``sync_s``, ``data_s``, ``step_s``); every working
         device also records its step time for ``chameleon-run --profile-out``.
+        A preemption (``chameleon-run`` got SIGTERM, or this process SIGUSR1/SIGUSR2 named in
+        ``--signals-to-handle``) ends the loop at the step boundary every rank agreed on in a
+        vote: a checkpoint of the committed steps is committed (with a ``checkpoint_dir``) and
+        the process exits with ``ExitStatus.PREEMPTED`` (75) (:mod:`.preemption`).
         """
         self.preemption.install()
         if self.recovery is not None:
