@@ -50,7 +50,7 @@ from .failures import FailureEvent, RestartBudget, Trigger
 from .health import AlwaysHealthy, HealthCheck
 from .observe import Event, EventLog, StatusLine
 from .plan_env import NodeCards
-from .preemption import PREEMPTION_SIGNALS, Preempted, drain
+from .preemption import PEER_PREEMPTED, PREEMPTION_SIGNALS, Preempted, drain
 from .profiler import Profiler
 from .reactions import Reaction, Tick, react
 from .reporter import RecoveryReporter
@@ -240,12 +240,16 @@ class ChameleonAgent(LocalElasticAgent):
         try:
             return self._run_loop()
         except SignalException as exc:
-            if exc.sigval not in PREEMPTION_SIGNALS:
+            if isinstance(exc, Preempted) or exc.sigval not in PREEMPTION_SIGNALS:
                 raise
-            drained = drain(self._channel, self._procs, exc.sigval, self._timeouts.shutdown_s)
-            self._emit(Event.JOB_FINISHED, state="PREEMPTED", reason=exc.sigval.name,
-                       checkpoint=drained.committed, stopped=drained.stopped)
-            raise Preempted(drained.sentence(self._timeouts.shutdown_s), exc.sigval) from None
+            self._preempted(exc.sigval.name, exc.sigval)
+
+    def _preempted(self, why: str, sigval: signal.Signals, runtime: bool | None = None) -> None:
+        """Drain this node's workers at a step boundary (launcher/preemption.py), then end."""
+        drained = drain(self._channel, self._procs, why, self._timeouts.shutdown_s, runtime)
+        self._emit(Event.JOB_FINISHED, state="PREEMPTED", reason=why,
+                   checkpoint=drained.committed, stopped=drained.stopped)
+        raise Preempted(drained.sentence(self._timeouts.shutdown_s), sigval) from None
 
     def _run_loop(self) -> RunResult:
         spec = self._worker_group.spec
@@ -266,6 +270,8 @@ class ChameleonAgent(LocalElasticAgent):
         while True:
             time.sleep(spec.monitor_interval)
             result = self._monitor_workers(wg)
+            if any(e.exitcode == ExitStatus.PREEMPTED for e in self._exits.values()):
+                self._preempted(PEER_PREEMPTED, signal.SIGTERM, runtime=True)
             if result.state == WorkerState.SUCCEEDED:
                 wg.state = result.state
                 self._update_status("succeeded")

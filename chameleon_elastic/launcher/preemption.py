@@ -11,7 +11,9 @@ In protocol order, once torch's handler has turned the signal into ``SignalExcep
 2. otherwise the signal is forwarded to the workers, as torchrun does (torch's ``_shutdown``).
 
 Either way the launcher exits with ``ExitStatus.PREEMPTED`` and one sentence saying what was
-kept or lost. SIGINT, SIGHUP and SIGQUIT keep torchrun's meaning (interrupted, status 1).
+kept or lost. An agent that got no signal but whose workers exit ``PREEMPTED`` (the stop rides
+on the vote, so another node's preemption stops every node's workers at the same step) ends
+the same way: the job is preempted as a whole. SIGINT, SIGHUP and SIGQUIT keep torchrun's meaning (interrupted, status 1).
 Further preemption signals during the drain are ignored: schedulers send one, then SIGKILL.
 """
 
@@ -26,7 +28,10 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from chameleon_elastic import channel
 
-__all__ = ["PREEMPTION_SIGNALS", "Drained", "Preempted", "drain"]
+__all__ = ["PEER_PREEMPTED", "PREEMPTION_SIGNALS", "Drained", "Preempted", "drain"]
+
+#: what preempted the job when this node got no signal of its own
+PEER_PREEMPTED = "on another node, or by a signal to the workers"
 
 PREEMPTION_SIGNALS = frozenset({signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2})
 
@@ -71,21 +76,24 @@ class Preempted(SignalException):
         self.sentence = sentence
 
 
-def drain(store: Any, procs: Any, sig: signal.Signals, grace_s: float) -> Drained:
+def drain(store: Any, procs: Any, why: str, grace_s: float, runtime: bool | None = None
+          ) -> Drained:
     """Ask this node's runtime workers to stop at the next step boundary with a checkpoint,
-    and wait up to ``grace_s`` for them to exit (see the module docstring)."""
+    and wait up to ``grace_s`` for them to exit (see the module docstring). ``why``: the
+    signal's name, or what else preempted the job; ``runtime``: known to be runtime workers
+    (None: ask the channel)."""
     for handled in PREEMPTION_SIGNALS:
         signal.signal(handled, signal.SIG_IGN)
-    runtime = procs.registered(store)
+    runtime = procs.registered(store) if runtime is None else runtime
     checkpoints = runtime and channel.read(store, channel.CHECKPOINTS) is not None
     stopped = False
     if checkpoints:
-        channel.write(store, channel.STOP, sig.name)
+        channel.write(store, channel.STOP, why)
         deadline = time.monotonic() + grace_s
         while procs.devices and time.monotonic() < deadline:
             procs.poll()
             time.sleep(0.05)
         stopped = not procs.devices
-    return Drained(sig.name, runtime, checkpoints, stopped,
+    return Drained(why, runtime, checkpoints, stopped,
                    channel.read_int(store, channel.CHECKPOINT) if runtime else None,
                    channel.read_int(store, channel.REPORTED) if runtime else None)

@@ -90,10 +90,10 @@ def test_sigterm_at_step_10_commits_a_checkpoint_and_the_same_command_resumes_ex
     assert {**done, **rest} == uninterrupted
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(150)
 def test_sigterm_without_a_checkpoint_directory_says_what_was_lost(tmp_path, launch):
     run = launch("chameleon", gpt_args(tmp_path, checkpoints=False))
-    wait_for(lambda: re.search(r"^step +3 ", run.log.read_text(), re.MULTILINE), 50, "step 3")
+    wait_for(lambda: re.search(r"^step +3 ", run.log.read_text(), re.MULTILINE), 90, "step 3")
     workers = _workers(run.proc.pid)
     os.kill(run.proc.pid, signal.SIGTERM)
     assert run.wait(30) == ExitStatus.PREEMPTED, run.log.read_text()[-2000:]
@@ -106,11 +106,11 @@ def test_sigterm_without_a_checkpoint_directory_says_what_was_lost(tmp_path, lau
         wait_for(lambda w=worker: not pid_alive(w.pid), 5, f"worker {worker.pid} to be gone")
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(150)
 def test_sigusr1_from_signals_to_handle_is_a_preemption_too(tmp_path, launch):
     args = gpt_args(tmp_path)
     run = launch("chameleon", ["--signals-to-handle", "SIGTERM,SIGINT,SIGUSR1", *args])
-    wait_for(lambda: re.search(r"^step +3 ", run.log.read_text(), re.MULTILINE), 50, "step 3")
+    wait_for(lambda: re.search(r"^step +3 ", run.log.read_text(), re.MULTILINE), 90, "step 3")
     os.kill(run.proc.pid, signal.SIGUSR1)
     assert run.wait(30) == ExitStatus.PREEMPTED, run.log.read_text()[-2000:]
     text = run.log.read_text()
@@ -118,3 +118,21 @@ def test_sigusr1_from_signals_to_handle_is_a_preemption_too(tmp_path, launch):
     assert (f"preempted (SIGUSR1): every worker stopped after step {last} with its checkpoint "
             f"committed") in text
     assert latest_step(tmp_path / "ckpt") == last + 1   # the committed steps, 0..last
+
+
+@pytest.mark.timeout(150)
+def test_a_worker_signalled_alone_stops_the_job_at_one_step_and_the_agent_ends_preempted(
+        tmp_path, launch):
+    """What a node sees when another node is preempted: its workers stop (the vote carries the
+    stop to every rank) and exit 75 without its agent having a signal of its own. Here one
+    worker gets SIGUSR1 straight from the "scheduler"."""
+    run = launch("chameleon", ["--signals-to-handle", "SIGTERM,SIGINT,SIGUSR1",
+                               *gpt_args(tmp_path)])
+    wait_for(lambda: re.search(r"^step +3 ", run.log.read_text(), re.MULTILINE), 90, "step 3")
+    os.kill(_workers(run.proc.pid)[-1].pid, signal.SIGUSR1)
+    assert run.wait(30) == ExitStatus.PREEMPTED, run.log.read_text()[-2000:]
+    text = run.log.read_text()
+    last = max(losses(text))
+    assert (f"preempted (on another node, or by a signal to the workers): every worker stopped "
+            f"after step {last} with its checkpoint committed") in text
+    assert latest_step(tmp_path / "ckpt") == last + 1
