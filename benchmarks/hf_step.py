@@ -16,7 +16,9 @@ is written with transformers' save_pretrained into a temporary directory. Then, 
 - ``ddp``: ``torchrun --standalone --nproc-per-node 4`` runs this file's worker: the same
   model from ``AutoModelForCausalLM.from_pretrained(DIR)`` in ``DistributedDataParallel``, the
   same samples (``hf.token_windows`` over the same bytes), the same global batch (8
-  micro-batches of 4, two per rank, gradients accumulated under ``no_sync``), bf16 autocast,
+  micro-batches of 4, two per rank, gradients accumulated under ``no_sync``), the same
+  precision (``--precision``; fp32 by default: CPUs without native bf16 emulate it about ten
+  times slower than fp32, which would time the emulation, not the training loop),
   AdamW, warm-up + cosine and clipping to 1; rank 0 records its step-end times.
 
 Step time is the median interval between consecutive step ends after ``--skip`` warm-up steps
@@ -67,6 +69,8 @@ def ddp_worker(args: argparse.Namespace) -> int:
     from transformers import AutoModelForCausalLM
 
     from chameleon_elastic.models import hf
+    from chameleon_elastic.runtime.data import Epochs
+    from chameleon_elastic.runtime.schedules import warmup_cosine
 
     sys.path.insert(0, str(ROOT / "examples"))
     import train_hf  # the example's own data and schedule
@@ -74,13 +78,17 @@ def ddp_worker(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    tokens, _ = train_hf.tokenize(train_hf.read_text([], 2_000_000), None, 288)
-    sample = functools.partial(hf.token_windows, tokens, args.context)
+
+    defaults = train_hf.parse(["--config", next(iter(hf.TINY))])
+    tokens, _ = train_hf.tokenize(train_hf.read_text([], defaults.data_bytes), None, 288)
+    train, _ = train_hf.split(tokens, args.context, defaults.eval_samples)
+    order = Epochs(len(train), defaults.seed, batch=GLOBAL_MICRO_BATCHES * MICRO_BATCH_SIZE)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     model.train()
     ddp = DDP(model)
-    optimizer = hf.adamw(model.parameters(), lr=1e-3, weight_decay=0.1)
-    scheduler = train_hf.schedule(optimizer, warmup=5, total=args.steps)
+    optimizer = hf.adamw(model.named_parameters(), lr=defaults.lr,
+                         weight_decay=defaults.weight_decay)
+    scheduler = warmup_cosine(optimizer, warmup=defaults.warmup_steps, total=args.steps)
     quota = GLOBAL_MICRO_BATCHES // world
     ends, losses = [], []
     for step in range(args.steps):
@@ -89,12 +97,13 @@ def ddp_worker(args: argparse.Namespace) -> int:
         for m in range(quota):
             g = rank * quota + m
             first = (step * GLOBAL_MICRO_BATCHES + g) * MICRO_BATCH_SIZE
-            pairs = [sample(first + j) for j in range(MICRO_BATCH_SIZE)]
+            pairs = [train[i] for i in order.indices(range(first, first + MICRO_BATCH_SIZE))]
             ids = torch.stack([x for x, _ in pairs])
             labels = torch.stack([y for _, y in pairs])
             sync = contextlib.nullcontext() if m == quota - 1 else ddp.no_sync()
             with sync:
-                with torch.autocast("cpu", dtype=torch.bfloat16):
+                with torch.autocast("cpu", dtype=torch.bfloat16,
+                                    enabled=args.precision == "bf16"):
                     loss = ddp(input_ids=ids, labels=labels).loss
                 (loss / GLOBAL_MICRO_BATCHES).backward()
             total += loss.detach() / GLOBAL_MICRO_BATCHES
@@ -139,7 +148,8 @@ def _chameleon(work: Path, model: Path, args: argparse.Namespace, k: int,
     _run(["chameleon-run", "--standalone", "--nproc-per-node", str(WORLD), "--job",
           str(work / job), "--no-status", "--state-dir", str(work / f"state-{job}-{k}"),
           EXAMPLE, "--model", str(model), "--steps", str(args.steps), "--context",
-          str(args.context), "--log-every", str(args.steps), "--losses", str(losses)],
+          str(args.context), "--log-every", str(args.steps), "--losses", str(losses),
+          "--precision", args.precision],
          args.timeout)
     rows = [json.loads(x) for x in losses.read_text().splitlines()]
     return {"ends": [r["time"] for r in rows], "losses": [r["loss"] for r in rows],
@@ -150,7 +160,8 @@ def _ddp(work: Path, model: Path, args: argparse.Namespace, k: int) -> dict:
     out = work / f"ddp-{k}.json"
     _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
           str(WORLD), __file__, "--worker", "--model", str(model), "--steps", str(args.steps),
-          "--context", str(args.context), "--out", str(out)], args.timeout)
+          "--context", str(args.context), "--precision", args.precision, "--out", str(out)],
+         args.timeout)
     return json.loads(out.read_text())
 
 
@@ -163,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip", type=int, default=4, help="warm-up steps left out of the median")
     ap.add_argument("--rounds", type=int, default=4, help="runs of each, alternating")
     ap.add_argument("--timeout", type=float, default=300)
+    ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                    help="both runs' precision (default fp32: bf16 is emulated on most CPUs)")
     ap.add_argument("--with-pipelines", action="store_true",
                     help="also time chameleon-job's default layout (dp 2 x pp 2)")
     ap.add_argument("--json", action="store_true", help="print JSON instead of the table")
@@ -181,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
         for job, layout in (("job.toml", ["--dp", str(WORLD), "--pp", "1"]),
                             ("pipelines.toml", ["--dp", "2", "--pp", "2"])):
             _run(["chameleon-job", "hf", str(model), "--devices", str(WORLD), *layout,
-                  "--context", str(args.context), "--micro-batch-size",
+                  "--context", str(args.context), "--precision", args.precision,
+                  "--micro-batch-size",
                   str(MICRO_BATCH_SIZE), "--global-micro-batches",
                   str(GLOBAL_MICRO_BATCHES), "-o", str(work / job)], args.timeout)
         order = [("chameleon-run", _chameleon), ("ddp", _ddp)]
@@ -190,7 +204,10 @@ def main(argv: list[str] | None = None) -> int:
         runs: dict[str, list[dict]] = {name: [] for name, _ in order}
         for k in range(args.rounds):
             for name, fn in (order if k % 2 == 0 else reversed(order)):
+                began = time.perf_counter()
                 runs[name].append(fn(work, model, args, k))
+                print(f"round {k + 1}/{args.rounds}: {name} ran in "
+                      f"{time.perf_counter() - began:.0f} s", file=sys.stderr, flush=True)
     rows = {}
     for name, results in runs.items():
         per_run = [_median_interval(r["ends"], args.skip) for r in results]
@@ -204,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
                                     rows["ddp"]["per_run_step_s"])]
     result = {"model": {"hidden": args.hidden, "decoder_layers": args.layers,
                         "context": args.context, "global_batch": GLOBAL_MICRO_BATCHES
-                        * MICRO_BATCH_SIZE, "workers": WORLD},
+                        * MICRO_BATCH_SIZE, "workers": WORLD, "precision": args.precision},
               "steps": args.steps, "skip": args.skip, "rounds": args.rounds, "runs": rows,
               "per_round_ratio": ratios,
               "change_pct": 100.0 * (statistics.median(ratios) - 1.0), "target_pct": 5.0}
@@ -213,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"fault-free step time, Llama-architecture hidden {args.hidden} x {args.layers} "
           f"layers, {WORLD} CPU workers, global batch {GLOBAL_MICRO_BATCHES} x "
-          f"{MICRO_BATCH_SIZE} x {args.context} tokens, bf16 autocast; median of steps "
+          f"{MICRO_BATCH_SIZE} x {args.context} tokens, {args.precision}; median of steps "
           f"{args.skip}..{args.steps - 1}, {args.rounds} alternating runs each")
     print(f"{'run':<34} {'step s':>9} {'per run':>20} {'loss (steps 0-2)':>28}")
     for name, r in rows.items():

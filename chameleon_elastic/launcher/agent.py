@@ -59,7 +59,7 @@ from .session import JobSession, LauncherPlanningError, NoPlanError
 from .starter import TorchHooks, WorkerStarter
 from .transition import Crew, Transition
 from .worker_logs import WorkerLogs
-from .workers import WorkerProcesses
+from .workers import ExitBell, WorkerProcesses
 
 if TYPE_CHECKING:
     from .metrics import AgentMetrics
@@ -267,8 +267,13 @@ class ChameleonAgent(LocalElasticAgent):
             return RunResult(state=WorkerState.FAILED)
         if self._transition.node is not None:
             self._watchers.watch_leases(self._rounds.params, self._transition.node, self._fence)
+        with ExitBell() as bell:
+            return self._loop(wg, bell)
+
+    def _loop(self, wg: WorkerGroup, bell: ExitBell) -> RunResult:
+        spec = wg.spec
         while True:
-            time.sleep(spec.monitor_interval)
+            bell.wait(spec.monitor_interval)
             result = self._monitor_workers(wg)
             if any(e.exitcode == ExitStatus.PREEMPTED for e in self._exits.values()):
                 self._preempted(PEER_PREEMPTED, signal.SIGTERM, runtime=True)

@@ -14,6 +14,7 @@ import contextlib
 import logging
 import os
 import signal
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -29,7 +30,35 @@ from chameleon_elastic.torch_compat import worker_process
 
 from .orphan_guard import guarded_command
 
-__all__ = ["Exit", "WorkerProcesses"]
+__all__ = ["Exit", "ExitBell", "WorkerProcesses"]
+
+
+class ExitBell:
+    """Rings when a child process ends (SIGCHLD), so that the monitor loop polls a killed
+    worker at once instead of at its next tick (up to ``--monitor-interval``, 0.1 s, later).
+    Installed only in the main thread, where Python runs signal handlers; elsewhere the loop
+    simply ticks. System calls interrupted by the signal restart (``siginterrupt``), so no
+    library in the agent sees an EINTR it did not expect."""
+
+    def __init__(self) -> None:
+        self._rung = threading.Event()
+        self._previous: Any = None
+
+    def __enter__(self) -> ExitBell:  # noqa: PYI034 (Self: Python 3.11)
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGCHLD, lambda *_: self._rung.set())
+            signal.siginterrupt(signal.SIGCHLD, False)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGCHLD, self._previous)
+            self._previous = None
+
+    def wait(self, timeout: float) -> None:
+        """Until a child ends or ``timeout`` passes."""
+        self._rung.wait(timeout)
+        self._rung.clear()
 
 
 @dataclass(frozen=True)
