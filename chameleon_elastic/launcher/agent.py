@@ -27,7 +27,7 @@ import dataclasses
 import logging
 import signal
 import time
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, NoReturn
 
 import torch.distributed as dist
 from torch.distributed.elastic.agent.server.api import (
@@ -244,7 +244,8 @@ class ChameleonAgent(LocalElasticAgent):
                 raise
             self._preempted(exc.sigval.name, exc.sigval)
 
-    def _preempted(self, why: str, sigval: signal.Signals, runtime: bool | None = None) -> None:
+    def _preempted(self, why: str, sigval: signal.Signals,
+                   runtime: bool | None = None) -> NoReturn:
         """Drain this node's workers at a step boundary (launcher/preemption.py), then end."""
         drained = drain(self._channel, self._procs, why, self._timeouts.shutdown_s, runtime)
         self._emit(Event.JOB_FINISHED, state="PREEMPTED", reason=why,

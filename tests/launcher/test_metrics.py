@@ -10,6 +10,7 @@ import urllib.request
 from pathlib import Path
 
 import psutil
+import pytest
 import torch.distributed as dist
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -88,6 +89,7 @@ def _worker_of(launcher_pid: int, device: int) -> psutil.Process | None:
     return None
 
 
+@pytest.mark.timeout(300)   # the tiny GPT with 4 workers: slow only on a crowded machine
 def test_scrape_during_training_shows_steps_rising_and_one_recovery_after_a_kill(tmp_path,
                                                                                   launch):
     port = free_port()
@@ -96,21 +98,21 @@ def test_scrape_during_training_shows_steps_rising_and_one_recovery_after_a_kill
                                "--metrics-port", str(port), "--state-dir", str(tmp_path / "s"),
                                GPT, "--steps", "40", "--precision", "fp32"])
     steps = "chameleon_steps_total", ()
-    first = wait_for(lambda: scrape(url).get(steps, 0) >= 3, 60, "the first steps scraped")
+    first = wait_for(lambda: scrape(url).get(steps, 0) >= 3, 150, "the first steps scraped")
     assert first
     before = scrape(url)[steps]
-    wait_for(lambda: scrape(url).get(steps, 0) > before, 30, "steps_total rising")
+    wait_for(lambda: scrape(url).get(steps, 0) > before, 60, "steps_total rising")
     assert get(url + "/healthz")[0] == 200
     assert wait_for(lambda: get(url + "/readyz")[0] == 200, 30, "ready while training")
     victim = wait_for(lambda: _worker_of(run.proc.pid, 3), 10, "device 3's worker")
     os.kill(victim.pid, signal.SIGKILL)
     recovered = ("chameleon_recoveries_total", (("cause", "device_lost"), ("mode", "inplace")))
-    wait_for(lambda: scrape(url).get(recovered) == 1, 30, "recoveries_total at 1 after the kill")
+    wait_for(lambda: scrape(url).get(recovered) == 1, 60, "recoveries_total at 1 after the kill")
     series = scrape(url)
     assert series[("chameleon_live_devices", ())] == 3
     assert series[("chameleon_plan_generation", ())] == 1
     assert series[("chameleon_recovery_seconds_count", (("phase", "total"),))] == 1
     after = series[steps]
-    wait_for(lambda: scrape(url).get(steps, 0) > after, 30, "steps_total rising after recovery")
-    assert run.wait(60) == 0, run.log.read_text()[-2000:]
+    wait_for(lambda: scrape(url).get(steps, 0) > after, 60, "steps_total rising after recovery")
+    assert run.wait(120) == 0, run.log.read_text()[-2000:]
     assert "metrics on http://127.0.0.1" in run.log.read_text()
