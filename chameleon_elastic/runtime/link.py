@@ -195,12 +195,11 @@ class _BeatSender:
     def _loop(self) -> None:
         while not self._stop.wait(BEAT_EVERY_S):
             self._send()
-            self._read_stop()
-        self._send()   # the last steps too
 
     def _read_stop(self) -> None:
         """The agent's preemption notice (runtime/preemption.py), read on this thread so that
-        a step costs the training thread no round trip for it."""
+        a step costs the training thread no round trip for it. Read after a send, never while
+        the worker is idle: a thread caught in a store call as the interpreter exits hangs it."""
         if self._owner.stop_requested:
             return
         try:
@@ -222,3 +221,4 @@ class _BeatSender:
             return
         self._sent = count
         self._sent_step = steps[-1] if steps else None
+        self._read_stop()   # only while the worker makes progress: an idle one needs no stop
