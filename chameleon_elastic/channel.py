@@ -18,6 +18,8 @@ key                   writer   meaning
                                recover in place (unregistered scripts are relaunched)
 ``resumed/<N>/<d>``   worker   :class:`Resumed`: how device d entered generation N (timings)
 ``beat/<device>``     worker   a counter moved at every phase of every step (hang detection)
+``pace/<device>``     worker   :class:`Pace`: this generation's steps and their times so far,
+                               sent with the beats (the agent's straggler watch)
 ``steps/<device>``    worker   ``{"recent": [[step, seconds], ...]}``: its last committed steps
                                and their times (``--metrics-port``), sent with the beats
 ``reported``          worker   last step the job's reporter handed to the user's callback
@@ -50,12 +52,14 @@ __all__ = [
     "AGENT_STORE_ENV",
     "CHAMELEON_VARS",
     "Generation",
+    "Pace",
     "Registration",
     "Resumed",
     "beat_key",
     "chameleon_env",
     "generation_key",
     "job_env",
+    "pace_key",
     "read",
     "read_int",
     "resumed_key",
@@ -137,6 +141,10 @@ def worker_key(card: int) -> str:
 
 def beat_key(card: int) -> str:
     return f"beat/{card}"
+
+
+def pace_key(card: int) -> str:
+    return f"pace/{card}"
 
 
 def steps_key(card: int) -> str:
@@ -227,6 +235,25 @@ class Resumed:
     def from_dict(cls, d: Mapping[str, Any]) -> Resumed:
         known = {f for f in cls.__dataclass_fields__}
         return cls(**{k: v for k, v in d.items() if k in known})
+
+
+@dataclass(frozen=True)
+class Pace:
+    """One worker's steps in one generation so far, with their times summed: ``busy_s``
+    computing (forwards, losses, backwards: what its device's speed is measured from),
+    ``wait_s`` the rest of the pipeline part (receiving from peers, data), ``sync_s`` the
+    gradient sums. Cumulative, so a sample lost between two reads loses nothing."""
+
+    generation: int
+    steps: int = 0
+    busy_s: float = 0.0
+    wait_s: float = 0.0
+    sync_s: float = 0.0
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Pace:
+        return cls(int(d["generation"]), int(d["steps"]), float(d["busy_s"]),
+                   float(d["wait_s"]), float(d["sync_s"]))
 
 
 def write(store: Any, key: str, record: Any) -> None:

@@ -23,10 +23,11 @@ any more (every replica died): the receiver loads those from the last checkpoint
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from functools import cache
+from functools import cache, cached_property
 from typing import Any, Literal
 
 __all__ = [
@@ -263,13 +264,13 @@ class ExecutionPlan:
     def global_micro_batches(self) -> int:
         return sum(p.micro_batches for p in self.pipelines)
 
-    @property
+    @cached_property  # a plan is frozen; at 16k devices each sort cost a decision 2 ms
     def live_devices(self) -> tuple[int, ...]:
         dead = set(self.failed_devices)
         working = [d for p in self.pipelines for d in p.devices if d not in dead]
         return tuple(sorted(working + list(self.spare_devices)))
 
-    @property
+    @cached_property
     def working_devices(self) -> tuple[int, ...]:
         dead = set(self.failed_devices)
         return tuple(sorted(d for p in self.pipelines for d in p.devices if d not in dead))
@@ -327,6 +328,9 @@ class ExecutionPlan:
             raise PlanError("a plan needs at least one pipeline")
         layers = self.pipelines[0].layers[-1][1] if self.pipelines[0].layers else 0
         seen: set[int] = set()
+        splits_ok: set[int] = set()  # ids of layer splits checked (alive: the plan holds them)
+        placed = list(itertools.chain.from_iterable(p.devices for p in self.pipelines))
+        repeated = len(set(placed)) != len(placed)
         for i, p in enumerate(self.pipelines):
             if len(p.devices) == 0 or len(p.devices) != len(p.layers):
                 raise PlanError(f"pipeline {i} needs one layer range per device")
@@ -337,25 +341,34 @@ class ExecutionPlan:
                 )
             if p.micro_batches < 0:
                 raise PlanError(f"pipeline {i} has a negative micro-batch quota")
-            expected = 0
-            for start, end in p.layers:
-                if start != expected or end <= start:
+            if id(p.layers) not in splits_ok:  # the pipelines of a layout share their split
+                expected = 0
+                for start, end in p.layers:
+                    if start != expected or end <= start:
+                        raise PlanError(
+                            f"pipeline {i} layer ranges {p.layers} do not cover [0, {layers}) "
+                            "contiguously with a non-empty range per stage"
+                        )
+                    expected = end
+                if expected != layers:
                     raise PlanError(
-                        f"pipeline {i} layer ranges {p.layers} do not cover [0, {layers}) "
-                        "contiguously with a non-empty range per stage"
-                    )
-                expected = end
-            if expected != layers:
-                raise PlanError(f"pipeline {i} covers [0, {expected}) instead of [0, {layers})")
-            for d in p.devices:
-                if d in seen:
-                    raise PlanError(f"device {d} appears twice in the plan")
-                seen.add(d)
+                        f"pipeline {i} covers [0, {expected}) instead of [0, {layers})")
+                splits_ok.add(id(p.layers))
+            if repeated:  # some device is named twice: find the first, in this order
+                for d in p.devices:
+                    if d in seen:
+                        raise PlanError(f"device {d} appears twice in the plan")
+                    seen.add(d)
+        if not repeated:
+            seen.update(placed)
         for d in self.spare_devices:
             if d in seen:
                 raise PlanError(f"spare device {d} is also in a pipeline")
             seen.add(d)
-        where = {d: (i, t) for i, p in enumerate(self.pipelines) for t, d in enumerate(p.devices)}
+        # Only the failed devices and the reroutes' peers are looked up: not every device.
+        asked = set(self.failed_devices).union(s.device for r in self.reroute for s in r.peers)
+        where = {d: (i, t) for i, p in enumerate(self.pipelines) if not asked.isdisjoint(p.devices)
+                 for t, d in enumerate(p.devices) if d in asked}
         for d in self.failed_devices:
             if d not in where:
                 raise PlanError(f"failed device {d} is not in any pipeline of this plan")

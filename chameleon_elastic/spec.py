@@ -49,6 +49,7 @@ __all__ = [
     "RecomputePolicy",
     "Recovery",
     "SpecError",
+    "StragglerSpec",
     "TrainingSpec",
     "cards_of",
     "load_job",
@@ -87,6 +88,31 @@ Recovery = Literal["inplace", "relaunch"]
 RECOVERY_MODES: tuple[str, ...] = ("inplace", "relaunch")
 
 
+def _hash_once(cls: type) -> type:
+    """Keep the first hash of each instance of a frozen dataclass.
+
+    The planner memoises on the spec and its model (``functools.lru_cache``), so it hashes
+    them thousands of times per decision, and a model's hash walks every per-layer figure:
+    15 us each at 32 layers on a loaded core, a third of a cold decision at 16k devices. The
+    value is the generated hash, kept out of pickles (another process hashes strings with
+    another seed)."""
+    generated = cls.__hash__
+
+    def __hash__(self: Any) -> int:
+        found = self.__dict__.get("_hash")
+        if found is None:
+            found = self.__dict__["_hash"] = generated(self)  # frozen: set behind __setattr__
+        return found
+
+    def __getstate__(self: Any) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
+    cls.__hash__ = __hash__  # type: ignore[method-assign]
+    cls.__getstate__ = __getstate__  # type: ignore[attr-defined]
+    return cls
+
+
+@_hash_once
 @dataclass(frozen=True)
 class ModelProfile:
     """Per-layer cost figures (index = layer). Gradients take ``param_bytes`` per layer.
@@ -197,6 +223,19 @@ class PlannerSpec:
     recompute: RecomputePolicy = "auto"
 
 
+@_hash_once
+@dataclass(frozen=True)
+class StragglerSpec:
+    """When a slow device is worth a decision (``chameleon-run --stragglers auto``): its speed
+    (measured compute against the plan's expected compute) stays below ``threshold`` for
+    ``window`` steps; a device planned as slow counts as recovered once it stays at or above
+    ``recover`` as long (hysteresis: between the two nothing changes, so plans do not flap)."""
+
+    threshold: float = 0.7
+    recover: float = 0.9
+    window: int = 5
+
+
 @dataclass(frozen=True)
 class JobSpec:
     model: ModelProfile
@@ -204,6 +243,7 @@ class JobSpec:
     training: TrainingSpec
     planner: PlannerSpec = field(default_factory=PlannerSpec)
     name: str = "job"
+    stragglers: StragglerSpec = field(default_factory=StragglerSpec)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], name: str = "job") -> JobSpec:
@@ -413,19 +453,21 @@ def _parse(data: Mapping[str, Any], name: str) -> JobSpec:
     training = _parse_training(_section(data, "training"))
     _check_layout(model, cluster, training)
     planner = _parse_planner(_section(data, "planner", required=False))
+    stragglers = _parse_stragglers(_section(data, "stragglers", required=False))
     job_name = data.get("name", name)
     if not isinstance(job_name, str):
         raise SpecError(f"name = {job_name!r} is invalid; expected a string.")
-    return JobSpec(model=model, cluster=cluster, training=training, planner=planner, name=job_name)
+    return JobSpec(model=model, cluster=cluster, training=training, planner=planner, name=job_name,
+                   stragglers=stragglers)
 
 
 def _reject_unknown_tables(data: Mapping[str, Any]) -> None:
     """Fail on a top-level key that is no table of a job file: most often a misspelt table."""
     for key in data:
-        if key not in ("name", "model", "cluster", "training", "planner"):
+        if key not in ("name", "model", "cluster", "training", "planner", "stragglers"):
             raise SpecError(
                 f"unknown top-level key {key!r}; a job file has the tables [model], [cluster], "
-                "[training], optionally [planner], and an optional name."
+                "[training], optionally [planner] and [stragglers], and an optional name."
             )
 
 
@@ -513,6 +555,21 @@ def _check_layout(model: ModelProfile, cluster: ClusterSpec, training: TrainingS
             f"training.global_micro_batches = {training.global_micro_batches} is less than "
             f"training.dp = {training.dp}; every pipeline needs at least one micro-batch."
         )
+
+
+def _parse_stragglers(p: Mapping[str, Any]) -> StragglerSpec:
+    """The optional [stragglers] table; every key has a default."""
+    _reject_unknown(p, "stragglers", ("threshold", "recover", "window"))
+    threshold = _fraction(p, "stragglers", "threshold", default=0.7)
+    recover = _fraction(p, "stragglers", "recover", default=max(0.9, threshold))
+    if recover < threshold:
+        raise SpecError(
+            f"stragglers.recover = {recover:g} is below stragglers.threshold = {threshold:g}; "
+            "a device is slow below the threshold and recovered at or above recover, so give "
+            "recover >= threshold."
+        )
+    return StragglerSpec(threshold, recover,
+                         _integer(p, "stragglers", "window", minimum=1, default=5))
 
 
 def _parse_planner(p: Mapping[str, Any]) -> PlannerSpec:

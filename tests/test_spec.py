@@ -97,6 +97,15 @@ def test_scalar_and_list_per_layer_figures(tmp_path):
          ["planner.recompute", "'yes'", "auto, never, always"]),
         (("global_micro_batches = 64", "global_micro_batches = 64\n[planner]\nrecompute = true"),
          ["planner.recompute", "True", "auto, never, always"]),
+        (("global_micro_batches = 64", "global_micro_batches = 64\n[stragglers]\nthreshold = 0"),
+         ["stragglers.threshold", "0", "> 0 and <= 1"]),
+        (("global_micro_batches = 64", "global_micro_batches = 64\n[stragglers]\nwindow = 0"),
+         ["stragglers.window", "0", "integer >= 1"]),
+        (("global_micro_batches = 64",
+          "global_micro_batches = 64\n[stragglers]\nthreshold = 0.8\nrecover = 0.5"),
+         ["stragglers.recover = 0.5", "below stragglers.threshold = 0.8", "recover >= threshold"]),
+        (("global_micro_batches = 64", "global_micro_batches = 64\n[stragglers]\nwindw = 3"),
+         ["windw", "stragglers"]),
     ],
 )
 def test_bad_values_name_key_value_and_expectation(tmp_path, change, words):
@@ -253,3 +262,13 @@ def test_cards_and_units():
     assert all(unit_of(c, 4) == u for u in range(5) for c in cards_of(u, 4))
     assert units_of([9, 0, 3, 15], 8) == (0, 1)
     assert units_of([5, 2], 1) == (2, 5)  # tp = 1: a unit is a card
+
+
+def test_straggler_settings_default_and_round_trip(tmp_path):
+    spec = JobSpec.from_toml(write(tmp_path, GOOD))
+    assert (spec.stragglers.threshold, spec.stragglers.recover, spec.stragglers.window) == (
+        0.7, 0.9, 5)
+    tuned = JobSpec.from_toml(write(tmp_path, GOOD + "[stragglers]\nthreshold = 0.95\nwindow = 3\n"))
+    assert (tuned.stragglers.threshold, tuned.stragglers.recover, tuned.stragglers.window) == (
+        0.95, 0.95, 3)   # recover follows a threshold above its default
+    assert JobSpec.from_dict(tuned.to_dict()) == tuned

@@ -2,6 +2,7 @@
 in place. This file is the loop and the wiring; each concern has a room of its own:
 
     detectors.py     what is watched: hangs, a peer lost on another node, health, leases
+    stragglers.py    the local devices' speeds, and when a change is worth a decision
     reactions.py     the one decision per tick: a pure function (its docstring has the states)
     transition.py    one transition in its order: round, agree, stop, store, start, report
     rounds.py        rounds: quick ones (no node can join), failover, survivors, worker stores
@@ -57,6 +58,7 @@ from .reporter import RecoveryReporter
 from .rounds import Rounds
 from .session import JobSession, LauncherPlanningError, NoPlanError
 from .starter import TorchHooks, WorkerStarter
+from .stragglers import StragglerWatch
 from .transition import Crew, Transition
 from .worker_logs import WorkerLogs
 from .workers import ExitBell, WorkerProcesses
@@ -85,6 +87,7 @@ class ChameleonAgent(LocalElasticAgent):
         profiler: Profiler | None = None,
         metrics: AgentMetrics | None = None,
         recovery: RecoveryMode = "inplace",
+        stragglers: bool = True,
         timeouts: Timeouts | None = None,
         start_method: str = "spawn",
         exit_barrier_timeout: float = 300,
@@ -107,7 +110,9 @@ class ChameleonAgent(LocalElasticAgent):
         self._procs = WorkerProcesses()
         self._watchers = Watchers(self._timeouts.hang_s,
                                   NodeCards(0, spec.local_world_size, self._tp),
-                                  health or AlwaysHealthy(), self._emit, self._update_status)
+                                  health or AlwaysHealthy(), self._emit, self._update_status,
+                                  StragglerWatch(session.spec.stragglers)
+                                  if stragglers and session is not None else None)
         self._book = self._watchers.book
         self._reporter = RecoveryReporter(
             self._emit, self._status, profiler,

@@ -37,7 +37,8 @@ from typing import Any
 
 __all__ = ["LaunchConfigError", "ScriptNotFound", "build_parser", "console", "main"]
 
-OUR_FLAGS = ("--job", "--preset", "--policy", "--recovery", "--hang-timeout", "--plan-cache",
+OUR_FLAGS = ("--job", "--preset", "--policy", "--recovery", "--stragglers", "--hang-timeout",
+             "--plan-cache",
              "--state-dir", "--event-log", "--health-file", "--profile", "--profile-out",
              "--no-status", "--metrics-port", "--metrics-address", "--slurm")
 
@@ -121,6 +122,14 @@ def build_parser() -> argparse.ArgumentParser:
                             "and take state from peers) or relaunch (stop and restart every "
                             "worker). Scripts that do not use the runtime are always relaunched. "
                             "Default: the job's cluster.recovery.")
+    group.add_argument("--stragglers", action=env, type=str, default="auto",
+                       choices=("auto", "off"),
+                       help="auto (default): a device whose measured speed stays below the "
+                            "job's stragglers.threshold (0.7) for stragglers.window (5) steps "
+                            "is planned around in place, like a failure but killing nothing: "
+                            "the planner keeps the layout, gives the device less work or leaves "
+                            "it spare, by score; once back at stragglers.recover (0.9) its work "
+                            "comes back. off: the job runs at the slowest device's pace.")
     group.add_argument("--hang-timeout", "--hang_timeout", action=env, type=float,
                        default=None,
                        help="Seconds a worker on chameleon_elastic.runtime may make no progress "
@@ -289,6 +298,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
         profiler=profiler, timeouts=launch.timeouts,
         metrics=None if served is None else served.metrics,
         recovery="relaunch" if session is None else session.spec.cluster.recovery,
+        stragglers=args.stragglers == "auto",
         start_method=config.start_method,
         log_line_prefix_template=config.log_line_prefix_template,
     )
@@ -363,7 +373,8 @@ def _check_job_flags(args: argparse.Namespace, parser: argparse.ArgumentParser) 
     job_only = (("--health-file", args.health_file), ("--profile", args.profile),
                 ("--plan-cache", args.plan_cache), ("--recovery", args.recovery),
                 ("--hang-timeout", args.hang_timeout),
-                ("--policy", None if args.policy == "auto" else args.policy))
+                ("--policy", None if args.policy == "auto" else args.policy),
+                ("--stragglers", None if args.stragglers == "auto" else args.stragglers))
     for flag, value in job_only:
         if value is not None and not job_mode:
             parser.error(f"{flag} only applies with --job or --preset; add one, or drop {flag}.")

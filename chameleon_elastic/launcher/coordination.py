@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Any
@@ -57,7 +57,7 @@ from .session import JobSession, LauncherPlanningError, NoPlanError, PlanChange
 
 __all__ = ["RECORD", "Decision", "Fenced", "Members", "NodeReport", "QuickRoundFailed", "adopt",
            "agree", "collect", "commit_record", "decide", "inplace_possible", "losses",
-           "publish", "read_record", "reasons", "report", "world_of"]
+           "publish", "read_record", "reasons", "report", "speeds_of", "world_of"]
 
 RECORD = "chameleon/plan"
 _POLL_S = 0.01   # the decider's polls for reports: one etcd read each
@@ -99,23 +99,26 @@ class NodeReport:
     checkpoint: int | None = None
     checkpoints: bool = False   # the job writes checkpoints, though maybe none yet
     why: tuple[tuple[int, str], ...] = ()   # (lost device, how it was lost: "SIGKILL", ...)
+    speeds: tuple[tuple[int, float], ...] = ()   # (slow device here, its speed factor)
 
     @classmethod
     def gather(cls, node: int, lost: Collection[int], live: Collection[int], ready: bool,
-               why: dict[int, str], store: Any) -> NodeReport:
+               why: dict[int, str], store: Any,
+               speeds: Mapping[int, float] | None = None) -> NodeReport:
         """This node's report; what its workers said of steps and checkpoints is read from
-        its channel (``store``)."""
+        its channel (``store``); ``speeds``: its devices' factors to plan for (stragglers)."""
         return cls(node, tuple(sorted(lost)), tuple(sorted(live)), ready,
                    channel.read_int(store, channel.REPORTED),
                    channel.read_int(store, channel.CHECKPOINT),
                    channel.read(store, channel.CHECKPOINTS) is not None,
-                   tuple(sorted(why.items())))
+                   tuple(sorted(why.items())), tuple(sorted((speeds or {}).items())))
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> NodeReport:
         return cls(int(d["node"]), tuple(d["lost"]), tuple(d["live"]), bool(d["ready"]),
                    d.get("reported"), d.get("checkpoint"), bool(d.get("checkpoints")),
-                   tuple((int(k), str(v)) for k, v in d.get("why", ())))
+                   tuple((int(k), str(v)) for k, v in d.get("why", ())),
+                   tuple((int(k), float(v)) for k, v in d.get("speeds", ())))
 
 
 @dataclass(frozen=True)
@@ -131,6 +134,7 @@ class Decision:
     error: str | None = None
     why: tuple[tuple[int, str], ...] = ()   # each device lost in this decision, and how
     nodes: tuple[int, ...] = ()             # the nodes that reported: the next quick round's
+    speeds: tuple[tuple[int, float], ...] = ()   # the slow devices the plan was made for
     no_plan: bool = False                   # the error is the planner's: no layout fits
 
     def to_json(self) -> str:
@@ -145,7 +149,9 @@ class Decision:
         return cls(plan, tuple(d["excluded"]), tuple(d["world"]), bool(d["inplace"]),
                    d.get("reported"), d.get("error"),
                    tuple((int(k), str(v)) for k, v in d.get("why", ())),
-                   tuple(int(n) for n in d.get("nodes", ())), bool(d.get("no_plan", False)))
+                   tuple(int(n) for n in d.get("nodes", ())),
+                   tuple((int(k), float(v)) for k, v in d.get("speeds", ())),
+                   no_plan=bool(d.get("no_plan", False)))
 
 
 def report(store: Any, scope: str, group_rank: int, mine: NodeReport) -> None:
@@ -231,6 +237,11 @@ def reasons(reports: Sequence[NodeReport], lost: Collection[int],
                  for d in sorted(lost))
 
 
+def speeds_of(reports: Sequence[NodeReport], excluded: Collection[int]) -> dict[int, float]:
+    """Every node's slow devices and their factors (excluded devices left out)."""
+    return {d: f for r in reports for d, f in r.speeds if d not in set(excluded)}
+
+
 def world_of(plan: ExecutionPlan, live: Collection[int], inplace: bool) -> tuple[int, ...]:
     """Working devices (sorted), then spares that keep a live worker when recovering in place
     (a relaunch starts workers for working devices only)."""
@@ -244,7 +255,8 @@ def inplace_possible(reports: Sequence[NodeReport], inplace_wanted: bool) -> boo
 
 
 def decide(plan: ExecutionPlan, excluded: Collection[int], reports: Sequence[NodeReport],
-           inplace_wanted: bool, why: tuple[tuple[int, str], ...] = ()) -> Decision:
+           inplace_wanted: bool, why: tuple[tuple[int, str], ...] = (),
+           speeds: tuple[tuple[int, float], ...] = ()) -> Decision:
     """The decision for the plan the session has chosen (a new generation when in place).
     In place, a plan that sources layers from a checkpoint when no worker has one cannot go
     on in place: a job that checkpoints (but lost them before its first checkpoint) is
@@ -268,7 +280,7 @@ def decide(plan: ExecutionPlan, excluded: Collection[int], reports: Sequence[Nod
                  "from; training cannot go on. Give the script a checkpoint directory (for "
                  "examples/train_gpt.py: --checkpoint-dir) to survive such a loss.")
     return Decision(plan, tuple(sorted(excluded)), world_of(plan, live, inplace), inplace,
-                    reported, error, why, tuple(sorted(r.node for r in reports)))
+                    reported, error, why, tuple(sorted(r.node for r in reports)), speeds)
 
 
 def publish(store: Any, scope: str, decision: Decision) -> None:
@@ -328,10 +340,13 @@ def agree(store: Any, scope: str, members: Members, mine: NodeReport, session: J
             reports = collect(store, scope, keys)
             lost, joined = losses(reports, session.excluded, session.devices, units_per_node)
             change = session.apply(lost=lost, joined=joined)
+            if change is None:   # no device lost or back: maybe one is slow, or fast again
+                change = session.apply_speeds(speeds_of(reports, session.excluded))
             if change is None and inplace_possible(reports, inplace_wanted):
                 change = session.renew()   # the workers regroup: a new generation
             decision = decide(session.plan, session.excluded, reports, inplace_wanted,
-                              reasons(reports, lost, units_per_node))
+                              reasons(reports, lost, units_per_node),
+                              tuple(sorted(session.speeds.items())))
             if decision.error is None:
                 commit_record(fence, seen, decision)
             publish(store, scope, decision)
@@ -343,7 +358,7 @@ def agree(store: Any, scope: str, members: Members, mine: NodeReport, session: J
                 raise error(decision.error or "no plan was published")
             if quick and members.me not in decision.nodes:   # our lease lapsed meanwhile
                 raise QuickRoundFailed("the other nodes decided without this one")
-            change = session.adopt(decision.plan, decision.excluded)
+            change = session.adopt(decision.plan, decision.excluded, dict(decision.speeds))
         if decision.error:
             raise LauncherPlanningError(decision.error)
     except Fenced as exc:

@@ -5,6 +5,7 @@
 - :func:`unhealthy_units`: the device health hook.
 - :func:`lease_news` / :func:`lease_verdict`: other nodes' etcd leases and our own.
 - :class:`DeviceBook`: this node's devices out of the plan, and how each was lost.
+- :class:`~.stragglers.StragglerWatch`: local devices whose speed changed for long enough.
 
 Each returns typed facts (``WorkerFailure``, ``Trigger``, unit ids); what to do about them is
 decided in reactions.py.
@@ -29,6 +30,7 @@ from .node_watch import NodeWatch
 from .observe import Event
 from .plan_env import NodeCards, device_id
 from .reactions import Tick
+from .stragglers import StragglerWatch
 
 __all__ = ["DeviceBook", "HangWatch", "PeerTrouble", "Watchers", "lease_news",
            "lease_verdict", "log_failures", "unhealthy_units"]
@@ -244,10 +246,12 @@ class Watchers:
     ``lease`` is the etcd node watch (None elsewhere), set once the first round is done."""
 
     def __init__(self, hang_s: float, here: NodeCards, health: Any,
-                 emit: Callable[..., None], status: Callable[[str], None]) -> None:
+                 emit: Callable[..., None], status: Callable[[str], None],
+                 stragglers: StragglerWatch | None = None) -> None:
         self.book = DeviceBook()
         self.hangs = HangWatch(hang_s, here.nproc, "device" if here.tp == 1 else "card")
         self.trouble = PeerTrouble()
+        self.stragglers = stragglers   # None: --stragglers off
         self.lease: Any = None
         self._health = health
         self._emit = emit
@@ -283,10 +287,16 @@ class Watchers:
             waiting, store_lost = nodes_waiting()
             if session is not None and not waiting and not store_lost:
                 trouble = self.trouble.check(store, session.plan.generation, grace_s)
+        slow = None
+        if (state == WorkerState.HEALTHY and self.stragglers is not None and session is not None
+                and store is not None and self.stragglers.due()):
+            self.stragglers.read(store, {c: c // here.tp for c in pids}, session.plan.generation)
+            found = self.stragglers.check(session.planned, session.plan)
+            slow = None if found is None else tuple(sorted(found.items()))
         return Tick(state=state, failures=failures, hung=frozenset(f.device for f in hung),
                     bad=frozenset(bad), lease=lease, ended=ended,
                     rejoining=frozenset(self.book.rejoining), waiting=waiting, trouble=trouble,
-                    store_lost=store_lost, quick_called=called, tp=here.tp, **facts)
+                    store_lost=store_lost, quick_called=called, tp=here.tp, slow=slow, **facts)
 
     def watch_leases(self, params: Any, node: int, on_fenced: Callable[[], None]) -> None:
         """Hold a lease and watch the others' (etcd-v3 only; see node_watch.py)."""

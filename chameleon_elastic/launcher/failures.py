@@ -90,6 +90,7 @@ class Trigger(str, enum.Enum):
     NODE_LOST = "node_lost"              # another node's etcd lease expired
     FENCED = "fenced"                    # our own lease was lost: our plan may be stale
     PEER_RECOVERY = "peer_recovery"      # another agent opened a quick round (rounds.py)
+    STRAGGLER = "straggler"              # a local device's speed changed (stragglers.py)
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,9 @@ group, and each tick moves it by one :class:`Reaction`:
       lost on another node, the
       rendezvous store lost, another
       agent opened a quick round
+    HEALTHY, a local device's speed  recover in place: the planner keeps,  HEALTHY
+      changed for a window of steps    reduces or spares it (nobody killed;
+      (stragglers.py)                  without in place, nothing is done)
     HEALTHY, nothing new             monitor                               HEALTHY
     SUCCEEDED                        (the loop ends: exit barrier)         SUCCEEDED
 
@@ -66,6 +69,7 @@ class Tick:
     store_lost: bool = False                   # the rendezvous store is unreachable
     quick_called: bool = False                 # another agent opened a quick round
     tp: int = 1
+    slow: tuple[tuple[int, float], ...] | None = None   # a straggler event: factors to plan for
 
 
 @dataclass(frozen=True)
@@ -109,6 +113,8 @@ def react(t: Tick) -> Reaction:
         return Reaction("recover", Trigger.MEMBERSHIP, inplace)
     if t.trouble:
         return Reaction("recover", Trigger.PEER_LOST, inplace)
+    if t.slow is not None and inplace:   # never a process killed for being slow
+        return Reaction("recover", Trigger.STRAGGLER, inplace)
     return _MONITOR
 
 

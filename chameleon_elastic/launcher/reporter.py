@@ -50,6 +50,12 @@ def describe(p: Pending, tp: int) -> str:
         parts.append(f"{name_devices(lost, tp)} lost ({', '.join(said)})")
     if joined:
         parts.append(f"{name_devices(joined, tp)} back")
+    if p.change is not None and p.change.slow is not None:
+        slow, was = p.change.slow, p.change.was_slow
+        parts.extend(f"{name_devices([d], tp)} slow ({f:.2f}x)" for d, f in sorted(slow.items()))
+        back = sorted(set(was) - set(slow))
+        if back:
+            parts.append(f"{name_devices(back, tp)} back to speed")
     if not parts and event.failures:
         card = "device" if tp == 1 else "card"
         parts.append("; ".join(f"{card} {f.device}: {f.reason}" for f in event.failures))

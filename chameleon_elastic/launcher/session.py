@@ -55,6 +55,8 @@ class PlanChange:
     decide_s: float
     candidates: dict[str, dict[str, Any]] = field(default_factory=dict)
     rejected: dict[str, str] = field(default_factory=dict)
+    slow: dict[int, float] | None = None    # a straggler decision: the factors it was made for
+    was_slow: dict[int, float] = field(default_factory=dict)   # and those before it
 
     def event_fields(self) -> dict[str, Any]:
         """The ``plan_chosen`` event's own fields (docs/launcher.md)."""
@@ -62,16 +64,20 @@ class PlanChange:
                 "via_cache": self.cached, "decide_s": self.decide_s,
                 "candidates": self.candidates, "rejected": self.rejected,
                 "live_devices": list(self.plan.live_devices),
-                "spare_devices": list(self.plan.spare_devices)}
+                "spare_devices": list(self.plan.spare_devices),
+                **({} if self.slow is None else {
+                    "slow": {str(d): f for d, f in sorted(self.slow.items())}})}
 
 
 def _planning_api() -> SimpleNamespace:
     """The planner's documented entry points (imported lazily: the launcher runs without it)."""
     from chameleon_elastic.planning import PlanCache, PlanningError, decide, initial_plan
+    from chameleon_elastic.planning.stragglers import decide_speeds
     from chameleon_elastic.planning.units import unit_spec
 
     return SimpleNamespace(PlanCache=PlanCache, PlanningError=PlanningError, decide=decide,
-                           initial_plan=initial_plan, unit_spec=unit_spec)
+                           initial_plan=initial_plan, unit_spec=unit_spec,
+                           decide_speeds=decide_speeds)
 
 
 def _summary(plan: ExecutionPlan) -> dict[str, Any]:
@@ -101,6 +107,7 @@ class JobSession:
         self.cache_depth = spec.planner.cache_failures if cache_depth is None else cache_depth
         self.warm_cache = warm_cache
         self.excluded: set[int] = set()
+        self.speeds: dict[int, float] = {}   # slow devices the plan was made for (factors)
         try:
             self.plan: ExecutionPlan = planning.initial_plan(self.planned)
         except planning.PlanningError as exc:
@@ -130,9 +137,13 @@ class JobSession:
         except Exception:  # noqa: BLE001 - a cache is an optimisation; decide() still works
             self._cache = None
 
-    def adopt(self, plan: ExecutionPlan, excluded: Collection[int]) -> PlanChange | None:
-        """Take the plan another agent decided (multi-node); None when it is the current one."""
+    def adopt(self, plan: ExecutionPlan, excluded: Collection[int],
+              speeds: dict[int, float] | None = None) -> PlanChange | None:
+        """Take the plan another agent decided (multi-node); None when it is the current one.
+        ``speeds``: the slow devices it was made for (None: as they were)."""
         excluded = set(excluded)
+        if speeds is not None:
+            self.speeds = dict(speeds)
         if plan == self.plan and plan.generation == self.plan.generation:
             self.excluded = excluded
             return None
@@ -164,6 +175,7 @@ class JobSession:
         self.excluded.difference_update(joined)
         if self.policy == "restart":
             return None
+        self.speeds = {}   # a failure is planned at profiled speeds; stragglers show again
         policy = self.policy
         start = time.perf_counter()
         cached = False
@@ -187,4 +199,30 @@ class JobSession:
             plan=self.plan, lost=lost, joined=joined, cached=cached, decide_s=elapsed,
             candidates={name: _summary(p) for name, p in decision.candidates.items()},
             rejected=dict(decision.rejected),
+        )
+
+    def apply_speeds(self, speeds: dict[int, float]) -> PlanChange | None:
+        """Tell the planner which devices are slow now (factors; absent = 1.0): it keeps the
+        layout, reduces their work or leaves them spare (``planning.stragglers``). None when
+        the factors are those the plan was made for, or the layout is kept."""
+        speeds = {d: f for d, f in speeds.items() if f != 1.0}
+        if speeds == self.speeds or self.policy == "restart":
+            return None
+        was, self.speeds = self.speeds, speeds
+        start = time.perf_counter()
+        try:
+            decision = self._planning.decide_speeds(self.planned, self.plan, speeds,
+                                                    policy=self.policy, before=was)
+        except self._planning.PlanningError as exc:
+            raise LauncherPlanningError(f"cannot plan for slow devices {speeds}: {exc}") from exc
+        if decision.chosen.generation == self.plan.generation:
+            return None   # kept: the same plan, now known to run at these speeds
+        self.plan = decision.chosen
+        self.plan_file = write_plan_file(self.plan, self.plan_dir)
+        self._refresh_cache()
+        return PlanChange(
+            plan=self.plan, lost=(), joined=(), cached=False,
+            decide_s=time.perf_counter() - start,
+            candidates={name: _summary(p) for name, p in decision.candidates.items()},
+            rejected=dict(decision.rejected), slow=speeds, was_slow=was,
         )

@@ -139,8 +139,10 @@ class Transition:
         assert session is not None and self.node is not None
         book, live = c.watchers.book, c.procs.devices
         before = set(session.excluded)
+        watch = c.watchers.stragglers
         mine = NodeReport.gather(self.node, book.lost - book.rejoining, here.units(live),
-                                 not live or self.runtime(), book.why, c.channel)
+                                 not live or self.runtime(), book.why, c.channel,
+                                 watch.report(here.units(here.cards)) if watch else None)
         try:
             decision, change = coordination.agree(
                 info.store, c.rounds.scope(), members, mine, session, inplace_wanted,
@@ -149,6 +151,8 @@ class Transition:
             c.emit(Event.PLANNING_FAILED, error=str(exc))
             raise
         c.rounds.nodes = decision.nodes
+        if watch is not None:
+            watch.adopt(dict(decision.speeds))
         c.budget.settle(peer_node_lost=bool(session.excluded - before - here.units(here.cards)))
         book.settle()
         if change is not None:

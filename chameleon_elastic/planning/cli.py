@@ -37,6 +37,7 @@ from .search import (
     decide,
     initial_plan,
 )
+from .stragglers import decide_speeds
 from .units import unit_spec
 
 if TYPE_CHECKING:
@@ -71,6 +72,8 @@ EXAMPLES: tuple[tuple[str, str], ...] = (
      "4 random devices fail, re-plan forced"),
     ("chameleon-plan --preset llama2-7b-910b-tp8 --fail 0",
      "tensor parallelism: card 0 fails and takes its 8-card unit with it"),
+    ("chameleon-plan --preset tiny-cpu --slow 3=0.5",
+     "device 3 runs at half speed: keep, reduce its work, or leave it spare?"),
 )
 
 
@@ -119,6 +122,21 @@ def parse_ids(text: str) -> list[int]:
     return sorted(ids)
 
 
+def parse_slow(text: str) -> tuple[int, float]:
+    """'3=0.5' -> (device 3, speed factor 0.5)."""
+    device, _, factor = text.partition("=")
+    try:
+        pair = int(device), float(factor)
+    except ValueError:
+        pair = None
+    if pair is None or not (0 < pair[1] < float("inf")) or pair[0] < 0:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not DEVICE=FACTOR; write a device id and its positive speed factor "
+            "like 3=0.5 (half speed)"
+        )
+    return pair
+
+
 def build_parser() -> CliParser:
     p = CliParser(
         prog="chameleon-plan",
@@ -140,6 +158,11 @@ def build_parser() -> CliParser:
     p.add_argument("--fail-count", metavar="K", type=int, default=0,
                    help="one more event in which K live devices (cards), drawn with --seed, fail")
     p.add_argument("--seed", type=int, default=0, help="seed for --fail-count (default 0)")
+    p.add_argument("--slow", metavar="DEVICE=FACTOR", type=parse_slow, action="append",
+                   default=[],
+                   help="after the failures, this device (card) runs at FACTOR of its profiled "
+                        "speed (0.5: half speed); repeat for several. The planner keeps the "
+                        "layout, reduces the slow device's work, or leaves it spare, by score")
     p.add_argument("--policy", choices=get_args(PolicyChoice), default="auto",
                    help="auto (default) picks the higher score; reroute/replan force one")
     p.add_argument("--recovery", choices=RECOVERY_MODES, default=None,
@@ -243,7 +266,30 @@ def run(args: argparse.Namespace) -> tuple[ExecutionPlan, JobSpec, list[dict]]:
         decision = decide(spec, plan, failed, policy=args.policy)
         records.append(_decision_record(failed, decision, cards if tp > 1 else None))
         plan = decision.chosen
+    if args.slow:
+        speeds = _speeds(job, plan, args.slow)
+        decision = decide_speeds(spec, plan, speeds, policy=args.policy)
+        chosen = next(k for k, p in decision.candidates.items() if p is decision.chosen)
+        records.append({**_decision_record([], decision), "failed": None, "chosen": chosen,
+                        "slow": {str(d): f for d, f in sorted(speeds.items())}})
+        plan = decision.chosen
     return plan, job, records
+
+
+def _speeds(job: JobSpec, plan: ExecutionPlan, pairs: list[tuple[int, float]]
+            ) -> dict[int, float]:
+    """Speed factors per planner device (a card's factor is its unit's), checked live."""
+    tp = job.training.tp
+    out: dict[int, float] = {}
+    for card, factor in pairs:
+        unit = unit_of(card, tp)
+        if unit not in plan.live_devices:
+            raise RequestError(
+                f"--slow {card}={factor:g}: {'device' if tp == 1 else 'card'} {card} is not live "
+                f"in plan generation {plan.generation}; name a live one."
+            )
+        out[unit] = min(factor, out.get(unit, factor))
+    return out
 
 
 def _gb(x: float) -> str:
@@ -359,8 +405,10 @@ def _render(plan: ExecutionPlan, job: JobSpec, records: list[dict]) -> None:
     )
     for rec in records:
         scores = ", ".join(f"{k} {v:.3f}" for k, v in rec["scores"].items())
-        line = (f"failure of {_failed_label(rec, names)}: chose [bold]{rec['chosen']}[/] "
-                f"(scores: {scores})")
+        what = (f"failure of {_failed_label(rec, names)}" if rec["failed"] is not None else
+                "slow " + ", ".join(f"{names.full(int(d))} at {f:g}x"
+                                    for d, f in rec["slow"].items()))
+        line = f"{what}: chose [bold]{rec['chosen']}[/] (scores: {scores})"
         other = [k for k in rec["scores"] if k != rec["chosen"]]
         for k in other:
             line += (f"; {rec['chosen']} step {rec['step_time_s'][rec['chosen']]:.4f} s + "

@@ -57,12 +57,20 @@ itself is ~0 because plans are cached ahead of failures.
 
 Score (the paper's objective): ``throughput * t_run / (t_transition + t_run)`` with ``t_run``
 the expected time to the next failure of the live devices.
+
+Speed factors (stragglers, ``speeds``: device -> factor, 1.0 = as profiled, 0.5 = half speed).
+A device at speed ``s`` takes ``T / s`` for any work ``T``. Without factors, or with all of them
+1.0, every figure is exactly the one above (the same code path). With factors, each pipeline is
+timed with its own stages' scaled ``(T_f, T_b)`` (the DP simulation, since its stages then
+differ); a rerouted plan, whose coupled pipelines run merged orders, is priced pessimistically:
+its unscaled compute divided by the slowest working device's factor.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from functools import lru_cache
 
 from ..plan import AllReduceGroup, Estimate, ExecutionPlan, Pipeline, Transfer
@@ -71,7 +79,8 @@ from .schedule import (
     Lane,
     Stream,
     coupled_makespan,
-    pipeline_schedule,
+    pipeline_end,
+    pipeline_end_floor,
     streams_in_flight_peak,
 )
 
@@ -80,16 +89,19 @@ __all__ = [
     "allreduce_time",
     "compute_time",
     "evaluate",
+    "expected_compute",
     "fits_in_memory",
     "in_flight",
     "peak_memory",
     "pipeline_fits",
     "pipeline_makespan",
     "pipeline_time",
+    "pipeline_time_floor",
     "reroute_closed_form",
     "ring_seconds",
     "ring_time",
     "score",
+    "slow_only",
     "stage_memory",
     "stage_times",
     "step_time",
@@ -151,6 +163,14 @@ def pipeline_time(spec: JobSpec, layers: Sequence[tuple[int, int]], micro_batche
     return _pipeline_time_of(spec.model, tuple((a, b) for a, b in layers), micro_batches, flags)
 
 
+def pipeline_time_floor(spec: JobSpec, layers: Sequence[tuple[int, int]], micro_batches: int,
+                        recompute: Sequence[bool] | None = None) -> float:
+    """A lower bound on ``pipeline_time`` in O(N_pp) (``schedule.pipeline_end_floor``): lets
+    a search skip simulating a split that cannot beat the best one found."""
+    flags = tuple(recompute) if recompute is not None else (False,) * len(layers)
+    return pipeline_end_floor(_flagged_times(spec.model, tuple(layers), flags), micro_batches)
+
+
 @lru_cache(maxsize=1 << 16)
 def _pipeline_time_of(model: ModelProfile, layers: tuple[tuple[int, int], ...],
                       micro_batches: int, recompute: tuple[bool, ...]) -> float:
@@ -160,11 +180,21 @@ def _pipeline_time_of(model: ModelProfile, layers: tuple[tuple[int, int], ...],
 def _flagged_times(model: ModelProfile, layers: tuple[tuple[int, int], ...],
                    recompute: tuple[bool, ...]) -> tuple[tuple[float, float], ...]:
     """Per stage ``(T_f, T_b)``, ``T_b + T_f`` where the stage recomputes."""
+    figures = _figures_memo(model)  # hashing the model once, not per stage
     out = []
     for (a, b), r in zip(layers, recompute):
-        tf, tb = _stage_figures(model, a, b)
+        found = figures.get((a, b))
+        if found is None:
+            found = figures[(a, b)] = _stage_figures(model, a, b)
+        tf, tb = found
         out.append((tf, tb + tf) if r else (tf, tb))
     return tuple(out)
+
+
+@lru_cache(maxsize=16)
+def _figures_memo(model: ModelProfile) -> dict[tuple[int, int], tuple[float, float]]:
+    """``_stage_figures`` of one model by layer range, filled as asked (the same values)."""
+    return {}
 
 
 @lru_cache(maxsize=1 << 16)
@@ -179,8 +209,7 @@ def pipeline_makespan(stage_times: tuple[tuple[float, float], ...], micro_batche
     first = stage_times[0]
     if all(t == first for t in stage_times):
         return (len(stage_times) + micro_batches - 1) * (first[0] + first[1])
-    ends = pipeline_schedule(stage_times, micro_batches)
-    return max(ends[0][1])
+    return pipeline_end(stage_times, micro_batches)
 
 
 def ring_time(spec: JobSpec, layers: Iterable[int], n_devices: int) -> float:
@@ -230,14 +259,19 @@ def score(throughput: float, transition_s: float, run_s: float) -> float:
 # --------------------------------------------------------------------------- a whole plan
 
 
-def compute_time(spec: JobSpec, plan: ExecutionPlan, *, simulate_reroute: bool = False) -> float:
+def compute_time(spec: JobSpec, plan: ExecutionPlan, *, simulate_reroute: bool = False,
+                 speeds: Mapping[int, float] | None = None) -> float:
     """Pipeline part of one training step (see the module docstring for which model applies).
 
     ``simulate_reroute=True`` skips the paper's rerouting closed form and times the executed
     orders instead: slower at scale, closer to what the runtime does when failures hit
     several layer groups (the closed form adds their penalties; the orders overlap them).
+    ``speeds``: per-device speed factors (module docstring); absent devices run at 1.0.
     """
     _check_plan(spec, plan)
+    slow = slow_only(speeds, plan.working_devices)
+    if slow:
+        return _compute_with_speeds(spec, plan, slow, simulate_reroute)
     if not plan.reroute:
         return _slowest_alone(spec, plan.pipelines)
     closed = None if simulate_reroute else reroute_closed_form(spec, plan)
@@ -276,13 +310,15 @@ def reroute_closed_form(spec: JobSpec, plan: ExecutionPlan) -> float | None:
         return None
     nm = first.micro_batches
     dead = set(plan.failed_devices)
-    group_of: dict[int, tuple[int, int]] = {}  # device -> the layer range its group holds
-    live: dict[tuple[int, int], int] = dict.fromkeys(first.layers, 0)
-    for pipe in plan.pipelines:
-        for rng, d in zip(pipe.layers, pipe.devices):
-            group_of[d] = rng
-            if d not in dead:
-                live[rng] += 1
+    # Every pipeline has the same split, so a group holds one stage of each: only the dead
+    # devices and the peers need their range looked up, not all devices.
+    asked = dead.union(share.device for r in plan.reroute for share in r.peers)
+    group_of: dict[int, tuple[int, int]] = {  # device -> the layer range its group holds
+        d: rng for pipe in plan.pipelines if not asked.isdisjoint(pipe.devices)
+        for rng, d in zip(pipe.layers, pipe.devices) if d in asked}
+    live: dict[tuple[int, int], int] = dict.fromkeys(first.layers, len(plan.pipelines))
+    for d in dead:
+        live[group_of[d]] -= 1
     absorbed: dict[int, int] = {}
     for r in plan.reroute:
         rng = first.layers[r.stage]
@@ -309,9 +345,56 @@ def allreduce_time(spec: JobSpec, plan: ExecutionPlan) -> float:
                      for rnd in plan.allreduce_rounds)
 
 
-def step_time(spec: JobSpec, plan: ExecutionPlan, *, simulate_reroute: bool = False) -> float:
-    """Compute plus gradient all-reduce; ``simulate_reroute`` as in ``compute_time``."""
-    return compute_time(spec, plan, simulate_reroute=simulate_reroute) + allreduce_time(spec, plan)
+def step_time(spec: JobSpec, plan: ExecutionPlan, *, simulate_reroute: bool = False,
+              speeds: Mapping[int, float] | None = None) -> float:
+    """Compute plus gradient all-reduce; ``simulate_reroute`` and ``speeds`` as in
+    ``compute_time`` (the all-reduce is a link's, not a device's: speeds leave it alone)."""
+    return (compute_time(spec, plan, simulate_reroute=simulate_reroute, speeds=speeds)
+            + allreduce_time(spec, plan))
+
+
+def slow_only(speeds: Mapping[int, float] | None, devices: Iterable[int]) -> dict[int, float]:
+    """The factors of ``devices`` other than 1.0, checked: empty means "price as profiled"."""
+    if not speeds:
+        return {}
+    out = {}
+    for d in devices:
+        factor = speeds.get(d, 1.0)
+        if not (factor > 0 and math.isfinite(factor)):
+            raise EstimatorError(
+                f"device {d} has speed factor {factor}; give a positive finite factor "
+                "(1.0 = as profiled, 0.5 = half speed)."
+            )
+        if factor != 1.0:
+            out[d] = factor
+    return out
+
+
+def expected_compute(spec: JobSpec, plan: ExecutionPlan) -> dict[int, float]:
+    """Seconds of forward and backward work each working device does per step at speed 1.0:
+    its micro-batches (absorbed ones included) times its layers' ``T_f + T_b`` (recomputing:
+    ``+ T_f``). What a measured compute time is compared with to get a device's speed."""
+    _check_plan(spec, plan)
+    out = {}
+    for role in plan.roles():
+        tf, tb = stage_times(spec, role.layer_start, role.layer_end, role.recompute)
+        out[role.device] = role.micro_batches * (tf + tb)
+    return out
+
+
+def _compute_with_speeds(spec: JobSpec, plan: ExecutionPlan, slow: Mapping[int, float],
+                         simulate_reroute: bool) -> float:
+    if plan.reroute:   # merged orders: pessimistic, the slowest device sets the pace
+        base = compute_time(spec, plan, simulate_reroute=simulate_reroute)
+        return base / min(slow.values())
+    worst = 0.0
+    for pipe in plan.pipelines:
+        times = _flagged_times(spec.model, pipe.layers, pipe.recompute)
+        factors = [slow.get(d, 1.0) for d in pipe.devices]
+        if any(f != 1.0 for f in factors):
+            times = tuple((tf / f, tb / f) for (tf, tb), f in zip(times, factors))
+        worst = max(worst, pipeline_makespan(times, pipe.micro_batches))
+    return worst
 
 
 def peak_memory(spec: JobSpec, plan: ExecutionPlan) -> dict[int, float]:
@@ -330,20 +413,21 @@ def peak_memory(spec: JobSpec, plan: ExecutionPlan) -> dict[int, float]:
     # pipelines of one layout share (the plan keeps them alive): hashing their contents for
     # each of thousands of pipelines would cost more than the rest of this loop.
     plain: dict[tuple[int, int, int], list[float]] = {}
-    out: dict[int, float] = {}
-    for pipe in plan.pipelines:  # plain 1F1B: min(N_pp - s, N_m) micro-batches in flight
-        shape = (id(pipe.layers), pipe.micro_batches, id(pipe.recompute))
+    shapes = [(id(pipe.layers), pipe.micro_batches, id(pipe.recompute)) for pipe in plan.pipelines]
+    for pipe, shape in zip(plan.pipelines, shapes):  # plain 1F1B: min(N_pp - s, N_m) in flight
         if shape not in plain:
             n = pipe.num_stages
             plain[shape] = [memory(rng, min(n - s, pipe.micro_batches), r)
                             for s, (rng, r) in enumerate(zip(pipe.layers, pipe.recompute))]
-        out.update(zip(pipe.devices, plain[shape]))
+    chain = itertools.chain.from_iterable
+    out = dict(zip(chain(pipe.devices for pipe in plan.pipelines), chain(map(plain.get, shapes))))
     # A peer's foreign activations are of its own layers: count its micro-batches in flight.
     for d, (layers, recompute, streams) in _served_streams(plan).items():
         out[d] = memory(layers, streams_in_flight_peak(streams), recompute)
     for d in plan.failed_devices:
         out.pop(d, None)
-    return {d: out[d] for d in sorted(out)}
+    order = sorted(out)
+    return out if order == list(out) else {d: out[d] for d in order}
 
 
 def in_flight(plan: ExecutionPlan) -> dict[int, int]:
@@ -372,9 +456,11 @@ def transition_time(spec: JobSpec, plan: ExecutionPlan) -> float:
     return 0.0
 
 
-def evaluate(spec: JobSpec, plan: ExecutionPlan) -> Estimate:
-    """Everything above for one plan; ``t_run`` is the expected time to the next failure."""
-    step = step_time(spec, plan)
+def evaluate(spec: JobSpec, plan: ExecutionPlan,
+             speeds: Mapping[int, float] | None = None) -> Estimate:
+    """Everything above for one plan; ``t_run`` is the expected time to the next failure;
+    ``speeds`` as in ``compute_time``."""
+    step = step_time(spec, plan, speeds=speeds)
     if step <= 0:
         raise EstimatorError(
             "the plan gives no micro-batch to any pipeline, so it trains nothing; give the "
@@ -560,6 +646,8 @@ def _served_streams(plan: ExecutionPlan
                   for r in plan.reroute]
     out: dict[int, tuple[tuple[int, int], bool, tuple[Stream, ...]]] = {}
     for p, pipe in enumerate(pipes):
+        if parts.keys().isdisjoint(pipe.devices):  # most pipelines serve nobody
+            continue
         for s, d in enumerate(pipe.devices):
             mine = parts.get(d)
             if mine is None:

@@ -52,6 +52,7 @@ makespan and ``streams_in_flight_peak`` for a peer's in-flight micro-batches.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -77,6 +78,8 @@ __all__ = [
     "link_messages",
     "one_f_one_b",
     "orders_of_devices",
+    "pipeline_end",
+    "pipeline_end_floor",
     "pipeline_schedule",
     "simulate",
     "streams_in_flight_peak",
@@ -159,41 +162,106 @@ def pipeline_schedule(
 
     ``stage_times[s] = (T_f, T_b)`` of stage ``s``. Returns, per stage, ``(ends of F by
     micro-batch, ends of B by micro-batch)``; the makespan is stage 0's last backward end.
-    O(N_pp * N_m): a worklist of stages, each advanced while its next operation's input is ready.
+    O(N_pp * N_m): one pass over the operations in ``_sweep_order``.
     """
+    n, nm = len(stage_times), micro_batches
+    end = _sweep(stage_times, nm)
+    size = n * nm
+    return tuple((tuple(end[s * nm:(s + 1) * nm]), tuple(end[size + s * nm:size + (s + 1) * nm]))
+                 for s in range(n))
+
+
+def pipeline_end(stage_times: Sequence[tuple[float, float]], micro_batches: int) -> float:
+    """Makespan of one failure-free 1F1B pipeline: ``pipeline_schedule``'s stage 0 last
+    backward end, without building the per-stage tuples (the estimator's hot path)."""
+    if micro_batches == 0:
+        return 0.0
     n = len(stage_times)
-    nm = micro_batches
+    return _sweep(stage_times, micro_batches)[n * micro_batches + micro_batches - 1]
+
+
+def pipeline_end_floor(stage_times: Sequence[tuple[float, float]], micro_batches: int) -> float:
+    """A lower bound on ``pipeline_end``, in O(N_pp): the longest of two families of paths.
+
+    Through stage ``k``'s whole order (micro-batch 0's forwards up to it, its ``N_m`` forwards
+    and backwards, the last backward back to stage 0), and through micro-batch 0's round trip
+    down to stage ``k``'s first backward, then what stage ``k`` still runs after it, then back.
+    Both are chains of operations that wait for each other, so the makespan is at least each.
+    The search uses it to skip simulating candidates that cannot win: compare it with a
+    relative margin (1e-9), for it is summed in another order than the simulation's floats.
+    """
+    if micro_batches == 0:
+        return 0.0
+    n, nm = len(stage_times), micro_batches
+    total = math.fsum(f + b for f, b in stage_times)
+    before = best = 0.0
+    for k, (f, b) in enumerate(stage_times):
+        after_first_backward = max(nm - min(n - k - 1, nm) - 1, 0) * f + (nm - 1) * b
+        best = max(best, before + nm * (f + b), total + after_first_backward)
+        before += f + b
+    return best
+
+
+def _sweep(stage_times: Sequence[tuple[float, float]], nm: int) -> list[float]:
+    """Every operation's end, laid out as in ``_nominal_groups`` (F of ``(s, m)`` at
+    ``s * N_m + m``, B at ``N_pp N_m + s * N_m + m``), plus a last slot that stays 0.0.
+
+    ``start = max(end of the input op, end of the previous op on the stage)`` evaluated once
+    per operation in ``_sweep_order``: the same additions as any other valid order, so the
+    same floats, with no worklist."""
+    n = len(stage_times)
     if n == 0:
         raise ValueError("a pipeline needs at least one stage")
-    orders = [one_f_one_b(n, s, nm) for s in range(n)]
-    end_f = [[-1.0] * nm for _ in range(n)]
-    end_b = [[-1.0] * nm for _ in range(n)]
-    pos = [0] * n
-    clock = [0.0] * n
-    pending = list(range(n - 1, -1, -1))
-    while pending:
-        s = pending.pop()
-        order = orders[s]
-        tf, tb = stage_times[s]
-        while pos[s] < len(order):
-            kind, m = order[pos[s]]
-            if kind == "F":
-                ready = 0.0 if s == 0 else end_f[s - 1][m]
+    if nm < 0:
+        raise ValueError(f"a pipeline needs micro_batches >= 0, got {nm}.")
+    durations = [t for pair in stage_times for t in pair]  # F of stage s at 2s, B at 2s + 1
+    end = [0.0] * (2 * n * nm + 1)
+    for own, ready, prev, kind in _sweep_order(n, nm):
+        a, b = end[ready], end[prev]
+        # Not max(): the call costs a third of this loop; equal values are equal floats.
+        end[own] = (a if a > b else b) + durations[kind]  # noqa: FURB136
+    return end
+
+
+@lru_cache(maxsize=4096)
+def _sweep_order(n: int, nm: int) -> tuple[tuple[int, int, int, int], ...]:
+    """A 1F1B pipeline's operations as ``(own, ready, previous on the stage, duration index)``
+    in an order where each comes after both operations it waits for.
+
+    Stage ``s`` runs its ``2 N_m`` operations at positions ``0 .. 2 N_m - 1`` of its
+    ``one_f_one_b`` order. The input of a forward (the previous stage's forward of the same
+    micro-batch) and of a backward (the next stage's backward) always sits at the same or an
+    earlier position of its own stage (warm-up counts fall by one per stage), so taking the
+    positions in turn, forwards by rising stage and then backwards by falling stage, is a
+    topological order: one pass, exact, and built once per (N_pp, N_m).
+    """
+    size = n * nm
+    zero = 2 * size
+    warm = [min(n - 1 - s, nm) for s in range(n)]
+    prev = [zero] * n
+    out: list[tuple[int, int, int, int]] = []
+    for p in range(2 * nm):
+        backwards = []
+        for s in range(n):  # what one_f_one_b(n, s, nm)[p] is, by arithmetic
+            w = warm[s]
+            if p < w:
+                m, forward = p, True
+            elif p < 2 * nm - w:
+                forward = not (p - w) & 1
+                m = w + ((p - w) >> 1) if forward else (p - w) >> 1
             else:
-                ready = end_f[s][m] if s == n - 1 else end_b[s + 1][m]
-            if ready < 0.0:
-                break
-            start = max(ready, clock[s])
-            if kind == "F":
-                clock[s] = end_f[s][m] = start + tf
-                if s + 1 < n:
-                    pending.append(s + 1)
+                m, forward = p - nm, False
+            cell = s * nm + m
+            if forward:
+                out.append((cell, cell - nm if s else zero, prev[s], 2 * s))
+                prev[s] = cell
             else:
-                clock[s] = end_b[s][m] = start + tb
-                if s > 0:
-                    pending.append(s - 1)
-            pos[s] += 1
-    return tuple((tuple(end_f[s]), tuple(end_b[s])) for s in range(n))
+                backwards.append((s, cell))
+        for s, cell in reversed(backwards):
+            own = size + cell
+            out.append((own, cell if s == n - 1 else own + nm, prev[s], 2 * s + 1))
+            prev[s] = own
+    return tuple(out)
 
 
 @lru_cache(maxsize=1024)

@@ -84,6 +84,10 @@ PolicyChoice = Literal["auto", "reroute", "replan"]
 # ``_split_layers_cached``).
 MAX_SPLIT_ENUMERATION = 2048
 
+# Lower bounds are summed in another order than the figures they bound: a candidate is skipped
+# only when its bound, lowered by this relative margin, still cannot beat the best one.
+FLOOR_MARGIN = 1e-9
+
 
 class PlanningError(Exception):
     """An impossible request; the message is one sentence naming the problem and the fix."""
@@ -184,7 +188,11 @@ def _split_layers_cached(spec: JobSpec, stages: int, quota: int
             flags = recompute_flags(spec, layers, quota) if must_fit else unchecked
             if flags is None:
                 continue
-            t, n = estimator.pipeline_time(spec, layers, quota, flags), sum(flags)
+            n = sum(flags)
+            if best is not None and _cannot_win(
+                    estimator.pipeline_time_floor(spec, layers, quota, flags), n, best_key):
+                continue  # its time could neither beat nor tie the best: not simulated
+            t = estimator.pipeline_time(spec, layers, quota, flags)
             if t < best_key[0] - 1e-12 or (t <= best_key[0] + 1e-12 and n < best_key[1]):
                 best, best_key = (layers, flags), (t, n)
         return best
@@ -201,6 +209,15 @@ def _split_layers_cached(spec: JobSpec, stages: int, quota: int
     if math.comb(stages, extra) <= MAX_SPLIT_ENUMERATION:
         return fastest(itertools.combinations(range(stages), extra))
     return fastest(structured)
+
+
+def _cannot_win(floor: float, recomputing: int, best_key: tuple[float, float]) -> bool:
+    """Whether a split whose time is at least ``floor`` (``pipeline_time_floor``) and that
+    recomputes on ``recomputing`` stages would lose to ``best_key`` in ``fastest``'s test:
+    it replaces the best when faster by 1e-12, or within 1e-12 with fewer recomputing stages."""
+    low = floor * (1.0 - FLOOR_MARGIN)
+    best_t, best_n = best_key
+    return low >= best_t - 1e-12 and (recomputing >= best_n or low > best_t + 1e-12)
 
 
 def split_layers(spec: JobSpec, stages: int, quota: int) -> tuple[tuple[int, int], ...] | None:
@@ -316,6 +333,61 @@ def _compute_floor(spec: JobSpec, shape: Shape) -> float:
     return min(_figures(spec, memo, n, -(-total // dp))[2] for n, _ in shape)
 
 
+def _shape_floor(spec: JobSpec, shape: Shape) -> float:
+    """No layout of this shape takes less per step, computed without simulating: some
+    pipeline runs at least ceil(B / dp) micro-batches, so ``_split_floor`` at that quota for
+    the cheapest length, plus ``_allreduce_floor``."""
+    dp = sum(count for _, count in shape)
+    total = spec.training.global_micro_batches
+    if dp > total:
+        return math.inf
+    quota = -(-total // dp)
+    return (min(_split_floor(spec.model, n, quota) for n, _ in shape)
+            + _allreduce_floor(spec, shape))
+
+
+def _split_floor(model: ModelProfile, stages: int, quota: int) -> float:
+    """A lower bound on the time of every split the search makes of the model into ``stages``
+    stages running ``quota`` micro-batches, recomputing or not (that only lengthens backwards).
+
+    Such a split gives r = L mod N_pp stages ceil(L / N_pp) layers and the others floor(L /
+    N_pp), each stage at least the sum of that many of the smallest per-layer figures. Bounds,
+    all paths of ``schedule.pipeline_end_floor`` or the 1F1B closed form at those minima: a
+    long stage's backwards after micro-batch 0's round trip; the last long stage's whole order
+    after the r - 1 long stages before it (and likewise the last short one); identical stages
+    as short as a stage can be."""
+    total, forward, backward, both = _layer_floors(model)
+    most, least = -(-model.layers // stages), model.layers // stages
+    extra = model.layers % stages
+    return max(total + (quota - 1) * backward[most],
+               (extra - 1 + quota) * both[most] if extra else 0.0,
+               (stages - extra - 1 + quota) * both[least],
+               (stages + quota - 1) * (forward[least] + backward[least]))
+
+
+@lru_cache(maxsize=16)
+def _layer_floors(model: ModelProfile) -> tuple[float, tuple[float, ...], tuple[float, ...],
+                                                  tuple[float, ...]]:
+    """(sum of every layer's T_f + T_b, and prefix sums of the smallest T_f, T_b and T_f + T_b:
+    entry k sums the k smallest)."""
+    def prefix(values: Iterable[float]) -> tuple[float, ...]:
+        return (0.0, *itertools.accumulate(sorted(values)))
+
+    return (math.fsum(model.forward_s) + math.fsum(model.backward_s), prefix(model.forward_s),
+            prefix(model.backward_s),
+            prefix(f + b for f, b in zip(model.forward_s, model.backward_s)))
+
+
+def _allreduce_floor(spec: JobSpec, shape: Shape) -> float:
+    """No layout of this shape reduces its gradients faster: every layer has one holder per
+    pipeline, a device's buckets go in distinct rounds, and the longest pipeline has a stage
+    holding at least 1 / N_pp of the gradient bytes, summed over dp devices in those rounds."""
+    dp = sum(count for _, count in shape)
+    longest = max(n for n, _ in shape)
+    return estimator.ring_seconds(math.fsum(spec.model.param_bytes) / longest, dp,
+                                  spec.cluster.bandwidth_bytes_per_s)
+
+
 def _allocate(shape: Shape, total: int, time_of: Callable[[int, int], float]
               ) -> list[tuple[int, int, int]] | None:
     """Micro-batch quotas (at least one each) that minimise the slowest pipeline's time, as
@@ -409,7 +481,8 @@ def _recompute_note(spec: JobSpec) -> str:
 def _memory_ok(spec: JobSpec, plan: ExecutionPlan) -> tuple[bool, str]:
     peaks = plan.estimate.peak_memory_bytes
     limit = spec.cluster.device_memory_bytes
-    device, peak = max(peaks.items(), key=lambda kv: kv[1])
+    device = max(peaks, key=peaks.__getitem__)  # the first busiest, as max() over items gives
+    peak = peaks[device]
     if peak > limit:
         return False, (f"device {device} would need {peak / 1e9:.2f} GB but "
                        f"cluster.device_memory_bytes is {limit / 1e9:.2f} GB")
@@ -456,13 +529,9 @@ def reroute_plan(spec: JobSpec, current: ExecutionPlan, failed: Collection[int],
     dead_spares = set(failed) & set(current.spare_devices)
     dead = tuple(sorted(set(current.failed_devices) | (set(failed) - dead_spares)))
     dead_set = set(dead)
-    where: dict[int, tuple[int, int]] = {}
-    holders: dict[tuple[int, int], list[int]] = {}
-    for i, pipe in enumerate(current.pipelines):
-        for t, (d, rng) in enumerate(zip(pipe.devices, pipe.layers)):
-            where[d] = (i, t)
-            if d not in dead_set:
-                holders.setdefault(rng, []).append(d)
+    where = _positions_of(current, dead_set)
+    holders = _live_holders(current, {current.pipelines[p].layers[s] for p, s in where.values()},
+                            dead_set)
     reroutes = []
     # Where the next dead device of a layer group starts its round-robin: the extra
     # micro-batches of uneven shares then rotate over the peers instead of piling on the first.
@@ -502,13 +571,44 @@ def reroute_plan(spec: JobSpec, current: ExecutionPlan, failed: Collection[int],
         plan = _finish(spec, plan)
     ok, why = _memory_ok(spec, plan)
     if not ok:  # only then is recomputation for the peers worth a look (and a second estimate)
-        flagged = _peers_recompute(spec, plan, where)
+        flagged = _peers_recompute(spec, plan, _positions_of(current))
         if flagged is not None:
             plan = _finish(spec, flagged)
             ok, why = _memory_ok(spec, plan)
     if not ok:
         raise PlanningError(f"cannot reroute: {why}; re-plan instead.")
     return plan
+
+
+def _positions_of(plan: ExecutionPlan, devices: Collection[int] | None = None
+                  ) -> dict[int, tuple[int, int]]:
+    """(pipeline, stage) of ``devices`` (default: every device in the layout); pipelines
+    without one are skipped whole, which at 16k devices is most of them."""
+    if devices is None:
+        return {d: (i, t) for i, pipe in enumerate(plan.pipelines)
+                for t, d in enumerate(pipe.devices)}
+    wanted = set(devices)
+    return {d: (i, t) for i, pipe in enumerate(plan.pipelines) if not wanted.isdisjoint(pipe.devices)
+            for t, d in enumerate(pipe.devices) if d in wanted}
+
+
+def _live_holders(plan: ExecutionPlan, ranges: Collection[tuple[int, int]],
+                  dead: Collection[int]) -> dict[tuple[int, int], list[int]]:
+    """The devices outside ``dead`` holding each of ``ranges`` as a stage, in layout order.
+    Which stages those are is found once per layer split (the pipelines of a layout share
+    theirs), not per pipeline."""
+    holders: dict[tuple[int, int], list[int]] = {rng: [] for rng in ranges}
+    stages_of: dict[int, list[tuple[int, tuple[int, int]]]] = {}
+    for pipe in plan.pipelines:
+        stages = stages_of.get(id(pipe.layers))
+        if stages is None:
+            stages = stages_of[id(pipe.layers)] = [
+                (t, rng) for t, rng in enumerate(pipe.layers) if rng in holders]
+        for t, rng in stages:
+            d = pipe.devices[t]
+            if d not in dead:
+                holders[rng].append(d)
+    return {rng: found for rng, found in holders.items() if found}
 
 
 def _peers_recompute(spec: JobSpec, plan: ExecutionPlan,
@@ -553,13 +653,23 @@ def _best_layout(spec: JobSpec, current: ExecutionPlan, failed: Collection[int],
         raise PlanningError("no live device is left; the job cannot continue.")
     # Branch and bound: shapes in order of their compute floor, each allocated and priced
     # (compute + all-reduce) only while its floor can still beat the best step found.
+    # Two bounds, each below the step time of every layout of the shape: a cheap one without
+    # simulation orders the shapes and ends the walk, a simulated one then skips a shape. The
+    # first shape of one pipeline length goes first: its bound is close to its step time (one
+    # class, one all-reduce round per stage), so the skipping starts from a good step at once;
+    # the walk after it stays in bound order, which is all the stopping rule needs.
     shapes = _candidate_shapes(spec, current, len(live))
+    walk = sorted((_shape_floor(spec, shape), i, shape) for i, shape in enumerate(shapes))
+    probe = next((k for k, (_, _, shape) in enumerate(walk) if len(shape) == 1), 0)
+    walk.insert(0, walk.pop(probe)) if walk else None
     priced: list[tuple[float, float, int, int, _Layout]] = []
     best_step = math.inf
-    for floor, i, shape in sorted((_compute_floor(spec, shape), i, shape)
-                                  for i, shape in enumerate(shapes)):
-        if floor > best_step:
+    for k, (bound, i, shape) in enumerate(walk):
+        if k and bound * (1.0 - FLOOR_MARGIN) > best_step:
             break
+        floor = _compute_floor(spec, shape) + _allreduce_floor(spec, shape)
+        if floor * (1.0 - FLOOR_MARGIN) > best_step:
+            continue
         layout = _layout_for(spec, shape)
         if layout is not None:
             step = layout.compute_s + _allreduce_s(spec, layout)

@@ -235,6 +235,9 @@ class PipelineExecutor:
         self._max_quota = max(p.micro_batches for p in plan.pipelines) or 1
         self._max_stages = max(p.num_stages for p in plan.pipelines)
         self._first_layer = 0   # the index of this stage's first layer
+        # seconds spent computing (forwards, losses, backwards), never waiting for a peer:
+        # what a device's speed is measured from (the agent's straggler watch)
+        self.busy_s = 0.0
         if device in plan.working_devices:
             pipeline, stage = plan.locate(device)
             self._first_layer = plan.pipelines[pipeline].layers[stage][0]
@@ -400,7 +403,9 @@ class PipelineExecutor:
             wanting: list[torch.Tensor] = []
         else:
             x, wanting = self._receive_input(op)
+        began = time.perf_counter()
         out = self._forward(x, step, global_micro_batch(self.plan, op.pipeline, op.micro_batch))
+        self.busy_s += time.perf_counter() - began
         if op.dest is not None:
             leaves, _ = flatten(out, f"device {self.device}'s stage output")
             for i, leaf in enumerate(leaves):
@@ -410,8 +415,10 @@ class PipelineExecutor:
             return 0.0
         if targets is None:
             _, targets = self._batch(step, op.pipeline, op.micro_batch)
+        began = time.perf_counter()
         with autocast(self.precision, self.torch_device):
             loss = self.model.loss(out, targets)
+        self.busy_s += time.perf_counter() - began
         stash[key] = (wanting, loss * (scale * loss_scale))
         return float(loss.detach()) * scale if self.tp_rank == 0 else 0.0
 
@@ -427,7 +434,9 @@ class PipelineExecutor:
                 "invalid.") from None
         if op.source is None:
             del stash[(op.pipeline, op.micro_batch)]
+            began = time.perf_counter()
             out.backward()
+            self.busy_s += time.perf_counter() - began
         else:
             leaves, _ = flatten(out)
             outs, grads = [], []
@@ -439,7 +448,9 @@ class PipelineExecutor:
                         self._tag(op.pipeline, op.micro_batch, op.stage, True, i)))
             del stash[(op.pipeline, op.micro_batch)]
             if outs:
+                began = time.perf_counter()
                 torch.autograd.backward(outs, grads)
+                self.busy_s += time.perf_counter() - began
         if op.dest is None:
             return
         assert self._input_spec is not None

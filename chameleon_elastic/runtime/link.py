@@ -147,9 +147,19 @@ class WorkerLink:
 
     def _sender(self) -> _BeatSender:
         if self._beats is None:
-            self._beats = _BeatSender(self.another(), channel.beat_key(self.card),
-                                      channel.steps_key(self.card), owner=self)
+            self._beats = _BeatSender(self.another(), self.card, owner=self)
         return self._beats
+
+    def paced(self, generation: int, busy_s: float, compute_s: float, sync_s: float) -> None:
+        """One more step of ``generation`` trained: ``busy_s`` of it computing, ``compute_s``
+        in the pipeline part (computing and waiting), ``sync_s`` summing gradients. Sent with
+        the next beat, never on the step's path."""
+        was = self._sender().pace
+        if was is None or was.generation != generation:
+            was = channel.Pace(generation)
+        self._beats.pace = channel.Pace(generation, was.steps + 1, was.busy_s + busy_s,
+                                        was.wait_s + max(0.0, compute_s - busy_s),
+                                        was.sync_s + sync_s)
 
     def stop_beats(self) -> None:
         """Stop sending progress (before the process ends)."""
@@ -174,14 +184,18 @@ class _BeatSender:
     connection, every :data:`BEAT_EVERY_S` when it moved. Stopped before the process ends: a
     daemon thread caught inside a store call at interpreter exit aborts the process."""
 
-    def __init__(self, link: WorkerLink, key: str, steps_key: str, owner: WorkerLink) -> None:
+    def __init__(self, link: WorkerLink, card: int, owner: WorkerLink) -> None:
         self.count = 0
-        self.steps: collections.deque[tuple[int, float]] = collections.deque(
-            maxlen=RECENT_STEPS)
         self._sent = 0
-        self._sent_step: tuple[int, float] | None = None
-        self._link, self._key, self._steps_key = link, key, steps_key
+        self.pace: channel.Pace | None = None   # set by the training thread
+        self._pace_sent: channel.Pace | None = None
+        self.steps: collections.deque[tuple[int, float]] = collections.deque(
+            maxlen=RECENT_STEPS)                 # (step, seconds), by the training thread
+        self._steps_sent: tuple[int, float] | None = None
+        self._link = link
         self._owner = owner   # the training thread's link, told of a stop request
+        self._key, self._pace_key = channel.beat_key(card), channel.pace_key(card)
+        self._steps_key = channel.steps_key(card)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="chameleon-beats", daemon=True)
         self._thread.start()
@@ -196,29 +210,26 @@ class _BeatSender:
         while not self._stop.wait(BEAT_EVERY_S):
             self._send()
 
-    def _read_stop(self) -> None:
-        """The agent's preemption notice (runtime/preemption.py), read on this thread so that
-        a step costs the training thread no round trip for it. Read after a send, never while
-        the worker is idle: a thread caught in a store call as the interpreter exits hangs it."""
-        if self._owner.stop_requested:
-            return
-        try:
-            asked = bool(self._link.store.check([channel.STOP]))
-        except RuntimeError:
-            return
-        self._owner.stop_requested = asked
-
     def _send(self) -> None:
-        count = self.count
-        if count == self._sent:
-            return
-        steps = list(self.steps)
+        count, pace, steps = self.count, self.pace, list(self.steps)
         try:
-            self._link.store.add(self._key, count - self._sent)
-            if steps and steps[-1] != self._sent_step:
+            if pace is not self._pace_sent and pace is not None:
+                channel.write(self._link.store, self._pace_key, pace)
+                self._pace_sent = pace
+            if steps and steps[-1] != self._steps_sent:
                 self._link.store.set(self._steps_key, json.dumps({"recent": steps}))
+                self._steps_sent = steps[-1]
+            if count != self._sent:
+                self._link.store.add(self._key, count - self._sent)
+                self._sent = count
+                self._read_stop()   # only while the worker makes progress
         except RuntimeError:  # the agent is gone: its death signal follows
             return
-        self._sent = count
-        self._sent_step = steps[-1] if steps else None
-        self._read_stop()   # only while the worker makes progress: an idle one needs no stop
+
+    def _read_stop(self) -> None:
+        """The agent's preemption notice (runtime/preemption.py), read on this thread so that
+        a step costs the training thread no round trip for it. Read after progress was sent,
+        never while the worker is idle: a thread caught in a store call as the interpreter
+        exits hangs it."""
+        if not self._owner.stop_requested:
+            self._owner.stop_requested = bool(self._link.store.check([channel.STOP]))

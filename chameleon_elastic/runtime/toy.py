@@ -237,13 +237,13 @@ class EmulatedLayer(nn.Module):
     where nothing needs the input's gradient."""
 
     def __init__(self, width: int, forward_s: float, backward_s: float,
-                 params: int = 0) -> None:
+                 params: int = 0, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.forward_s = forward_s
         self.backward_s = backward_s
-        self.linear = nn.Linear(width, width)
+        self.linear = nn.Linear(width, width, dtype=dtype)
         # optional extra weight so gradient sync moves a realistic amount of data
-        self.extra = nn.Parameter(torch.zeros(params)) if params else None
+        self.extra = nn.Parameter(torch.zeros(params, dtype=dtype)) if params else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = _Timed.apply(torch.tanh(self.linear(x)), self.forward_s, self.backward_s)
@@ -253,20 +253,24 @@ class EmulatedLayer(nn.Module):
 
 
 def _emulated(i: int, width: int, forward_s: float, backward_s: float,
-              params: int) -> nn.Module:
-    return EmulatedLayer(width, forward_s, backward_s, params)
+              params: int, dtype: torch.dtype = torch.float32) -> nn.Module:
+    return EmulatedLayer(width, forward_s, backward_s, params, dtype)
 
 
 def emulated_model(layers: int, forward_s: float, backward_s: float, width: int = 16,
-                   params: int = 0, seed: int = 0) -> PipelineModel:
+                   params: int = 0, seed: int = 0,
+                   dtype: torch.dtype = torch.float32) -> PipelineModel:
+    """Layers that occupy their "device" by sleeping ``forward_s`` / ``backward_s`` around a
+    tiny real computation: on a CPU with fewer cores than devices, a stopped or throttled
+    process slows only its own device, as on accelerators. The losses are real and depend
+    only on the seed (times 0 give the same training, fast: a reference run)."""
     return PipelineModel(
         num_layers=layers,
         build_layer=functools.partial(_emulated, width=width, forward_s=forward_s,
-                                      backward_s=backward_s, params=params),
+                                      backward_s=backward_s, params=params, dtype=dtype),
         loss=_mse,
         make_optimizer=functools.partial(_sgd, lr=0.01, momentum=0.0),
-        sample=functools.partial(_regression_sample, width=width, dtype=torch.float32,
-                                 seed=seed),
+        sample=functools.partial(_regression_sample, width=width, dtype=dtype, seed=seed),
         seed=seed,
     )
 

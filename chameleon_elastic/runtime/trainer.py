@@ -331,9 +331,13 @@ class PipelineTrainer:
 
     def _train_one(self, steps: int, checkpoint_every: int, on_step: Report | None) -> None:
         """The next step, then its checkpoint when one is due."""
+        busy = self.executor.busy_s if self.executor is not None else 0.0
         result = self.step(self.committed)
         if self.recovery is not None:
             self.recovery.step_committed()
+            if self.executor is not None:   # the device's speed, for the agent
+                self.recovery.link.paced(self.plan.generation, self.executor.busy_s - busy,
+                                         result.compute_s, result.sync_s)
         if self.working:
             record_step(result.step_s)
             if self.recovery is not None:

@@ -11,6 +11,12 @@ Protocol between the loop and a policy:
    is dropped: a failure during a transition starts a new transition.
 3. After the last event the schedule runs to the horizon.
 
+Slow devices (``slow`` events in the trace, a group of their own): a policy with a
+``slow(ctx, speeds)`` method decides about them itself (``speeds``: every slowed live device's
+factor); any other policy does nothing about them and runs at the pace of the slowest slowed
+device, every running phase's step stretched by ``1 / min(factor)`` while it lasts (pessimistic
+when that device is a spare; a device that fails leaves the map, and comes back at speed).
+
 Throughput is fluid inside a running phase (samples accrue at ``samples_per_step /
 step_time_s``); discreteness comes back through the loss at a failure, where the partial step
 in flight is what :attr:`EventContext.inflight_samples` reports. The loop never looks inside a
@@ -208,21 +214,58 @@ def _execute(timeline: Timeline, phases: Sequence[Phase], start_s: float,
     return idle, t, (idle,)
 
 
+def _repaced(phases: Sequence[Phase], ratio: float) -> tuple[Phase, ...]:
+    """Running phases with their step stretched by ``ratio`` (slow devices, a policy that does
+    nothing about them)."""
+    if ratio == 1.0:
+        return tuple(phases)
+    return tuple(p if p.step_time_s is None else replace(p, step_time_s=p.step_time_s * ratio)
+                 for p in phases)
+
+
+def _pace(speeds: dict[int, float]) -> float:
+    return 1.0 / min(speeds.values(), default=1.0)
+
+
+def _react(policy: PolicyModel, ctx: EventContext, group, speeds: dict[int, float]
+           ) -> Reaction:
+    """The policy's reaction to one group; ``speeds`` (slowed devices) is updated in place."""
+    if group.slowed:
+        speeds.update(group.slowed)
+        for d in [d for d, f in speeds.items() if f == 1.0]:
+            del speeds[d]
+        deciding = getattr(policy, "slow", None)
+        if deciding is not None:
+            return deciding(ctx, dict(speeds))
+        return Reaction(ctx.remaining, 0.0, "slowed")
+    for d in group.failed:
+        speeds.pop(d, None)
+    return policy.react(ctx, group.failed, group.joined)
+
+
 def simulate(policy: PolicyModel, trace: FailureTrace) -> PolicyRun:
     timeline = Timeline()
     decisions: list[EventRecord] = []
     phases = policy.start()
     sched_start = 0.0
+    speeds: dict[int, float] = {}
+    # A policy that decides about slow devices times them itself; any other sees its own
+    # schedule, which runs stretched to the slowest slowed device's pace.
+    stretch = 1.0
     for group in trace.groups():
-        current, began, rest = _execute(timeline, phases, sched_start, group.time_s)
+        current, began, rest = _execute(timeline, _repaced(phases, stretch), sched_start,
+                                        group.time_s)
+        rest = _repaced(rest, 1.0 / stretch)
         inflight = 0.0
         if current.step_time_s is not None:
             done = (group.time_s - began) / current.step_time_s
             inflight = (done - math.floor(done)) * current.samples_per_step
         ctx = EventContext(group.time_s, timeline, current, inflight, rest)
         tic = time.perf_counter()
-        reaction = policy.react(ctx, group.failed, group.joined)
+        reaction = _react(policy, ctx, group, speeds)
         latency = time.perf_counter() - tic
+        if getattr(policy, "slow", None) is None:
+            stretch = _pace(speeds)
         timeline.lose(group.time_s, reaction.lost_samples)
         pause = 0.0
         for p in reaction.phases:
@@ -232,5 +275,5 @@ def simulate(policy: PolicyModel, trace: FailureTrace) -> PolicyRun:
         decisions.append(EventRecord(group.time_s, group.failed, group.joined, reaction.kind,
                                   reaction.lost_samples, pause, latency))
         phases, sched_start = reaction.phases, group.time_s
-    _execute(timeline, phases, sched_start, trace.horizon_s)
+    _execute(timeline, _repaced(phases, stretch), sched_start, trace.horizon_s)
     return PolicyRun(policy.name, trace, timeline, tuple(decisions))

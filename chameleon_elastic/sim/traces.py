@@ -16,6 +16,12 @@ Traces are written and read as CSV (``time_s,device,event``) with ``#`` comment 
 the device count, the horizon and how the trace was made, so a trace from a real cluster log can
 be replayed by every policy.
 
+A trace may also slow devices down: a ``slow`` event gives a device a speed factor from then on
+(a ``factor`` column: 0.5 half speed, 1.0 back at speed; the column is written only when a trace
+has such events, and read when present). Slow events never change who is alive, and come in
+groups of their own, so a policy decides about a straggler apart from a failure at the same
+instant.
+
 With tensor parallelism (``training.tp > 1``) the simulator runs on units of ``tp`` cards, but
 a cluster log names cards: ``cards_to_units`` turns a card trace into the unit trace the
 policies replay (a unit is down while any of its cards is), and ``units_to_cards`` writes a
@@ -54,7 +60,7 @@ __all__ = [
     "write_trace",
 ]
 
-EventKind = Literal["fail", "join"]
+EventKind = Literal["fail", "join", "slow"]
 TRACE_MODELS: tuple[str, ...] = ("poisson", "hourly")
 
 
@@ -67,15 +73,18 @@ class TraceEvent:
     time_s: float
     device: int
     kind: EventKind
+    factor: float = 1.0   # a ``slow`` event's speed factor (1.0: back at speed)
 
 
 @dataclass(frozen=True)
 class EventGroup:
-    """Events at one instant: the simulator makes one decision for all of them."""
+    """Events at one instant: the simulator makes one decision for all of them. A group is
+    either failures and joins, or speed changes (``slowed``: device -> factor)."""
 
     time_s: float
     failed: tuple[int, ...]
     joined: tuple[int, ...]
+    slowed: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -93,10 +102,15 @@ class FailureTrace:
         return sum(1 for e in self.events if e.kind == "fail")
 
     def groups(self) -> Iterator[EventGroup]:
-        """Events inside the horizon, grouped by time, in time order."""
+        """Events inside the horizon, grouped by time (failures and joins first, then speed
+        changes at the same instant), in time order."""
         inside = (e for e in self.events if e.time_s < self.horizon_s)
-        for t, batch in groupby(inside, key=lambda e: e.time_s):
+        for (t, slow), batch in groupby(inside, key=lambda e: (e.time_s, e.kind == "slow")):
             items = list(batch)
+            if slow:
+                yield EventGroup(t, (), (), tuple(sorted({e.device: e.factor
+                                                          for e in items}.items())))
+                continue
             yield EventGroup(
                 time_s=t,
                 failed=tuple(sorted(e.device for e in items if e.kind == "fail")),
@@ -109,7 +123,7 @@ class FailureTrace:
         for e in self.events:
             if e.time_s > time_s:
                 break
-            live += -1 if e.kind == "fail" else 1
+            live += {"fail": -1, "join": 1}.get(e.kind, 0)
         return live
 
 
@@ -131,8 +145,14 @@ def _check(trace: FailureTrace) -> None:
             )
         if not (math.isfinite(e.time_s) and e.time_s >= last):
             raise TraceError(f"{where} is out of time order; sort the trace by time_s.")
-        if e.kind not in ("fail", "join"):
-            raise TraceError(f"{where} has unknown event kind; use 'fail' or 'join'.")
+        if e.kind not in ("fail", "join", "slow"):
+            raise TraceError(f"{where} has unknown event kind; use 'fail', 'join' or 'slow'.")
+        if e.kind == "slow":
+            if not (math.isfinite(e.factor) and e.factor > 0):
+                raise TraceError(f"{where} has speed factor {e.factor!r}; give a positive "
+                                 "factor (0.5 half speed, 1.0 back at speed).")
+            last = e.time_s
+            continue
         if (e.kind == "fail") != alive[e.device]:
             state = "already dead" if e.kind == "fail" else "still alive"
             raise TraceError(
@@ -234,7 +254,8 @@ def generate_trace(model: str, devices: int, rate_per_hour: float, hours: float,
 def _sorted(events: list[TraceEvent]) -> tuple[TraceEvent, ...]:
     # A join and a later failure of the same device never tie in practice; order joins first
     # at equal times so that the alternation check holds.
-    return tuple(sorted(events, key=lambda e: (e.time_s, e.kind != "join", e.device)))
+    return tuple(sorted(events, key=lambda e: (e.time_s, e.kind == "slow", e.kind != "join",
+                                               e.device)))
 
 
 # --------------------------------------------------------------------------- cards and units
@@ -256,7 +277,10 @@ def cards_to_units(trace: FailureTrace, tp: int) -> FailureTrace:
     for e in trace.events:
         unit = unit_of(e.device, tp)
         before = down[unit]
-        down[unit] += 1 if e.kind == "fail" else -1
+        down[unit] += {"fail": 1, "join": -1}.get(e.kind, 0)
+        if e.kind == "slow":   # a unit runs at its card's pace
+            events.append(TraceEvent(e.time_s, unit, "slow", e.factor))
+            continue
         if (before == 0) != (down[unit] == 0):  # the unit went down, or came back whole
             events.append(TraceEvent(e.time_s, unit, e.kind))
     where = f"{trace.description}; " if trace.description else ""
@@ -270,7 +294,7 @@ def units_to_cards(trace: FailureTrace, tp: int) -> FailureTrace:
     of the result is ``trace`` again. ``tp = 1``: the trace itself."""
     if tp == 1:
         return trace
-    events = tuple(TraceEvent(e.time_s, cards_of(e.device, tp)[0], e.kind)
+    events = tuple(TraceEvent(e.time_s, cards_of(e.device, tp)[0], e.kind, e.factor)
                    for e in trace.events)
     note = f"unit events as each unit's first card, tp={tp}"
     where = f"{trace.description}; " if trace.description else ""
@@ -287,9 +311,10 @@ def write_trace(trace: FailureTrace, path: str | Path | None = None) -> str:
     if trace.description:
         buf.write(f"# description={trace.description}\n")
     w = csv.writer(buf, lineterminator="\n")
-    w.writerow(["time_s", "device", "event"])
+    slow = any(e.kind == "slow" for e in trace.events)
+    w.writerow(["time_s", "device", "event", *(["factor"] if slow else [])])
     for e in trace.events:
-        w.writerow([repr(e.time_s), e.device, e.kind])
+        w.writerow([repr(e.time_s), e.device, e.kind, *([repr(e.factor)] if slow else [])])
     text = buf.getvalue()
     if path is not None:
         Path(path).write_text(text)
@@ -324,12 +349,15 @@ def read_trace(path: str | Path, devices: int | None = None,
     events = []
     for n, row in enumerate(reader, start=2):
         try:
+            factor = (row.get("factor") or "").strip()
             events.append(TraceEvent(float(row["time_s"]), int(row["device"]),
-                                     row["event"].strip()))  # type: ignore[arg-type]
+                                     row["event"].strip(),  # type: ignore[arg-type]
+                                     float(factor) if factor else 1.0))
         except (TypeError, ValueError) as exc:
             raise TraceError(
                 f"trace file {str(path)!r} row {n} ({row}) is malformed: time_s must be a "
-                "number, device an integer and event 'fail' or 'join'."
+                "number, device an integer, event 'fail', 'join' or 'slow', and factor "
+                "(slow events) a number."
             ) from exc
     try:
         n_dev = devices if devices is not None else int(meta["devices"])

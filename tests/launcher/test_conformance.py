@@ -155,12 +155,14 @@ def test_the_command_exits_like_torchrun_with_one_sentence(tmp_path, argv):
 @pytest.mark.parametrize("argv", [
     ["--no-such-flag"],                 # torch's parser refuses it
     ["--policy", "reroute"],            # ours: only with --job/--preset
+    ["--stragglers", "off"],            # ours: only with --job/--preset
+    ["--preset", "tiny-cpu", "--stragglers", "sometimes"],   # not auto or off
     ["--preset", "no-such-preset"],     # ours: an unknown preset
     # more than one process: torch's OMP_NUM_THREADS banner is due, but not before our error
     ["--nproc-per-node", "4", "--preset", "no-such-preset"],
     ["--nproc-per-node", "3", "--preset", "tiny-cpu"],     # 3 devices for a 4-device job
-], ids=["unknown-flag", "policy-without-job", "unknown-preset", "unknown-preset-nproc-4",
-        "job-device-mismatch"])
+], ids=["unknown-flag", "policy-without-job", "stragglers-without-job", "stragglers-bad",
+        "unknown-preset", "unknown-preset-nproc-4", "job-device-mismatch"])
 def test_a_usage_error_is_one_sentence_and_exit_2(tmp_path, argv):
     argv = [*argv, PROBE, str(tmp_path), "ok"]
     ours = _command("chameleon", argv, tmp_path)

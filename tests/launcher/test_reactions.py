@@ -116,3 +116,20 @@ def test_a_device_back_is_named_in_the_reaction():
 def test_a_recovery_needs_a_rendezvous_round_only_when_a_node_may_join(tick, quick):
     r = react(tick)
     assert r.action in ("recover", "fence") and r.quick is quick
+
+
+def test_a_straggler_is_planned_around_in_place_and_never_killed():
+    r = react(Tick(HEALTHY, slow=((3, 0.5),), **PLANNED))
+    assert (r.action, r.trigger, r.inplace, r.kill, r.lost) == (
+        "recover", Trigger.STRAGGLER, True, frozenset(), frozenset())
+    assert r.quick   # no node can join: no rendezvous round
+
+
+def test_a_straggler_without_in_place_recovery_is_left_alone():
+    for facts in (dict(PLANNED, runtime=False), dict(PLANNED, inplace_wanted=False)):
+        assert react(Tick(HEALTHY, slow=((3, 0.5),), **facts)).action == "monitor"
+
+
+def test_a_lost_device_comes_before_a_straggler():
+    r = react(Tick(FAILED, failures=(_killed(1),), slow=((3, 0.5),), **PLANNED))
+    assert (r.trigger, r.lost) == (Trigger.DEVICE_LOST, frozenset({1}))

@@ -65,6 +65,11 @@ def test_table_explains_the_choice(capsys):
         (["--preset", "llama2-7b-910b", "--fail-count", "8"], "no live device"),
         (["--preset", "llama2-7b-910b", "--fail", "x"], "not a device list"),
         (["--job", "/nonexistent.toml"], "cannot read job file"),
+        (["--preset", "tiny-cpu", "--slow", "3"], "is not DEVICE=FACTOR"),
+        (["--preset", "tiny-cpu", "--slow", "3=0"], "positive speed factor"),
+        (["--preset", "tiny-cpu", "--slow", "3=nan"], "is not DEVICE=FACTOR"),
+        (["--preset", "tiny-cpu", "--slow", "7=0.5"], "device 7 is not live"),
+        (["--preset", "tiny-cpu", "--fail", "3", "--slow", "3=0.5"], "not live in plan"),
     ],
 )
 def test_bad_requests_exit_2_without_traceback(args, words):
@@ -105,7 +110,7 @@ def test_help_documents_every_flag():
     proc = run_cli("--help")
     assert proc.returncode == 0
     for flag in ("--job", "--preset", "--fail", "--fail-count", "--seed", "--policy",
-                 "--recovery", "--json"):
+                 "--recovery", "--json", "--slow"):
         assert flag in proc.stdout
 
 
@@ -239,3 +244,17 @@ def test_help_says_fail_takes_cards_with_tp():
     text = " ".join(proc.stdout.split())
     assert "--fail and --fail-count take CARD ids; a card's failure loses its whole unit" in text
     assert TP_PRESET in text
+
+
+def test_a_slow_device_gets_less_work_and_the_choice_is_explained(capsys):
+    assert main(["--preset", "tiny-cpu", "--slow", "3=0.5", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    (decision,) = out["decisions"]
+    assert decision["slow"] == {"3": 0.5} and decision["failed"] is None
+    assert set(decision["scores"]) == {"keep", "reduce", "spare"}
+    assert decision["scores"][decision["chosen"]] == max(decision["scores"].values())
+    assert decision["chosen"] != "keep"
+    pipe = next(p for p in out["pipelines"] if 3 in p["devices"])
+    assert pipe["micro_batches"] < 4 or pipe["layers"][pipe["devices"].index(3)] != [4, 8]
+    assert main(["--preset", "tiny-cpu", "--slow", "3=0.5"]) == 0
+    assert "slow 3 at 0.5x: chose" in capsys.readouterr().out

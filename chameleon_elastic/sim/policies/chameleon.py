@@ -14,6 +14,13 @@ live devices, exactly as the recycle baseline does (asynchronous checkpoints, a 
 restart ``cluster.restart_s`` + shard load, full ``training.pp``-stage pipelines), and plans
 from there.
 
+Slow devices (``slow`` trace events): ``slow`` asks ``planning.stragglers.decide_speeds``, as
+the launcher's decider does, whether to keep the layout, reduce the slow devices' work or leave
+them spare, and runs the chosen plan at the devices' speeds after its transition. A failure's
+plan is made at profiled speeds, then (as the launcher's watch finds a still-slow device again)
+the straggler decision follows at once. The launcher's detection window is not charged, and a
+restart from the checkpoint runs at profiled speeds.
+
 ``hybrid`` (beyond the paper): reroute at once, build the re-plan and stage its weight
 transfers in the background while the rerouted layout trains, then pause only for
 ``cluster.switch_s`` and switch. It switches when, over the expected time to the next failure,
@@ -30,12 +37,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ...plan import ExecutionPlan
 from ...planning import estimator
 from ...planning.cache import PlanCache
 from ...planning.search import PlanningError, initial_plan
+from ...planning.stragglers import decide_speeds
 from ...spec import JobSpec
 from ..constants import BaselineConstants
 from ..engine import EventContext, Phase, Reaction
@@ -59,6 +67,7 @@ class ChameleonPolicy:
         self.constants = constants or BaselineConstants()
         self.timing = self.constants.reroute_timing
         self.fallback = CheckpointFallback(spec, constants)
+        self.speeds: dict[int, float] = {}   # slow devices the plan was made for
 
     def _adopt(self, plan: ExecutionPlan | None) -> None:
         self.plan = plan
@@ -112,8 +121,33 @@ class ChameleonPolicy:
         self._adopt(chosen)
         pause = chosen.estimate.transition_time_s
         phases = ((paused(pause, "transition"),) if pause > 0 else ()) + (
-            running(self.spec, chosen, chosen.policy, timing=self.timing),)
-        return Reaction(phases, ctx.inflight_samples if hit else 0.0, chosen.policy)
+            running(self.spec, chosen, chosen.policy, timing=self.timing, speeds=self.speeds),)
+        kind = chosen.policy
+        if self.speeds:   # made at profiled speeds: the straggler decision follows at once
+            speeds, self.speeds = self.speeds, {}
+            after = self.slow(replace(ctx, remaining=phases), speeds)
+            phases, kind = after.phases, f"{kind}+{after.kind}"
+        return Reaction(phases, ctx.inflight_samples if hit else 0.0, kind)
+
+    def slow(self, ctx: EventContext, speeds: dict[int, float]) -> Reaction:
+        """Keep, reduce or spare for these factors (``planning.stragglers``); nothing is lost:
+        the workers regroup between steps."""
+        if self.plan is None:
+            return Reaction(ctx.remaining, 0.0, "stalled")
+        live = {d: f for d, f in speeds.items() if d in self.plan.live_devices}
+        decision = decide_speeds(self.spec, self.plan, live, before=self.speeds)
+        self.speeds = live
+        chosen = decision.chosen
+        if chosen.generation == self.plan.generation:   # kept: the rest runs at these speeds
+            step = running(self.spec, self.plan, "run", timing=self.timing, speeds=live)
+            return Reaction(tuple(p if p.step_time_s is None else
+                                  replace(p, step_time_s=step.step_time_s)
+                                  for p in ctx.remaining), 0.0, "keep")
+        self._adopt(chosen)
+        option = next(k for k, p in decision.candidates.items() if p is chosen)
+        pause = chosen.estimate.transition_time_s
+        return Reaction(((paused(pause, "transition"),) if pause > 0 else ()) + (
+            running(self.spec, chosen, option, timing=self.timing, speeds=live),), 0.0, option)
 
 
 @dataclass(frozen=True)
@@ -142,7 +176,8 @@ class HybridPolicy(ChameleonPolicy):
             if staging and done.kind == "spare" and self.plan is not None:
                 # The staged re-plan counted on the old set of spares: drop it and carry on
                 # with the layout that is running.
-                return Reaction((running(self.spec, self.plan, "reroute", timing=self.timing),),
+                return Reaction((running(self.spec, self.plan, "reroute", timing=self.timing,
+                                                speeds=self.speeds),),
                                 0.0, "spare")
             return done
         assert chosen is not None
@@ -153,18 +188,20 @@ class HybridPolicy(ChameleonPolicy):
             self._adopt(chosen)
             pause = chosen.estimate.transition_time_s
             return Reaction(((paused(pause, "transition"),) if pause > 0 else ())
-                            + (running(self.spec, chosen, chosen.policy, timing=self.timing),),
+                            + (running(self.spec, chosen, chosen.policy, timing=self.timing,
+                                      speeds=self.speeds),),
                             lost, chosen.policy)
         # From here on ``reroute`` is the layout that keeps running (after a join: the old
         # layout with the newcomers as spares) while the re-plan is staged.
         self._adopt(reroute)
-        now_running = running(self.spec, reroute, "reroute", timing=self.timing)
+        now_running = running(self.spec, reroute, "reroute", timing=self.timing,
+                              speeds=self.speeds)
         if replan is None or replan.estimate is None:
             return Reaction((now_running,), lost, "reroute")
         transfer = estimator.transfer_time(self.spec, replan.transfers)
         switch_s = max(0.0, replan.estimate.transition_time_s - transfer)
         keep = 1.0 - self.constants.hybrid_interference
-        thr_r, thr_p = now_running.rate, running(self.spec, replan, "replan").rate
+        thr_r, thr_p = now_running.rate, running(self.spec, replan, "replan", speeds=self.speeds).rate
         t_run = self.spec.cluster.expected_run_s(len(replan.live_devices))
         if math.isinf(t_run):
             switch = thr_p > thr_r
@@ -178,8 +215,8 @@ class HybridPolicy(ChameleonPolicy):
         self.staged = _Staged(replan, ctx.now_s + transfer)
         phases = (
             running(self.spec, reroute, "staging", duration_s=transfer, slowdown=1.0 / keep,
-                    timing=self.timing),
+                    timing=self.timing, speeds=self.speeds),
             paused(switch_s, "transition"),
-            running(self.spec, replan, "replan"),
+            running(self.spec, replan, "replan", speeds=self.speeds),
         )
         return Reaction(tuple(p for p in phases if p.duration_s > 0), lost, "reroute+replan")

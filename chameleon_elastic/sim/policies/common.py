@@ -9,7 +9,7 @@ the estimator), so every policy is priced by one model.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 from ...plan import ExecutionPlan, Pipeline
@@ -36,21 +36,25 @@ def samples_per_step(spec: JobSpec) -> float:
     return float(spec.training.global_micro_batches * spec.training.micro_batch_size)
 
 
-def step_time(spec: JobSpec, plan: ExecutionPlan, timing: str = "closed-form") -> float:
+def step_time(spec: JobSpec, plan: ExecutionPlan, timing: str = "closed-form",
+              speeds: Mapping[int, float] | None = None) -> float:
     """The step the job experiences: the plan's estimate, or for a rerouted plan under
-    ``timing="schedule"`` the simulated executed orders (see ``BaselineConstants``)."""
+    ``timing="schedule"`` the simulated executed orders (see ``BaselineConstants``); with slow
+    devices (``speeds``), the estimator's step at their factors."""
     if timing == "schedule" and plan.reroute:
-        return estimator.step_time(spec, plan, simulate_reroute=True)
-    if plan.estimate is not None:
+        return estimator.step_time(spec, plan, simulate_reroute=True, speeds=speeds)
+    if plan.estimate is not None and not estimator.slow_only(speeds, plan.working_devices):
         return plan.estimate.step_time_s
-    return estimator.step_time(spec, plan)
+    return estimator.step_time(spec, plan, speeds=speeds)
 
 
 def running(spec: JobSpec, plan: ExecutionPlan, label: str, *, duration_s: float = math.inf,
-            slowdown: float = 1.0, timing: str = "closed-form") -> Phase:
-    """Training under ``plan``; ``slowdown`` > 1 stretches the step (checkpoint stalls, ...)."""
-    return Phase(duration_s, step_time(spec, plan, timing) * slowdown, samples_per_step(spec),
-                 len(plan.working_devices), label)
+            slowdown: float = 1.0, timing: str = "closed-form",
+            speeds: Mapping[int, float] | None = None) -> Phase:
+    """Training under ``plan``; ``slowdown`` > 1 stretches the step (checkpoint stalls, ...);
+    ``speeds``: slow devices' factors."""
+    return Phase(duration_s, step_time(spec, plan, timing, speeds) * slowdown,
+                 samples_per_step(spec), len(plan.working_devices), label)
 
 
 def paused(duration_s: float, label: str) -> Phase:
