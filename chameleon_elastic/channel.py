@@ -22,10 +22,14 @@ key                   writer   meaning
                                sent with the beats (the agent's straggler watch)
 ``gap/<device>``      worker   its typical gap between phases in seconds (the auto hang timeout)
 ``slow/<device>``     worker   present while it is in a stretch expected to be slow (hang.py)
+``steps/<device>``    worker   ``{"recent": [[step, seconds], ...]}``: its last committed steps
+                               and their times (``--metrics-port``), sent with the beats
+``max_failed``        agent    the cap on failed generations in a row (retries.py)
 ``reported``          worker   last step the job's reporter handed to the user's callback
 ``checkpoint``        worker   last step a committed checkpoint holds (none: no checkpoint)
 ``checkpoints``       worker   set when the job writes checkpoints (even before its first one)
-``max_failed``        agent    the cap on failed generations in a row (retries.py)
+``stop``              agent    the signal that preempts the job (``SIGTERM``, ...): stop at the
+                               next step boundary with a checkpoint (runtime/preemption.py)
 ``trouble``           worker   a plan generation in which a worker lost a peer (so the agent
                                learns of peers on other nodes that it does not run)
 ``cause/<N>``         worker   the first line of the first failure a worker met in generation N
@@ -69,6 +73,7 @@ __all__ = [
     "read_int",
     "resumed_key",
     "slow_key",
+    "steps_key",
     "worker_key",
     "write",
     "write_once",
@@ -81,6 +86,7 @@ CHECKPOINT = "checkpoint"
 CHECKPOINTS = "checkpoints"
 TROUBLE = "trouble"
 MAX_FAILED = "max_failed"
+STOP = "stop"            # the agent was preempted: stop at the next step boundary
 ENDED = "ended"          # a worker found that training cannot go on: the sentence that says why
 
 CHAMELEON_VARS: tuple[str, ...] = (
@@ -151,6 +157,10 @@ def beat_key(card: int) -> str:
 
 def pace_key(card: int) -> str:
     return f"pace/{card}"
+
+
+def steps_key(card: int) -> str:
+    return f"steps/{card}"
 
 
 def resumed_key(generation: int, card: int) -> str:

@@ -99,6 +99,7 @@ def help_epilog(examples: Sequence[tuple[str, str]], policy_heading: str,
     the presets (from their files), the policies (name, one line), free notes and the exit
     statuses (a status's text may continue on lines of its own, indented)."""
     pad = max((len(n) for n, _ in policies), default=0)
+    width = max((len(str(c)) for c, _ in statuses), default=1)
     return "\n".join([
         "examples (run from the repository root):",
         *(line for cmd, what in examples for line in (f"  {cmd}", f"      {what}")),
@@ -111,7 +112,7 @@ def help_epilog(examples: Sequence[tuple[str, str]], policy_heading: str,
         "",
         *([*notes, ""] if notes else []),
         "exit status:",
-        *(f"  {code}  {text}" for code, text in statuses),
+        *(f"  {code:<{width}}  {text}" for code, text in statuses),
     ])
 
 

@@ -28,7 +28,7 @@ import dataclasses
 import logging
 import signal
 import time
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, NoReturn
 
 import torch.distributed as dist
 from torch.distributed.elastic.agent.server.api import (
@@ -39,10 +39,12 @@ from torch.distributed.elastic.agent.server.api import (
 )
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import LogsSpecs
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
 
 from chameleon_elastic import channel, retries
+from chameleon_elastic.exit_status import ExitStatus
 from chameleon_elastic.timeouts import Timeouts
 
 from .detectors import Watchers
@@ -50,16 +52,20 @@ from .failures import FailureEvent, RestartBudget, Trigger
 from .health import AlwaysHealthy, HealthCheck
 from .observe import Event, EventLog, StatusLine
 from .plan_env import NodeCards
+from .preemption import PEER_PREEMPTED, PREEMPTION_SIGNALS, Preempted, drain
 from .profiler import Profiler
 from .reactions import Reaction, Tick, react
 from .reporter import RecoveryReporter
 from .rounds import Rounds
-from .session import JobSession, LauncherPlanningError
+from .session import JobSession, LauncherPlanningError, NoPlanError
 from .starter import TorchHooks, WorkerStarter
 from .stragglers import StragglerWatch
 from .transition import Crew, Transition
 from .worker_logs import WorkerLogs
 from .workers import ExitBell, WorkerProcesses
+
+if TYPE_CHECKING:
+    from .metrics import AgentMetrics
 
 __all__ = ["ChameleonAgent", "RecoveryMode"]
 
@@ -83,6 +89,7 @@ class ChameleonAgent(LocalElasticAgent):
         status: StatusLine | None = None,
         health: HealthCheck | None = None,
         profiler: Profiler | None = None,
+        metrics: AgentMetrics | None = None,
         recovery: RecoveryMode = "inplace",
         stragglers: bool = True,
         timeouts: Timeouts | None = None,
@@ -100,6 +107,9 @@ class ChameleonAgent(LocalElasticAgent):
         self._events = events if events is not None else EventLog(None)
         self._status = status if status is not None else StatusLine(enabled=False)
         self._profiler = profiler
+        self._metrics = metrics
+        self._busy = True                       # in a transition (not ready, /readyz)
+        self.exit_status = ExitStatus.FAILED    # of a run the agent ended itself
         self._recovery = recovery
         self._rounds = Rounds(rdzv_parameters, self._timeouts, self._status, self._emit)
         self._procs = WorkerProcesses()
@@ -176,8 +186,12 @@ class ChameleonAgent(LocalElasticAgent):
 
     def _transition_to(self, event: FailureEvent | None, inplace_wanted: bool,
                        expect_reports: bool, quick: bool = False) -> None:
-        info = self._transition.run(self._worker_group, event, inplace_wanted, expect_reports,
-                                    quick)
+        self._busy = True
+        try:
+            info = self._transition.run(self._worker_group, event, inplace_wanted,
+                                        expect_reports, quick)
+        finally:
+            self._busy = False
         self._rdzv_handler = self._worker_group.spec.rdzv_handler   # after a failover too
         self._store = info.store
 
@@ -214,6 +228,22 @@ class ChameleonAgent(LocalElasticAgent):
                              return_values={w.global_rank: None for w in worker_group.workers})
         return RunResult(state=WorkerState.HEALTHY)
 
+    def ready(self) -> bool:
+        """This node's workers train under the current generation (``/readyz``)."""
+        return (not self._busy and self._worker_group.state == WorkerState.HEALTHY
+                and self._reporter.pending is None and bool(self._procs.devices))
+
+    def _tick_metrics(self) -> None:
+        if self._metrics is None:
+            return
+        workers = self._worker_group.workers
+        if self._session is not None:
+            generation, live = self._session.plan.generation, len(self._session.plan.live_devices)
+        else:
+            generation = max(self._rounds.attempt, 0)
+            live = workers[0].world_size if workers else None
+        self._metrics.tick(self._channel, self._procs.devices, generation, live)
+
     def stderr_log(self, global_rank: int) -> str | None:
         """The file that a worker which just failed wrote its stderr to (None: the console)."""
         ended = self._exits.get(global_rank)
@@ -222,6 +252,22 @@ class ChameleonAgent(LocalElasticAgent):
     # ------------------------------------------------------------------ the loop
 
     def _invoke_run(self, role: str = "default") -> RunResult:
+        try:
+            return self._run_loop()
+        except SignalException as exc:
+            if isinstance(exc, Preempted) or exc.sigval not in PREEMPTION_SIGNALS:
+                raise
+            self._preempted(exc.sigval.name, exc.sigval)
+
+    def _preempted(self, why: str, sigval: signal.Signals,
+                   runtime: bool | None = None) -> NoReturn:
+        """Drain this node's workers at a step boundary (launcher/preemption.py), then end."""
+        drained = drain(self._channel, self._procs, why, self._timeouts.shutdown_s, runtime)
+        self._emit(Event.JOB_FINISHED, state="PREEMPTED", reason=why,
+                   checkpoint=drained.committed, stopped=drained.stopped)
+        raise Preempted(drained.sentence(self._timeouts.shutdown_s), sigval) from None
+
+    def _run_loop(self) -> RunResult:
         spec = self._worker_group.spec
         wg = self._worker_group
         self._emit(Event.AGENT_STARTED, entrypoint=spec.get_entrypoint_name(),
@@ -233,6 +279,7 @@ class ChameleonAgent(LocalElasticAgent):
             self._initialize_workers(wg)
         except LauncherPlanningError as exc:
             self._status.say(f"chameleon-run: {exc}")
+            self.exit_status = _status_of(exc)
             return RunResult(state=WorkerState.FAILED)
         if self._transition.node is not None:
             self._watchers.watch_leases(self._rounds.params, self._transition.node, self._fence)
@@ -244,6 +291,8 @@ class ChameleonAgent(LocalElasticAgent):
         while True:
             bell.wait(spec.monitor_interval)
             result = self._monitor_workers(wg)
+            if any(e.exitcode == ExitStatus.PREEMPTED for e in self._exits.values()):
+                self._preempted(PEER_PREEMPTED, signal.SIGTERM, runtime=True)
             if result.state == WorkerState.SUCCEEDED:
                 wg.state = result.state
                 self._update_status("succeeded")
@@ -256,6 +305,7 @@ class ChameleonAgent(LocalElasticAgent):
                 if self._session is not None:
                     self._report(self._reporter.poll(self._channel, self._session.plan,
                                                      self._procs.pids(), self._budget.used))
+                self._tick_metrics()
                 tick = self._observe(result)
                 wg.state = tick.state
                 reaction = react(tick)
@@ -264,13 +314,12 @@ class ChameleonAgent(LocalElasticAgent):
                     reaction = react(dataclasses.replace(
                         tick, leases_asked=True, lease=Trigger.NODE_LOST if asked else None))
                 outcome = self._apply(reaction, tick, result)
-            except (LauncherPlanningError, RendezvousClosedError) as exc:
-                if isinstance(exc, RendezvousClosedError):
-                    exc = LauncherPlanningError(
-                        "the job's rendezvous is closed: the other nodes finished or gave up "
-                        "while this node was cut off, so there is nothing to rejoin."
-                    )
-                return self._end(str(exc))
+            except LauncherPlanningError as exc:
+                return self._end(str(exc), _status_of(exc))
+            except RendezvousClosedError:
+                return self._end("the job's rendezvous is closed: the other nodes finished or "
+                                 "gave up while this node was cut off, so there is nothing to "
+                                 "rejoin.")
             if outcome is not None:
                 return outcome
 
@@ -298,9 +347,9 @@ class ChameleonAgent(LocalElasticAgent):
             self._procs.kill(set(r.kill))
         if r.action == "monitor":
             return None
-        if r.action == "end":
+        if r.action == "end":   # the workers found that training cannot go on
             self._emit(Event.PLANNING_FAILED, error=r.reason)
-            raise LauncherPlanningError(r.reason)
+            return self._end(r.reason or "training cannot go on")
         if r.action == "fail":
             self._procs.close(timeout=self._timeouts.shutdown_s)
             self._worker_group.state = WorkerState.FAILED
@@ -350,8 +399,9 @@ class ChameleonAgent(LocalElasticAgent):
             said = channel.read(self._channel, channel.cause_key(gen)) or ""
         return self._streak.failed(said or (r.trigger.value if r.trigger else "unknown"))
 
-    def _end(self, sentence: str) -> RunResult:
-        """The job cannot go on: one sentence, every worker stopped."""
+    def _end(self, sentence: str, status: ExitStatus = ExitStatus.FAILED) -> RunResult:
+        """The job cannot go on: one sentence, every worker stopped, the exit status."""
+        self.exit_status = status
         self._status.say(f"chameleon-run: {sentence}")
         self._procs.close(timeout=self._timeouts.shutdown_s)
         self._worker_group.state = WorkerState.FAILED
@@ -363,3 +413,8 @@ class ChameleonAgent(LocalElasticAgent):
         mode = "in place" if inplace else "relaunch"
         self._update_status(f"recovering {mode} ({event.reason})")
         self._transition_to(event, inplace, expect_reports=self._runtime, quick=quick)
+
+
+def _status_of(exc: LauncherPlanningError) -> ExitStatus:
+    """No plan for the devices left: do not requeue; any other end: retryable."""
+    return ExitStatus.DO_NOT_REQUEUE if isinstance(exc, NoPlanError) else ExitStatus.FAILED

@@ -40,7 +40,7 @@ __all__ = ["LaunchConfigError", "ScriptNotFound", "build_parser", "console", "ma
 OUR_FLAGS = ("--job", "--preset", "--policy", "--recovery", "--stragglers", "--hang-timeout",
              "--max-failed-generations", "--plan-cache",
              "--state-dir", "--event-log", "--health-file", "--profile", "--profile-out",
-             "--no-status")
+             "--no-status", "--metrics-port", "--metrics-address", "--slurm")
 
 _DYNAMIC_RDZV_DEFAULTS = {"keep_alive_interval": 1, "keep_alive_max_attempt": 3,
                           "last_call_timeout": 3}
@@ -79,10 +79,11 @@ def _epilog() -> str:
         ["A job of your own: describe it in a TOML file and pass --job. Docs: docs/launcher.md",
          "(flags, events, differences from torchrun) and docs/rendezvous.md."],
         [(0, "the workers finished"),
-         (1, ("workers failed for good, the launch configuration or the rendezvous failed, the\n"
-             "     script is missing, or no plan can run the job any more (one sentence says "
-             "which)")),
-         (2, "a flag was used wrongly (one line)")])
+         (1, ("workers failed for good, the launch configuration or the rendezvous failed, or\n"
+             "      the script is missing (one sentence says which): retryable")),
+         (2, "a flag was used wrongly (one line)"),
+         (75, "preempted (SIGTERM, or SIGUSR1/2 in --signals-to-handle): requeue"),
+         (93, "no plan can run the job on the devices left: do not requeue")])
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -164,6 +165,23 @@ def build_parser() -> argparse.ArgumentParser:
                             "regroup time, memory per device) here.")
     group.add_argument("--no-status", "--no_status", action=check_env,
                        help="Do not print the status line.")
+    group.add_argument("--metrics-port", "--metrics_port", action=env, type=int, default=None,
+                       help="Serve Prometheus metrics on /metrics, and the probes /healthz "
+                            "(agent alive) and /readyz (this node trains under the current "
+                            "generation), on this port (0: any free port, printed). Default: "
+                            "off.")
+    group.add_argument("--metrics-address", "--metrics_address", action=env, type=str,
+                       default="127.0.0.1",
+                       help="Address the metrics server binds to (0.0.0.0 for every "
+                            "interface, as a Prometheus scrape or a Kubernetes probe from "
+                            "outside the node needs). Default: 127.0.0.1.")
+    group.add_argument("--slurm", action=env, type=str, nargs="?", const="on", default="auto",
+                       choices=("auto", "on", "off"),
+                       help="Take --nnodes, --rdzv-id, --rdzv-backend (c10d), --rdzv-endpoint "
+                            "(c10d: the first host) and --node-rank (static) from the Slurm "
+                            "allocation, for flags left at their defaults (one line says what "
+                            "was taken). auto (default): inside an srun step; on (--slurm): "
+                            "whenever SLURM_JOB_ID is set; off: never.")
     return parser
 
 
@@ -258,6 +276,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
     from .profiler import Profiler
     from .worker_logs import WorkerLogs
 
+    _take_slurm(args, parser)
     job_mode = _check_job_flags(args, parser)
     logging.getLogger("torch.distributed.elastic.agent.server.api").addFilter(
         _without_death_signal_warning)
@@ -266,7 +285,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
         launch = _resolve(args, parser, job_mode)
     config, state_dir, session = launch.config, launch.state_dir, launch.session
     event_path = args.event_log or (None if state_dir is None else state_dir / "events.jsonl")
-    events = EventLog(event_path)
+    served = _serve_metrics(args, parser, launch.timeouts.hang_s)
+    events = EventLog(event_path, listeners=() if served is None else (served.metrics.observe,))
     profiler = None
     if args.profile_out:
         assert state_dir is not None
@@ -285,21 +305,73 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
         health=FileHealthCheck(args.health_file) if args.health_file else AlwaysHealthy(),
         profiler=profiler, timeouts=launch.timeouts,
         max_failed_generations=launch.max_failed_generations,
+        metrics=None if served is None else served.metrics,
         recovery="relaunch" if session is None else session.spec.cluster.recovery,
         stragglers=args.stragglers == "auto",
         start_method=config.start_method,
         log_line_prefix_template=config.log_line_prefix_template,
     )
+    if served is not None:
+        served.ready = agent.ready
     try:
         return _run_agent(agent, spec, config,
                           torch_compat.entrypoint_name(launch.cmd, list(launch.cmd_args)))
     finally:
+        if served is not None:
+            served.close()
         if profiler is not None and args.profile_out:
             profiler.write(args.profile_out, None if session is None else session.spec,
                            None if session is None else session.plan)
         events.close()
         if event_path is not None and Path(event_path).exists():
             sys.stderr.write(f"chameleon-run: events of this run: {event_path}\n")
+
+
+def _take_slurm(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Fill the flags the Slurm allocation knows (launcher/slurm.py), saying so in one line."""
+    from .slurm import SlurmAllocation, SlurmError, from_allocation
+
+    alloc = SlurmAllocation.from_env(os.environ)
+    if args.slurm == "off" or alloc is None:
+        if args.slurm == "on":
+            parser.error("--slurm: SLURM_JOB_ID is not set, so there is no allocation to read; "
+                         "run inside sbatch/srun, or drop --slurm.")
+        return
+    if args.slurm == "auto" and not alloc.in_step:
+        return
+    try:
+        taken = from_allocation(alloc, vars(args), args.standalone)
+    except SlurmError as exc:
+        parser.error(str(exc))
+    for dest, value in taken.items():
+        setattr(args, dest, value)
+    if taken:
+        flags = " ".join(f"--{d.replace('_', '-')} {v}" for d, v in taken.items())
+        sys.stderr.write(f"chameleon-run: under Slurm job {alloc.job_id} (node "
+                         f"{alloc.node_rank} of {alloc.nnodes}): {flags} (--slurm off to "
+                         "launch exactly as given)\n")
+
+
+def _serve_metrics(args: argparse.Namespace, parser: argparse.ArgumentParser,
+                   hang_s: float) -> Any:
+    """The metrics server of ``--metrics-port`` (None without it), bound before anything
+    starts, so that a port in use is a usage error, not a failed job."""
+    if args.metrics_port is None:
+        return None
+    from .metrics import AgentMetrics, MetricsServer
+
+    if not 0 <= args.metrics_port < 65536:
+        parser.error(f"--metrics-port {args.metrics_port} is not a port; pass 0..65535 "
+                     "(0: any free port).")
+    try:
+        served = MetricsServer(AgentMetrics(hang_s), args.metrics_address, args.metrics_port)
+    except OSError as exc:
+        parser.error(f"cannot serve metrics on {args.metrics_address}:{args.metrics_port} "
+                     f"({exc.strerror or exc}); pass another --metrics-port or "
+                     "--metrics-address.")
+    sys.stderr.write(f"chameleon-run: metrics on {served.url}/metrics (probes /healthz, "
+                     "/readyz)\n")
+    return served
 
 
 def _check_job_flags(args: argparse.Namespace, parser: argparse.ArgumentParser) -> bool:
@@ -417,7 +489,7 @@ def _run_agent(agent: Any, spec: Any, config: Any, entrypoint_name: str) -> Any:
             return None
         if result.is_failed():
             if not result.failures:  # ended by the agent, which said why in one sentence
-                raise SystemExit(1)
+                raise SystemExit(int(agent.exit_status))
             raise WorkersFailed(entrypoint_name, result.failures,
                                 {rank: agent.stderr_log(rank) for rank in result.failures})
         return result.return_values
@@ -474,16 +546,23 @@ def console() -> None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
     from torch.distributed.elastic.rendezvous.api import RendezvousError
 
+    from chameleon_elastic.exit_status import ExitStatus
     from chameleon_elastic.rendezvous.errors import rendezvous_message
+
+    from .preemption import Preempted
 
     parser = build_parser()
     args = parser.parse_args()
     try:
         record(run)(args, parser)
+    except Preempted as exc:
+        sys.stderr.write(f"chameleon-run: {exc.sentence} (exit status "
+                         f"{int(ExitStatus.PREEMPTED)}: requeue)\n")
+        raise SystemExit(int(ExitStatus.PREEMPTED)) from None
     except (SignalException, KeyboardInterrupt) as exc:
         # torch's agent has stopped the workers already (SignalException); before any worker
         # started, Python's KeyboardInterrupt ends the wait. Exit as torchrun does (1), with
-        # no traceback. SIGTERM reads the same until it gets a meaning of its own.
+        # no traceback. A preemption signal (SIGTERM, SIGUSR1/2) is Preempted, above.
         sig = signal.Signals(exc.sigval).name if isinstance(exc, SignalException) else "SIGINT"
         sys.stderr.write(f"chameleon-run: interrupted ({sig}): workers stopped\n")
         raise SystemExit(1) from None

@@ -53,7 +53,7 @@ from chameleon_elastic import channel
 from chameleon_elastic.plan import ExecutionPlan
 
 from .plan_env import device_id
-from .session import JobSession, LauncherPlanningError, PlanChange
+from .session import JobSession, LauncherPlanningError, NoPlanError, PlanChange
 
 __all__ = ["RECORD", "Decision", "Fenced", "Members", "NodeReport", "QuickRoundFailed", "adopt",
            "agree", "collect", "commit_record", "decide", "inplace_possible", "losses",
@@ -135,6 +135,7 @@ class Decision:
     why: tuple[tuple[int, str], ...] = ()   # each device lost in this decision, and how
     nodes: tuple[int, ...] = ()             # the nodes that reported: the next quick round's
     speeds: tuple[tuple[int, float], ...] = ()   # the slow devices the plan was made for
+    no_plan: bool = False                   # the error is the planner's: no layout fits
 
     def to_json(self) -> str:
         d = asdict(self)
@@ -149,7 +150,8 @@ class Decision:
                    d.get("reported"), d.get("error"),
                    tuple((int(k), str(v)) for k, v in d.get("why", ())),
                    tuple(int(n) for n in d.get("nodes", ())),
-                   tuple((int(k), float(v)) for k, v in d.get("speeds", ())))
+                   tuple((int(k), float(v)) for k, v in d.get("speeds", ())),
+                   no_plan=bool(d.get("no_plan", False)))
 
 
 def report(store: Any, scope: str, group_rank: int, mine: NodeReport) -> None:
@@ -352,7 +354,8 @@ def agree(store: Any, scope: str, members: Members, mine: NodeReport, session: J
             decision = (_quick_decision(store, scope, members, min(timeout_s, QUICK_S)) if quick
                         else adopt(store, scope, timeout_s))
             if decision.error or decision.plan is None:
-                raise LauncherPlanningError(decision.error or "no plan was published")
+                error = NoPlanError if decision.no_plan else LauncherPlanningError
+                raise error(decision.error or "no plan was published")
             if quick and members.me not in decision.nodes:   # our lease lapsed meanwhile
                 raise QuickRoundFailed("the other nodes decided without this one")
             change = session.adopt(decision.plan, decision.excluded, dict(decision.speeds))
@@ -362,6 +365,7 @@ def agree(store: Any, scope: str, members: Members, mine: NodeReport, session: J
         raise LauncherPlanningError(str(exc)) from exc
     except LauncherPlanningError as exc:
         if members.decides:
-            publish(store, scope, Decision(None, (), (), False, None, str(exc)))
+            publish(store, scope, Decision(None, (), (), False, None, str(exc),
+                                           no_plan=isinstance(exc, NoPlanError)))
         raise
     return decision, change

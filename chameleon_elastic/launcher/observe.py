@@ -18,7 +18,7 @@ import json
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -41,11 +41,14 @@ class Event(str, enum.Enum):
 
 
 class EventLog:
-    """Append-only JSONL log; ``path=None`` keeps records in memory only (``records``)."""
+    """Append-only JSONL log; ``path=None`` keeps records in memory only (``records``).
+    ``listeners`` see every record as it is emitted (the metrics, launcher/metrics.py)."""
 
-    def __init__(self, path: str | Path | None) -> None:
+    def __init__(self, path: str | Path | None,
+                 listeners: Iterable[Callable[[dict[str, Any]], None]] = ()) -> None:
         self.path = None if path is None else Path(path)
         self.records: list[dict[str, Any]] = []
+        self.listeners = tuple(listeners)
         self._lock = threading.Lock()
         self._fh: TextIO | None = None
         if self.path is not None:
@@ -60,6 +63,8 @@ class EventLog:
             if self._fh is not None:
                 self._fh.write(line + "\n")
                 self._fh.flush()
+        for listener in self.listeners:
+            listener(record)
         return record
 
     def close(self) -> None:

@@ -29,14 +29,19 @@ from chameleon_elastic.spec import JobSpec
 
 from .plan_env import write_plan_file
 
-__all__ = ["CLI_POLICIES", "JobSession", "LauncherPlanningError", "PlanChange"]
+__all__ = ["CLI_POLICIES", "JobSession", "LauncherPlanningError", "NoPlanError", "PlanChange"]
 
 CLI_POLICIES: tuple[str, ...] = ("auto", "reroute", "replan", "restart")
 CliPolicy = Literal["auto", "reroute", "replan", "restart"]
 
 
 class LauncherPlanningError(RuntimeError):
-    """No plan can run the job on the devices left (the planner's sentence is included)."""
+    """The job cannot go on (the sentence says why)."""
+
+
+class NoPlanError(LauncherPlanningError):
+    """No plan can run the job on the devices left (the planner's sentence is included): a
+    rerun on the same allocation fails the same way (``ExitStatus.DO_NOT_REQUEUE``)."""
 
 
 @dataclass(frozen=True)
@@ -106,7 +111,7 @@ class JobSession:
         try:
             self.plan: ExecutionPlan = planning.initial_plan(self.planned)
         except planning.PlanningError as exc:
-            raise LauncherPlanningError(f"no initial plan for job {spec.name!r}: {exc}") from exc
+            raise NoPlanError(f"no initial plan for job {spec.name!r}: {exc}") from exc
         self.plan_file = write_plan_file(self.plan, self.plan_dir)
         self._cache = None
         self._refresh_cache()
@@ -182,7 +187,7 @@ class JobSession:
                 decision = self._planning.decide(self.planned, self.plan, failed=lost,
                                                  joined=joined, policy=policy)
         except self._planning.PlanningError as exc:
-            raise LauncherPlanningError(
+            raise NoPlanError(
                 f"cannot continue after losing device(s) {list(lost)} "
                 f"(excluded now: {sorted(self.excluded)}): {exc}"
             ) from exc

@@ -12,6 +12,8 @@ decides anything. Kept apart from the recovery chain so that joining a generatio
 from __future__ import annotations
 
 import atexit
+import collections
+import json
 import os
 import threading
 import time
@@ -33,6 +35,9 @@ __all__ = ["BEAT_EVERY_S", "WorkerLink"]
 BEAT_EVERY_S = 0.1
 #: how often its typical gap between phases does (when it moved by a tenth)
 GAP_EVERY_S = 1.0
+#: committed steps a worker keeps for its agent's metrics: enough for steps much faster than
+#: the beats, without growing
+RECENT_STEPS = 64
 
 
 class WorkerLink:
@@ -47,6 +52,7 @@ class WorkerLink:
         self.timeouts = timeouts
         self.address = address
         self.tp_rank, self.tp = tp_rank, tp
+        self.stop_requested = False   # the agent asked for a stop (``stop``, read with beats)
         self._beats: _BeatSender | None = None
 
     @property
@@ -151,9 +157,15 @@ class WorkerLink:
         which it sends to the agent about once a second when it moved (hang.py)."""
         self._sender().typical = typical
 
+    def committed(self, step: int, seconds: float) -> None:
+        """A step committed here, for the agent's metrics (sent with the beats)."""
+        sender = self._sender()
+        sender.steps.append((step, seconds))
+        sender.count += 1
+
     def _sender(self) -> _BeatSender:
         if self._beats is None:
-            self._beats = _BeatSender(self.another(), self.card)
+            self._beats = _BeatSender(self.another(), self.card, owner=self)
         return self._beats
 
     def paced(self, generation: int, busy_s: float, compute_s: float, sync_s: float) -> None:
@@ -200,7 +212,7 @@ class _BeatSender:
     :data:`GAP_EVERY_S` when it moved by a tenth. Stopped before the process ends: a
     daemon thread caught inside a store call at interpreter exit aborts the process."""
 
-    def __init__(self, link: WorkerLink, card: int) -> None:
+    def __init__(self, link: WorkerLink, card: int, owner: WorkerLink) -> None:
         self.count = 0
         self.typical: Callable[[], float | None] = lambda: None
         self._sent = 0
@@ -208,9 +220,14 @@ class _BeatSender:
         self._pace_sent: channel.Pace | None = None
         self._gap_sent: float | None = None
         self._gap_at = 0.0
+        self.steps: collections.deque[tuple[int, float]] = collections.deque(
+            maxlen=RECENT_STEPS)                 # (step, seconds), by the training thread
+        self._steps_sent: tuple[int, float] | None = None
         self._link = link
+        self._owner = owner   # the training thread's link, told of a stop request
         self._key, self._pace_key = channel.beat_key(card), channel.pace_key(card)
         self._gap_key = channel.gap_key(card)
+        self._steps_key = channel.steps_key(card)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="chameleon-beats", daemon=True)
         self._thread.start()
@@ -224,16 +241,31 @@ class _BeatSender:
     def _loop(self) -> None:
         while not self._stop.wait(BEAT_EVERY_S):
             self._send_gap()
-            count, pace = self.count, self.pace
-            try:
-                if pace is not self._pace_sent and pace is not None:
-                    channel.write(self._link.store, self._pace_key, pace)
-                    self._pace_sent = pace
-                if count != self._sent:
-                    self._link.store.add(self._key, count - self._sent)
-                    self._sent = count
-            except RuntimeError:  # the agent is gone: its death signal follows
-                continue
+            self._send()
+
+    def _send(self) -> None:
+        count, pace, steps = self.count, self.pace, list(self.steps)
+        try:
+            if pace is not self._pace_sent and pace is not None:
+                channel.write(self._link.store, self._pace_key, pace)
+                self._pace_sent = pace
+            if steps and steps[-1] != self._steps_sent:
+                self._link.store.set(self._steps_key, json.dumps({"recent": steps}))
+                self._steps_sent = steps[-1]
+            if count != self._sent:
+                self._link.store.add(self._key, count - self._sent)
+                self._sent = count
+                self._read_stop()   # only while the worker makes progress
+        except RuntimeError:  # the agent is gone: its death signal follows
+            return
+
+    def _read_stop(self) -> None:
+        """The agent's preemption notice (runtime/preemption.py), read on this thread so that
+        a step costs the training thread no round trip for it. Read after progress was sent,
+        never while the worker is idle: a thread caught in a store call as the interpreter
+        exits hangs it."""
+        if not self._owner.stop_requested:
+            self._owner.stop_requested = bool(self._link.store.check([channel.STOP]))
 
     def _send_gap(self) -> None:
         now = time.monotonic()

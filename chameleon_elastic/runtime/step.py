@@ -119,13 +119,17 @@ def _compute_and_sync(t: TrainerState, step: int, record: bool
 
 
 def _vote(t: TrainerState, step: int, loss_sum: float, square: float) -> tuple[float, float]:
-    """Step 3: (the global-batch loss, the job-wide gradient norm)."""
-    total = torch.tensor([loss_sum, square], dtype=torch.float64)
+    """Step 3: (the global-batch loss, the job-wide gradient norm). A rank asked to stop for
+    a preemption says so in the same all-reduce, so every rank learns at this step that it is
+    the last (runtime/preemption.py)."""
+    stop = 1.0 if t.preemption.requested else 0.0
+    total = torch.tensor([loss_sum, square, stop], dtype=torch.float64)
     try:
         dist.all_reduce(total)
     except RuntimeError as exc:
         raise PeerLost(f"device {t.device} lost a peer in step {step}'s vote: {exc}") from exc
-    loss, norm = (float(x) for x in total.tolist())
+    loss, norm, stop = (float(x) for x in total.tolist())
+    t.preemption.agreed = t.preemption.agreed or stop > 0
     return loss, math.sqrt(norm) if norm >= 0 else math.nan
 
 

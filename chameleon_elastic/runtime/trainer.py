@@ -51,6 +51,7 @@ from .link import WorkerLink
 from .model import PipelineModel
 from .phases import PhaseHook, Phases
 from .precision import LossScale, Precision, check_precision
+from .preemption import Preemption, stop_here
 from .recording import record_step
 from .recovery import Recovery
 from .step import StepResult, train_step
@@ -173,6 +174,7 @@ class PipelineTrainer:
         self.recovery: Recovery | None = None
         self.save_group = None                      # background saves' own group, per plan
         self.saving: BackgroundSave | None = None   # the checkpoint being written
+        self.preemption = Preemption(link)   # a stop at a step boundary (runtime/preemption)
         if link is not None:
             from chameleon_elastic.plugins import get_backend
 
@@ -285,7 +287,12 @@ class PipelineTrainer:
         ``on_step(result)`` is called in every process after each step it trains, with this
         device's own times (``compute_s``, ``sync_s``, ``data_s``, ``step_s``); every working
         device also records its step time for ``chameleon-run --profile-out``.
+        A preemption (``chameleon-run`` got SIGTERM, or this process SIGUSR1/SIGUSR2 named in
+        ``--signals-to-handle``) ends the loop at the step boundary every rank agreed on in a
+        vote: a checkpoint of the committed steps is committed (with a ``checkpoint_dir``) and
+        the process exits with ``ExitStatus.PREEMPTED`` (75) (:mod:`.preemption`).
         """
+        self.preemption.install()
         if self.recovery is not None:
             self.recovery.register()
             self.phases.report_to(self.recovery.link)   # progress for hang detection
@@ -303,6 +310,8 @@ class PipelineTrainer:
             if lost.message is not None:
                 self.recovery.recover(lost.message)
             self._report(report, evaluate, steps)
+            if self.preemption.agreed and self.committed < steps:
+                stop_here(self)   # a checkpoint at this boundary, then exit PREEMPTED
         self._settle_save()
 
     def _settle_save(self) -> None:
@@ -331,6 +340,8 @@ class PipelineTrainer:
                                          result.compute_s, result.sync_s)
         if self.working:
             record_step(result.step_s)
+            if self.recovery is not None:
+                self.recovery.link.committed(result.step, result.step_s)
         if on_step is not None:
             on_step(result)
         done = self.committed

@@ -194,8 +194,9 @@ def test_real_gloo_group_recovers_from_every_crash(tmp_path, launch):
 
 
 @pytest.mark.timeout(90)
-def test_job_ends_with_exit_1_when_no_plan_fits(tmp_path, launch):
-    """--policy reroute: losing both replicas of stage 0 leaves nothing to reroute to."""
+def test_job_ends_with_do_not_requeue_when_no_plan_fits(tmp_path, launch):
+    """--policy reroute: losing both replicas of stage 0 leaves nothing to reroute to; exit 93
+    (``ExitStatus.DO_NOT_REQUEUE``, issue 23; torchrun's 1 before)."""
     out, state = tmp_path / "out", tmp_path / "state"
     out.mkdir()
     run = launch("chameleon", ["--standalone", "--nproc-per-node", "4", "--preset", "tiny-cpu",
@@ -209,7 +210,7 @@ def test_job_ends_with_exit_1_when_no_plan_fits(tmp_path, launch):
     assert {r["env"]["CHAMELEON_POLICY"] for r in second} == {"reroute"}
     os.kill(next(r["pid"] for r in second if r["env"]["CHAMELEON_DEVICE"] == "2"),
             signal.SIGKILL)
-    assert run.wait(60) == 1
+    assert run.wait(60) == 93
     events = _events(state / "events.jsonl")
     assert [e["event"] for e in events][-2:] == ["planning_failed", "job_finished"]
     assert events[-1]["state"] == "FAILED"
@@ -233,11 +234,12 @@ def test_a_scripts_own_usage_error_under_a_job_is_shown_on_the_console(tmp_path,
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGHUP])
 def test_an_interrupted_launcher_says_so_in_one_sentence_and_stops_its_workers(
         tmp_path, launch, sig):
-    """Ctrl-C (or a polite SIGTERM) ends the run as torchrun's does (status 1), in one
-    sentence instead of torch's death-signal warning and a traceback, with no worker left."""
+    """Ctrl-C (or a hang-up) ends the run as torchrun's does (status 1), in one sentence
+    instead of torch's death-signal warning and a traceback, with no worker left. SIGTERM is a
+    preemption (test_exit_status.py, test_preemption.py)."""
     out = tmp_path / "out"
     out.mkdir()
     run = launch("chameleon", ["--standalone", "--nproc-per-node", "4", "--preset", "tiny-cpu",
