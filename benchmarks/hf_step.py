@@ -43,6 +43,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = str(ROOT / "examples" / "train_hf.py")
 GLOBAL_MICRO_BATCHES, MICRO_BATCH_SIZE, WORLD = 8, 4, 4
@@ -136,8 +138,21 @@ def _write_model(directory: Path, hidden: int, layers: int) -> None:
 
 
 def _run(cmd: list[str], timeout: float) -> None:
-    out = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=timeout,
-                         env=_env())
+    """Run one launcher; past ``timeout`` it goes with every process under it (torchrun starts
+    its workers in sessions of their own, and they outlive a killed torchrun: a stuck one would
+    load every later run)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=_env())
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        for p in [*psutil.Process(proc.pid).children(recursive=True), proc]:
+            with contextlib.suppress(psutil.Error, ProcessLookupError):
+                p.kill()
+        proc.communicate()
+        raise SystemExit(f"{' '.join(cmd[:6])} ... did not finish in {timeout:.0f} s "
+                         "(--timeout); its processes were stopped") from None
+    out = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
     if out.returncode != 0:
         raise SystemExit(f"{' '.join(cmd[:6])} ... failed ({out.returncode}):\n"
                          f"{out.stdout[-2000:]}\n{out.stderr[-3000:]}")
