@@ -39,7 +39,9 @@ PLAN_HEADERS = [["pipeline", "devices (stage order)", "layers per stage", "micro
                 ["source", "receiver", "layers", "size"]]
 SIM_HEADERS = [["policy", "throughput (samples/s)", "vs fault-free", "paused (s)",
                 "lost work (s)", "working at end", "decide (ms, mean)"]]
-LATENCY_HEADERS = [["devices", "cold search", "paper search", "cache warm", "classes",
+LATENCY_HEADERS = [["devices", "tree", "cold decide", "warm decide", "cold replan",
+                     "warm replan"],
+                   ["devices", "cold search", "paper search", "cache warm", "classes",
                     "cached lookup", "cached decide", "chosen"]]
 
 #: (command after the interpreter, the header rows its tables must show)
