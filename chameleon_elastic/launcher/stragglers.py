@@ -8,9 +8,9 @@ worker adds up times it takes anyway, its beat thread sends them.
 A device's speed in a step is the plan's expected compute for its work
 (``estimator.expected_compute``: its micro-batches times its layers' profiled times) over its
 measured ``busy_s``. Waiting is not compute: a device that waits for a slow peer or a slow link
-is not slow itself, so only the slow device is named. With three devices or more measured, the
-speeds are divided by their median, so a profile that is off for every device alike names none
-(capped at 1.0: faster than its peers is not news).
+is not slow itself, so only the slow device is named. The speeds are divided by their median
+(three devices or more measured) or by the fastest (fewer), so a profile that is off for every
+device alike names none (capped at 1.0: faster than its peers is not news).
 
 A change is worth a decision (a straggler event) when, for ``window`` steps in a row (the
 generation's first step left out: it warms up), and then at the median of those steps:
@@ -75,11 +75,12 @@ class Samples:
 
 def speeds_of(expected: Mapping[int, float], busy: Mapping[int, float]) -> dict[int, float]:
     """Speed per device measured (expected compute over measured compute), divided by the
-    median when three or more are measured, capped at 1.0."""
+    median when three or more are measured, else by the fastest (the profile alone is no
+    reference: a rough one named every device of a two-device node slow), capped at 1.0."""
     raw = {d: expected[d] / b for d, b in busy.items() if b > 0 and expected.get(d, 0) > 0}
     if not raw:
         return {}
-    reference = statistics.median(raw.values()) if len(raw) >= 3 else 1.0
+    reference = statistics.median(raw.values()) if len(raw) >= 3 else max(raw.values())
     return {d: min(1.0, r / reference) for d, r in raw.items()}
 
 

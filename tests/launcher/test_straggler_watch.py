@@ -93,7 +93,7 @@ def test_speeds_are_relative_to_the_median_so_a_uniformly_off_profile_names_nobo
     expected = dict.fromkeys(range(4), 1.0)
     assert speeds_of(expected, dict.fromkeys(range(4), 2.0)) == dict.fromkeys(range(4), 1.0)
     assert speeds_of(expected, {0: 2.0, 1: 2.0, 2: 2.0, 3: 4.0})[3] == 0.5
-    assert speeds_of(expected, {0: 1.0, 1: 2.0}) == {0: 1.0, 1: 0.5}   # too few: as profiled
+    assert speeds_of(expected, {0: 1.0, 1: 2.0}) == {0: 1.0, 1: 0.5}   # too few for a median: against the fastest
 
 
 def test_a_spared_straggler_is_tried_again_after_its_probation_which_then_doubles():
