@@ -236,24 +236,30 @@ class Registration:
 class Resumed:
     """How one worker entered a generation, for the agent's recovery line and event.
 
-    Wall-clock times (``noticed_at``, ``committed_at``) are Unix seconds on the worker's node,
-    compared only with its own agent's clock. ``moved_layers`` and ``moved_bytes`` count the
-    whole job's transfers (every worker computes the same numbers)."""
+    Wall-clock times (``noticed_at``, ``woke_at``, ``committed_at``) are Unix seconds on the
+    worker's node, compared only with its own agent's clock. From ``woke_at`` on, the durations
+    follow one another: ``regroup_s``, ``agree_s``, ``transfer_s``, ``rebuild_s``, then
+    ``first_step_s`` up to ``committed_at`` (the agent's phases, launcher/reporter.py).
+    ``moved_layers`` and ``moved_bytes`` count the whole job's transfers (every worker computes
+    the same numbers)."""
 
     device: int
     pid: int
     generation: int
     resumed_step: int
     source: str                   # "peers", "checkpoint", "init" (step 0) or "none" (kept all)
-    regroup_s: float
+    regroup_s: float              # joining the world (a started process: its whole start-up)
     transfer_s: float
     first_step_s: float
     moved_layers: int
     moved_bytes: float
     rolled_forward: bool
     redone_steps: int
-    noticed_at: float | None = None
+    noticed_at: float | None = None   # this worker saw the failure
     committed_at: float | None = None
+    woke_at: float | None = None      # it saw the generation (a started process: it started)
+    agree_s: float = 0.0
+    rebuild_s: float = 0.0
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Resumed:

@@ -27,7 +27,7 @@ import threading
 import weakref
 from collections.abc import Callable, Iterator
 
-__all__ = ["GroupSockets", "Watchdog", "new_sockets", "socket_fds"]
+__all__ = ["GroupSockets", "Watchdog", "new_sockets"]
 
 log = logging.getLogger("chameleon_elastic.runtime.abort")
 
@@ -35,31 +35,34 @@ log = logging.getLogger("chameleon_elastic.runtime.abort")
 GroupSockets: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def socket_fds() -> frozenset[int]:
-    """This process's open socket file descriptors (Linux /proc; empty elsewhere)."""
-    out = set()
+def _sockets() -> dict[int, str]:
+    """This process's open socket descriptors -> their sockets (``socket:[inode]``; Linux
+    /proc, empty elsewhere)."""
+    out = {}
     try:
         entries = os.listdir("/proc/self/fd")
     except OSError:
-        return frozenset()
+        return {}
     for entry in entries:
         try:
-            if os.readlink(f"/proc/self/fd/{entry}").startswith("socket:"):
-                out.add(int(entry))
+            target = os.readlink(f"/proc/self/fd/{entry}")
         except OSError:
             continue
-    return frozenset(out)
+        if target.startswith("socket:"):
+            out[int(entry)] = target
+    return out
 
 
 @contextlib.contextmanager
 def new_sockets() -> Iterator[set[int]]:
-    """Collect the sockets opened inside the block (groups being formed)."""
+    """Collect the sockets opened inside the block (groups being formed): by socket, not by
+    descriptor number, since an old group freed meanwhile may hand its number to a new one."""
     found: set[int] = set()
-    before = socket_fds()
+    before = _sockets()
     try:
         yield found
     finally:
-        found.update(socket_fds() - before)
+        found.update(fd for fd, sock in _sockets().items() if before.get(fd) != sock)
 
 
 class Watchdog:
