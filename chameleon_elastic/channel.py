@@ -17,6 +17,9 @@ key                   writer   meaning
 ``worker/<device>``   worker   :class:`Registration`: this worker runs on the runtime, so it can
                                recover in place (unregistered scripts are relaunched)
 ``resumed/<N>/<d>``   worker   :class:`Resumed`: how device d entered generation N (timings)
+``wake/<card>``       agent    a queue: N of each generation published while the worker lives,
+                               so its watchdog wakes at once (runtime/abort.py); the worker
+                               ends it with ``stop <pid>``
 ``beat/<device>``     worker   a counter moved at every phase of every step (hang detection)
 ``pace/<device>``     worker   :class:`Pace`: this generation's steps and their times so far,
                                sent with the beats (the agent's straggler watch)
@@ -74,6 +77,7 @@ __all__ = [
     "resumed_key",
     "slow_key",
     "steps_key",
+    "wake_key",
     "worker_key",
     "write",
     "write_once",
@@ -177,6 +181,10 @@ def slow_key(card: int) -> str:
 
 def cause_key(generation: int) -> str:
     return f"cause/{generation}"
+
+
+def wake_key(card: int) -> str:
+    return f"wake/{card}"
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,9 @@ Gloo cannot abort a collective. When a peer dies its sockets reset and every tra
 fails at once; but a peer that is *stopped* (SIGSTOP, a frozen node, a partition) keeps its
 sockets open, and a survivor blocked on it would wait for the full collective timeout even
 after the agents have agreed on a new generation without that peer. So each worker runs a
-:class:`Watchdog` thread: it polls the node's channel for a newer generation and, when one
-appears while the current generation's groups are still in use, makes them fail from the side
+:class:`Watchdog` thread: its agent wakes it when it publishes a newer generation (the
+channel's ``wake/<card>`` queue) and, if the current generation's groups are still in use, the
+watchdog makes them fail from the side
 (``DeviceBackend.unblock``: for gloo a ``shutdown`` of the groups' connected sockets, after
 which the blocked receive returns "Connection closed by peer" at once, exactly as if the peer
 had died, and the ordinary recovery follows; NCCL aborts its communicators). Only sockets
@@ -20,12 +21,15 @@ never touch a file descriptor that was closed and reused.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
 import threading
 import weakref
 from collections.abc import Callable, Iterator
+
+import torch.distributed as dist
 
 __all__ = ["GroupSockets", "Watchdog", "new_sockets"]
 
@@ -66,20 +70,27 @@ def new_sockets() -> Iterator[set[int]]:
 
 
 class Watchdog:
-    """Polls ``newer()`` every ``interval_s``; while armed, a newer generation calls
-    ``unblock()`` once and disarms."""
+    """Waits on its own thread for the agent's wake-ups (``woken()``: the number of a
+    generation just published, blocking; None once ``wake_to_stop()`` was called). While
+    armed with an older generation, a wake-up calls ``unblock()`` once and disarms. Woken by
+    the publication itself, not by a poll: the survivors that were not blocked on the lost
+    peer learn of the new generation at once (a poll every 0.2 s cost them 0.1 s on average
+    and up to 0.2 s on every recovery). Stopped before the process ends: a daemon thread
+    caught inside a store call as the interpreter exits can hang it."""
 
-    def __init__(self, newer: Callable[[int], bool], unblock: Callable[[frozenset[int]], None],
-                 interval_s: float = 0.2) -> None:
-        self._newer = newer
+    def __init__(self, woken: Callable[[], int | None], wake_to_stop: Callable[[], None],
+                 unblock: Callable[[frozenset[int]], None], join_s: float = 5.0) -> None:
+        self._woken = woken
+        self._wake_to_stop = wake_to_stop
         self._unblock = unblock
-        self._interval = interval_s
+        self._join_s = join_s
         self._lock = threading.Lock()
         self._armed: tuple[int, frozenset[int]] | None = None
-        self._stop = threading.Event()
+        self._stopped = False
         self._thread = threading.Thread(target=self._loop, name="chameleon-watchdog",
                                         daemon=True)
         self._thread.start()
+        atexit.register(self.stop)   # also when the script ends without closing its trainer
 
     def arm(self, generation: int, sockets: frozenset[int]) -> None:
         with self._lock:
@@ -91,21 +102,31 @@ class Watchdog:
             self._armed = None
 
     def stop(self) -> None:
-        self._stop.set()
+        atexit.unregister(self.stop)
         self.disarm()
+        if self._stopped:
+            return
+        self._stopped = True
+        try:
+            self._wake_to_stop()
+        except RuntimeError as exc:   # the agent is gone, and the wait with it
+            log.debug("watchdog cannot be woken to stop: %s", exc)
+        self._thread.join(self._join_s)
 
     def _loop(self) -> None:
-        while not self._stop.wait(self._interval):
+        while True:
+            try:
+                generation = self._woken()
+            except dist.DistStoreError:   # a long wait's timeout: wait again
+                continue
+            except RuntimeError as exc:   # the agent is gone: PDEATHSIG follows
+                log.debug("watchdog cannot read the channel: %s", exc)
+                return
+            if generation is None:
+                return
             with self._lock:
                 armed = self._armed
-                if armed is None:
-                    continue
-                try:
-                    newer = self._newer(armed[0])
-                except Exception as exc:  # noqa: BLE001 - the agent is gone: PDEATHSIG follows
-                    log.debug("watchdog cannot read the channel: %s", exc)
-                    continue
-                if newer:
+                if armed is not None and armed[0] < generation:
                     log.info("generation %d is superseded: unblocking its groups", armed[0])
                     self._unblock(armed[1])
                     self._armed = None

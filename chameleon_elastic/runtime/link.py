@@ -18,6 +18,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Mapping
+from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
@@ -82,11 +83,12 @@ class WorkerLink:
             ) from exc
         return cls(store, device, timeouts, address, tp_rank, tp)
 
-    def another(self) -> WorkerLink:
-        """A second connection to the same channel, for another thread."""
+    def another(self, timeout: timedelta | None = None) -> WorkerLink:
+        """A second connection to the same channel, for another thread; ``timeout``: how long
+        its calls may block (the store timeout by default)."""
         host, _, port = self.address.rpartition(":")
         store = dist.TCPStore(host, int(port), is_master=False,
-                              timeout=self.timeouts.delta("store_s"))
+                              timeout=timeout or self.timeouts.delta("store_s"))
         return WorkerLink(store, self.device, self.timeouts, self.address, self.tp_rank, self.tp)
 
     def newest(self) -> int:
@@ -117,6 +119,23 @@ class WorkerLink:
         # the agent writes the generation's key before NEWEST: a worker woken by the key may
         # still read the old NEWEST, and must not join the old generation's (closed) store
         return self.generation(max(self.newest(), than + 1))
+
+    def woken(self) -> int | None:
+        """Block until this node's agent publishes a generation (its number; it wakes every
+        live worker so, on the channel's ``wake/<card>`` queue), or until this process calls
+        :meth:`stop_waking` (None). A stop left by an earlier process of this card is not
+        ours, and is skipped."""
+        key, mine = channel.wake_key(self.card), f"stop {os.getpid()}"
+        while True:
+            value = bytes(self.store.queue_pop(key)).decode()
+            if value == mine:
+                return None
+            if not value.startswith("stop"):
+                return int(value)
+
+    def stop_waking(self) -> None:
+        """End this process's :meth:`woken` (on any connection)."""
+        self.store.queue_push(channel.wake_key(self.card), f"stop {os.getpid()}")
 
     def register(self, generation: int) -> None:
         channel.write(self.store, channel.worker_key(self.card),

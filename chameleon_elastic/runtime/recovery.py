@@ -51,6 +51,7 @@ import logging
 import os
 import time
 from dataclasses import replace
+from datetime import timedelta
 from typing import Any
 
 import psutil
@@ -69,6 +70,10 @@ from .link import WorkerLink
 __all__ = ["GaveUp", "Recovery"]
 
 log = logging.getLogger("chameleon_elastic.runtime.recovery")
+
+#: how long the watchdog's wait for a generation lasts before it is renewed (a generation
+#: may be hours away; each renewal logs a line)
+WATCH_WAIT = timedelta(hours=1)
 
 
 class GaveUp(PipelineRuntimeError):
@@ -121,6 +126,8 @@ class Recovery:
         while True:
             gen = self.link.wait_newer(after)
             woke_at, began = time.time(), time.perf_counter()
+            if os.environ.get("DBG_REC"):
+                print(f"DBG dev {self.link.device} noticed {noticed_at:.3f} woke {woke_at:.3f} cause {cause.splitlines()[0][:150]}", flush=True)
             try:
                 with keep_message_only() as again:
                     join_generation(gen, self.link, self.backend.dist_backend,
@@ -182,8 +189,8 @@ class Recovery:
         self.registered = True
         self.link.register(self.trainer.plan.generation)
         if self.watchdog is None:
-            side = self.link.another()
-            self.watchdog = Watchdog(lambda g: side.has(g + 1), self.backend.unblock)
+            side = self.link.another(timeout=WATCH_WAIT)   # it waits for the next generation
+            self.watchdog = Watchdog(side.woken, self.link.stop_waking, self.backend.unblock)
         self.arm()
 
     def arm(self) -> None:
