@@ -17,9 +17,9 @@ key                   writer   meaning
 ``worker/<device>``   worker   :class:`Registration`: this worker runs on the runtime, so it can
                                recover in place (unregistered scripts are relaunched)
 ``resumed/<N>/<d>``   worker   :class:`Resumed`: how device d entered generation N (timings)
-``wake/<card>``       agent    a queue: N of each generation published while the worker lives,
-                               so its watchdog wakes at once (runtime/abort.py); the worker
-                               ends it with ``stop <pid>``
+``wake/<card>``       agent    a doorbell, rung after each generation published while the
+                               worker lives, so its watchdog wakes at once (runtime/abort.py);
+                               the worker rings it too, to stop the watchdog
 ``beat/<device>``     worker   a counter moved at every phase of every step (hang detection)
 ``pace/<device>``     worker   :class:`Pace`: this generation's steps and their times so far,
                                sent with the beats (the agent's straggler watch)

@@ -70,18 +70,21 @@ def new_sockets() -> Iterator[set[int]]:
 
 
 class Watchdog:
-    """Waits on its own thread for the agent's wake-ups (``woken()``: the number of a
-    generation just published, blocking; None once ``wake_to_stop()`` was called). While
-    armed with an older generation, a wake-up calls ``unblock()`` once and disarms. Woken by
-    the publication itself, not by a poll: the survivors that were not blocked on the lost
-    peer learn of the new generation at once (a poll every 0.2 s cost them 0.1 s on average
-    and up to 0.2 s on every recovery). Stopped before the process ends: a daemon thread
-    caught inside a store call as the interpreter exits can hang it."""
+    """Waits on its own thread for its bell (``bell()``: blocks until rung, then clears it;
+    ``ring()``); at each ring, while armed with a generation that ``newer(generation)`` says
+    is superseded, calls ``unblock()`` once and disarms. The agent rings the bell when it
+    publishes a generation, so the survivors that were not blocked on the lost peer learn
+    of it at once (a poll every 0.2 s cost them 0.1 s on average, up to 0.2 s, on every
+    recovery). Arming rings it too: a generation published while the watchdog was disarmed
+    is caught then. Stopped before the process ends: a daemon thread caught inside a store
+    call as the interpreter exits can hang it."""
 
-    def __init__(self, woken: Callable[[], int | None], wake_to_stop: Callable[[], None],
-                 unblock: Callable[[frozenset[int]], None], join_s: float = 5.0) -> None:
-        self._woken = woken
-        self._wake_to_stop = wake_to_stop
+    def __init__(self, bell: Callable[[], None], ring: Callable[[], None],
+                 newer: Callable[[int], bool], unblock: Callable[[frozenset[int]], None],
+                 join_s: float = 5.0) -> None:
+        self._bell = bell
+        self._ring = ring
+        self._newer = newer
         self._unblock = unblock
         self._join_s = join_s
         self._lock = threading.Lock()
@@ -95,6 +98,7 @@ class Watchdog:
     def arm(self, generation: int, sockets: frozenset[int]) -> None:
         with self._lock:
             self._armed = (generation, sockets)
+        self._ring()
 
     def disarm(self) -> None:
         """Before the groups are destroyed: from now on their fds may be reused."""
@@ -108,25 +112,30 @@ class Watchdog:
             return
         self._stopped = True
         try:
-            self._wake_to_stop()
+            self._ring()
         except RuntimeError as exc:   # the agent is gone, and the wait with it
             log.debug("watchdog cannot be woken to stop: %s", exc)
         self._thread.join(self._join_s)
 
     def _loop(self) -> None:
-        while True:
+        while not self._stopped:
             try:
-                generation = self._woken()
+                self._bell()
             except dist.DistStoreError:   # a long wait's timeout: wait again
                 continue
             except RuntimeError as exc:   # the agent is gone: PDEATHSIG follows
                 log.debug("watchdog cannot read the channel: %s", exc)
                 return
-            if generation is None:
-                return
             with self._lock:
                 armed = self._armed
-                if armed is not None and armed[0] < generation:
+                if armed is None or self._stopped:
+                    continue
+                try:
+                    newer = self._newer(armed[0])
+                except RuntimeError as exc:
+                    log.debug("watchdog cannot read the channel: %s", exc)
+                    return
+                if newer:
                     log.info("generation %d is superseded: unblocking its groups", armed[0])
                     self._unblock(armed[1])
                     self._armed = None

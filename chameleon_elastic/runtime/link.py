@@ -120,22 +120,17 @@ class WorkerLink:
         # still read the old NEWEST, and must not join the old generation's (closed) store
         return self.generation(max(self.newest(), than + 1))
 
-    def woken(self) -> int | None:
-        """Block until this node's agent publishes a generation (its number; it wakes every
-        live worker so, on the channel's ``wake/<card>`` queue), or until this process calls
-        :meth:`stop_waking` (None). A stop left by an earlier process of this card is not
-        ours, and is skipped."""
-        key, mine = channel.wake_key(self.card), f"stop {os.getpid()}"
-        while True:
-            value = bytes(self.store.queue_pop(key)).decode()
-            if value == mine:
-                return None
-            if not value.startswith("stop"):
-                return int(value)
+    def wait_for_bell(self) -> None:
+        """Block until this worker's bell on the channel rings (``wake/<card>``: its agent
+        rings it after publishing a generation, the worker itself to stop its watchdog),
+        then clear it. A doorbell only: what happened is read elsewhere, after clearing, so
+        no ring is lost."""
+        key = channel.wake_key(self.card)
+        self.store.wait([key])
+        self.store.delete_key(key)
 
-    def stop_waking(self) -> None:
-        """End this process's :meth:`woken` (on any connection)."""
-        self.store.queue_push(channel.wake_key(self.card), f"stop {os.getpid()}")
+    def ring(self) -> None:
+        channel.write(self.store, channel.wake_key(self.card), True)
 
     def register(self, generation: int) -> None:
         channel.write(self.store, channel.worker_key(self.card),

@@ -126,8 +126,6 @@ class Recovery:
         while True:
             gen = self.link.wait_newer(after)
             woke_at, began = time.time(), time.perf_counter()
-            if os.environ.get("DBG_REC"):
-                print(f"DBG dev {self.link.device} noticed {noticed_at:.3f} woke {woke_at:.3f} cause {cause.splitlines()[0][:150]}", flush=True)
             try:
                 with keep_message_only() as again:
                     join_generation(gen, self.link, self.backend.dist_backend,
@@ -190,7 +188,8 @@ class Recovery:
         self.link.register(self.trainer.plan.generation)
         if self.watchdog is None:
             side = self.link.another(timeout=WATCH_WAIT)   # it waits for the next generation
-            self.watchdog = Watchdog(side.woken, self.link.stop_waking, self.backend.unblock)
+            self.watchdog = Watchdog(side.wait_for_bell, self.link.ring,
+                                     lambda g: side.has(g + 1), self.backend.unblock)
         self.arm()
 
     def arm(self) -> None:
