@@ -57,8 +57,8 @@ class AgentMetrics:
                                   ["mode", "cause"], registry=r)
         self.recovery_seconds = Histogram("chameleon_recovery_seconds", "Seconds per phase of "
                                           "a recovery (phase=total: failure to the first "
-                                          "new step committed)", ["phase"], buckets=_RECOVERY_BUCKETS,
-                                          registry=r)
+                                          "new step committed)", ["phase"],
+                                          buckets=_RECOVERY_BUCKETS, registry=r)
         self.live_devices = Gauge("chameleon_live_devices", "Devices of the plan in force "
                                   "(the job's, not only this node's)", registry=r)
         self.generation = Gauge("chameleon_plan_generation", "Plan generation in force",

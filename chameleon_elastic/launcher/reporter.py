@@ -99,7 +99,8 @@ def recovered_fields(p: Pending, records: dict[int, Resumed], restarts_used: int
         restarts_used=restarts_used, **p.parts, **phase_times(p, records, failed_at))
 
 
-def phase_times(p: Pending, records: dict[int, Resumed], failed_at: float) -> dict[str, float | None]:
+def phase_times(p: Pending, records: dict[int, Resumed],
+                failed_at: float) -> dict[str, float | None]:
     """``<phase>_s`` for each of :data:`RECOVERY_PHASES`, and ``total_s``; the workers' are
     None when none of them committed a step."""
     out: dict[str, float | None] = dict.fromkeys(
