@@ -141,13 +141,14 @@ def assert_single_process_results(out: Path, survivors: list[int], steps: int,
 
 
 def launch_mlp(launch, tmp_path: Path, steps: int, *worker_args: str, flags: tuple = (),
-               status: bool = False, two_devices: bool = False):
+               status: bool = False, two_devices: bool = False, replicas: bool = False):
     """chameleon-run --preset tiny-cpu over 4 workers of workers/mlp_faults.py (``two_devices``:
-    TWO_DEVICES over 2): (launcher, its OUT directory, its state directory)."""
+    TWO_DEVICES over 2, as two_device_job's ``replicas``): (launcher, its OUT directory, its
+    state directory)."""
     out, state = tmp_path / "out", tmp_path / "state"
     out.mkdir()
-    job = (["--nproc-per-node", "2", "--job", str(two_device_job(tmp_path))] if two_devices
-           else ["--nproc-per-node", "4", "--preset", "tiny-cpu"])
+    job = (["--nproc-per-node", "2", "--job", str(two_device_job(tmp_path, replicas))]
+           if two_devices else ["--nproc-per-node", "4", "--preset", "tiny-cpu"])
     run = launch("chameleon", ["--standalone", *job,
                                "--state-dir", str(state), "--monitor-interval", "0.05",
                                *(() if status else ("--no-status",)), *flags, MLP_FAULTS,
