@@ -25,9 +25,8 @@ had not been printed before it), and per run the steps whose loss differs from a
 (4 decimals; a step printed twice counts once, by its last value). The GPT trains in fp32 here
 (``--precision fp32``): a re-plan changes the order of fp32 gradient sums, and under the
 example's default bf16 that can move the 4th decimal of later steps, which is rounding, not a
-lost step. A run *finishes* (every
-launcher left exits 0, every step printed), *ends* (exit 1 with one sentence, as when too few
-devices remain), *fails* (another exit, or a traceback) or *hangs* (no new step for ``--stall``
+lost step. A run *finishes* (every launcher left exits 0, every step printed), *ends* (exit 1,
+or 93 "do not requeue", with one sentence, as when too few devices remain), *fails* (another exit, or a traceback) or *hangs* (no new step for ``--stall``
 seconds, or past ``--deadline``). Each run also counts the devices chameleon-run declared hung
 (``hung_declared``): a slowed device must not be one.
 
@@ -56,6 +55,8 @@ from pathlib import Path
 
 import psutil
 
+from chameleon_elastic.exit_status import ExitStatus
+
 ROOT = Path(__file__).resolve().parent.parent
 GPT = str(ROOT / "examples" / "train_gpt.py")
 KINDS = ("worker-kill", "worker-stop", "slow-device", "node-kill", "node-stop", "etcd-leader",
@@ -65,6 +66,9 @@ ETCD_FAULTS = ("etcd-leader", "etcd-restart")
 SLOW_FOR_S, STOPPED_S, PERIOD_S = 10.0, 0.06, 0.12
 LAUNCHERS = ("chameleon", "torchrun")
 STEP = re.compile(r"step\s+(\d+)\s+loss\s+([0-9.]+)")
+#: the exits of a run that ended with one sentence: torchrun's failure, and "no plan fits the
+#: devices left" (chameleon_elastic/exit_status.py), as when every device is lost
+ENDINGS = (0, ExitStatus.FAILED, ExitStatus.DO_NOT_REQUEUE)
 SENTENCE = re.compile(r"^chameleon-run: .*(lost|closed|no plan|cannot|left)", re.MULTILINE)
 
 
@@ -322,7 +326,7 @@ class Trial:
             outcome = "hung"
         elif all(c == 0 for c in codes) and sorted(printed) == list(range(self.steps)):
             outcome = "finished"
-        elif all(c in (0, 1) for c in codes) and SENTENCE.search(text) and (
+        elif all(c in ENDINGS for c in codes) and SENTENCE.search(text) and (
                 "Traceback" not in text or self.launcher != "chameleon"):
             outcome = "ended"
         else:
