@@ -337,7 +337,9 @@ class Trial:
                 "exit_codes": codes, "losses": printed, "hung_declared": declared,
                 "output": {n.name: n.text() for n in nodes} | {
                     f"{p.parent.name}-events": p.read_text()
-                    for p in tmp.glob("state*/events.jsonl")}}
+                    for p in tmp.glob("state*/events.jsonl")} | {
+                    f"{p.parent.parent.name}-{p.name.removesuffix('.log')}": p.read_text()
+                    for p in tmp.glob("state*/logs/*.stderr.log")}}
 
 
 def _world(nodes: list[Node]) -> set[int]:
@@ -437,7 +439,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="loopback only (no partitions), also when root could")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--logs", metavar="DIR", type=Path,
-                        help="write each run's launcher output to DIR/<trial>-<launcher>-<node>.log")
+                        help="write each run's launcher output, events and workers' stderr to "
+                             "DIR/<trial>-<launcher>-<name>.log")
     parser.add_argument("--journal", metavar="FILE", type=Path,
                         help="append the settings, the reference and each run as JSON lines as "
                              "they finish (a long run that is stopped keeps its results)")

@@ -22,6 +22,37 @@ import pytest
 PROBE = str(Path(__file__).parent / "workers" / "probe.py")
 MLP_FAULTS = str(Path(__file__).parent / "workers" / "mlp_faults.py")
 
+# tiny-cpu's model on 2 devices: half the worker start-ups of the preset's 4, for tests whose
+# point needs only two processes
+TWO_DEVICES = """
+name = "two"
+[model]
+layers = 8
+forward_s = 0.002
+backward_s = 0.004
+param_bytes = 1.0e6
+optimizer_bytes = 2.0e6
+activation_bytes = 2.0e5
+[cluster]
+devices = 2
+device_memory_bytes = 2e9
+bandwidth_bytes_per_s = 1e9
+restart_s = 2.0
+failure_rate_per_hour = 0.1
+[training]
+dp = {dp}
+pp = {pp}
+global_micro_batches = 8
+"""
+
+
+def two_device_job(directory: Path, replicas: bool = False) -> Path:
+    """TWO_DEVICES as a --job file in ``directory``: one pipeline of two stages, or
+    (``replicas``) two data-parallel replicas of the whole model, so that either can be lost."""
+    job = directory / "two.toml"
+    job.write_text(TWO_DEVICES.format(dp=2 if replicas else 1, pp=1 if replicas else 2))
+    return job
+
 
 @functools.cache
 def mlp_reference(steps: int, featured: bool = False) -> tuple[list[float], dict[int, dict]]:
@@ -110,12 +141,15 @@ def assert_single_process_results(out: Path, survivors: list[int], steps: int,
 
 
 def launch_mlp(launch, tmp_path: Path, steps: int, *worker_args: str, flags: tuple = (),
-               status: bool = False):
-    """chameleon-run --preset tiny-cpu over 4 workers of workers/mlp_faults.py:
-    (launcher, its OUT directory, its state directory)."""
+               status: bool = False, two_devices: bool = False, replicas: bool = False):
+    """chameleon-run --preset tiny-cpu over 4 workers of workers/mlp_faults.py (``two_devices``:
+    TWO_DEVICES over 2, as two_device_job's ``replicas``): (launcher, its OUT directory, its
+    state directory)."""
     out, state = tmp_path / "out", tmp_path / "state"
     out.mkdir()
-    run = launch("chameleon", ["--standalone", "--nproc-per-node", "4", "--preset", "tiny-cpu",
+    job = (["--nproc-per-node", "2", "--job", str(two_device_job(tmp_path, replicas))]
+           if two_devices else ["--nproc-per-node", "4", "--preset", "tiny-cpu"])
+    run = launch("chameleon", ["--standalone", *job,
                                "--state-dir", str(state), "--monitor-interval", "0.05",
                                *(() if status else ("--no-status",)), *flags, MLP_FAULTS,
                                str(out), str(steps), *worker_args])

@@ -15,21 +15,32 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _one_trial(tmp_path: Path, faults: str, deadline: int) -> dict:
-    """One chameleon-run trial of benchmarks/chaos.py with ``faults``, on loopback."""
+@pytest.fixture(scope="module")
+def journal(tmp_path_factory) -> Path:
+    """The module's chaos.py --journal: the failure-free reference run that every trial is
+    compared with is made once, by the first trial, and kept there for the next (--resume)."""
+    return tmp_path_factory.mktemp("chaos") / "journal.jsonl"
+
+
+def _one_trial(tmp_path: Path, journal: Path, faults: str, deadline: int) -> dict:
+    """One chameleon-run trial of benchmarks/chaos.py with ``faults``, on loopback, after the
+    trials already in ``journal`` (whose reference it reuses)."""
+    done = len(journal.read_text().splitlines()) - 1 if journal.exists() else 0
     run = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "chaos.py"), "--trials", "1",
+        [sys.executable, str(ROOT / "benchmarks" / "chaos.py"), "--trials", str(done + 1),
          "--launchers", "chameleon", "--faults", faults, "--steps", "14",
-         "--stall", "45", "--deadline", str(deadline), "--no-netns", "--json"],
+         "--stall", "45", "--deadline", str(deadline), "--no-netns", "--json",
+         "--journal", str(journal), *(["--resume"] if journal.exists() else [])],
         capture_output=True, text=True, timeout=140, cwd=tmp_path, check=False)
     assert run.returncode == 0, run.stderr[-3000:]
-    (trial,) = json.loads(run.stdout)["results"]
-    return trial
+    results = json.loads(run.stdout)["results"]
+    assert len(results) == done + 1, results
+    return results[-1]
 
 
 @pytest.mark.timeout(150)   # about 45 s on 2 quiet cores; the timeouts leave room for load
-def test_one_chaos_trial_finishes_with_the_failure_free_losses(tmp_path):
-    trial = _one_trial(tmp_path, "worker-kill,etcd-leader", 80)
+def test_one_chaos_trial_finishes_with_the_failure_free_losses(tmp_path, journal):
+    trial = _one_trial(tmp_path, journal, "worker-kill,etcd-leader", 80)
     assert trial["outcome"] == "finished", trial
     kinds = [f["kind"] for f in trial["faults"]]
     assert kinds == ["worker-kill", "etcd-leader"]
@@ -39,12 +50,12 @@ def test_one_chaos_trial_finishes_with_the_failure_free_losses(tmp_path):
 
 
 @pytest.mark.timeout(150)
-def test_a_slowed_device_and_a_restarted_etcd_member_cost_nothing_but_time(tmp_path):
+def test_a_slowed_device_and_a_restarted_etcd_member_cost_nothing_but_time(tmp_path, journal):
     """Issue #22's two faults: one worker is slowed to half speed for 10 s (stopped 60 ms of
     every 120 ms from outside), then an etcd member (any of the three) is killed and started
     again. Neither is a lost device: the run finishes with the failure-free losses and no
     device declared hung."""
-    trial = _one_trial(tmp_path, "slow-device,etcd-restart", 110)
+    trial = _one_trial(tmp_path, journal, "slow-device,etcd-restart", 110)
     assert trial["outcome"] == "finished", trial
     assert [f["kind"] for f in trial["faults"]] == ["slow-device", "etcd-restart"]
     assert trial["hung_declared"] == 0

@@ -117,14 +117,14 @@ def test_a_crash_under_a_job_is_one_sentence_naming_the_workers_stderr_log(tmp_p
     assert "ValueError: probe on device 2 raised on purpose" in log.read_text()
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)   # about 0.3 s of CPU per restart; under load a restart waits its turn
 def test_fifty_back_to_back_single_crash_recoveries(tmp_path, launch):
     out = tmp_path / "out"
     out.mkdir()
     run = launch("chameleon", ["--standalone", "--nproc-per-node", "2", "--max-restarts", "50",
                                "--monitor-interval", "0.02", "--no-status",
                                PROBE, str(out), "crash-n", "50"])
-    assert run.wait(55) == 0
+    assert run.wait(110) == 0, run.log.read_text()[-2000:]
     records = read_envs(out)
     # rank 0 records every launch before it crashes; rank 1 may be stopped before it records
     rank0 = sorted((r for r in records if r["env"]["RANK"] == "0"),
