@@ -111,8 +111,13 @@ def phase_times(p: Pending, records: dict[int, Resumed],
                key=lambda r: r.committed_at - r.first_step_s)
     if last is None:
         return out
-    out.update(notify_s=None if last.woke_at is None else last.woke_at - p.published_at,
-               regroup_s=last.regroup_s, agree_s=last.agree_s, transfer_s=last.transfer_s,
+    # a process started for the generation may start before the generation is published on
+    # the channel (a rejoining device's worker is launched first): the start-up that overlaps
+    # the publication is counted once, in publish, so the phases still follow one another
+    early = 0.0 if last.woke_at is None else max(0.0, p.published_at - last.woke_at)
+    out.update(notify_s=None if last.woke_at is None else max(0.0, last.woke_at - p.published_at),
+               regroup_s=max(0.0, last.regroup_s - early), agree_s=last.agree_s,
+               transfer_s=last.transfer_s,
                rebuild_s=last.rebuild_s, first_step_s=last.first_step_s,
                total_s=last.committed_at - failed_at)
     return out
