@@ -12,7 +12,7 @@ from chameleon_elastic.launcher.failures import Trigger, WorkerFailure, classify
 from chameleon_elastic.launcher.reactions import Tick, react
 
 HEALTHY, FAILED, UNHEALTHY = WorkerState.HEALTHY, WorkerState.FAILED, WorkerState.UNHEALTHY
-PLANNED = dict(planned=True, inplace_wanted=True, runtime=True)
+PLANNED = {"planned": True, "inplace_wanted": True, "runtime": True}
 
 
 def _killed(card: int) -> WorkerFailure:
@@ -82,15 +82,15 @@ def test_with_no_restart_left_the_leases_are_asked_first():
 
 
 @pytest.mark.parametrize("facts, trigger", [
-    (dict(lease=Trigger.NODE_LOST), Trigger.NODE_LOST),
-    (dict(rejoining=frozenset({1})), Trigger.REJOINED),
-    (dict(quick_called=True), Trigger.PEER_RECOVERY),
-    (dict(store_lost=True), Trigger.RENDEZVOUS_LOST),
-    (dict(waiting=1), Trigger.MEMBERSHIP),
-    (dict(trouble=True), Trigger.PEER_LOST),
+    ({"lease": Trigger.NODE_LOST}, Trigger.NODE_LOST),
+    ({"rejoining": frozenset({1})}, Trigger.REJOINED),
+    ({"quick_called": True}, Trigger.PEER_RECOVERY),
+    ({"store_lost": True}, Trigger.RENDEZVOUS_LOST),
+    ({"waiting": 1}, Trigger.MEMBERSHIP),
+    ({"trouble": True}, Trigger.PEER_LOST),
     # the first that applies wins, in the table's order
-    (dict(lease=Trigger.NODE_LOST, waiting=1, trouble=True), Trigger.NODE_LOST),
-    (dict(waiting=1, trouble=True), Trigger.MEMBERSHIP),
+    ({"lease": Trigger.NODE_LOST, "waiting": 1, "trouble": True}, Trigger.NODE_LOST),
+    ({"waiting": 1, "trouble": True}, Trigger.MEMBERSHIP),
 ])
 def test_news_on_a_healthy_node_starts_a_round(facts, trigger):
     r = react(Tick(HEALTHY, **PLANNED, **facts))
