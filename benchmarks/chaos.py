@@ -26,8 +26,8 @@ had not been printed before it), and per run the steps whose loss differs from a
 (``--precision fp32``): a re-plan changes the order of fp32 gradient sums, and under the
 example's default bf16 that can move the 4th decimal of later steps, which is rounding, not a
 lost step. A run *finishes* (every launcher left exits 0, every step printed), *ends* (exit 1,
-or 93 "do not requeue", with one sentence, as when too few devices remain), *fails* (another exit, or a traceback) or *hangs* (no new step for ``--stall``
-seconds, or past ``--deadline``). Each run also counts the devices chameleon-run declared hung
+or 93 "do not requeue", with one sentence, as when too few devices remain), *fails* (another
+exit, or a traceback) or *hangs* (no new step for ``--stall`` seconds, or past ``--deadline``). Each run also counts the devices chameleon-run declared hung
 (``hung_declared``): a slowed device must not be one.
 
     python benchmarks/chaos.py --trials 50
@@ -66,8 +66,8 @@ ETCD_FAULTS = ("etcd-leader", "etcd-restart")
 SLOW_FOR_S, STOPPED_S, PERIOD_S = 10.0, 0.06, 0.12
 LAUNCHERS = ("chameleon", "torchrun")
 STEP = re.compile(r"step\s+(\d+)\s+loss\s+([0-9.]+)")
-#: the exits of a run that ended with one sentence: torchrun's failure, and "no plan fits the
-#: devices left" (chameleon_elastic/exit_status.py), as when every device is lost
+#: each launcher's exit in a run that ended with one sentence: done (a node that finished
+#: first), failed, or "no plan fits the devices left" (chameleon_elastic/exit_status.py)
 ENDINGS = (0, ExitStatus.FAILED, ExitStatus.DO_NOT_REQUEUE)
 SENTENCE = re.compile(r"^chameleon-run: .*(lost|closed|no plan|cannot|left)", re.MULTILINE)
 
