@@ -27,8 +27,9 @@ had not been printed before it), and per run the steps whose loss differs from a
 example's default bf16 that can move the 4th decimal of later steps, which is rounding, not a
 lost step. A run *finishes* (every launcher left exits 0, every step printed), *ends* (exit 1,
 or 93 "do not requeue", with one sentence, as when too few devices remain), *fails* (another
-exit, or a traceback) or *hangs* (no new step for ``--stall`` seconds, or past ``--deadline``). Each run also counts the devices chameleon-run declared hung
-(``hung_declared``): a slowed device must not be one.
+exit, or a traceback) or *hangs* (no new step for ``--stall`` seconds, or past ``--deadline``).
+Each run also counts the devices chameleon-run declared hung (``hung_declared``): a slowed
+device must not be one.
 
     python benchmarks/chaos.py --trials 50
     python benchmarks/chaos.py --trials 3 --launchers chameleon --json
