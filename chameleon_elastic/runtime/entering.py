@@ -59,11 +59,14 @@ class Entry:
     moved_bytes: float
     transfer_s: float
     redone_steps: int
+    agree_s: float = 0.0   # the all-gather, the agreement and a roll forward
+    rebuild_s: float = 0.0   # the plan's groups, executor and orders
 
 
 def enter(t: TrainerState, plan: ExecutionPlan, reported: int | None) -> Entry:
     """Agree, restore, move and rebuild for ``plan`` (collective over its world).
     ``reported``: the last step the agents know was reported (None: unknown)."""
+    agreeing = time.perf_counter()
     t.phases(-1 if t.committed is None else t.committed, "enter")
     plan.validate()
     if plan.num_layers != t.model.num_layers:
@@ -85,11 +88,12 @@ def enter(t: TrainerState, plan: ExecutionPlan, reported: int | None) -> Entry:
         _roll_forward(t, agreement)
     began = time.perf_counter()
     source, moved_layers, moved_bytes = restore(t, plan, rows, agreement, ranks)
-    transfer_s = time.perf_counter() - began
+    moved = time.perf_counter()
     t.synced = None
     redone = _settle_reporting(t, source, agreement, reported)
     _build(t, plan, ranks)
-    return Entry(t.committed, source, rolled, moved_layers, moved_bytes, transfer_s, redone)
+    return Entry(t.committed, source, rolled, moved_layers, moved_bytes, moved - began, redone,
+                 agree_s=began - agreeing, rebuild_s=time.perf_counter() - moved)
 
 
 def release_groups(t: TrainerState) -> None:

@@ -184,7 +184,7 @@ class PipelineTrainer:
             entry = self.enter(plan, None if link is None else link.current().reported)
         if self.recovery is not None:
             if lost.message is None:
-                self.recovery.started(entry, regroup_s=0.0, noticed_at=None)
+                self.recovery.first_entry(entry)
             else:
                 self.recovery.recover(lost.message)
 
