@@ -14,9 +14,11 @@ created while our groups were being formed are touched, never one the process op
 other purposes.
 
 Which sockets those are is recorded when the groups are created (:func:`new_sockets` around
-``init_process_group`` and ``new_group``) and kept per group in a weak table, so the record
-disappears with the group. The watchdog is disarmed before the groups are destroyed, so it can
-never touch a file descriptor that was closed and reused.
+``init_process_group`` and ``new_group``), each as its descriptor *and* the socket it named
+then (``socket:[inode]``): a descriptor closed with its group is soon handed to another socket
+(the next generation's store client, a new group's pair), and a shutdown by number alone would
+cut that one instead; it did, and the new generation's store connection hung. So
+:func:`shut_down` touches a descriptor only while it still names the recorded socket.
 """
 
 from __future__ import annotations
@@ -25,15 +27,19 @@ import atexit
 import contextlib
 import logging
 import os
+import socket
 import threading
 import weakref
 from collections.abc import Callable, Iterator
 
 import torch.distributed as dist
 
-__all__ = ["GroupSockets", "Watchdog", "new_sockets"]
+__all__ = ["GroupSockets", "Sockets", "Watchdog", "new_sockets", "shut_down"]
 
 log = logging.getLogger("chameleon_elastic.runtime.abort")
+
+#: sockets as (descriptor, ``socket:[inode]``) pairs: a number alone may have been reused
+Sockets = frozenset[tuple[int, str]]
 
 #: process group -> the sockets this process opened while forming it
 GroupSockets: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -58,15 +64,36 @@ def _sockets() -> dict[int, str]:
 
 
 @contextlib.contextmanager
-def new_sockets() -> Iterator[set[int]]:
+def new_sockets() -> Iterator[set[tuple[int, str]]]:
     """Collect the sockets opened inside the block (groups being formed): by socket, not by
     descriptor number, since an old group freed meanwhile may hand its number to a new one."""
-    found: set[int] = set()
+    found: set[tuple[int, str]] = set()
     before = _sockets()
     try:
         yield found
     finally:
-        found.update(fd for fd, sock in _sockets().items() if before.get(fd) != sock)
+        found.update((fd, sock) for fd, sock in _sockets().items() if before.get(fd) != sock)
+
+
+def shut_down(sockets: Sockets) -> None:
+    """``shutdown`` each connected socket of ``sockets`` that its descriptor still names, so a
+    transfer blocked on it returns "Connection closed by peer" now, as if the peer had died.
+    The descriptors stay open for gloo to close; a listening socket is left alone (gloo's event
+    loop aborts the process if it is shut down under it)."""
+    for fd, recorded in sockets:
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}") != recorded:
+                continue   # closed, and the number given to another socket since
+            sock = socket.socket(fileno=fd)
+        except OSError:
+            continue
+        try:
+            if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        finally:
+            sock.detach()
 
 
 class Watchdog:
@@ -80,7 +107,7 @@ class Watchdog:
     call as the interpreter exits can hang it."""
 
     def __init__(self, bell: Callable[[], None], ring: Callable[[], None],
-                 newer: Callable[[int], bool], unblock: Callable[[frozenset[int]], None],
+                 newer: Callable[[int], bool], unblock: Callable[[Sockets], None],
                  join_s: float = 5.0) -> None:
         self._bell = bell
         self._ring = ring
@@ -88,14 +115,14 @@ class Watchdog:
         self._unblock = unblock
         self._join_s = join_s
         self._lock = threading.Lock()
-        self._armed: tuple[int, frozenset[int]] | None = None
+        self._armed: tuple[int, Sockets] | None = None
         self._stopped = False
         self._thread = threading.Thread(target=self._loop, name="chameleon-watchdog",
                                         daemon=True)
         self._thread.start()
         atexit.register(self.stop)   # also when the script ends without closing its trainer
 
-    def arm(self, generation: int, sockets: frozenset[int]) -> None:
+    def arm(self, generation: int, sockets: Sockets) -> None:
         with self._lock:
             self._armed = (generation, sockets)
         self._ring()

@@ -110,6 +110,7 @@ def release_groups(t: TrainerState) -> None:
         except (RuntimeError, ValueError):
             pass
         t.save_group = None
+    t.group_sockets = t.unit_sockets = frozenset()   # closed with their groups
 
 
 def _roll_forward(t: TrainerState, agreement: Agreement) -> None:

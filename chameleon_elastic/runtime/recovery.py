@@ -55,12 +55,13 @@ from datetime import timedelta
 from typing import Any
 
 import psutil
+import torch.distributed as dist
 
 from chameleon_elastic import channel
 from chameleon_elastic.channel import Resumed
 from chameleon_elastic.retries import DEFAULT_CAP, FailureStreak
 
-from .abort import Watchdog
+from .abort import GroupSockets, Watchdog
 from .commit import StateLost
 from .entering import Entry, enter, release_groups
 from .errors import PipelineRuntimeError, keep_message_only
@@ -110,7 +111,10 @@ class Recovery:
         path of every recovery). Callers hold no exception of the broken step any more."""
         if self.watchdog is not None:
             self.watchdog.disarm()   # the groups' descriptors are about to be closed
-        self.backend.unblock(self.trainer.group_sockets)
+        # the world's own, too: a generation that failed while being entered has its world
+        # but not yet the groups that _build records with it
+        self.backend.unblock(self.trainer.group_sockets | self.trainer.unit_sockets
+                             | GroupSockets.get(dist.group.WORLD, frozenset()))
         release_groups(self.trainer)
         self.backend.abort_process_groups()
 
