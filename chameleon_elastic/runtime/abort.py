@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterator
 
 import torch.distributed as dist
 
-__all__ = ["GroupSockets", "Sockets", "Watchdog", "new_sockets", "shut_down"]
+__all__ = ["GroupSockets", "Sockets", "Watchdog", "new_sockets", "shut_down", "world_sockets"]
 
 log = logging.getLogger("chameleon_elastic.runtime.abort")
 
@@ -73,6 +73,12 @@ def new_sockets() -> Iterator[set[tuple[int, str]]]:
         yield found
     finally:
         found.update((fd, sock) for fd, sock in _sockets().items() if before.get(fd) != sock)
+
+
+def world_sockets() -> Sockets:
+    """The sockets of this process's default group (none when it has none)."""
+    world = dist.group.WORLD if dist.is_initialized() else None
+    return frozenset() if world is None else GroupSockets.get(world, frozenset())
 
 
 def shut_down(sockets: Sockets) -> None:

@@ -29,7 +29,7 @@ from torch import nn
 
 from chameleon_elastic.plan import ExecutionPlan
 
-from .abort import GroupSockets, new_sockets
+from .abort import new_sockets, world_sockets
 from .checkpoint import latest_step
 from .commit import Agreement, Row, agree
 from .errors import PeerLost, PipelineRuntimeError
@@ -190,8 +190,7 @@ def _build(t: TrainerState, plan: ExecutionPlan, ranks: RankMap) -> None:
     rank_sets += [rs for tie in t.ties for rs in ranks.every_tp_rank(tie.devices)]
     with new_sockets() as sockets:
         t.groups = GroupTable(rank_sets, timeout=t.timeouts.delta("collective_s"))
-    t.group_sockets = (frozenset(sockets) | t.unit_sockets
-                       | GroupSockets.get(dist.group.WORLD, frozenset()))
+    t.group_sockets = frozenset(sockets) | t.unit_sockets | world_sockets()
     t.executor, t.orders = None, ()
     if t.device not in plan.working_devices:
         return

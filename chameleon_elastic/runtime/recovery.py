@@ -55,13 +55,12 @@ from datetime import timedelta
 from typing import Any
 
 import psutil
-import torch.distributed as dist
 
 from chameleon_elastic import channel
 from chameleon_elastic.channel import Resumed
 from chameleon_elastic.retries import DEFAULT_CAP, FailureStreak
 
-from .abort import GroupSockets, Watchdog
+from .abort import Watchdog, world_sockets
 from .commit import StateLost
 from .entering import Entry, enter, release_groups
 from .errors import PipelineRuntimeError, keep_message_only
@@ -114,7 +113,7 @@ class Recovery:
         # the world's own, too: a generation that failed while being entered has its world
         # but not yet the groups that _build records with it
         self.backend.unblock(self.trainer.group_sockets | self.trainer.unit_sockets
-                             | GroupSockets.get(dist.group.WORLD, frozenset()))
+                             | world_sockets())
         release_groups(self.trainer)
         self.backend.abort_process_groups()
 
