@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from chameleon_elastic import channel
+from chameleon_elastic import channel, torch_compat
 from chameleon_elastic.channel import Generation
 from chameleon_elastic.plan import ExecutionPlan
 from chameleon_elastic.timeouts import Timeouts
@@ -41,6 +41,7 @@ def join_generation(gen: Generation, link: WorkerLink, backend: str, timeouts: T
     device, rank = link.device, gen.rank(link.device, link.tp_rank)
     store = _connect(gen, link, timeouts)
     try:
+        torch_compat.forget_failed_group_names()
         with new_sockets() as sockets:
             dist.init_process_group(backend, store=dist.PrefixStore(gen.prefix, store),
                                     rank=rank, world_size=gen.world_size,
