@@ -51,7 +51,7 @@ methods (``set``, ``get``, ``check``, ``wait``), so the protocol is tested on a 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -71,6 +71,7 @@ __all__ = [
     "gap_key",
     "generation_key",
     "job_env",
+    "known_reported",
     "pace_key",
     "read",
     "read_int",
@@ -315,3 +316,18 @@ def read(store: Any, key: str) -> Any | None:
 def read_int(store: Any, key: str) -> int | None:
     value = read(store, key)
     return None if value is None else int(value)
+
+
+def known_reported(store: Any, cards: Iterable[int]) -> int | None:
+    """The last step this node knows the job reported: the reporter's word when it runs here;
+    otherwise from the steps its own workers committed (sent with their beats): a worker that
+    committed step S ran it with the reporter, which had reported S - 1 before starting it.
+    Without this a node that lost the reporter's node believed nothing was reported, and a
+    start over from step 0 said nothing of the steps it trained again."""
+    reported = read_int(store, REPORTED)
+    for card in cards:
+        recent = (read(store, steps_key(card)) or {}).get("recent") or ()
+        if recent:
+            last = max(int(step) for step, _ in recent)
+            reported = last - 1 if reported is None else max(reported, last - 1)
+    return reported

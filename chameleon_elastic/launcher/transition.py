@@ -144,7 +144,7 @@ class Transition:
         before = set(session.excluded)
         watch = c.watchers.stragglers
         mine = NodeReport.gather(self.node, book.lost - book.rejoining, here.units(live),
-                                 not live or self.runtime(), book.why, c.channel,
+                                 not live or self.runtime(), book.why, c.channel, here.cards,
                                  watch.report(here.units(here.cards)) if watch else None)
         try:
             decision, change = coordination.agree(
