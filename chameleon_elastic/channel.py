@@ -81,6 +81,7 @@ __all__ = [
     "wake_key",
     "worker_key",
     "write",
+    "write_max",
     "write_once",
 ]
 
@@ -304,6 +305,17 @@ def write(store: Any, key: str, record: Any) -> None:
 def write_once(store: Any, key: str, value: Any) -> None:
     """Store a plain JSON value under ``key`` unless one is there: the first writer's stays."""
     store.compare_set(key, "", json.dumps(value))
+
+
+def write_max(store: Any, key: str, value: int) -> None:
+    """Store ``value`` under ``key`` unless a larger one is there (several writers, each
+    raising it: the last writer's stale value must not hide a newer one)."""
+    mine = json.dumps(value)
+    seen = store.get(key).decode() if store.check([key]) else ""
+    while not seen or json.loads(seen) < value:
+        seen = store.compare_set(key, seen, mine).decode()
+        if seen == mine:
+            return
 
 
 def read(store: Any, key: str) -> Any | None:

@@ -209,7 +209,9 @@ class WorkerLink:
     def trouble(self, generation: int) -> None:
         """A peer failed us: the agent should look now. Also progress, sent at once, since a
         worker busy reacting to its peer's loss has not beaten since it blocked on that peer."""
-        channel.write(self.store, channel.TROUBLE, generation)
+        # kept at its largest: a worker failing a generation that was already superseded
+        # (join.py) must not hide a peer's trouble with the current one
+        channel.write_max(self.store, channel.TROUBLE, generation)
         self.store.add(channel.beat_key(self.card), 1)
 
     def ended(self, sentence: str) -> None:

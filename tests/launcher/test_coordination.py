@@ -199,3 +199,16 @@ def test_a_node_without_the_reporter_knows_the_reported_steps_from_its_workers_c
     assert NodeReport.gather(1, (), (2,), True, {}, store, cards=(2, 3)).reported == 11
     channel.write(store, channel.REPORTED, 12)   # the reporter runs here: its word counts
     assert NodeReport.gather(1, (), (2,), True, {}, store, cards=(2, 3)).reported == 12
+
+
+def test_trouble_keeps_the_newest_generation_whoever_writes_last():
+    """A worker failing a superseded generation says so after a peer reported trouble with
+    the current one: the agent must still see the current one."""
+    from chameleon_elastic import channel
+
+    store = dist.HashStore()
+    channel.write_max(store, channel.TROUBLE, 2)
+    channel.write_max(store, channel.TROUBLE, 1)
+    assert channel.read_int(store, channel.TROUBLE) == 2
+    channel.write_max(store, channel.TROUBLE, 3)
+    assert channel.read_int(store, channel.TROUBLE) == 3
