@@ -28,6 +28,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import queue
 import statistics
 import sys
 import tempfile
@@ -182,7 +183,7 @@ class Agent:
         production agent's monitor loop does the same on its own)."""
         if event.kind != "left" or event.node_id == self.live.node_id or self.thread:
             return
-        self.out["detected"] = time.monotonic()
+        self.out["detected"], self.out["trigger"] = time.monotonic(), event.node_id
         self.thread = threading.Thread(target=self.recover, daemon=True,
                                        name=f"agent-{self.node}")
         self.thread.start()
@@ -205,32 +206,40 @@ class Agent:
             self.out["error"] = f"{type(exc).__name__}: {exc}"
 
 
-def _keep_alive(agents: list[Agent], ttl: int, stop: threading.Event,
-                killed: set[int], expired: list[str]) -> None:
-    """Refresh each agent's lease every ttl / 3, spread evenly over that interval: the
-    production keep-alive's requests (one ``LeaseKeepAlive`` call per lease per ttl / 3),
-    from one thread instead of one per agent."""
-    from chameleon_elastic.rendezvous.client import ETCD_FAILURES
+def _keeper(endpoints: str, ttl: int, connected: Any, inbox: Any, victim: int, killed: Any,
+            stop: Any, spoiled: Any, ready: Any) -> None:
+    """Refresh each lease every ttl / 3, spread evenly over that interval: the production
+    keep-alive's requests (one ``LeaseKeepAlive`` call per lease per ttl / 3), from one
+    process per host instead of a thread per agent. Its own process: in the host, behind a
+    few hundred agent threads taking turns on the GIL during the round, a refresh could wait
+    longer than the TTL. A lease found expired (the victim's after ``killed`` aside) spoils the
+    run: say so to the parent and stop. It sets ``connected`` once it can reach etcd (the host
+    grants no lease before), then receives the host's (node, lease) pairs on ``inbox``."""
+    from chameleon_elastic.rendezvous.client import ETCD_FAILURES, EtcdClient
+    from chameleon_elastic.rendezvous.config import EtcdSettings
 
+    params = _params(endpoints, 2, ttl)
+    client = EtcdClient(EtcdSettings.from_config(params.endpoint, dict(params.config)))
+    connected.set()
+    leases: list[tuple[int, int]] = inbox.get()
     interval = ttl / 3.0
     while not stop.is_set():
         start = time.monotonic()
-        for i, agent in enumerate(agents):
-            if stop.wait(max(0.0, start + i * interval / len(agents) - time.monotonic())):
+        for i, (node, lease) in enumerate(leases):
+            if stop.wait(max(0.0, start + i * interval / len(leases) - time.monotonic())):
                 return
-            lease = agent.live.lease_id
-            if lease is None or agent.node in killed:
+            if node == victim and killed.is_set():
                 continue
             try:
-                answers = agent.client.call("lease keep-alive",
-                                            lambda c, lid=lease: list(c.refresh_lease(lid)),
-                                            timeout=ttl)
+                answers = client.call("lease keep-alive",
+                                      lambda c, lid=lease: list(c.refresh_lease(lid)), timeout=ttl)
+                why = "" if answers and all(a.TTL > 0 for a in answers) else "lease expired"
             except ETCD_FAILURES as exc:
-                if not stop.is_set():
-                    expired.append(f"node {agent.node}: keep-alive failed ({exc})")
-                continue
-            if not answers or any(a.TTL <= 0 for a in answers):
-                expired.append(f"node {agent.node}: lease expired ({time.monotonic():.2f}, {answers})")
+                why = f"keep-alive failed ({exc})"
+            if why and not stop.is_set() and not (node == victim and killed.is_set()):
+                spoiled.set()
+                ready.put(("spoiled", f"node {node}'s {why} before every agent adopted"))
+                return
         stop.wait(max(0.0, start + interval - time.monotonic()))
 
 
@@ -246,6 +255,13 @@ def _host(first: int, last: int, nodes: int, victim: int, endpoints: str, ttl: i
     from chameleon_elastic.rendezvous.config import EtcdSettings
     from chameleon_elastic.rendezvous.liveness import list_nodes
 
+    ctx = mp.get_context("spawn")
+    stop, killed, spoiled, connected = (ctx.Event() for _ in range(4))
+    inbox = ctx.Queue()
+    keeper = ctx.Process(target=_keeper, daemon=True,
+                         args=(endpoints, ttl, connected, inbox, victim, killed, stop, spoiled,
+                               ready))
+    keeper.start()
     clock, local = Clock(), {}
     for name in ("collect", "commit_record", "publish"):
         clock.wrap(coordination, name)
@@ -256,6 +272,8 @@ def _host(first: int, last: int, nodes: int, victim: int, endpoints: str, ttl: i
     settings = EtcdSettings.from_config(params.endpoint, dict(params.config))
     clients = [EtcdClient(settings) for _ in range(channels)]
     agents = []
+    if not connected.wait(300):
+        raise RuntimeError("the keep-alive process did not reach etcd within 300 s")
     for n in range(first, last):
         own = session if n == 0 else copy.copy(session)   # followers: own plan dir
         if n != 0:
@@ -263,33 +281,27 @@ def _host(first: int, last: int, nodes: int, victim: int, endpoints: str, ttl: i
         agent = Agent(n, nodes, clients[n % channels], params, own)
         agent.live._register()   # the real lease grant and node key
         agents.append(agent)
-        ready.put(n)
-    stop, killed, expired = threading.Event(), set(), []
-    keepers = [threading.Thread(target=_keep_alive, daemon=True,
-                                args=(agents[i::channels], ttl, stop, killed, expired))
-               for i in range(channels)]
-    for k in keepers:
-        k.start()
+        ready.put(("registered", n))
+    inbox.put([(a.node, a.live.lease_id) for a in agents])
     orders.get()   # every agent of every host has registered: list once, watch each
     listing, revision = list_nodes(clients[0], settings.run_prefix(RUN_ID))
     for agent in agents:
         agent.watch(listing, revision)
-    ready.put(-1)
+    ready.put(("watching", first))
     order = orders.get()
     if order is not None:   # this host holds the victim
         (victim_agent,) = [a for a in agents if a.node == victim]
         victim_agent.out["killed"] = time.monotonic()
-        killed.add(victim)
+        killed.set()
         if order:
             victim_agent.live.stop(revoke=True)
     deadline = time.monotonic() + 240
-    for agent in agents:
-        while agent.node != victim and "adopted" not in agent.out \
+    for agent in agents:   # a lease expired before the kill spoils the run: report at once
+        while agent.node != victim and "adopted" not in agent.out and not spoiled.is_set() \
                 and "error" not in agent.out and time.monotonic() < deadline:
             time.sleep(0.05)
     stop.set()
-    for k in keepers:
-        k.join(timeout=ttl + 1)
+    keeper.join(timeout=ttl + 1)
     for agent in agents:
         agent.closing = True
     for c in clients:
@@ -300,7 +312,7 @@ def _host(first: int, last: int, nodes: int, victim: int, endpoints: str, ttl: i
         elif agent.node != victim and "adopted" not in agent.out:
             agent.out.setdefault("error", "no decision adopted within 240 s")
     results.put(copy.deepcopy({"outs": {a.node: a.out for a in agents}, "marks": clock.marks,
-                               "local": local, "expired": expired}))
+                               "local": local, "spoiled": spoiled.is_set()}))
     results.close()
     results.join_thread()
     os._exit(0)   # gRPC's and the agents' daemon threads need no orderly exit
@@ -358,6 +370,14 @@ def _seed(endpoints: str, nodes: int, ttl: int, plan_dir: str) -> None:
     client.close()
 
 
+def _unspoiled(said: tuple[str, Any]) -> None:
+    """A host's message: an agent registered, a host watching, or a lease expired before the
+    kill (which ends the run: the leases of an overloaded machine, not the protocol)."""
+    if said[0] == "spoiled":
+        raise RuntimeError(f"{said[1]}: the machine was overloaded; run again with a longer "
+                           "--ttl")
+
+
 def _simulate(cluster: Any, nodes: int, procs: int, channels: int, ttl: int, revoke: bool,
               steady: float, plan_dir: str, say: Any) -> tuple[list[dict[str, Any]], list[Any]]:
     """Start the hosts, register and watch, measure the steady state, kill one node and
@@ -368,37 +388,68 @@ def _simulate(cluster: Any, nodes: int, procs: int, channels: int, ttl: int, rev
     ready, results = ctx.Queue(), ctx.Queue()
     bounds = [(i * nodes // procs, (i + 1) * nodes // procs) for i in range(procs)]
     orders = [ctx.Queue() for _ in bounds]
-    hosts = [ctx.Process(target=_host, daemon=True,
+    hosts = [ctx.Process(target=_host,   # not daemonic: each starts its keep-alive process
                          args=(lo, hi, nodes, victim, cluster.endpoints, ttl, channels,
                                plan_dir, ready, orders[i], results))
              for i, (lo, hi) in enumerate(bounds)]
     t0 = time.monotonic()
     for h in hosts:
         h.start()
+    try:
+        got = _drive(cluster, nodes, ttl, revoke, steady, say, t0, hosts, ready, results,
+                     orders, bounds)
+    except BaseException:
+        for h in hosts:
+            h.kill()
+        raise
+    for h in hosts:
+        h.join(timeout=30)
+        if h.is_alive():
+            h.kill()
+    return got
+
+
+def _next(ready: Any, hosts: list[Any], timeout: float) -> Any:
+    """The next message of the hosts, or an error naming the host that died meanwhile."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return ready.get(timeout=1.0)
+        except queue.Empty:
+            dead = [h.exitcode for h in hosts if h.exitcode not in (None, 0)]
+            if dead:
+                raise RuntimeError(f"a host process died (exit code {dead[0]}); its traceback "
+                                   "is above") from None
+            if time.monotonic() > deadline:
+                raise
+
+
+def _drive(cluster: Any, nodes: int, ttl: int, revoke: bool, steady: float, say: Any,
+           t0: float, hosts: list[Any], ready: Any, results: Any, orders: list[Any],
+           bounds: list[tuple[int, int]]) -> tuple[list[dict[str, Any]], list[Any]]:
+    victim = nodes // 2
     for count in range(1, nodes + 1):
-        ready.get(timeout=300)
+        _unspoiled(_next(ready, hosts, 300))
         if count % max(1, nodes // 4) == 0 or count == nodes:
             say(f"  {nodes} nodes: {count} agents registered ({time.monotonic() - t0:.1f} s)")
     for q in orders:
         q.put("watch")
     for _ in hosts:
-        if ready.get(timeout=300) != -1:
-            raise RuntimeError("a host reported an agent after the watch order")
+        _unspoiled(_next(ready, hosts, 300))
     say(f"  {nodes} nodes: every agent watches ({time.monotonic() - t0:.1f} s)")
     m0, s0 = etcd_metrics(cluster), time.monotonic()
-    time.sleep(steady)
+    try:   # a host's keep-alive finding a lease expired before the kill stops the run here
+        _unspoiled(ready.get(timeout=steady))
+    except queue.Empty:
+        pass
     m1, s1 = etcd_metrics(cluster), time.monotonic()
     say(f"  {nodes} nodes: killing node {victim} ({'revoke' if revoke else 'lease expiry'})")
     owner = next(i for i, (lo, hi) in enumerate(bounds) if lo <= victim < hi)
     for i, q in enumerate(orders):
         q.put(revoke if i == owner else None)
-    got = [results.get(timeout=300) for _ in hosts]
+    got = [_next(results, hosts, 300) for _ in hosts]
     m2, s2 = etcd_metrics(cluster), time.monotonic()
     say(f"  {nodes} nodes: every host reported ({time.monotonic() - t0:.1f} s)")
-    for h in hosts:
-        h.join(timeout=30)
-        if h.is_alive():
-            h.kill()
     return got, [(m0, s0), (m1, s1), (m2, s2)]
 
 
@@ -423,12 +474,10 @@ def run(nodes: int, members: int, procs: int, ttl: int, revoke: bool, channels: 
 def _summary(got: list[dict[str, Any]], windows: list[Any], victim: int) -> dict[str, Any]:
     """The phases and etcd's load, from the hosts' timestamps and the metrics' windows."""
     outs = {n: o for g in got for n, o in g["outs"].items()}
-    expired = [e for g in got for e in g["expired"]]
-    if expired:
-        raise RuntimeError(f"{len(expired)} keep-alives failed or found the lease expired "
-                           f"before the kill, e.g. {expired[0]}: the machine was overloaded; "
-                           "run again with a longer --ttl")
-    errors = {n: o["error"] for n, o in outs.items() if "error" in o}
+    if any(g["spoiled"] for g in got):
+        raise RuntimeError("a lease expired before every agent adopted: the machine was "
+                           "overloaded; run again with a longer --ttl")
+    errors = {n: (o["error"], o.get("trigger")) for n, o in outs.items() if "error" in o}
     if errors:
         raise RuntimeError(f"{len(errors)} agents failed, e.g. {next(iter(errors.items()))}")
     marks = next(g["marks"] for g in got if "apply_start" in g["marks"])
@@ -473,9 +522,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--members", type=int, default=3, help="etcd members (default 3)")
     parser.add_argument("--procs", type=int, default=4,
                         help="processes hosting the agents (default 4)")
-    parser.add_argument("--channels", type=int, default=4,
+    parser.add_argument("--channels", type=int, default=16,
                         help="etcd clients (gRPC channels, watch streams) per process, shared "
-                             "by its agents (default 4)")
+                             "by its agents (default 16)")
     parser.add_argument("--ttl", type=int, default=5,
                         help="lease TTL in seconds (default 5, chameleon-run's)")
     parser.add_argument("--steady", type=float, default=10.0,
