@@ -462,8 +462,15 @@ def run(nodes: int, members: int, procs: int, ttl: int, revoke: bool, channels: 
             tempfile.TemporaryDirectory(prefix="coordination-scale-") as plan_dir:
         _favour(cluster)
         _seed(cluster.endpoints, nodes, ttl, plan_dir)
-        got, windows = _simulate(cluster, nodes, procs, channels, ttl, revoke, steady, plan_dir,
-                                 say)
+        try:
+            got, windows = _simulate(cluster, nodes, procs, channels, ttl, revoke, steady,
+                                     plan_dir, say)
+        except Exception:
+            for member in cluster.members:
+                if not member.is_running():
+                    say(f"etcd member {member.endpoint} died; its log ends with:\n"
+                        f"{member.log_tail(40)}")
+            raise
     row = _summary(got, windows, nodes // 2)
     row.update({"nodes": nodes, "devices": nodes * DEVICES_PER_NODE, "etcd_members": members,
                 "procs": procs, "channels_per_proc": channels, "ttl_s": ttl,
