@@ -19,9 +19,11 @@ agent that joins late still holds generation 0: the round is the one id all agen
 Fencing. The decision also goes to one key that outlives rounds, ``chameleon/plan`` in the
 store under the rounds (etcd for ``etcd-v3``, the rendezvous host's store for c10d), written with
 a compare-and-set against the value the deciding agent read when the round began
-(:func:`commit_record`). Every agent reads it first and catches up when it is newer than its own
-plan (a late joiner, a node back from a partition), so decisions are always made from the
-newest plan; and an agent whose view is stale can never publish over a newer one: its
+(:func:`commit_record`). Every agent of a full round, and the decider of a quick one, reads it
+first and catches up when it is newer than its own plan (a late joiner, a node back from a
+partition), so decisions are always made from the newest plan (a quick round's other members
+adopt the decision, so they skip the read: at scale the record, the whole plan, is the largest
+value in etcd); and an agent whose view is stale can never publish over a newer one: its
 compare-and-set fails and it stops (:class:`Fenced`).
 
 Quick rounds. A recovery that adds no node (a worker lost, a node lost) needs no new
@@ -326,10 +328,15 @@ def agree(store: Any, scope: str, members: Members, mine: NodeReport, session: J
     decider publishes the error first, so that the others end with the same sentence.
     ``quick``: a quick round (see the module docstring); may raise ``QuickRoundFailed``."""
     fence = getattr(store, "underlying_store", store)   # outlives rounds
-    seen, newest = read_record(fence)
-    if newest is not None and newest.plan is not None and (
-            newest.plan.generation > session.plan.generation):
-        session.adopt(newest.plan, newest.excluded)   # catch up before deciding anything
+    seen = ""
+    if members.decides or not quick:
+        # A quick round's other members adopt what its decider publishes, made from the
+        # newest record: they need not each fetch the record, which holds the whole plan
+        # (0.6 MB at 8192 devices: 0.6 GB out of etcd per round at 1024 nodes).
+        seen, newest = read_record(fence)
+        if newest is not None and newest.plan is not None and (
+                newest.plan.generation > session.plan.generation):
+            session.adopt(newest.plan, newest.excluded)   # catch up before deciding anything
     if quick and members.alive is not None:
         _still_in(members)
     report(store, scope, members.me, mine)
