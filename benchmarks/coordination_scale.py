@@ -134,6 +134,21 @@ def _share_local_work(local: dict[str, float]) -> None:
     JobSession.adopt = adopt   # type: ignore[method-assign]
 
 
+def _note_reports() -> dict[int, float]:
+    """When each agent's report was written (``coordination.report``), by node."""
+    from chameleon_elastic.launcher import coordination
+
+    at: dict[int, float] = {}
+    inner = coordination.report
+
+    def report(store: Any, scope: str, key: int, mine: Any) -> None:
+        inner(store, scope, key, mine)
+        at[key] = time.monotonic()
+
+    coordination.report = report
+    return at
+
+
 class Agent:
     """One simulated node: its lease and node key (``NodeLiveness``, registered, not started:
     its three threads are replaced by the host's shared keep-alive and watch dispatch), its
@@ -265,6 +280,7 @@ def _host(first: int, last: int, nodes: int, victim: int, endpoints: str, ttl: i
     clock, local = Clock(), {}
     for name in ("collect", "commit_record", "publish"):
         clock.wrap(coordination, name)
+    reported = _note_reports()
     session = JobSession(spec_for(nodes), "auto", Path(plan_dir) / "decider", cache_depth=0)
     clock.wrap(session, "apply")
     _share_local_work(local)
@@ -288,7 +304,9 @@ def _host(first: int, last: int, nodes: int, victim: int, endpoints: str, ttl: i
     for agent in agents:
         agent.watch(listing, revision)
     ready.put(("watching", first))
+    coordination.QUICK_S = 120.0   # see the module docstring: the agents share two cores
     order = orders.get()
+    cpu = time.process_time()
     if order is not None:   # this host holds the victim
         (victim_agent,) = [a for a in agents if a.node == victim]
         victim_agent.out["killed"] = time.monotonic()
@@ -300,6 +318,7 @@ def _host(first: int, last: int, nodes: int, victim: int, endpoints: str, ttl: i
         while agent.node != victim and "adopted" not in agent.out and not spoiled.is_set() \
                 and "error" not in agent.out and time.monotonic() < deadline:
             time.sleep(0.05)
+    cpu = time.process_time() - cpu
     stop.set()
     keeper.join(timeout=ttl + 1)
     for agent in agents:
@@ -311,8 +330,11 @@ def _host(first: int, last: int, nodes: int, victim: int, endpoints: str, ttl: i
             agent.out["error"] = "never saw the lost node"
         elif agent.node != victim and "adopted" not in agent.out:
             agent.out.setdefault("error", "no decision adopted within 240 s")
+    for agent in agents:
+        if agent.node in reported:
+            agent.out["reported"] = reported[agent.node]
     results.put(copy.deepcopy({"outs": {a.node: a.out for a in agents}, "marks": clock.marks,
-                               "local": local, "spoiled": spoiled.is_set()}))
+                               "local": local, "spoiled": spoiled.is_set(), "cpu_s": cpu}))
     results.close()
     results.join_thread()
     os._exit(0)   # gRPC's and the agents' daemon threads need no orderly exit
@@ -322,11 +344,11 @@ def etcd_metrics(cluster: Any) -> dict[str, float]:
     """Summed over the members' ``/metrics``: gRPC requests (messages received: unary calls and
     each message on a stream, such as a watch creation), RPCs completed, bytes sent to
     clients, and the watchers and watch streams open."""
-    names = {"grpc_server_msg_received_total": "requests", "grpc_server_handled_total": "rpcs",
+    names = {"grpc_server_msg_received_total": "requests", "process_cpu_seconds_total": "cpu_s", "grpc_server_handled_total": "rpcs",
              "etcd_network_client_grpc_sent_bytes_total": "sent_bytes",
              "etcd_debugging_mvcc_watcher_total": "watchers",
              "etcd_debugging_mvcc_watch_stream_total": "watch_streams"}
-    total = dict.fromkeys(names.values(), 0.0)
+    total = dict.fromkeys(names.values(), 0.0)   # cpu_s: the members' CPU time
     for member in cluster.members:
         with urllib.request.urlopen(f"http://{member.endpoint}/metrics", timeout=5) as r:
             text = r.read().decode()
@@ -486,6 +508,10 @@ def _summary(got: list[dict[str, Any]], windows: list[Any], victim: int) -> dict
                            "overloaded; run again with a longer --ttl")
     errors = {n: (o["error"], o.get("trigger")) for n, o in outs.items() if "error" in o}
     if errors:
+        killed = outs[victim].get("killed", 0.0)
+        late = sorted(o.get("reported", float("inf")) - killed for o in outs.values())
+        print(f"decider: {outs[0]}; reported after the kill: first {late[0]:.2f} s, median "
+              f"{late[len(late) // 2]:.2f} s, last {late[-1]:.2f} s", file=sys.stderr)
         raise RuntimeError(f"{len(errors)} agents failed, e.g. {next(iter(errors.items()))}")
     marks = next(g["marks"] for g in got if "apply_start" in g["marks"])
     local = {k: max(g["local"].get(k, 0.0) for g in got) for k in ("parse_cpu_s", "adopt_cpu_s")}
@@ -518,6 +544,8 @@ def _summary(got: list[dict[str, Any]], windows: list[Any], victim: int) -> dict
         "round_requests": extra["requests"],
         "round_requests_per_s": extra["requests"] / max(adopted - detected[0], 1e-9),
         "round_sent_mb": extra["sent_bytes"] / 1e6,
+        "round_etcd_cpu_s": m2["cpu_s"] - m1["cpu_s"],
+        "round_agents_cpu_s": sum(g["cpu_s"] for g in got),
         "watchers": m1["watchers"], "watch_streams": m1["watch_streams"],
     }
 
@@ -568,6 +596,8 @@ def main(argv: list[str] | None = None) -> int:
             ("etcd req/s steady", "steady_requests_per_s", "{:.0f}"),
             ("etcd req/s round", "round_requests_per_s", "{:.0f}"),
             ("etcd MB sent round", "round_sent_mb", "{:.0f}"),
+            ("etcd CPU round", "round_etcd_cpu_s", "{:.1f} s"),
+            ("agents' CPU round", "round_agents_cpu_s", "{:.1f} s"),
             ("watchers", "watchers", "{:.0f}")]
     print(" | ".join(c for c, _, _ in cols))
     for r in rows:
