@@ -51,10 +51,15 @@ def spec_for(nodes: int) -> Any:
 
 
 def _params(endpoints: str, nodes: int, ttl: int) -> Any:
+    """The agents' rendezvous parameters. ``rpc_timeout`` 60 s (5 s in production): a request
+    queued behind a thousand agents' on two cores outlives 5 s, and etcd 3.5.1 (the one
+    bundled here) panics when a read-only transaction's deadline passes while it runs
+    ("unexpected error during txn"), which takes a member down."""
     from torch.distributed.elastic.rendezvous import RendezvousParameters
 
     return RendezvousParameters(backend="etcd-v3", endpoint=endpoints, run_id=RUN_ID,
-                                min_nodes=1, max_nodes=nodes, lease_ttl=str(ttl))
+                                min_nodes=1, max_nodes=nodes, lease_ttl=str(ttl),
+                                rpc_timeout="60")
 
 
 def _stores(client: Any) -> tuple[Any, Any]:
