@@ -1,25 +1,38 @@
 """The agents' quick-round coordination at 256-1024 simulated nodes, on a real etcd cluster.
 
-Each simulated node is one agent thread with what a production agent holds: its own etcd
-client, a lease kept alive and a watch on the run's nodes (``launcher.node_watch.NodeWatch``),
-and the rendezvous store (``EtcdStore`` under torch's ``PrefixStore``). Workers are faked: each
-node reports 8 live devices. One node is killed (its keep-alive stops, so its lease expires
-after the TTL; ``--kill revoke`` revokes it instead) and every other agent runs the real
-recovery path: ``Rounds.quick`` then ``coordination.agree(quick=True)``, the lowest node
-deciding with the real planner (a ``JobSession`` on the Llama-2-7B spec of
-``planner_latency.py`` scaled to 8 devices per node; cold, no plan cache: the worst case).
+Each simulated node holds what a production agent holds on etcd: its own lease and node key
+(granted by ``NodeLiveness``), its own watch on the run's nodes (events applied by
+``NodeLiveness``'s bookkeeping), and the round's store (``EtcdStore`` under torch's
+``PrefixStore``). Workers are faked: each node reports 8 live devices. One node is killed (its
+keep-alive stops, so its lease expires after the TTL; ``--kill revoke`` revokes it instead) and
+every other agent, on its own thread, runs the real recovery path: ``Rounds.quick`` then
+``coordination.agree(quick=True)``, the lowest node deciding with the real planner (a
+``JobSession`` on the Llama-2-7B spec of ``planner_latency.py`` scaled to 8 devices per node;
+cold, no plan cache: the worst case).
 
-Reported: kill -> every agent adopted, split into detection (the lease's expiry seen by the
+What is lighter than production, so that 1024 agents fit on two cores (a thread set per agent
+made 1300 threads at 256 agents and took etcd down), and why it does not change what is
+measured (etcd's requests, watchers and bytes are those of production):
+
+- the agents of one process share ``--channels`` etcd clients: each agent's watch is still its
+  own etcd watcher, multiplexed on its client's stream (fewer watch streams than production);
+- one keep-alive process per host refreshes every lease of its agents at ttl / 3, the requests
+  production makes, instead of a thread per agent (behind hundreds of agent threads on one GIL
+  a refresh outlived the TTL); the self-fencing expiry check is not on the measured path;
+- one process parses the decision and adopts the plan once for its agents; that per-agent CPU
+  (parallel on real nodes) is measured and reported beside the adoption;
+- ``rpc_timeout`` is 60 s and the quick round's limit 120 s: requests queue behind a thousand
+  agents' on two cores.
+
+Reported: kill -> every agent adopted, split into detection (the lease's deletion seen by the
 agents' watches), reports (the last agent seeing the loss -> the decider holding every report),
-decision (the planner), publication (fenced record + ``decision`` key) and adoption (published
--> the last agent adopted); and etcd's load over the steady state and the recovery window
-(gRPC requests per second, summed over the members' ``/metrics``, and the watchers).
+decision (the planner), publication (fenced record + ``decision`` and ``decided`` keys) and
+adoption (published -> the last agent adopted); etcd's load over the steady state and the
+round (requests per second, bytes sent, summed over the members' ``/metrics``, and the
+watchers); and the CPU that etcd and the agents used during the round.
 
-Agents run as threads in ``--procs`` processes (spawned): one Python process cannot drive
-1024 agents' keep-alive, watch and poll threads on its own GIL without its own scheduling
-delays dominating the figures (compare ``--procs 1`` with the default).
-
-    python benchmarks/coordination_scale.py [--nodes 256,1024] [--members 3] [--json]
+    python benchmarks/coordination_scale.py [--nodes 256,1024] [--members 3] [--procs 4]
+        [--channels 16] [--ttl 5] [--steady 10] [--kill expiry|revoke] [--json]
 """
 
 from __future__ import annotations

@@ -31,8 +31,9 @@ rendezvous round: the members are those of the last agreement (``Decision.nodes`
 nodes known gone, and the round is the last one's store under a fresh scope (``rounds.py``).
 Reports are then keyed by node id, the lowest live one decides, and waiting is checked against
 the others' etcd leases (``alive``): the decider polls for the reports (one store read for
-all), the others wait on the decision key (a watch on etcd) in slices. A member whose lease
-vanishes mid-round is dropped, and a round that cannot finish raises
+all), the others wait on the one-byte ``decided`` key written after the decision (a watch on
+etcd) in slices. A member whose lease vanishes mid-round is dropped, and a round that cannot
+finish raises
 :class:`QuickRoundFailed`, after which the agent runs a full rendezvous round instead.
 
 Reads block up to the store timeout, so an agent that dies mid-round makes the others fail with
