@@ -33,8 +33,8 @@ Reports are then keyed by node id, the lowest live one decides, and waiting is c
 the others' etcd leases (``alive``): the decider polls for the reports (one store read for
 all), the others wait on the one-byte ``decided`` key written after the decision (a watch on
 etcd) in slices. A member whose lease vanishes mid-round is dropped, and a round that cannot
-finish raises
-:class:`QuickRoundFailed`, after which the agent runs a full rendezvous round instead.
+finish raises :class:`QuickRoundFailed`, after which the agent runs a full rendezvous round
+instead.
 
 Reads block up to the store timeout, so an agent that dies mid-round makes the others fail with
 a store error (the caller's failover), never hang. Everything but the store calls is a pure
