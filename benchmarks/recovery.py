@@ -9,6 +9,12 @@ printed. Measured from the kill:
     kill -> next committed step : until the first step that had not been committed before the
                                   kill is printed (the time a user loses)
     steps redone                : steps printed again after the kill (committed work redone)
+    step s (fault-free)         : the median time between two step lines before the kill, so
+                                  that the recovery path can be told from the step it ends with
+
+The GPT trains in fp32 by default (``--precision``): on a CPU, bf16 autocast is emulated and
+triples the step (0.34 s against 0.14 s for 4 workers), and the first new step is part of the
+figure, so bf16 would measure the emulation more than the recovery.
 
 Paths: ``inplace`` (chameleon-run --preset tiny-cpu, survivors keep their processes and take
 state from peers), ``relaunch`` (the same with --recovery relaunch: every worker restarts and
@@ -21,8 +27,11 @@ Two nodes (paths ``2n-worker``, ``2n-node-kill``, ``2n-node-stop``): two chamele
 x 2 workers on one local etcd (``--rdzv-backend etcd-v3``, ``lease_ttl=2``, ``--nnodes 2``), the
 same tiny GPT without checkpoints; the fault is a kill -9 of device 3's worker, a SIGKILL of its
 node's agent and workers, or a SIGSTOP of them (nothing resets: only the node's lease tells).
-Each trial also records the survivor's ``recovered`` event phases (detect, rendezvous, plan,
-stop, launch, regroup, transfer, first step, total).
+Each trial also records the survivor's ``recovered`` event: its phases from the fault to the
+first new step committed (launcher/reporter.py's ``RECOVERY_PHASES``: detect, decide, publish,
+notify, regroup, agree, transfer, rebuild, first step), their total, what they leave unnamed
+(the total less the phases: a few ms) and the parts of some of them (rendezvous, plan, stop,
+launch).
 
 Part 2 (``--ablation``): 8 gloo processes hold a 16-layer model as DP=4 x PP=2 (the paper's
 setting); device 7 is lost; the planner re-plans. The same new layout is entered twice per
@@ -40,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import re
@@ -55,32 +65,39 @@ from pathlib import Path
 import psutil
 from launched import supervise, worker_of
 
+from chameleon_elastic.launcher.reporter import RECOVERY_PHASES
 from chameleon_elastic.rendezvous.local_etcd import LocalEtcd
 
 ROOT = Path(__file__).resolve().parent.parent
 GPT = str(ROOT / "examples" / "train_gpt.py")
 PATHS = ("inplace", "relaunch", "torchrun", "torchrun-fresh",
          "2n-worker", "2n-node-kill", "2n-node-stop")
-#: the ``recovered`` event's phases, from the fault to the first new step (docs/launcher.md)
-PHASES = ("detect_s", "rendezvous_s", "plan_s", "stop_s", "launch_s", "regroup_s",
-          "transfer_s", "first_step_s", "total_s")
+#: the ``recovered`` event's phases, from the fault to the first new step (docs/launcher.md),
+#: their total, and the parts of some of them
+PHASES = (*(f"{p}_s" for p in RECOVERY_PHASES), "total_s")
+PARTS = ("rendezvous_s", "plan_s", "stop_s", "launch_s")
 #: torch's switch away from the store it shares across restarts (whose stale keys make the
 #: relaunched workers fail with "connectFullMesh ... Connection refused" or hang)
 FRESH_STORE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 STEP_LINE = re.compile(r"step\s+(\d+)\s+loss")
+#: fault-free steps are timed from this step on (the first ones warm up)
+WARM_FROM = 3
 
 
-def command(path: str, steps: int, ckpt: str, state: str) -> list[str]:
-    script = [GPT, "--steps", str(steps), "--log-every", "1", "--checkpoint-dir", ckpt,
-              "--checkpoint-every", "5"]
+def script(steps: int, precision: str, *extra: str) -> list[str]:
+    return [GPT, "--steps", str(steps), "--log-every", "1", "--precision", precision, *extra]
+
+
+def command(path: str, steps: int, precision: str, ckpt: str, state: str) -> list[str]:
+    train = script(steps, precision, "--checkpoint-dir", ckpt, "--checkpoint-every", "5")
     if path.startswith("torchrun"):
         return [sys.executable, "-m", "torch.distributed.run", "--standalone",
                 "--nproc-per-node", "4", "--max-restarts", "1", "--monitor-interval", "0.1",
-                *script]
+                *train]
     extra = ["--recovery", "relaunch"] if path == "relaunch" else []
     return [sys.executable, "-m", "chameleon_elastic.launcher.cli", "--standalone",
             "--nproc-per-node", "4", "--preset", "tiny-cpu", "--no-status",
-            "--monitor-interval", "0.1", "--state-dir", state, *extra, *script]
+            "--monitor-interval", "0.1", "--state-dir", state, *extra, *train]
 
 
 class StepWatch:
@@ -121,11 +138,15 @@ class StepWatch:
         after = [(t, s) for t, s in self.lines if kill_t is not None and t >= kill_t]
         new = [t for t, s in after if s > committed]
         finished = sorted({s for _, s in self.lines}) == list(range(steps))
+        before = [(t, s) for t, s in self.lines if kill_t is None or t < kill_t]
+        gaps = [t - t0 for (t0, s0), (t, s) in itertools.pairwise(before)
+                if s == s0 + 1 and s0 >= WARM_FROM]
         return {"path": path, "exit_code": code, "hung": code is None,
                 "finished": finished and code == 0,
                 "killed_after_step": committed if kill_t else None,
                 "kill_to_next_step_s": (new[0] - kill_t) if new and kill_t else None,
-                "steps_redone": sum(1 for _, s in after if s <= committed)}
+                "steps_redone": sum(1 for _, s in after if s <= committed),
+                "step_s": statistics.median(gaps) if gaps else None}
 
 
 def _popen(cmd: list[str], **env: str) -> subprocess.Popen:
@@ -135,11 +156,11 @@ def _popen(cmd: list[str], **env: str) -> subprocess.Popen:
                             cwd=ROOT, start_new_session=True)
 
 
-def trial(path: str, steps: int, kill_at: int, deadline: float) -> dict:
+def trial(path: str, steps: int, precision: str, kill_at: int, deadline: float) -> dict:
     """One run on one node; every process it started is killed at the end, orphans included
     (torchrun's workers outlive a killed torchrun and would hold the output pipe open)."""
     with tempfile.TemporaryDirectory(prefix="recovery-bench-") as tmp:
-        proc = _popen(command(path, steps, f"{tmp}/ckpt", f"{tmp}/state"),
+        proc = _popen(command(path, steps, precision, f"{tmp}/ckpt", f"{tmp}/state"),
                       **(FRESH_STORE if path == "torchrun-fresh" else {}))
 
         def kill() -> bool:
@@ -164,22 +185,21 @@ def _phases(events: Path) -> dict | None:
                  if e.get("event") == "recovered"]
     if not recovered:
         return None
-    return {k: recovered[-1].get(k) for k in PHASES}
+    return {k: recovered[-1].get(k) for k in (*PHASES, *PARTS)}
 
 
-def two_node_trial(path: str, steps: int, kill_at: int, deadline: float,
+def two_node_trial(path: str, steps: int, precision: str, kill_at: int, deadline: float,
                    endpoint: str, run_id: str) -> dict:
     """Two agents x two workers on etcd-v3 (lease TTL 2 s), the tiny GPT. ``2n-worker``:
     kill -9 of device 3's worker; ``2n-node-kill`` / ``2n-node-stop``: SIGKILL / SIGSTOP of
     the agent and workers of the node that runs device 3 (not the one that prints steps)."""
     with tempfile.TemporaryDirectory(prefix="recovery-bench-") as tmp:
-        script = [GPT, "--steps", str(steps), "--log-every", "1"]
         agents = {name: _popen([
             sys.executable, "-m", "chameleon_elastic.launcher.cli", "--nnodes", "2",
             "--nproc-per-node", "2", "--rdzv-backend", "etcd-v3", "--rdzv-endpoint", endpoint,
             "--rdzv-id", run_id, "--rdzv-conf", "lease_ttl=2", "--local-addr", "127.0.0.1",
             "--monitor-interval", "0.1", "--no-status", "--preset", "tiny-cpu",
-            "--state-dir", f"{tmp}/{name}", *script]) for name in ("a", "b")}
+            "--state-dir", f"{tmp}/{name}", *script(steps, precision)]) for name in ("a", "b")}
         victims: list[psutil.Process] = []
 
         def kill() -> bool:
@@ -234,12 +254,24 @@ def summarise(results: list[dict]) -> dict[str, dict]:
             "min_s": min(times) if times else None, "max_s": max(times) if times else None,
             "redone_median": statistics.median(redone) if redone else None,
             "redone_max": max(redone) if redone else None,
-            "phases_median": {
-                k: statistics.median(vals) if (vals := [
-                    r["phases"][k] for r in mine if r.get("phases") and r["phases"].get(k)
-                    is not None]) else None for k in PHASES},
+            "step_s": _median([r.get("step_s") for r in mine]),
+            "phases_median": {k: _median([(r.get("phases") or {}).get(k) for r in mine])
+                              for k in (*PHASES, *PARTS)},
+            "unnamed_median": _median([_unnamed(r.get("phases")) for r in mine]),
         }
     return table
+
+
+def _median(values: list) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
+
+
+def _unnamed(phases: dict | None) -> float | None:
+    """The total less its phases: what the phases do not name (a few ms: clocks read apart)."""
+    if not phases or any(phases.get(k) is None for k in PHASES):
+        return None
+    return phases["total_s"] - sum(phases[k] for k in PHASES if k != "total_s")
 
 
 # --------------------------------------------------------------------------- ablation
@@ -334,20 +366,32 @@ def print_tables(report: dict) -> None:
         return "-" if v is None else format(v, spec)
 
     if "summary" in report:
-        print(f"\nlost device (kill -9 of device 3 after step {report['kill_at']}), tiny GPT, "
-              f"4 gloo workers on {os.cpu_count()} cores, {report['trials']} trials per path")
+        print(f"\nlost device (kill -9 of device 3 after step {report['kill_at']}), tiny GPT in "
+              f"{report.get('precision', 'bf16')}, 4 gloo workers on {os.cpu_count()} cores, "
+              f"{report['trials']} trials per path")
         print(f"{'path':15s} {'finished':>9s} {'hung':>5s} {'kill->next step s: median':>26s} "
-              f"{'min':>6s} {'max':>6s} {'steps redone: median':>21s} {'max':>4s}")
+              f"{'min':>6s} {'max':>6s} {'steps redone: median':>21s} {'max':>4s} "
+              f"{'step s (fault-free)':>20s}")
         for path, row in report["summary"].items():
             print(f"{path:15s} {row['finished']:>4d}/{row['trials']:<4d} {row['hung']:>5d} "
                   f"{fmt(row['median_s']):>26s} {fmt(row['min_s']):>6s} {fmt(row['max_s']):>6s} "
-                  f"{fmt(row['redone_median'], 'g'):>21s} {fmt(row['redone_max'], 'g'):>4s}")
-        print("\nthe agent's `recovered` event, medians in seconds (total: the fault's first "
-              "sign to the start of the first new step)")
-        print(f"{'path':15s} " + " ".join(f"{k[:-2]:>9s}" for k in PHASES))
+                  f"{fmt(row['redone_median'], 'g'):>21s} {fmt(row['redone_max'], 'g'):>4s} "
+                  f"{fmt(row.get('step_s'), '.3f'):>20s}")
+        print("\nthe survivor agent's `recovered` event, medians in seconds: phases in their "
+              "order, from the fault's first sign to the first new step committed (total); "
+              "unnamed: total less the phases")
+        names = [*(k[:-2] for k in PHASES), "unnamed"]
+        print(f"{'path':15s} " + " ".join(f"{k:>10s}" for k in names))
+        for path, row in report["summary"].items():
+            ph = {**(row.get("phases_median") or {}), "unnamed": row.get("unnamed_median")}
+            print(f"{path:15s} " + " ".join(f"{fmt(ph.get(k), '.3f'):>10s}"
+                                            for k in (*PHASES, "unnamed")))
+        print("\nparts of phases, medians in seconds (rendezvous and plan: of decide; stop: of "
+              "publish; launch: of notify)")
+        print(f"{'path':15s} " + " ".join(f"{k[:-2]:>10s}" for k in PARTS))
         for path, row in report["summary"].items():
             ph = row.get("phases_median") or {}
-            print(f"{path:15s} " + " ".join(f"{fmt(ph.get(k), '.3f'):>9s}" for k in PHASES))
+            print(f"{path:15s} " + " ".join(f"{fmt(ph.get(k), '.3f'):>10s}" for k in PARTS))
     if "ablation" in report:
         a = report["ablation"]
         print(f"\nweight-transfer ablation: 16 layers of {a['layer_bytes'] / 1e6:.1f} MB "
@@ -365,7 +409,7 @@ def print_tables(report: dict) -> None:
               "(paper: -32.35% and -26.79%)")
 
 
-def run_trials(paths: list[str], trials: int, steps: int, kill_at: int,
+def run_trials(paths: list[str], trials: int, steps: int, precision: str, kill_at: int,
                deadline: float) -> list[dict]:
     """Every path ``trials`` times, alternating the order; two-node paths share one etcd."""
     results = []
@@ -375,15 +419,15 @@ def run_trials(paths: list[str], trials: int, steps: int, kill_at: int,
         for i in range(trials):
             for path in (paths if i % 2 == 0 else paths[::-1]):
                 if etcd is not None and path.startswith("2n-"):
-                    r = two_node_trial(path, steps, kill_at, deadline, etcd.endpoint,
-                                       f"bench-{i}-{path}")
+                    r = two_node_trial(path, steps, precision, kill_at, deadline,
+                                       etcd.endpoint, f"bench-{i}-{path}")
                 else:
-                    r = trial(path, steps, kill_at, deadline)
+                    r = trial(path, steps, precision, kill_at, deadline)
                 results.append(r)
                 t = r["kill_to_next_step_s"]
                 print(f"  trial {i + 1:2d} {path:14s} finished={r['finished']!s:5s} kill->next="
                       f"{'-' if t is None else f'{t:.2f} s'} redone={r['steps_redone']} "
-                      f"phases={r['phases']}", file=sys.stderr, flush=True)
+                      f"step={r['step_s']} phases={r['phases']}", file=sys.stderr, flush=True)
     return results
 
 
@@ -395,6 +439,9 @@ def main() -> None:
                         help=f"comma-separated subset of {','.join(PATHS)}")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--kill-at", type=int, default=12)
+    parser.add_argument("--precision", choices=("bf16", "fp32"), default="fp32",
+                        help="the tiny GPT's precision (fp32: bf16 autocast is emulated on "
+                             "CPU and triples the step, which is part of the figure)")
     parser.add_argument("--deadline", type=float, default=120.0,
                         help="seconds before a trial is killed and counted as unfinished")
     parser.add_argument("--ablation", action="store_true", help="run part 2 too")
@@ -413,8 +460,10 @@ def main() -> None:
         parser.error(f"--paths takes {', '.join(PATHS)}; --kill-at must leave steps after it.")
     report: dict = {"benchmark": "recovery"}
     if args.trials:
-        results = run_trials(paths, args.trials, args.steps, args.kill_at, args.deadline)
+        results = run_trials(paths, args.trials, args.steps, args.precision, args.kill_at,
+                             args.deadline)
         report.update(trials=args.trials, kill_at=args.kill_at, steps=args.steps,
+                      precision=args.precision,
                       summary=summarise(results), results=results)
     if args.ablation:
         print("  ablation: 8 processes, this takes a few minutes", file=sys.stderr, flush=True)

@@ -17,6 +17,9 @@ key                   writer   meaning
 ``worker/<device>``   worker   :class:`Registration`: this worker runs on the runtime, so it can
                                recover in place (unregistered scripts are relaunched)
 ``resumed/<N>/<d>``   worker   :class:`Resumed`: how device d entered generation N (timings)
+``wake/<card>``       agent    a doorbell, rung after each generation published while the
+                               worker lives, so its watchdog wakes at once (runtime/abort.py);
+                               the worker rings it too, to stop the watchdog
 ``beat/<device>``     worker   a counter moved at every phase of every step (hang detection)
 ``pace/<device>``     worker   :class:`Pace`: this generation's steps and their times so far,
                                sent with the beats (the agent's straggler watch)
@@ -48,7 +51,7 @@ methods (``set``, ``get``, ``check``, ``wait``), so the protocol is tested on a 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -68,12 +71,14 @@ __all__ = [
     "gap_key",
     "generation_key",
     "job_env",
+    "known_reported",
     "pace_key",
     "read",
     "read_int",
     "resumed_key",
     "slow_key",
     "steps_key",
+    "wake_key",
     "worker_key",
     "write",
     "write_once",
@@ -179,6 +184,10 @@ def cause_key(generation: int) -> str:
     return f"cause/{generation}"
 
 
+def wake_key(card: int) -> str:
+    return f"wake/{card}"
+
+
 @dataclass(frozen=True)
 class Generation:
     """One plan generation as its workers need it.
@@ -236,24 +245,30 @@ class Registration:
 class Resumed:
     """How one worker entered a generation, for the agent's recovery line and event.
 
-    Wall-clock times (``noticed_at``, ``committed_at``) are Unix seconds on the worker's node,
-    compared only with its own agent's clock. ``moved_layers`` and ``moved_bytes`` count the
-    whole job's transfers (every worker computes the same numbers)."""
+    Wall-clock times (``noticed_at``, ``woke_at``, ``committed_at``) are Unix seconds on the
+    worker's node, compared only with its own agent's clock. From ``woke_at`` on, the durations
+    follow one another: ``regroup_s``, ``agree_s``, ``transfer_s``, ``rebuild_s``, then
+    ``first_step_s`` up to ``committed_at`` (the agent's phases, launcher/reporter.py).
+    ``moved_layers`` and ``moved_bytes`` count the whole job's transfers (every worker computes
+    the same numbers)."""
 
     device: int
     pid: int
     generation: int
     resumed_step: int
     source: str                   # "peers", "checkpoint", "init" (step 0) or "none" (kept all)
-    regroup_s: float
+    regroup_s: float              # joining the world (a started process: its whole start-up)
     transfer_s: float
     first_step_s: float
     moved_layers: int
     moved_bytes: float
     rolled_forward: bool
     redone_steps: int
-    noticed_at: float | None = None
+    noticed_at: float | None = None   # this worker saw the failure
     committed_at: float | None = None
+    woke_at: float | None = None      # it saw the generation (a started process: it started)
+    agree_s: float = 0.0
+    rebuild_s: float = 0.0
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Resumed:
@@ -301,3 +316,18 @@ def read(store: Any, key: str) -> Any | None:
 def read_int(store: Any, key: str) -> int | None:
     value = read(store, key)
     return None if value is None else int(value)
+
+
+def known_reported(store: Any, cards: Iterable[int]) -> int | None:
+    """The last step this node knows the job reported: the reporter's word when it runs here;
+    otherwise from the steps its own workers committed (sent with their beats): a worker that
+    committed step S ran it with the reporter, which had reported S - 1 before starting it.
+    Without this a node that lost the reporter's node believed nothing was reported, and a
+    start over from step 0 said nothing of the steps it trained again."""
+    reported = read_int(store, REPORTED)
+    for card in cards:
+        recent = (read(store, steps_key(card)) or {}).get("recent") or ()
+        if recent:
+            last = max(int(step) for step, _ in recent)
+            reported = last - 1 if reported is None else max(reported, last - 1)
+    return reported

@@ -26,6 +26,7 @@ __all__ = [
     "addr_and_port",
     "entrypoint_name",
     "fake_tensor_mode",
+    "forget_failed_group_names",
     "rendezvous_participants",
     "set_min_nodes",
     "stop_heartbeats",
@@ -159,6 +160,18 @@ def abort_process_group(group: Any = None) -> None:
     from torch.distributed.distributed_c10d import _abort_process_group
 
     _abort_process_group(group)
+
+
+def forget_failed_group_names() -> None:
+    """Let the next default group be named as on a fresh process. torch names groups from a
+    counter that it resets when the default group is destroyed; an ``init_process_group`` that
+    failed (its store closed under it) has advanced it without creating a group, so this
+    process would name its next world "1" where its peers say "0" and wait on other store
+    keys than theirs until the collective timeout. Only while no default group exists."""
+    from torch.distributed import distributed_c10d
+
+    if not distributed_c10d.is_initialized():
+        distributed_c10d._world.group_count = 0
 
 
 def fake_tensor_mode() -> Any:

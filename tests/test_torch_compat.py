@@ -88,3 +88,22 @@ def test_both_process_contexts_keep_what_worker_process_reads():
                  "self._worker_finished_event", "self.nprocs"):
         assert name in init or name in inspect.getsource(MultiprocessContext), name
     assert "self.subprocess_handlers" in inspect.getsource(SubprocessContext)
+
+
+def test_a_failed_init_process_group_leaves_the_next_world_named_as_its_peers_name_theirs():
+    """An init_process_group that times out still advances torch's group counter; forgetting
+    it names the next world "0", as on the peers that never failed (else it would wait on
+    other store keys than theirs)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    with pytest.raises(RuntimeError):   # rank 1 never comes
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=2,
+                                timeout=timedelta(seconds=1))
+    torch_compat.forget_failed_group_names()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        assert dist.group.WORLD.group_name == "0"
+    finally:
+        dist.destroy_process_group()

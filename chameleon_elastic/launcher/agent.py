@@ -324,9 +324,13 @@ class ChameleonAgent(LocalElasticAgent):
                 return outcome
 
     def _report(self, state: str | None) -> None:
+        """A recovery was reported (``state``: the status line's): the plan cache of the new
+        plan may be filled now that the workers train again."""
         if state is not None:
             self._watchers.trouble.reset()
             self._update_status(state)
+            if self._session is not None:
+                self._session.warm()
 
     def _observe(self, result: RunResult) -> Tick:
         """One tick's facts, from the detectors; what to do is react()'s."""

@@ -106,12 +106,13 @@ class NodeReport:
 
     @classmethod
     def gather(cls, node: int, lost: Collection[int], live: Collection[int], ready: bool,
-               why: dict[int, str], store: Any,
+               why: dict[int, str], store: Any, cards: Collection[int] = (),
                speeds: Mapping[int, float] | None = None) -> NodeReport:
-        """This node's report; what its workers said of steps and checkpoints is read from
-        its channel (``store``); ``speeds``: its devices' factors to plan for (stragglers)."""
+        """This node's report; what its workers (``cards``) said of steps and checkpoints is
+        read from its channel (``store``); ``speeds``: its devices' factors to plan for
+        (stragglers)."""
         return cls(node, tuple(sorted(lost)), tuple(sorted(live)), ready,
-                   channel.read_int(store, channel.REPORTED),
+                   channel.known_reported(store, cards),
                    channel.read_int(store, channel.CHECKPOINT),
                    channel.read(store, channel.CHECKPOINTS) is not None,
                    tuple(sorted(why.items())), tuple(sorted((speeds or {}).items())))

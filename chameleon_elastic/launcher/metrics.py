@@ -33,11 +33,10 @@ from prometheus_client.exposition import generate_latest
 
 from chameleon_elastic import channel
 
-__all__ = ["RECOVERY_PHASES", "AgentMetrics", "MetricsServer"]
+from .reporter import RECOVERY_PHASES
 
-#: the ``recovered`` event's timed phases, in the order a recovery goes through them
-RECOVERY_PHASES = ("detect", "rendezvous", "plan", "stop", "launch", "regroup", "transfer",
-                   "first_step", "total")
+__all__ = ["AgentMetrics", "MetricsServer"]
+
 
 _STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _RECOVERY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)
@@ -57,9 +56,9 @@ class AgentMetrics:
         self.recoveries = Counter("chameleon_recoveries", "Recoveries finished on this node",
                                   ["mode", "cause"], registry=r)
         self.recovery_seconds = Histogram("chameleon_recovery_seconds", "Seconds per phase of "
-                                          "a recovery (phase=total: failure to training "
-                                          "resumed)", ["phase"], buckets=_RECOVERY_BUCKETS,
-                                          registry=r)
+                                          "a recovery (phase=total: failure to the first "
+                                          "new step committed)", ["phase"],
+                                          buckets=_RECOVERY_BUCKETS, registry=r)
         self.live_devices = Gauge("chameleon_live_devices", "Devices of the plan in force "
                                   "(the job's, not only this node's)", registry=r)
         self.generation = Gauge("chameleon_plan_generation", "Plan generation in force",
@@ -79,7 +78,7 @@ class AgentMetrics:
         if event == "recovered":
             self.recoveries.labels(mode=record.get("mode") or "unknown",
                                    cause=record.get("reason") or "unknown").inc()
-            for phase in RECOVERY_PHASES:
+            for phase in (*RECOVERY_PHASES, "total"):
                 seconds = record.get(f"{phase}_s")
                 if seconds is not None:
                     self.recovery_seconds.labels(phase=phase).observe(max(0.0, float(seconds)))

@@ -5,6 +5,11 @@ the new generation and said how it resumed (``Resumed`` on the node's channel): 
 (layers moved, the step training resumed at, seconds from the failure) are then facts, not
 intentions. The failure is timed from its earliest sign: a survivor noticing it, or a hung
 worker's last progress.
+
+The phases (:data:`RECOVERY_PHASES`) follow one another from that sign to the first new step
+committed, so they sum to ``total_s``: the agent's three on its own clock (the failure seen,
+the decision in hand, the generation published on the node), then the path of the worker that
+resumed last (the one its peers waited for), on the same node's clock.
 """
 
 from __future__ import annotations
@@ -21,7 +26,20 @@ from .failures import FailureEvent
 from .observe import Event, StatusLine, name_devices, recovery_line
 from .session import PlanChange
 
-__all__ = ["Pending", "RecoveryReporter", "describe", "recovered_fields"]
+__all__ = ["RECOVERY_PHASES", "Pending", "RecoveryReporter", "describe", "recovered_fields"]
+
+#: the ``recovered`` event's phases, in their order (each is a ``<phase>_s`` field):
+#: detect      the failure's first sign -> the agent sees it
+#: decide      -> the next plan in hand: a round, the report, the planner, the etcd fence
+#: publish     -> the generation written on the node's channel (a relaunch: workers stopped)
+#: notify      -> the last worker to resume learned of it (a started process: it started)
+#: regroup     -> it joined the generation's world (a started process: its start-up)
+#: agree       -> the resume step agreed (an all-gather; a roll forward)
+#: transfer    -> layers and optimizer state moved from peers (or a checkpoint read)
+#: rebuild     -> the plan's bucket groups, executor and orders built
+#: first_step  -> the first new step committed
+RECOVERY_PHASES = ("detect", "decide", "publish", "notify", "regroup", "agree", "transfer",
+                   "rebuild", "first_step")
 
 
 @dataclass(frozen=True)
@@ -34,7 +52,9 @@ class Pending:
     kept: tuple[int, ...]
     started: tuple[int, ...]
     waiting: frozenset[int]      # local devices whose Resumed record is awaited
-    phases: dict[str, float]
+    decided_at: float            # Unix seconds: the decision in hand
+    published_at: float          # the generation on the node's channel
+    parts: dict[str, float]      # parts of the phases: rendezvous_s, plan_s, stop_s, launch_s
 
 
 def describe(p: Pending, tp: int) -> str:
@@ -66,8 +86,6 @@ def recovered_fields(p: Pending, records: dict[int, Resumed], restarts_used: int
     """The ``recovered`` event's fields (docs/launcher.md lists them)."""
     failed_at = min([p.event.wall, *(r.noticed_at for r in records.values() if r.noticed_at),
                      *(f.since for f in p.event.failures if f.since)])
-    resumed_at = max((r.committed_at - r.first_step_s for r in records.values()
-                      if r.committed_at), default=None)
     worst = max(records.values(), key=lambda r: r.regroup_s + r.transfer_s, default=None)
     return dict(
         reason=p.event.reason, mode="inplace" if p.decision.inplace else "relaunch",
@@ -78,12 +96,31 @@ def recovered_fields(p: Pending, records: dict[int, Resumed], restarts_used: int
         source=worst.source if worst else None,
         rolled_forward=sorted(d for d, r in records.items() if r.rolled_forward),
         redone_steps=worst.redone_steps if worst else 0,
-        detect_s=max(0.0, p.event.wall - failed_at),
-        regroup_s=worst.regroup_s if worst else None,
-        transfer_s=worst.transfer_s if worst else None,
-        first_step_s=max((r.first_step_s for r in records.values()), default=None),
-        total_s=None if resumed_at is None else resumed_at - failed_at,
-        restarts_used=restarts_used, **p.phases)
+        restarts_used=restarts_used, **p.parts, **phase_times(p, records, failed_at))
+
+
+def phase_times(p: Pending, records: dict[int, Resumed],
+                failed_at: float) -> dict[str, float | None]:
+    """``<phase>_s`` for each of :data:`RECOVERY_PHASES`, and ``total_s``; the workers' are
+    None when none of them committed a step."""
+    out: dict[str, float | None] = dict.fromkeys(
+        [f"{name}_s" for name in RECOVERY_PHASES] + ["total_s"])
+    out.update(detect_s=max(0.0, p.event.wall - failed_at),
+               decide_s=p.decided_at - p.event.wall, publish_s=p.published_at - p.decided_at)
+    last = max((r for r in records.values() if r.committed_at), default=None,
+               key=lambda r: r.committed_at - r.first_step_s)
+    if last is None:
+        return out
+    # a process started for the generation may start before the generation is published on
+    # the channel (a rejoining device's worker is launched first): the start-up that overlaps
+    # the publication is counted once, in publish, so the phases still follow one another
+    early = 0.0 if last.woke_at is None else max(0.0, p.published_at - last.woke_at)
+    out.update(notify_s=None if last.woke_at is None else max(0.0, last.woke_at - p.published_at),
+               regroup_s=max(0.0, last.regroup_s - early), agree_s=last.agree_s,
+               transfer_s=last.transfer_s,
+               rebuild_s=last.rebuild_s, first_step_s=last.first_step_s,
+               total_s=last.committed_at - failed_at)
+    return out
 
 
 class RecoveryReporter:
@@ -119,7 +156,9 @@ class RecoveryReporter:
         fields = recovered_fields(p, records, restarts_used)
         self._emit(Event.RECOVERED, **fields)
         if self._profiler is not None and p.decision.inplace and fields["regroup_s"] is not None:
-            self._profiler.note_regroup(fields["regroup_s"])
+            # the fixed cost of an in-place transition, besides its transfers (the planner's)
+            self._profiler.note_regroup(fields["regroup_s"] + fields["agree_s"]
+                                        + fields["rebuild_s"])
         line = recovery_line(describe(p, self._tp), plan, inplace=p.decision.inplace,
                              started=len(p.started), moved_layers=fields["moved_layers"],
                              moved_bytes=fields["transfer_bytes"], source=fields["source"] or "",

@@ -115,6 +115,7 @@ class JobSession:
         self.plan_file = write_plan_file(self.plan, self.plan_dir)
         self._cache = None
         self._refresh_cache()
+        self.warm()
 
     @property
     def devices(self) -> int:
@@ -126,15 +127,27 @@ class JobSession:
         return self.spec.training.tp
 
     def _refresh_cache(self) -> None:
-        self._cache = None
+        """A cache for the plan in force, filled later (:meth:`warm`)."""
+        self._cache, self._warming = None, False
         if self.policy == "restart" or self.cache_depth <= 0:
             return
         try:
             self._cache = self._planning.PlanCache(self.planned, self.plan,
                                                    depth=self.cache_depth)
-            if self.warm_cache:
-                self._cache.warm_in_background()
         except Exception:  # noqa: BLE001 - a cache is an optimisation; decide() still works
+            self._cache = None
+
+    def warm(self) -> None:
+        """Fill the plan cache in the background, once per plan. The agent calls it when a
+        recovery is over, not when the plan changes: the warming is pure Python (a core for
+        about 0.5 s on the tiny preset) and would compete with the workers' regroup and first
+        step. A failure meanwhile is decided without the cache."""
+        if self._cache is None or self._warming or not self.warm_cache:
+            return
+        self._warming = True
+        try:
+            self._cache.warm_in_background()
+        except RuntimeError:   # no thread to be had: decide() still works
             self._cache = None
 
     def adopt(self, plan: ExecutionPlan, excluded: Collection[int],

@@ -60,6 +60,8 @@ class WorkerStarter:
             plan.generation, session.plan_file, str(wg.master_addr), int(wg.master_port),
             decision.world, decision.reported, tp=here.tp))
         channel.write(self._channel, channel.NEWEST, plan.generation)
+        for card in self._procs.devices:   # wake the kept workers' watchdogs (runtime/abort.py)
+            channel.write(self._channel, channel.wake_key(card), True)
         assigned = local_assignments(plan, here.node, here.nproc, decision.world, here.tp)
         self._procs.renumber(lambda card: here.ranks(card, decision.world))
         return [(Worker(local_rank=a.local_rank, global_rank=a.global_rank,

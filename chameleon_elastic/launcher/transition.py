@@ -8,9 +8,11 @@
                (starter.py)
     report     once the workers have resumed (reporter.py), or at once when nothing waits
 
-A quick round that cannot finish falls back to a full round, from the top. Each step's time
-goes into the ``recovered`` event's phases (``rendezvous_s``, ``plan_s``, ``stop_s``,
-``launch_s``); the workers add theirs (docs/launcher.md).
+A quick round that cannot finish falls back to a full round, from the top. The agent's part
+of a recovery is timed here: from the failure seen to the decision in hand (``decide``, with the
+round and the planner as ``rendezvous_s`` and ``plan_s``), then to the generation published on
+the node (``publish``, with a relaunch's ``stop_s``); the workers time theirs, and
+``reporter.py`` puts them together (docs/launcher.md).
 """
 
 from __future__ import annotations
@@ -100,6 +102,7 @@ class Transition:
                 c.emit(Event.FAILURE_SEEN, kind="quick_round_failed", reason=str(exc))
                 return self.run(wg, event, inplace_wanted, expect_reports)
             plan_s = time.perf_counter() - t
+        decided_at = time.time()
         if not quick:
             c.watchers.rejoined()
         if c.channel is not None:   # a lost peer reported before this round is handled
@@ -119,15 +122,15 @@ class Transition:
         c.emit(Event.RENDEZVOUS, group_rank=wg.group_rank, quick=quick,
                group_world_size=wg.group_world_size, node=self.node,
                master_addr=wg.master_addr, master_port=wg.master_port, duration_s=rdzv_s)
-        t = time.perf_counter()
-        started = self._start(wg, decision, info)
+        started, published_at, launch_s = self._start(wg, decision, info)
         wg.state = WorkerState.HEALTHY
-        phases = {"rendezvous_s": rdzv_s, "plan_s": plan_s, "stop_s": stop_s,
-                  "launch_s": time.perf_counter() - t}
         if event is not None and decision is not None:
             kept = tuple(sorted(c.procs.devices - set(started)))
             waiting = frozenset(c.procs.devices if expect_reports else ())
-            c.reporter.pending = Pending(event, decision, change, kept, started, waiting, phases)
+            c.reporter.pending = Pending(
+                event, decision, change, kept, started, waiting, decided_at, published_at,
+                {"rendezvous_s": rdzv_s, "plan_s": plan_s, "stop_s": stop_s,
+                 "launch_s": launch_s})
             if not waiting:
                 c.report(c.reporter.finish({}, session.plan, c.budget.used))
         return info
@@ -141,7 +144,7 @@ class Transition:
         before = set(session.excluded)
         watch = c.watchers.stragglers
         mine = NodeReport.gather(self.node, book.lost - book.rejoining, here.units(live),
-                                 not live or self.runtime(), book.why, c.channel,
+                                 not live or self.runtime(), book.why, c.channel, here.cards,
                                  watch.report(here.units(here.cards)) if watch else None)
         try:
             decision, change = coordination.agree(
@@ -160,18 +163,22 @@ class Transition:
                    inplace=decision.inplace, **change.event_fields())
         return decision, change
 
-    def _start(self, wg: Any, decision: Decision | None, info: Any) -> tuple[int, ...]:
-        """Start workers for the local devices of the new world that have none (starter.py);
-        returns the devices started."""
+    def _start(self, wg: Any, decision: Decision | None,
+               info: Any) -> tuple[tuple[int, ...], float, float]:
+        """Publish the generation and start workers for the local devices of the new world
+        that have none (starter.py); returns the devices started, when the generation was
+        published (Unix seconds) and the seconds the starts took."""
         c, here = self._c, self.here(wg.spec)
         if decision is None:  # plain torchrun: torch's rank assignment, every local worker
             todo = [(w, None) for w in c.assign_ranks(info.store, info.rank, info.world_size,
                                                        wg.spec)]
         else:
             todo = c.starter.planned(c.session, decision, wg, here)
+        published_at, t = time.time(), time.perf_counter()
         started = c.starter.launch(todo, wg, c.budget.used, c.session, here)
         if started:
             c.track(c.procs.pids())
         wg.workers = c.procs.workers()
+        launch_s = time.perf_counter() - t
         c.status("running")
-        return started
+        return started, published_at, launch_s

@@ -10,9 +10,11 @@ only asking an unavailable back-end for a device raises :class:`PluginError`.
 from __future__ import annotations
 
 import abc
-import socket
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from chameleon_elastic.runtime.abort import Sockets
 
 __all__ = ["DeviceBackend", "MemoryStats", "PluginError"]
 
@@ -78,25 +80,15 @@ class DeviceBackend(abc.ABC):
     def synchronize(self, local_rank: int = 0) -> None:
         """Wait for queued device work (needed before reading a clock; no-op on CPU)."""
 
-    def unblock(self, sockets: frozenset[int]) -> None:
+    def unblock(self, sockets: Sockets) -> None:
         """Make a transfer blocked in the training thread fail now; called from another thread
-        when the agents have moved on to a newer plan generation (runtime/abort.py). Gloo has no
-        abort, so its groups' connected sockets (``sockets``, recorded when the groups were
-        formed) are shut down: the blocked receive returns "Connection closed by peer" as if the
-        peer had died. The descriptors stay open for gloo to close; the listening socket is left
-        alone (gloo's event loop aborts the process if it is shut down under it)."""
-        for fd in sockets:
-            try:
-                sock = socket.socket(fileno=fd)
-            except OSError:
-                continue
-            try:
-                if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-                    sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            finally:
-                sock.detach()
+        when the agents have moved on to a newer plan generation, and by a survivor tearing its
+        groups down (runtime/abort.py). Gloo has no abort, so its groups' connected sockets
+        (``sockets``, recorded when the groups were formed) are shut down: the blocked receive
+        returns "Connection closed by peer" as if the peer had died."""
+        from chameleon_elastic.runtime.abort import shut_down
+
+        shut_down(sockets)
 
     def abort_process_groups(self) -> None:
         """Tear down every process group of this process after a peer was lost; never raises.

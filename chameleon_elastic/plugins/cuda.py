@@ -3,9 +3,14 @@ torch's caching allocator."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from chameleon_elastic import torch_compat
 
 from .base import DeviceBackend, MemoryStats
+
+if TYPE_CHECKING:
+    from chameleon_elastic.runtime.abort import Sockets
 
 __all__ = ["CudaBackend"]
 
@@ -54,7 +59,7 @@ class CudaBackend(DeviceBackend):
 
         torch.cuda.synchronize(self.device(local_rank))
 
-    def unblock(self, sockets: frozenset[int]) -> None:
+    def unblock(self, sockets: Sockets) -> None:
         """NCCL can abort: ``ncclCommAbort`` on every communicator makes the blocked collective
         return (the sockets of the gloo side-groups, if any, are shut down as well)."""
         try:

@@ -4,8 +4,9 @@ Gloo cannot abort a collective. When a peer dies its sockets reset and every tra
 fails at once; but a peer that is *stopped* (SIGSTOP, a frozen node, a partition) keeps its
 sockets open, and a survivor blocked on it would wait for the full collective timeout even
 after the agents have agreed on a new generation without that peer. So each worker runs a
-:class:`Watchdog` thread: it polls the node's channel for a newer generation and, when one
-appears while the current generation's groups are still in use, makes them fail from the side
+:class:`Watchdog` thread: its agent wakes it when it publishes a newer generation (the
+channel's ``wake/<card>`` queue) and, if the current generation's groups are still in use, the
+watchdog makes them fail from the side
 (``DeviceBackend.unblock``: for gloo a ``shutdown`` of the groups' connected sockets, after
 which the blocked receive returns "Connection closed by peer" at once, exactly as if the peer
 had died, and the ordinary recovery follows; NCCL aborts its communicators). Only sockets
@@ -13,74 +14,124 @@ created while our groups were being formed are touched, never one the process op
 other purposes.
 
 Which sockets those are is recorded when the groups are created (:func:`new_sockets` around
-``init_process_group`` and ``new_group``) and kept per group in a weak table, so the record
-disappears with the group. The watchdog is disarmed before the groups are destroyed, so it can
-never touch a file descriptor that was closed and reused.
+``init_process_group`` and ``new_group``), each as its descriptor *and* the socket it named
+then (``socket:[inode]``): a descriptor closed with its group is soon handed to another socket
+(the next generation's store client, a new group's pair), and a shutdown by number alone would
+cut that one instead; it did, and the new generation's store connection hung. So
+:func:`shut_down` touches a descriptor only while it still names the recorded socket.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
+import socket
 import threading
 import weakref
 from collections.abc import Callable, Iterator
 
-__all__ = ["GroupSockets", "Watchdog", "new_sockets", "socket_fds"]
+import torch.distributed as dist
+
+__all__ = ["GroupSockets", "Sockets", "Watchdog", "new_sockets", "shut_down", "world_sockets"]
 
 log = logging.getLogger("chameleon_elastic.runtime.abort")
+
+#: sockets as (descriptor, ``socket:[inode]``) pairs: a number alone may have been reused
+Sockets = frozenset[tuple[int, str]]
 
 #: process group -> the sockets this process opened while forming it
 GroupSockets: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def socket_fds() -> frozenset[int]:
-    """This process's open socket file descriptors (Linux /proc; empty elsewhere)."""
-    out = set()
+def _sockets() -> dict[int, str]:
+    """This process's open socket descriptors -> their sockets (``socket:[inode]``; Linux
+    /proc, empty elsewhere)."""
+    out = {}
     try:
         entries = os.listdir("/proc/self/fd")
     except OSError:
-        return frozenset()
+        return {}
     for entry in entries:
         try:
-            if os.readlink(f"/proc/self/fd/{entry}").startswith("socket:"):
-                out.add(int(entry))
+            target = os.readlink(f"/proc/self/fd/{entry}")
         except OSError:
             continue
-    return frozenset(out)
+        if target.startswith("socket:"):
+            out[int(entry)] = target
+    return out
 
 
 @contextlib.contextmanager
-def new_sockets() -> Iterator[set[int]]:
-    """Collect the sockets opened inside the block (groups being formed)."""
-    found: set[int] = set()
-    before = socket_fds()
+def new_sockets() -> Iterator[set[tuple[int, str]]]:
+    """Collect the sockets opened inside the block (groups being formed): by socket, not by
+    descriptor number, since an old group freed meanwhile may hand its number to a new one."""
+    found: set[tuple[int, str]] = set()
+    before = _sockets()
     try:
         yield found
     finally:
-        found.update(socket_fds() - before)
+        found.update((fd, sock) for fd, sock in _sockets().items() if before.get(fd) != sock)
+
+
+def world_sockets() -> Sockets:
+    """The sockets of this process's default group (none when it has none)."""
+    world = dist.group.WORLD if dist.is_initialized() else None
+    return frozenset() if world is None else GroupSockets.get(world, frozenset())
+
+
+def shut_down(sockets: Sockets) -> None:
+    """``shutdown`` each connected socket of ``sockets`` that its descriptor still names, so a
+    transfer blocked on it returns "Connection closed by peer" now, as if the peer had died.
+    The descriptors stay open for gloo to close; a listening socket is left alone (gloo's event
+    loop aborts the process if it is shut down under it)."""
+    for fd, recorded in sockets:
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}") != recorded:
+                continue   # closed, and the number given to another socket since
+            sock = socket.socket(fileno=fd)
+        except OSError:
+            continue
+        try:
+            if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        finally:
+            sock.detach()
 
 
 class Watchdog:
-    """Polls ``newer()`` every ``interval_s``; while armed, a newer generation calls
-    ``unblock()`` once and disarms."""
+    """Waits on its own thread for its bell (``bell()``: blocks until rung, then clears it;
+    ``ring()``); at each ring, while armed with a generation that ``newer(generation)`` says
+    is superseded, calls ``unblock()`` once and disarms. The agent rings the bell when it
+    publishes a generation, so the survivors that were not blocked on the lost peer learn
+    of it at once (a poll every 0.2 s cost them 0.1 s on average, up to 0.2 s, on every
+    recovery). Arming rings it too: a generation published while the watchdog was disarmed
+    is caught then. Stopped before the process ends: a daemon thread caught inside a store
+    call as the interpreter exits can hang it."""
 
-    def __init__(self, newer: Callable[[int], bool], unblock: Callable[[frozenset[int]], None],
-                 interval_s: float = 0.2) -> None:
+    def __init__(self, bell: Callable[[], None], ring: Callable[[], None],
+                 newer: Callable[[int], bool], unblock: Callable[[Sockets], None],
+                 join_s: float = 5.0) -> None:
+        self._bell = bell
+        self._ring = ring
         self._newer = newer
         self._unblock = unblock
-        self._interval = interval_s
+        self._join_s = join_s
         self._lock = threading.Lock()
-        self._armed: tuple[int, frozenset[int]] | None = None
-        self._stop = threading.Event()
+        self._armed: tuple[int, Sockets] | None = None
+        self._stopped = False
         self._thread = threading.Thread(target=self._loop, name="chameleon-watchdog",
                                         daemon=True)
         self._thread.start()
+        atexit.register(self.stop)   # also when the script ends without closing its trainer
 
-    def arm(self, generation: int, sockets: frozenset[int]) -> None:
+    def arm(self, generation: int, sockets: Sockets) -> None:
         with self._lock:
             self._armed = (generation, sockets)
+        self._ring()
 
     def disarm(self) -> None:
         """Before the groups are destroyed: from now on their fds may be reused."""
@@ -88,20 +139,35 @@ class Watchdog:
             self._armed = None
 
     def stop(self) -> None:
-        self._stop.set()
+        atexit.unregister(self.stop)
         self.disarm()
+        if self._stopped:
+            return
+        self._stopped = True
+        try:
+            self._ring()
+        except RuntimeError as exc:   # the agent is gone, and the wait with it
+            log.debug("watchdog cannot be woken to stop: %s", exc)
+        self._thread.join(self._join_s)
 
     def _loop(self) -> None:
-        while not self._stop.wait(self._interval):
+        while not self._stopped:
+            try:
+                self._bell()
+            except dist.DistStoreError:   # a long wait's timeout: wait again
+                continue
+            except RuntimeError as exc:   # the agent is gone: PDEATHSIG follows
+                log.debug("watchdog cannot read the channel: %s", exc)
+                return
             with self._lock:
                 armed = self._armed
-                if armed is None:
+                if armed is None or self._stopped:
                     continue
                 try:
                     newer = self._newer(armed[0])
-                except Exception as exc:  # noqa: BLE001 - the agent is gone: PDEATHSIG follows
+                except RuntimeError as exc:
                     log.debug("watchdog cannot read the channel: %s", exc)
-                    continue
+                    return
                 if newer:
                     log.info("generation %d is superseded: unblocking its groups", armed[0])
                     self._unblock(armed[1])

@@ -29,7 +29,7 @@ from torch import nn
 
 from chameleon_elastic.plan import ExecutionPlan
 
-from .abort import GroupSockets, new_sockets
+from .abort import new_sockets, world_sockets
 from .checkpoint import latest_step
 from .commit import Agreement, Row, agree
 from .errors import PeerLost, PipelineRuntimeError
@@ -59,11 +59,14 @@ class Entry:
     moved_bytes: float
     transfer_s: float
     redone_steps: int
+    agree_s: float = 0.0   # the all-gather, the agreement and a roll forward
+    rebuild_s: float = 0.0   # the plan's groups, executor and orders
 
 
 def enter(t: TrainerState, plan: ExecutionPlan, reported: int | None) -> Entry:
     """Agree, restore, move and rebuild for ``plan`` (collective over its world).
     ``reported``: the last step the agents know was reported (None: unknown)."""
+    agreeing = time.perf_counter()
     t.phases(-1 if t.committed is None else t.committed, "enter")
     plan.validate()
     if plan.num_layers != t.model.num_layers:
@@ -85,11 +88,12 @@ def enter(t: TrainerState, plan: ExecutionPlan, reported: int | None) -> Entry:
         _roll_forward(t, agreement)
     began = time.perf_counter()
     source, moved_layers, moved_bytes = restore(t, plan, rows, agreement, ranks)
-    transfer_s = time.perf_counter() - began
+    moved = time.perf_counter()
     t.synced = None
     redone = _settle_reporting(t, source, agreement, reported)
     _build(t, plan, ranks)
-    return Entry(t.committed, source, rolled, moved_layers, moved_bytes, transfer_s, redone)
+    return Entry(t.committed, source, rolled, moved_layers, moved_bytes, moved - began, redone,
+                 agree_s=began - agreeing, rebuild_s=time.perf_counter() - moved)
 
 
 def release_groups(t: TrainerState) -> None:
@@ -106,6 +110,7 @@ def release_groups(t: TrainerState) -> None:
         except (RuntimeError, ValueError):
             pass
         t.save_group = None
+    t.group_sockets = t.unit_sockets = frozenset()   # closed with their groups
 
 
 def _roll_forward(t: TrainerState, agreement: Agreement) -> None:
@@ -185,8 +190,7 @@ def _build(t: TrainerState, plan: ExecutionPlan, ranks: RankMap) -> None:
     rank_sets += [rs for tie in t.ties for rs in ranks.every_tp_rank(tie.devices)]
     with new_sockets() as sockets:
         t.groups = GroupTable(rank_sets, timeout=t.timeouts.delta("collective_s"))
-    t.group_sockets = (frozenset(sockets) | t.unit_sockets
-                       | GroupSockets.get(dist.group.WORLD, frozenset()))
+    t.group_sockets = frozenset(sockets) | t.unit_sockets | world_sockets()
     t.executor, t.orders = None, ()
     if t.device not in plan.working_devices:
         return

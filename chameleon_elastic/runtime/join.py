@@ -13,11 +13,13 @@ join the same way.
 from __future__ import annotations
 
 import os
+import time
+from datetime import timedelta
 from pathlib import Path
 
 import torch.distributed as dist
 
-from chameleon_elastic import channel
+from chameleon_elastic import channel, torch_compat
 from chameleon_elastic.channel import Generation
 from chameleon_elastic.plan import ExecutionPlan
 from chameleon_elastic.timeouts import Timeouts
@@ -28,15 +30,18 @@ from .link import WorkerLink
 
 __all__ = ["init_distributed", "join_generation", "preload_before_groups", "read_plan"]
 
+#: how long one attempt to reach a generation's store lasts before checking for a newer one
+_CONNECT_SLICE_S = 1.0
+
 
 def join_generation(gen: Generation, link: WorkerLink, backend: str, timeouts: Timeouts) -> None:
     """Make ``gen``'s world the default process group, on a store prefix of its own, and make
     this process's environment describe it (RANK, WORLD_SIZE, MASTER_*, CHAMELEON_*)."""
     preload_before_groups()
     device, rank = link.device, gen.rank(link.device, link.tp_rank)
-    store = dist.TCPStore(gen.master_addr, gen.master_port, is_master=False,
-                          timeout=timeouts.delta("store_s"))
+    store = _connect(gen, link, timeouts)
     try:
+        torch_compat.forget_failed_group_names()
         with new_sockets() as sockets:
             dist.init_process_group(backend, store=dist.PrefixStore(gen.prefix, store),
                                     rank=rank, world_size=gen.world_size,
@@ -57,6 +62,29 @@ def join_generation(gen: Generation, link: WorkerLink, backend: str, timeouts: T
                    CHAMELEON_POLICY=plan.policy, CHAMELEON_PLAN_FILE=gen.plan_file,
                    CHAMELEON_TP_GROUP_RANKS=",".join(map(str, gen.unit_ranks(device))))
     os.environ.update(env)
+
+
+def _connect(gen: Generation, link: WorkerLink, timeouts: Timeouts) -> dist.TCPStore:
+    """A client of ``gen``'s worker store. A generation superseded before this worker reached
+    it (a second loss right after the first) has its store closed already, and torch's client
+    would retry the refused connection for the whole store timeout; so it tries in short
+    slices and gives up on the generation as soon as a newer one is published."""
+    deadline = time.monotonic() + timeouts.store_s
+    while True:
+        try:
+            store = dist.TCPStore(gen.master_addr, gen.master_port, is_master=False,
+                                  timeout=timedelta(seconds=_CONNECT_SLICE_S))
+        except RuntimeError as exc:   # DistNetworkError, DistStoreError: refused, timed out
+            if link.has(gen.generation + 1):
+                raise PeerLost(f"generation {gen.generation} was superseded while device "
+                               f"{link.device} joined it") from exc
+            if time.monotonic() > deadline:
+                raise PeerLost(f"device {link.device} could not reach the store of generation "
+                               f"{gen.generation} at {gen.master_addr}:{gen.master_port} "
+                               f"within {timeouts.store_s:g} s: {exc}") from exc
+            continue
+        store.set_timeout(timeouts.delta("store_s"))
+        return store
 
 
 def preload_before_groups() -> None:

@@ -18,6 +18,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Mapping
+from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
@@ -82,11 +83,12 @@ class WorkerLink:
             ) from exc
         return cls(store, device, timeouts, address, tp_rank, tp)
 
-    def another(self) -> WorkerLink:
-        """A second connection to the same channel, for another thread."""
+    def another(self, timeout: timedelta | None = None) -> WorkerLink:
+        """A second connection to the same channel, for another thread; ``timeout``: how long
+        its calls may block (the store timeout by default)."""
         host, _, port = self.address.rpartition(":")
         store = dist.TCPStore(host, int(port), is_master=False,
-                              timeout=self.timeouts.delta("store_s"))
+                              timeout=timeout or self.timeouts.delta("store_s"))
         return WorkerLink(store, self.device, self.timeouts, self.address, self.tp_rank, self.tp)
 
     def newest(self) -> int:
@@ -117,6 +119,18 @@ class WorkerLink:
         # the agent writes the generation's key before NEWEST: a worker woken by the key may
         # still read the old NEWEST, and must not join the old generation's (closed) store
         return self.generation(max(self.newest(), than + 1))
+
+    def wait_for_bell(self) -> None:
+        """Block until this worker's bell on the channel rings (``wake/<card>``: its agent
+        rings it after publishing a generation, the worker itself to stop its watchdog),
+        then clear it. A doorbell only: what happened is read elsewhere, after clearing, so
+        no ring is lost."""
+        key = channel.wake_key(self.card)
+        self.store.wait([key])
+        self.store.delete_key(key)
+
+    def ring(self) -> None:
+        channel.write(self.store, channel.wake_key(self.card), True)
 
     def register(self, generation: int) -> None:
         channel.write(self.store, channel.worker_key(self.card),

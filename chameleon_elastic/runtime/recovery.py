@@ -17,11 +17,13 @@ boundary. Costs are for the tiny GPT on 2 CPU cores (benchmarks/recovery.py):
 step      what                                                   cost          bounded by
 ========  =====================================================  ============  ==================
 notice    a peer's death resets its sockets; a survivor that     < 10 ms       collective_s
-          tears its groups down resets them for the next one,
+          shuts its groups' sockets down fails the next one,
           so every survivor's pending transfer fails at once
-abort     destroy (gloo) or abort (nccl/hccl, plugins) every     ~ 10 ms       (never blocks)
-          process group of the abandoned step
-wait      for the agents' next generation on the channel         ~ 0.1 s       generation_s
+abort     shut down every socket of the abandoned step's         ~ 10 ms       (never blocks)
+          groups, then destroy (gloo) or abort (nccl/hccl,
+          plugins) the groups; no garbage collection (0.2 s)
+wait      for the agents' next generation on the channel (a      ~ 30 ms       generation_s
+          store wait: the publication wakes it)
 regroup   ``init_process_group`` on ``chameleon/gen/<N>/``       ~ 50 ms       store_s
 agree     all-gather of one :class:`~.commit.Row` per rank:      ~ 1 ms        collective_s
           resume step, roll forward (commit.py)
@@ -45,18 +47,20 @@ repeats deterministically would otherwise regroup forever, its beats fooling the
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import time
 from dataclasses import replace
+from datetime import timedelta
 from typing import Any
+
+import psutil
 
 from chameleon_elastic import channel
 from chameleon_elastic.channel import Resumed
 from chameleon_elastic.retries import DEFAULT_CAP, FailureStreak
 
-from .abort import Watchdog
+from .abort import Watchdog, world_sockets
 from .commit import StateLost
 from .entering import Entry, enter, release_groups
 from .errors import PipelineRuntimeError, keep_message_only
@@ -66,6 +70,10 @@ from .link import WorkerLink
 __all__ = ["GaveUp", "Recovery"]
 
 log = logging.getLogger("chameleon_elastic.runtime.recovery")
+
+#: how long the watchdog's wait for a generation lasts before it is renewed (a generation
+#: may be hours away; each renewal logs a line)
+WATCH_WAIT = timedelta(hours=1)
 
 
 class GaveUp(PipelineRuntimeError):
@@ -87,6 +95,7 @@ class Recovery:
         self._resumed_at = 0.0
         self.registered = False
         self.watchdog: Watchdog | None = None
+        self._entering = time.time()   # the trainer enters its first plan next
 
     def announced(self) -> bool:
         """True when the agent has published a newer generation (checked at step starts: one
@@ -94,14 +103,19 @@ class Recovery:
         return self.link.has(self.trainer.plan.generation + 1)
 
     def abort(self) -> None:
-        """Tear every group down. Callers hold no exception of the broken step any more (its
-        traceback would keep pending work, hence the group and its sockets, alive); what a
-        cycle still holds is collected, so the sockets close and blocked peers fail now."""
+        """Tear every group down. Their sockets are shut down first (``DeviceBackend.unblock``),
+        so a peer blocked on this process fails now whatever still holds a group: a group
+        closes its sockets only when it is freed, and one held by a reference cycle would
+        wait for a garbage collection (a full one costs 0.2-0.3 s with torch loaded, on the
+        path of every recovery). Callers hold no exception of the broken step any more."""
         if self.watchdog is not None:
             self.watchdog.disarm()   # the groups' descriptors are about to be closed
+        # the world's own, too: a generation that failed while being entered has its world
+        # but not yet the groups that _build records with it
+        self.backend.unblock(self.trainer.group_sockets | self.trainer.unit_sockets
+                             | world_sockets())
         release_groups(self.trainer)
         self.backend.abort_process_groups()
-        gc.collect()
 
     def recover(self, cause: str) -> None:
         """notice -> abort -> wait -> regroup -> agree -> migrate -> rebuild; returns when the
@@ -114,12 +128,14 @@ class Recovery:
         after = self.trainer.plan.generation
         while True:
             gen = self.link.wait_newer(after)
-            began = time.perf_counter()
+            woke_at, began = time.time(), time.perf_counter()
             try:
                 with keep_message_only() as again:
                     join_generation(gen, self.link, self.backend.dist_backend,
                                     self.link.timeouts)
-                    entry = enter(self.trainer, read_plan(gen.plan_file), gen.reported)
+                    plan = read_plan(gen.plan_file)
+                    regroup_s = time.perf_counter() - began
+                    entry = enter(self.trainer, plan, gen.reported)
             except StateLost as lost:
                 self.link.ended(str(lost))
                 raise
@@ -133,8 +149,7 @@ class Recovery:
             # would otherwise form the next generation, and everyone would wait for it
             self.link.trouble(gen.generation)
             after = gen.generation
-        self.started(entry, regroup_s=time.perf_counter() - began - entry.transfer_s,
-                     noticed_at=noticed_at)
+        self.started(entry, regroup_s, noticed_at=noticed_at, woke_at=woke_at)
 
     def failed(self, generation: int, cause: str) -> None:
         """``generation`` was abandoned; past the cap of such in a row, end the job."""
@@ -144,14 +159,25 @@ class Recovery:
             self.link.ended(sentence)
             raise GaveUp(sentence)
 
-    def started(self, entry: Entry, regroup_s: float, noticed_at: float | None) -> None:
-        """Remember how this generation was entered; reported after its first step commits."""
+    def first_entry(self, entry: Entry) -> None:
+        """The plan this process entered as it started: it learned of the generation when it
+        started, and its start-up (imports, joining the world) is its regroup."""
+        created = psutil.Process().create_time()
+        self.started(entry, max(0.0, self._entering - created), noticed_at=None,
+                     woke_at=created)
+
+    def started(self, entry: Entry, regroup_s: float, noticed_at: float | None,
+                woke_at: float) -> None:
+        """Remember how this generation was entered (``woke_at``: when this process learned
+        of it; ``regroup_s``: from then until it entered the plan); reported after its first
+        step commits."""
         self._pending = Resumed(
             device=self.link.card, pid=os.getpid(), generation=self.trainer.plan.generation,
             resumed_step=entry.resume, source=entry.source, regroup_s=regroup_s,
             transfer_s=entry.transfer_s, first_step_s=0.0, moved_layers=entry.moved_layers,
             moved_bytes=entry.moved_bytes, rolled_forward=entry.rolled_forward,
-            redone_steps=entry.redone_steps, noticed_at=noticed_at)
+            redone_steps=entry.redone_steps, noticed_at=noticed_at, woke_at=woke_at,
+            agree_s=entry.agree_s, rebuild_s=entry.rebuild_s)
         self._resumed_at = time.perf_counter()
         if self.registered:
             self.link.register(self.trainer.plan.generation)
@@ -164,8 +190,9 @@ class Recovery:
         self.registered = True
         self.link.register(self.trainer.plan.generation)
         if self.watchdog is None:
-            side = self.link.another()
-            self.watchdog = Watchdog(lambda g: side.has(g + 1), self.backend.unblock)
+            side = self.link.another(timeout=WATCH_WAIT)   # it waits for the next generation
+            self.watchdog = Watchdog(side.wait_for_bell, self.link.ring,
+                                     lambda g: side.has(g + 1), self.backend.unblock)
         self.arm()
 
     def arm(self) -> None:

@@ -38,6 +38,7 @@ from torch import nn
 from chameleon_elastic.plan import AllReduceGroup, ExecutionPlan
 from chameleon_elastic.timeouts import Timeouts
 
+from .abort import Sockets
 from .background_save import BackgroundSave
 from .entering import Entry, enter, release_groups
 from .errors import PeerLost, PipelineRuntimeError, keep_message_only, say_peer_loss_in_one_line
@@ -164,8 +165,8 @@ class PipelineTrainer:
         self.plan = plan
         self.ranks: RankMap = RankMap(())
         self.groups: GroupTable | None = None
-        self.group_sockets: frozenset[int] = frozenset()   # see runtime/abort.py
-        self.unit_sockets: frozenset[int] = frozenset()
+        self.group_sockets: Sockets = frozenset()   # see runtime/abort.py
+        self.unit_sockets: Sockets = frozenset()
         self.executor: PipelineExecutor | None = None
         self.orders: tuple = ()
         self.rounds: tuple[tuple[AllReduceGroup, ...], ...] = ()
@@ -184,7 +185,7 @@ class PipelineTrainer:
             entry = self.enter(plan, None if link is None else link.current().reported)
         if self.recovery is not None:
             if lost.message is None:
-                self.recovery.started(entry, regroup_s=0.0, noticed_at=None)
+                self.recovery.first_entry(entry)
             else:
                 self.recovery.recover(lost.message)
 

@@ -255,3 +255,20 @@ def test_the_others_wait_on_a_one_byte_marker_written_after_the_decision(session
     coordination.publish(store, "r1/", decision)
     assert store.get("r1/decided") == b"1"
     assert coordination.adopt(store, "r1/", timeout_s=5) == decision
+
+
+def test_a_node_without_the_reporter_knows_the_reported_steps_from_its_workers_commits():
+    """The reporter's node is gone: the survivors' report still says which steps the job had
+    reported (one before the last their own workers committed), so a start over from step 0
+    says it trains them again instead of nothing."""
+    import json
+
+    from chameleon_elastic import channel
+
+    store = dist.HashStore()
+    assert NodeReport.gather(1, (), (2,), True, {}, store, cards=(2, 3)).reported is None
+    store.set(channel.steps_key(2), json.dumps({"recent": [[11, 0.2], [12, 0.2]]}))
+    store.set(channel.steps_key(3), json.dumps({"recent": [[10, 0.2]]}))
+    assert NodeReport.gather(1, (), (2,), True, {}, store, cards=(2, 3)).reported == 11
+    channel.write(store, channel.REPORTED, 12)   # the reporter runs here: its word counts
+    assert NodeReport.gather(1, (), (2,), True, {}, store, cards=(2, 3)).reported == 12

@@ -18,6 +18,8 @@ import time
 import numpy as np
 import pytest
 
+from chameleon_elastic.launcher.reporter import RECOVERY_PHASES
+
 from .conftest import (
     MLP_FAULTS,
     assert_single_process_results,
@@ -80,7 +82,16 @@ def test_fault_in_every_phase_recovers_in_place_with_single_process_results(
     if rolled is not None:
         assert set(r["rolled_forward"]) == rolled and r["resumed_step"] == 4
     assert all(e["restarts_used"] == 0 for e in recovered)
+    _assert_phases_cover_the_path(r)
     assert "Traceback" not in run.log.read_text()
+
+
+def _assert_phases_cover_the_path(recovered: dict) -> None:
+    """The ``recovered`` event's phases follow one another from the fault to the first new
+    step committed: none is missing and they leave nothing unnamed (clock reads apart)."""
+    phases = [recovered[f"{name}_s"] for name in RECOVERY_PHASES]
+    assert None not in phases and min(phases) >= -0.01, recovered
+    assert sum(phases) == pytest.approx(recovered["total_s"], abs=0.05), recovered
 
 
 def _reported(out) -> list[dict]:
@@ -101,7 +112,8 @@ def test_two_failures_in_a_row_are_both_recovered_in_place(tmp_path, launch):
     # the measured cost of an in-place transition, for the planner (--profile)
     measured = json.loads(profile.read_text())["cluster"]["regroup_s"]
     assert measured > 0
-    assert measured == pytest.approx(statistics.median(e["regroup_s"] for e in recovered))
+    assert measured == pytest.approx(statistics.median(
+        e["regroup_s"] + e["agree_s"] + e["rebuild_s"] for e in recovered))
 
 
 @pytest.mark.timeout(90)
@@ -221,6 +233,8 @@ def test_a_device_that_comes_back_joins_in_place_and_receives_its_layers(tmp_pat
     assert [e["mode"] for e in recovered] == ["inplace", "inplace"]
     assert recovered[0]["reason"] == "device_lost" and recovered[0]["started_devices"] == []
     assert recovered[1]["reason"] == "device_rejoined" and recovered[1]["started_devices"] == [2]
+    for r in recovered:   # the second one's last worker to resume may be the started one
+        _assert_phases_cover_the_path(r)
     assert_single_process_results(out, [0, 1, 2, 3], 14, restarted=(2,))
     assert "Traceback" not in run.log.read_text()
 
@@ -238,6 +252,7 @@ def test_recovery_relaunch_restarts_everyone_from_the_checkpoint(tmp_path, launc
         assert len((out / f"pid-{device}").read_text().split()) == 2   # relaunched
     r = [e for e in read_events(state / "events.jsonl") if e["event"] == "recovered"][-1]
     assert r["mode"] == "relaunch" and r["source"] == "checkpoint" and r["resumed_step"] == 4
+    _assert_phases_cover_the_path(r)   # a started process: its start-up is its regroup
 
 
 @pytest.mark.timeout(90)

@@ -1,0 +1,68 @@
+"""Joining a plan generation (runtime/join.py) and the sockets recovery shuts down
+(runtime/abort.py), on real TCPStores and real sockets, in one process."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch.distributed as dist
+
+from chameleon_elastic import channel
+from chameleon_elastic.channel import Generation
+from chameleon_elastic.runtime.abort import new_sockets, shut_down
+from chameleon_elastic.runtime.errors import PeerLost
+from chameleon_elastic.runtime.join import join_generation
+from chameleon_elastic.runtime.link import WorkerLink
+from chameleon_elastic.timeouts import Timeouts
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.timeout(30)
+def test_a_generation_superseded_before_the_worker_reached_it_is_given_up_at_once():
+    """Generation 1's store is closed (generation 2 replaced it 10 ms after it was published,
+    while this worker was still on its way): joining it fails with PeerLost as soon as the
+    newer generation is seen, instead of retrying the refused connection for the whole store
+    timeout (60 s here; the test's limit is 30 s)."""
+    agent = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    timeouts = Timeouts(store_s=60.0)
+    link = WorkerLink(dist.TCPStore("127.0.0.1", agent.port, is_master=False), 0, timeouts,
+                      f"127.0.0.1:{agent.port}")
+    stale = Generation(1, "plan-gen1.json", "127.0.0.1", _closed_port(), (0, 1))
+    channel.write(agent, channel.generation_key(2),
+                  Generation(2, "plan-gen2.json", "127.0.0.1", agent.port, (0,)))
+    with pytest.raises(PeerLost, match="generation 1 was superseded"):
+        join_generation(stale, link, "gloo", timeouts)
+    assert not dist.is_initialized()
+
+
+def test_shut_down_cuts_recorded_sockets_but_not_a_socket_that_reused_a_descriptor():
+    """A group's sockets close with the group and their descriptor numbers go to the next
+    sockets opened (the next generation's store client, say): shutting the recorded sockets
+    down must cut those still open and leave the one that took over a number working."""
+    with new_sockets() as recorded:
+        gone, gone_peer = socket.socketpair()
+        live, live_peer = socket.socketpair()
+    reused_fd = gone.fileno()
+    gone.close()
+    gone_peer.close()
+    new, new_peer = socket.socketpair()
+    extra = None
+    if reused_fd not in (new.fileno(), new_peer.fileno()):   # make the number name it
+        extra = os.dup2(new.fileno(), reused_fd)
+    try:
+        shut_down(frozenset(recorded))
+        assert live_peer.recv(1) == b""   # cut: the peer sees the connection closed
+        new.sendall(b"ok")
+        assert new_peer.recv(2) == b"ok"
+    finally:
+        if extra is not None:
+            os.close(extra)
+        for s in (live, live_peer, new, new_peer):
+            s.close()
