@@ -288,7 +288,7 @@ def _host(first: int, last: int, nodes: int, victim: int, endpoints: str, ttl: i
     from chameleon_elastic.rendezvous.config import EtcdSettings
     from chameleon_elastic.rendezvous.liveness import list_nodes
 
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("fork")   # before this process opens any gRPC channel: no new start
     stop, killed, spoiled, connected = (ctx.Event() for _ in range(4))
     inbox = ctx.Queue()
     keeper = ctx.Process(target=_keeper, daemon=True,
