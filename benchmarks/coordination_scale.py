@@ -1,25 +1,38 @@
 """The agents' quick-round coordination at 256-1024 simulated nodes, on a real etcd cluster.
 
-Each simulated node is one agent thread with what a production agent holds: its own etcd
-client, a lease kept alive and a watch on the run's nodes (``launcher.node_watch.NodeWatch``),
-and the rendezvous store (``EtcdStore`` under torch's ``PrefixStore``). Workers are faked: each
-node reports 8 live devices. One node is killed (its keep-alive stops, so its lease expires
-after the TTL; ``--kill revoke`` revokes it instead) and every other agent runs the real
-recovery path: ``Rounds.quick`` then ``coordination.agree(quick=True)``, the lowest node
-deciding with the real planner (a ``JobSession`` on the Llama-2-7B spec of
-``planner_latency.py`` scaled to 8 devices per node; cold, no plan cache: the worst case).
+Each simulated node holds what a production agent holds on etcd: its own lease and node key
+(granted by ``NodeLiveness``), its own watch on the run's nodes (events applied by
+``NodeLiveness``'s bookkeeping), and the round's store (``EtcdStore`` under torch's
+``PrefixStore``). Workers are faked: each node reports 8 live devices. One node is killed (its
+keep-alive stops, so its lease expires after the TTL; ``--kill revoke`` revokes it instead) and
+every other agent, on its own thread, runs the real recovery path: ``Rounds.quick`` then
+``coordination.agree(quick=True)``, the lowest node deciding with the real planner (a
+``JobSession`` on the Llama-2-7B spec of ``planner_latency.py`` scaled to 8 devices per node;
+cold, no plan cache: the worst case).
 
-Reported: kill -> every agent adopted, split into detection (the lease's expiry seen by the
+What is lighter than production, so that 1024 agents fit on two cores (a thread set per agent
+made 1300 threads at 256 agents and took etcd down), and why it does not change what is
+measured (etcd's requests, watchers and bytes are those of production):
+
+- the agents of one process share ``--channels`` etcd clients: each agent's watch is still its
+  own etcd watcher, multiplexed on its client's stream (fewer watch streams than production);
+- one keep-alive process per host refreshes every lease of its agents at ttl / 3, the requests
+  production makes, instead of a thread per agent (behind hundreds of agent threads on one GIL
+  a refresh outlived the TTL); the self-fencing expiry check is not on the measured path;
+- one process parses the decision and adopts the plan once for its agents; that per-agent CPU
+  (parallel on real nodes) is measured and reported beside the adoption;
+- ``rpc_timeout`` is 60 s and the quick round's limit 120 s: requests queue behind a thousand
+  agents' on two cores.
+
+Reported: kill -> every agent adopted, split into detection (the lease's deletion seen by the
 agents' watches), reports (the last agent seeing the loss -> the decider holding every report),
-decision (the planner), publication (fenced record + ``decision`` key) and adoption (published
--> the last agent adopted); and etcd's load over the steady state and the recovery window
-(gRPC requests per second, summed over the members' ``/metrics``, and the watchers).
+decision (the planner), publication (fenced record + ``decision`` and ``decided`` keys) and
+adoption (published -> the last agent adopted); etcd's load over the steady state and the
+round (requests per second, bytes sent, summed over the members' ``/metrics``, and the
+watchers); and the CPU that etcd and the agents used during the round.
 
-Agents run as threads in ``--procs`` processes (spawned): one Python process cannot drive
-1024 agents' keep-alive, watch and poll threads on its own GIL without its own scheduling
-delays dominating the figures (compare ``--procs 1`` with the default).
-
-    python benchmarks/coordination_scale.py [--nodes 256,1024] [--members 3] [--json]
+    python benchmarks/coordination_scale.py [--nodes 256,1024] [--members 3] [--procs 4]
+        [--channels 16] [--ttl 5] [--steady 10] [--kill expiry|revoke] [--json]
 """
 
 from __future__ import annotations
@@ -28,6 +41,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import queue
 import statistics
 import sys
 import tempfile
@@ -50,26 +64,27 @@ def spec_for(nodes: int) -> Any:
 
 
 def _params(endpoints: str, nodes: int, ttl: int) -> Any:
+    """The agents' rendezvous parameters. ``rpc_timeout`` 60 s (5 s in production): a request
+    queued behind a thousand agents' on two cores outlives 5 s, and etcd 3.5.1 (the one
+    bundled here) panics when a read-only transaction's deadline passes while it runs
+    ("unexpected error during txn"), which takes a member down."""
     from torch.distributed.elastic.rendezvous import RendezvousParameters
 
     return RendezvousParameters(backend="etcd-v3", endpoint=endpoints, run_id=RUN_ID,
-                                min_nodes=1, max_nodes=nodes, lease_ttl=str(ttl))
+                                min_nodes=1, max_nodes=nodes, lease_ttl=str(ttl),
+                                rpc_timeout="60")
 
 
-def _stores(params: Any) -> tuple[Any, Any, Any]:
-    """(client, the round's store as torch hands it to agents: a PrefixStore on EtcdStore, and
-    the EtcdStore, which the caller keeps referenced: torch's bridge forwards its extended
-    calls such as compare_set only while the Python object lives, as the handler's does)."""
+def _stores(client: Any) -> tuple[Any, Any]:
+    """(the round's store as torch hands it to agents: a PrefixStore on EtcdStore, and the
+    EtcdStore, which the caller keeps referenced: torch's bridge forwards its extended calls
+    such as compare_set only while the Python object lives, as the handler's does)."""
     import torch.distributed as dist
 
-    from chameleon_elastic.rendezvous.client import EtcdClient
-    from chameleon_elastic.rendezvous.config import EtcdSettings
     from chameleon_elastic.rendezvous.store import EtcdStore
 
-    settings = EtcdSettings.from_config(params.endpoint, dict(params.config))
-    client = EtcdClient(settings)
-    etcd_store = EtcdStore(client, settings.run_prefix(RUN_ID))
-    return client, dist.PrefixStore(f"torch.rendezvous.{RUN_ID}.0", etcd_store), etcd_store
+    etcd_store = EtcdStore(client, client.settings.run_prefix(RUN_ID))
+    return dist.PrefixStore(f"torch.rendezvous.{RUN_ID}.0", etcd_store), etcd_store
 
 
 class Clock:
@@ -94,100 +109,271 @@ class Clock:
         setattr(module, name, timed)
 
 
-def _agent(node: int, nodes: int, params: Any, session: Any, plan_dir: Path, ready: Any,
-           starting: threading.Semaphore, kill: threading.Event | None,
-           out: dict[str, Any]) -> None:
-    """One simulated agent: lease, watch, store; on another node's loss, the quick round.
-    ``kill``: set for the victim only, which stops its keep-alive when told."""
-    import copy
+def _share_local_work(local: dict[str, float]) -> None:
+    """Within one host process, parse each decision once and adopt each plan once.
 
-    from chameleon_elastic.launcher import coordination
-    from chameleon_elastic.launcher.node_watch import NodeWatch
-    from chameleon_elastic.launcher.rounds import Rounds
-
-    with starting:   # a few at a time: a thousand simultaneous connects starve the keep-alives
-        client, store, _etcd_store = _stores(params)
-        watch = NodeWatch(params, node).start()
-    if node != 0:   # followers adopt: a shallow copy of the process's session, own plan dir
-        session = copy.copy(session)
-        session.plan_dir, session.excluded = plan_dir / f"node{node}", set()
-    rounds = Rounds(SimpleNamespace(backend="etcd-v3", max_nodes=nodes), None, None, None)
-    rounds._last_info, rounds.nodes = SimpleNamespace(store=store), tuple(range(nodes))
-    ready.put(node)
-    try:
-        if kill is not None:   # the victim: keep-alive stops; the lease expires (or is revoked)
-            kill.wait()
-            out["killed"] = time.monotonic()
-            watch._live.stop(revoke=out.get("revoke", False))
-            return
-        while True:   # what the agent's monitor loop does, but woken by the watch's queue
-            event = watch._live.events.get()
-            watch._live.events.put(event)
-            lost, _ = watch.changes()
-            if lost:
-                break
-        out["detected"] = time.monotonic()
-        _, members = rounds.quick(node, watch.alive)
-        mine = coordination.NodeReport(node, (), tuple(range(node * DEVICES_PER_NODE,
-                                                             (node + 1) * DEVICES_PER_NODE)),
-                                       True)
-        decision, _ = coordination.agree(store, rounds.scope(), members, mine, session, True,
-                                         DEVICES_PER_NODE, 120.0, quick=True)
-        out["adopted"] = time.monotonic()
-        out["generation"] = decision.plan.generation if decision.plan else None
-        out["excluded"] = len(decision.excluded)
-    except Exception as exc:  # noqa: BLE001 - reported to the parent, which fails the run
-        out["error"] = f"{type(exc).__name__}: {exc}"
-    finally:
-        if "killed" not in out:
-            watch.close()
-        client.close()
-
-
-def _host(first: int, last: int, nodes: int, victim: int, endpoints: str, ttl: int,
-          plan_dir: str, ready: Any, orders: Any, results: Any) -> None:
-    """One process hosting agents ``first..last-1`` as threads."""
+    On real nodes every agent parses the decision (``Decision.from_json``) and adopts the plan
+    (``JobSession.adopt``: the plan file) on its own cores, in parallel; here a thousand of
+    them would queue on two cores (0.3 s of CPU each at 8192 devices: five minutes in all),
+    which measures this machine, not the protocol. So the first agent of a process does the
+    real work, its thread's CPU time is kept in ``local`` (the per-agent cost reported
+    beside the adoption), and the others get the same result. Every agent still reads the
+    bytes from etcd, which is what etcd's load and the adoption's wire time are made of."""
     from chameleon_elastic.launcher import coordination
     from chameleon_elastic.launcher.session import JobSession
 
-    clock = Clock()
+    parsed: dict[Any, Any] = {}
+    adopted: dict[Any, Any] = {}
+    real_parse, real_adopt = coordination.Decision.from_json, JobSession.adopt
+    lock = threading.Lock()
+
+    def from_json(text: str | bytes) -> Any:
+        key = bytes(text) if not isinstance(text, str) else text
+        with lock:
+            if key not in parsed:
+                start = time.thread_time()
+                parsed[key] = real_parse(text)
+                local["parse_cpu_s"] = max(local.get("parse_cpu_s", 0.0),
+                                           time.thread_time() - start)
+            return parsed[key]
+
+    def adopt(self: Any, plan: Any, excluded: Any, speeds: Any = None) -> Any:
+        key = (plan.generation, tuple(sorted(excluded)))
+        with lock:
+            if key not in adopted:
+                start = time.thread_time()
+                adopted[key] = real_adopt(self, plan, excluded, speeds)
+                local["adopt_cpu_s"] = time.thread_time() - start
+                return adopted[key]
+        self.plan, self.excluded = plan, set(excluded)   # what the real one leaves behind
+        return adopted[key]
+
+    coordination.Decision.from_json = staticmethod(from_json)   # type: ignore[method-assign]
+    JobSession.adopt = adopt   # type: ignore[method-assign]
+
+
+def _note_reports() -> dict[int, float]:
+    """When each agent's report was written (``coordination.report``), by node."""
+    from chameleon_elastic.launcher import coordination
+
+    at: dict[int, float] = {}
+    inner = coordination.report
+
+    def report(store: Any, scope: str, key: int, mine: Any) -> None:
+        inner(store, scope, key, mine)
+        at[key] = time.monotonic()
+
+    coordination.report = report
+    return at
+
+
+class Agent:
+    """One simulated node: its lease and node key (``NodeLiveness``, registered, not started:
+    its three threads are replaced by the host's shared keep-alive and watch dispatch), its
+    own watch on the run's nodes, its store, and on another node's loss the quick round."""
+
+    def __init__(self, node: int, nodes: int, client: Any, params: Any, session: Any) -> None:
+        from chameleon_elastic.launcher.rounds import Rounds
+        from chameleon_elastic.rendezvous.liveness import NodeLiveness
+
+        self.node, self.nodes, self.client, self.session = node, nodes, client, session
+        self.out: dict[str, Any] = {}
+        self.thread: threading.Thread | None = None
+        self.closing = False
+        self.live = NodeLiveness(client, client.settings.run_prefix(RUN_ID), f"node-{node}",
+                                 info={"node": node}, ttl=client.settings.lease_ttl,
+                                 on_event=self._on_event)
+        self.store, self.etcd_store = _stores(client)
+        self.rounds = Rounds(SimpleNamespace(backend="etcd-v3", max_nodes=nodes), None, None, None)
+        self.rounds._last_info, self.rounds.nodes = SimpleNamespace(store=self.store), \
+            tuple(range(nodes))
+        self.params = params
+
+    def alive(self) -> set[int]:
+        """``NodeWatch.alive``: the nodes this agent's watch last saw holding their lease."""
+        return {int(info["node"]) for info in self.live.members().values() if "node" in info}
+
+    def watch(self, listing: dict[str, dict[str, Any]], revision: int) -> None:
+        """This agent's own etcd watch on the nodes prefix, from the revision of ``listing``:
+        events go to ``NodeLiveness._apply_event`` (the real bookkeeping), on the shared
+        client's watch-dispatch thread."""
+        self.live._apply_listing(listing, revision)
+
+        def on_response(response: Any) -> None:
+            if getattr(response, "events", None) is None:   # the stream broke
+                if not self.closing:   # not the host's own close at the end
+                    self.out.setdefault("error", f"node watch broke: {response}")
+                return
+            for event in response.events:
+                self.live._apply_event(event, int(response.header.revision))
+
+        prefix = self.live._prefix
+        self.client.call("watch nodes", lambda c: c.add_watch_prefix_callback(
+            prefix, on_response, start_revision=revision + 1))
+
+    def _on_event(self, event: Any) -> None:
+        """A node left: note when, and run the recovery on the agent's own thread (the
+        production agent's monitor loop does the same on its own)."""
+        if event.kind != "left" or event.node_id == self.live.node_id or self.thread:
+            return
+        self.out["detected"], self.out["trigger"] = time.monotonic(), event.node_id
+        self.thread = threading.Thread(target=self.recover, daemon=True,
+                                       name=f"agent-{self.node}")
+        self.thread.start()
+
+    def recover(self) -> None:
+        from chameleon_elastic.launcher import coordination
+
+        try:
+            _, members = self.rounds.quick(self.node, self.alive)
+            devices = tuple(range(self.node * DEVICES_PER_NODE,
+                                  (self.node + 1) * DEVICES_PER_NODE))
+            mine = coordination.NodeReport(self.node, (), devices, True)
+            decision, _ = coordination.agree(self.store, self.rounds.scope(), members, mine,
+                                             self.session, True, DEVICES_PER_NODE, 120.0,
+                                             quick=True)
+            self.out["adopted"] = time.monotonic()
+            self.out["generation"] = decision.plan.generation if decision.plan else None
+            self.out["excluded"] = len(decision.excluded)
+        except Exception as exc:  # noqa: BLE001 - reported to the parent, which fails the run
+            self.out["error"] = f"{type(exc).__name__}: {exc}"
+
+
+def _keeper(endpoints: str, ttl: int, connected: Any, inbox: Any, victim: int, killed: Any,
+            stop: Any, spoiled: Any, ready: Any) -> None:
+    """Refresh each lease every ttl / 3, spread evenly over that interval: the production
+    keep-alive's requests (one ``LeaseKeepAlive`` call per lease per ttl / 3), from one
+    process per host instead of a thread per agent. Its own process: in the host, behind a
+    few hundred agent threads taking turns on the GIL during the round, a refresh could wait
+    longer than the TTL. A lease found expired (the victim's after ``killed`` aside) spoils the
+    run: say so to the parent and stop. It sets ``connected`` once it can reach etcd (the host
+    grants no lease before), then receives the host's (node, lease) pairs on ``inbox``."""
+    from chameleon_elastic.rendezvous.client import ETCD_FAILURES, EtcdClient
+    from chameleon_elastic.rendezvous.config import EtcdSettings
+
+    params = _params(endpoints, 2, ttl)
+    client = EtcdClient(EtcdSettings.from_config(params.endpoint, dict(params.config)))
+    connected.set()
+    leases: list[tuple[int, int]] = inbox.get()
+    interval = ttl / 3.0
+    while not stop.is_set():
+        start = time.monotonic()
+        for i, (node, lease) in enumerate(leases):
+            if stop.wait(max(0.0, start + i * interval / len(leases) - time.monotonic())):
+                return
+            if node == victim and killed.is_set():
+                continue
+            try:
+                answers = client.call("lease keep-alive",
+                                      lambda c, lid=lease: list(c.refresh_lease(lid)), timeout=ttl)
+                why = "" if answers and all(a.TTL > 0 for a in answers) else "lease expired"
+            except ETCD_FAILURES as exc:
+                why = f"keep-alive failed ({exc})"
+            if why and not stop.is_set() and not (node == victim and killed.is_set()):
+                spoiled.set()
+                ready.put(("spoiled", f"node {node}'s {why} before every agent adopted"))
+                return
+        stop.wait(max(0.0, start + interval - time.monotonic()))
+
+
+def _host(first: int, last: int, nodes: int, victim: int, endpoints: str, ttl: int,
+          channels: int, plan_dir: str, ready: Any, orders: Any, results: Any) -> None:
+    """One process hosting agents ``first..last-1`` on ``channels`` shared etcd clients,
+    one keep-alive thread per client and each client's one watch-dispatch thread."""
+    import copy
+
+    from chameleon_elastic.launcher import coordination
+    from chameleon_elastic.launcher.session import JobSession
+    from chameleon_elastic.rendezvous.client import EtcdClient
+    from chameleon_elastic.rendezvous.config import EtcdSettings
+    from chameleon_elastic.rendezvous.liveness import list_nodes
+
+    ctx = mp.get_context("fork")   # before this process opens any gRPC channel: no new start
+    stop, killed, spoiled, connected = (ctx.Event() for _ in range(4))
+    inbox = ctx.Queue()
+    keeper = ctx.Process(target=_keeper, daemon=True,
+                         args=(endpoints, ttl, connected, inbox, victim, killed, stop, spoiled,
+                               ready))
+    keeper.start()
+    clock, local = Clock(), {}
     for name in ("collect", "commit_record", "publish"):
         clock.wrap(coordination, name)
+    reported = _note_reports()
     session = JobSession(spec_for(nodes), "auto", Path(plan_dir) / "decider", cache_depth=0)
     clock.wrap(session, "apply")
+    _share_local_work(local)
     params = _params(endpoints, nodes, ttl)
-    outs: dict[int, dict[str, Any]] = {n: {} for n in range(first, last)}
-    kill, starting = threading.Event(), threading.Semaphore(8)
-    threads = [threading.Thread(target=_agent, daemon=True,
-                                args=(n, nodes, params, session, Path(plan_dir), ready,
-                                      starting, kill if n == victim else None, outs[n]))
-               for n in range(first, last)]
-    for t in threads:
-        t.start()
-    while True:
-        order = orders.get()
-        if order is None:
-            break
-        outs[victim]["revoke"] = order
-        kill.set()
-    for t in threads:
-        t.join(timeout=180)
-    results.put({"outs": outs, "marks": clock.marks})
+    settings = EtcdSettings.from_config(params.endpoint, dict(params.config))
+    clients = [EtcdClient(settings) for _ in range(channels)]
+    agents = []
+    if not connected.wait(300):
+        raise RuntimeError("the keep-alive process did not reach etcd within 300 s")
+    for n in range(first, last):
+        own = session if n == 0 else copy.copy(session)   # followers: own plan dir
+        if n != 0:
+            own.plan_dir, own.excluded = Path(plan_dir) / f"node{n}", set()
+        agent = Agent(n, nodes, clients[n % channels], params, own)
+        agent.live._register()   # the real lease grant and node key
+        agents.append(agent)
+        ready.put(("registered", n))
+    inbox.put([(a.node, a.live.lease_id) for a in agents])
+    orders.get()   # every agent of every host has registered: list once, watch each
+    listing, revision = list_nodes(clients[0], settings.run_prefix(RUN_ID))
+    for agent in agents:
+        agent.watch(listing, revision)
+    ready.put(("watching", first))
+    coordination.QUICK_S = 120.0   # see the module docstring: the agents share two cores
+    order = orders.get()
+    cpu = time.process_time()
+    if order is not None:   # this host holds the victim
+        (victim_agent,) = [a for a in agents if a.node == victim]
+        victim_agent.out["killed"] = time.monotonic()
+        killed.set()
+        if order:
+            victim_agent.live.stop(revoke=True)
+    deadline = time.monotonic() + 240
+    for agent in agents:   # a lease expired before the kill spoils the run: report at once
+        while agent.node != victim and "adopted" not in agent.out and not spoiled.is_set() \
+                and "error" not in agent.out and time.monotonic() < deadline:
+            time.sleep(0.05)
+    cpu = time.process_time() - cpu
+    stop.set()
+    keeper.join(timeout=ttl + 1)
+    for agent in agents:
+        agent.closing = True
+    for c in clients:
+        c.close()
+    for agent in agents:
+        if agent.node != victim and not agent.out:
+            agent.out["error"] = "never saw the lost node"
+        elif agent.node != victim and "adopted" not in agent.out:
+            agent.out.setdefault("error", "no decision adopted within 240 s")
+    for agent in agents:
+        if agent.node in reported:
+            agent.out["reported"] = reported[agent.node]
+    results.put(copy.deepcopy({"outs": {a.node: a.out for a in agents}, "marks": clock.marks,
+                               "local": local, "spoiled": spoiled.is_set(), "cpu_s": cpu}))
+    results.close()
+    results.join_thread()
+    os._exit(0)   # gRPC's and the agents' daemon threads need no orderly exit
 
 
 def etcd_metrics(cluster: Any) -> dict[str, float]:
-    """gRPC requests handled and watchers, summed over the members' ``/metrics``."""
-    total = {"requests": 0.0, "watchers": 0.0, "watch_streams": 0.0}
+    """Summed over the members' ``/metrics``: gRPC requests (messages received: unary calls and
+    each message on a stream, such as a watch creation), RPCs completed, bytes sent to
+    clients, and the watchers and watch streams open."""
+    names = {"grpc_server_msg_received_total": "requests", "process_cpu_seconds_total": "cpu_s", "grpc_server_handled_total": "rpcs",
+             "etcd_network_client_grpc_sent_bytes_total": "sent_bytes",
+             "etcd_debugging_mvcc_watcher_total": "watchers",
+             "etcd_debugging_mvcc_watch_stream_total": "watch_streams"}
+    total = dict.fromkeys(names.values(), 0.0)   # cpu_s: the members' CPU time
     for member in cluster.members:
         with urllib.request.urlopen(f"http://{member.endpoint}/metrics", timeout=5) as r:
             text = r.read().decode()
         for line in text.splitlines():
-            if line.startswith("grpc_server_handled_total"):
-                total["requests"] += float(line.rsplit(" ", 1)[1])
-            elif line.startswith("etcd_debugging_mvcc_watcher_total "):
-                total["watchers"] += float(line.rsplit(" ", 1)[1])
-            elif line.startswith("etcd_debugging_mvcc_watch_stream_total "):
-                total["watch_streams"] += float(line.rsplit(" ", 1)[1])
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            if name in names:
+                total[names[name]] += float(line.rsplit(" ", 1)[1])
     return total
 
 
@@ -202,61 +388,151 @@ def _favour(cluster: Any) -> None:
             return
 
 
-def _rate(a: dict[str, float], b: dict[str, float], seconds: float) -> float:
-    return (b["requests"] - a["requests"]) / max(seconds, 1e-9)
+def _rate(a: dict[str, float], b: dict[str, float], seconds: float,
+          what: str = "requests") -> float:
+    return (b[what] - a[what]) / max(seconds, 1e-9)
 
 
-def run(nodes: int, members: int, procs: int, ttl: int, revoke: bool,
-        say: Any = print, etcd_dir: str | None = None) -> dict[str, Any]:
+def _seed(endpoints: str, nodes: int, ttl: int, plan_dir: str) -> None:
+    """The job's first decision, as the first full round leaves it: every node, generation 0."""
     from chameleon_elastic.launcher import coordination
     from chameleon_elastic.launcher.session import JobSession
+    from chameleon_elastic.rendezvous.client import EtcdClient
+    from chameleon_elastic.rendezvous.config import EtcdSettings
+
+    params = _params(endpoints, nodes, ttl)
+    client = EtcdClient(EtcdSettings.from_config(params.endpoint, dict(params.config)))
+    store, _etcd_store = _stores(client)
+    session = JobSession(spec_for(nodes), "auto", Path(plan_dir) / "seed", cache_depth=0)
+    first = coordination.Decision(session.plan, (), tuple(session.plan.working_devices),
+                                  True, nodes=tuple(range(nodes)))
+    coordination.commit_record(store.underlying_store, "", first)
+    client.close()
+
+
+def _unspoiled(said: tuple[str, Any]) -> None:
+    """A host's message: an agent registered, a host watching, or a lease expired before the
+    kill (which ends the run: the leases of an overloaded machine, not the protocol)."""
+    if said[0] == "spoiled":
+        raise RuntimeError(f"{said[1]}: the machine was overloaded; run again with a longer "
+                           "--ttl")
+
+
+def _simulate(cluster: Any, nodes: int, procs: int, channels: int, ttl: int, revoke: bool,
+              steady: float, plan_dir: str, say: Any) -> tuple[list[dict[str, Any]], list[Any]]:
+    """Start the hosts, register and watch, measure the steady state, kill one node and
+    collect every host's results; returns (results, [steady start, steady end, round end]
+    metrics and times)."""
+    ctx = mp.get_context("spawn")
+    victim = nodes // 2
+    ready, results = ctx.Queue(), ctx.Queue()
+    bounds = [(i * nodes // procs, (i + 1) * nodes // procs) for i in range(procs)]
+    orders = [ctx.Queue() for _ in bounds]
+    hosts = [ctx.Process(target=_host,   # not daemonic: each starts its keep-alive process
+                         args=(lo, hi, nodes, victim, cluster.endpoints, ttl, channels,
+                               plan_dir, ready, orders[i], results))
+             for i, (lo, hi) in enumerate(bounds)]
+    t0 = time.monotonic()
+    for h in hosts:
+        h.start()
+    try:
+        got = _drive(cluster, nodes, ttl, revoke, steady, say, t0, hosts, ready, results,
+                     orders, bounds)
+    except BaseException:
+        for h in hosts:
+            h.kill()
+        raise
+    for h in hosts:
+        h.join(timeout=30)
+        if h.is_alive():
+            h.kill()
+    return got
+
+
+def _next(ready: Any, hosts: list[Any], timeout: float) -> Any:
+    """The next message of the hosts, or an error naming the host that died meanwhile."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return ready.get(timeout=1.0)
+        except queue.Empty:
+            dead = [h.exitcode for h in hosts if h.exitcode not in (None, 0)]
+            if dead:
+                raise RuntimeError(f"a host process died (exit code {dead[0]}); its traceback "
+                                   "is above") from None
+            if time.monotonic() > deadline:
+                raise
+
+
+def _drive(cluster: Any, nodes: int, ttl: int, revoke: bool, steady: float, say: Any,
+           t0: float, hosts: list[Any], ready: Any, results: Any, orders: list[Any],
+           bounds: list[tuple[int, int]]) -> tuple[list[dict[str, Any]], list[Any]]:
+    victim = nodes // 2
+    for count in range(1, nodes + 1):
+        _unspoiled(_next(ready, hosts, 300))
+        if count % max(1, nodes // 4) == 0 or count == nodes:
+            say(f"  {nodes} nodes: {count} agents registered ({time.monotonic() - t0:.1f} s)")
+    for q in orders:
+        q.put("watch")
+    for _ in hosts:
+        _unspoiled(_next(ready, hosts, 300))
+    say(f"  {nodes} nodes: every agent watches ({time.monotonic() - t0:.1f} s)")
+    m0, s0 = etcd_metrics(cluster), time.monotonic()
+    try:   # a host's keep-alive finding a lease expired before the kill stops the run here
+        _unspoiled(ready.get(timeout=steady))
+    except queue.Empty:
+        pass
+    m1, s1 = etcd_metrics(cluster), time.monotonic()
+    say(f"  {nodes} nodes: killing node {victim} ({'revoke' if revoke else 'lease expiry'})")
+    owner = next(i for i, (lo, hi) in enumerate(bounds) if lo <= victim < hi)
+    for i, q in enumerate(orders):
+        q.put(revoke if i == owner else None)
+    got = [_next(results, hosts, 300) for _ in hosts]
+    m2, s2 = etcd_metrics(cluster), time.monotonic()
+    say(f"  {nodes} nodes: every host reported ({time.monotonic() - t0:.1f} s)")
+    return got, [(m0, s0), (m1, s1), (m2, s2)]
+
+
+def run(nodes: int, members: int, procs: int, ttl: int, revoke: bool, channels: int = 4,
+        steady: float = 10.0, say: Any = print, etcd_dir: str | None = None) -> dict[str, Any]:
     from chameleon_elastic.rendezvous.local_cluster import LocalEtcdCluster
 
-    ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="coordination-scale-", dir=etcd_dir) as data, \
             LocalEtcdCluster(members=members, work_dir=data) as cluster, \
             tempfile.TemporaryDirectory(prefix="coordination-scale-") as plan_dir:
         _favour(cluster)
-        params = _params(cluster.endpoints, nodes, ttl)
-        client, store, _etcd_store = _stores(params)
-        session = JobSession(spec_for(nodes), "auto", Path(plan_dir) / "seed", cache_depth=0)
-        victim = nodes // 2
-        first = coordination.Decision(session.plan, (), tuple(session.plan.working_devices),
-                                      True, nodes=tuple(range(nodes)))
-        coordination.commit_record(store.underlying_store, "", first)
-        ready, results = ctx.Queue(), ctx.Queue()
-        bounds = [(i * nodes // procs, (i + 1) * nodes // procs) for i in range(procs)]
-        orders = [ctx.Queue() for _ in bounds]
-        hosts = [ctx.Process(target=_host, daemon=True,
-                             args=(lo, hi, nodes, victim, cluster.endpoints, ttl, plan_dir,
-                                   ready, orders[i], results))
-                 for i, (lo, hi) in enumerate(bounds)]
-        t0 = time.monotonic()
-        for h in hosts:
-            h.start()
-        for count in range(1, nodes + 1):
-            ready.get(timeout=300)
-            if count % max(1, nodes // 8) == 0 or count == nodes:
-                say(f"  {nodes} nodes: {count} agents registered ({time.monotonic() - t0:.1f} s)")
-        time.sleep(ttl)   # every watch has seen every node; leases refreshed at least twice
-        m0, s0 = etcd_metrics(cluster), time.monotonic()
-        time.sleep(ttl)
-        m1, s1 = etcd_metrics(cluster), time.monotonic()
-        say(f"  {nodes} nodes: killing node {victim} ({'revoke' if revoke else 'lease expiry'})")
-        owner = next(i for i, (lo, hi) in enumerate(bounds) if lo <= victim < hi)
-        orders[owner].put(revoke)
-        for q in orders:
-            q.put(None)
-        got = [results.get(timeout=300) for _ in hosts]
-        m2, s2 = etcd_metrics(cluster), time.monotonic()
-        for h in hosts:
-            h.join(timeout=30)
-        client.close()
+        _seed(cluster.endpoints, nodes, ttl, plan_dir)
+        try:
+            got, windows = _simulate(cluster, nodes, procs, channels, ttl, revoke, steady,
+                                     plan_dir, say)
+        except Exception:
+            for member in cluster.members:
+                if not member.is_running():
+                    say(f"etcd member {member.endpoint} died; its log ends with:\n"
+                        f"{member.log_tail(40)}")
+            raise
+    row = _summary(got, windows, nodes // 2)
+    row.update({"nodes": nodes, "devices": nodes * DEVICES_PER_NODE, "etcd_members": members,
+                "procs": procs, "channels_per_proc": channels, "ttl_s": ttl,
+                "kill": "revoke" if revoke else "expiry"})
+    return row
+
+
+def _summary(got: list[dict[str, Any]], windows: list[Any], victim: int) -> dict[str, Any]:
+    """The phases and etcd's load, from the hosts' timestamps and the metrics' windows."""
     outs = {n: o for g in got for n, o in g["outs"].items()}
-    errors = {n: o["error"] for n, o in outs.items() if "error" in o}
+    if any(g["spoiled"] for g in got):
+        raise RuntimeError("a lease expired before every agent adopted: the machine was "
+                           "overloaded; run again with a longer --ttl")
+    errors = {n: (o["error"], o.get("trigger")) for n, o in outs.items() if "error" in o}
     if errors:
+        killed = outs[victim].get("killed", 0.0)
+        late = sorted(o.get("reported", float("inf")) - killed for o in outs.values())
+        print(f"decider: {outs[0]}; reported after the kill: first {late[0]:.2f} s, median "
+              f"{late[len(late) // 2]:.2f} s, last {late[-1]:.2f} s", file=sys.stderr)
         raise RuntimeError(f"{len(errors)} agents failed, e.g. {next(iter(errors.items()))}")
     marks = next(g["marks"] for g in got if "apply_start" in g["marks"])
+    local = {k: max(g["local"].get(k, 0.0) for g in got) for k in ("parse_cpu_s", "adopt_cpu_s")}
     killed = outs[victim]["killed"]
     alive = [o for n, o in outs.items() if n != victim]
     early = [n for n, o in outs.items() if o.get("detected", killed) < killed]
@@ -265,25 +541,29 @@ def run(nodes: int, members: int, procs: int, ttl: int, revoke: bool,
                            "while the machine was overloaded; run again with a longer --ttl")
     detected = sorted(o["detected"] for o in alive)
     adopted = max(o["adopted"] for o in alive)
-    # the round's own requests: those of the window past the steady state's (keep-alives)
-    round_requests = (m2["requests"] - m1["requests"]) - _rate(m0, m1, s1 - s0) * (s2 - s1)
+    (m0, s0), (m1, s1), (m2, s2) = windows
+    steady = {k: _rate(m0, m1, s1 - s0, k) for k in ("requests", "sent_bytes")}
+    # the round's own traffic: the window's, less the steady state's (keep-alives) over it
+    extra = {k: (m2[k] - m1[k]) - steady[k] * (s2 - s1) for k in ("requests", "sent_bytes")}
     return {
-        "nodes": nodes, "devices": nodes * DEVICES_PER_NODE, "etcd_members": members,
-        "procs": procs, "ttl_s": ttl, "kill": "revoke" if revoke else "expiry",
         "detect_first_s": detected[0] - killed, "detect_last_s": detected[-1] - killed,
         "detect_median_s": statistics.median(detected) - killed,
         "reports_s": marks["collect_end"] - detected[-1],
         "decision_s": marks["apply_end"] - marks["apply_start"],
         "publication_s": marks["publish_end"] - marks["apply_end"],
         "adoption_s": adopted - marks["publish_end"],
+        "adoption_local_cpu_s": local["parse_cpu_s"] * 2 + local["adopt_cpu_s"],
         "total_s": adopted - killed,
         "decision_plus_publication_s": marks["publish_end"] - marks["apply_start"],
         "generation": {o["generation"] for o in alive}.pop(),
         "agreed": len({(o["generation"], o["excluded"]) for o in alive}) == 1,
         "excluded_devices": max(o["excluded"] for o in alive),
-        "steady_requests_per_s": _rate(m0, m1, s1 - s0),
-        "round_requests": round_requests,
-        "round_requests_per_s": round_requests / max(adopted - detected[0], 1e-9),
+        "steady_requests_per_s": steady["requests"],
+        "round_requests": extra["requests"],
+        "round_requests_per_s": extra["requests"] / max(adopted - detected[0], 1e-9),
+        "round_sent_mb": extra["sent_bytes"] / 1e6,
+        "round_etcd_cpu_s": m2["cpu_s"] - m1["cpu_s"],
+        "round_agents_cpu_s": sum(g["cpu_s"] for g in got),
         "watchers": m1["watchers"], "watch_streams": m1["watch_streams"],
     }
 
@@ -294,9 +574,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated simulated node counts (default 256,1024)")
     parser.add_argument("--members", type=int, default=3, help="etcd members (default 3)")
     parser.add_argument("--procs", type=int, default=4,
-                        help="processes hosting the agent threads (default 4)")
+                        help="processes hosting the agents (default 4)")
+    parser.add_argument("--channels", type=int, default=16,
+                        help="etcd clients (gRPC channels, watch streams) per process, shared "
+                             "by its agents (default 16)")
     parser.add_argument("--ttl", type=int, default=5,
                         help="lease TTL in seconds (default 5, chameleon-run's)")
+    parser.add_argument("--steady", type=float, default=10.0,
+                        help="seconds of steady state measured before the kill (default 10)")
     parser.add_argument("--kill", choices=("expiry", "revoke"), default="expiry",
                         help="how the node is lost: its lease expires (default) or is revoked")
     parser.add_argument("--etcd-dir", default="/dev/shm" if Path("/dev/shm").is_dir() else None,
@@ -309,10 +594,12 @@ def main(argv: list[str] | None = None) -> int:
         scales = [int(x) for x in args.nodes.split(",")]
     except ValueError:
         parser.error(f"--nodes {args.nodes!r} must be comma-separated integers, e.g. 256,1024")
-    if min(scales) < 2 or args.procs < 1 or args.members < 1:
-        parser.error("--nodes needs at least 2 nodes each, --procs and --members at least 1")
+    if min(scales) < 2 or min(args.procs, args.members, args.channels) < 1:
+        parser.error("--nodes needs at least 2 nodes each, --procs, --channels and --members "
+                     "at least 1")
     say = (lambda s: print(s, file=sys.stderr, flush=True))
-    rows = [run(n, args.members, min(args.procs, n), args.ttl, args.kill == "revoke", say,
+    rows = [run(n, args.members, min(args.procs, n), args.ttl, args.kill == "revoke",
+                max(1, min(args.channels, n // min(args.procs, n))), args.steady, say,
                 args.etcd_dir)
             for n in scales]
     if args.json:
@@ -322,9 +609,13 @@ def main(argv: list[str] | None = None) -> int:
     cols = [("nodes", "nodes", "{}"), ("detect (last)", "detect_last_s", "{:.2f} s"),
             ("reports", "reports_s", "{:.3f} s"), ("decision", "decision_s", "{:.3f} s"),
             ("publication", "publication_s", "{:.3f} s"), ("adoption", "adoption_s", "{:.3f} s"),
+            ("+ per-agent parse/adopt CPU", "adoption_local_cpu_s", "{:.3f} s"),
             ("kill -> all adopted", "total_s", "{:.2f} s"),
             ("etcd req/s steady", "steady_requests_per_s", "{:.0f}"),
             ("etcd req/s round", "round_requests_per_s", "{:.0f}"),
+            ("etcd MB sent round", "round_sent_mb", "{:.0f}"),
+            ("etcd CPU round", "round_etcd_cpu_s", "{:.1f} s"),
+            ("agents' CPU round", "round_agents_cpu_s", "{:.1f} s"),
             ("watchers", "watchers", "{:.0f}")]
     print(" | ".join(c for c, _, _ in cols))
     for r in rows:

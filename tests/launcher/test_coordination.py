@@ -184,6 +184,79 @@ def test_a_quick_round_gives_up_when_its_decider_is_gone(session):
                            True, 2, timeout_s=30, quick=True)
 
 
+class _Reads:
+    """A store that notes which thread read which key (and serves the round's keys from one
+    HashStore, the record from another: the round's store and the store under it)."""
+
+    def __init__(self, inner, underlying=None):
+        self._inner, self.reads = inner, []
+        if underlying is not None:
+            self.underlying_store = underlying
+
+    def __getattr__(self, name):
+        method = getattr(self._inner, name)
+
+        def noted(*args, **kwargs):
+            import threading
+
+            if name in ("get", "multi_get", "check"):
+                self.reads.append((threading.current_thread().name, name, args[0]))
+            return method(*args, **kwargs)
+
+        return noted
+
+
+def test_only_the_decider_of_a_quick_round_reads_the_plan_record(session, tmp_path):
+    """The record holds the whole plan (0.6 MB at 8192 devices). Every member reading it at
+    the start of a quick round made etcd send 0.6 GB before the first report at 1024 nodes
+    (benchmarks/coordination_scale.py), and the decision the others adopt was made from it
+    anyway. The follower still ends on the decider's plan."""
+    import threading
+
+    fence = _Reads(dist.HashStore())
+    coordination.commit_record(fence, "", coordination.decide(
+        session.plan, (), [NodeReport(0, (), (0, 1), True), NodeReport(1, (), (2, 3), True)],
+        True))
+    store = _Reads(dist.HashStore(), fence)
+    follower = JobSession(JobSpec.preset("tiny-cpu"), "auto", tmp_path / "f", warm_cache=False)
+    result: dict = {}
+
+    def follow() -> None:
+        result["decision"], _ = coordination.agree(
+            store, "q1/", coordination.Members(1, (0, 1), alive=lambda: {0, 1}),
+            NodeReport(1, (3,), (2,), True), follower, True, 2, timeout_s=30, quick=True)
+
+    thread = threading.Thread(target=follow, name="follower")
+    thread.start()
+    decision, _ = coordination.agree(store, "q1/", coordination.Members(0, (0, 1),
+                                                                      alive=lambda: {0, 1}),
+                                     NodeReport(0, (), (0, 1), True), session, True, 2,
+                                     timeout_s=30, quick=True)
+    thread.join(30)
+    assert not thread.is_alive(), "the follower never adopted the decision"
+    record_readers = {who for who, _, keys in fence.reads if coordination.RECORD in keys}
+    assert record_readers == {threading.current_thread().name}   # the decider only
+    assert result["decision"] == decision and set(decision.excluded) == {3}
+    assert follower.plan == session.plan and follower.excluded == {3}
+
+
+def test_the_others_wait_on_a_one_byte_marker_written_after_the_decision(session):
+    """On etcd a watch event carries the value written: waiting on the decision key itself
+    sent every agent the whole plan twice, the event and then the read (1.2 GB out of etcd at
+    1024 nodes in benchmarks/coordination_scale.py). A decision written but not yet announced
+    is not adopted; once published it is."""
+    store = dist.HashStore()
+    session.apply(lost={1})
+    decision = coordination.decide(session.plan, session.excluded,
+                                   [NodeReport(0, (1,), (0, 2, 3), True)], True)
+    store.set("r1/decision", decision.to_json())   # written, not announced
+    with pytest.raises(dist.DistStoreError):
+        coordination.adopt(store, "r1/", timeout_s=0.2)
+    coordination.publish(store, "r1/", decision)
+    assert store.get("r1/decided") == b"1"
+    assert coordination.adopt(store, "r1/", timeout_s=5) == decision
+
+
 def test_a_node_without_the_reporter_knows_the_reported_steps_from_its_workers_commits():
     """The reporter's node is gone: the survivors' report still says which steps the job had
     reported (one before the last their own workers committed), so a start over from step 0
