@@ -75,6 +75,7 @@ __all__ = [
     "pace_key",
     "read",
     "read_int",
+    "recent_steps",
     "resumed_key",
     "slow_key",
     "steps_key",
@@ -338,8 +339,14 @@ def known_reported(store: Any, cards: Iterable[int]) -> int | None:
     start over from step 0 said nothing of the steps it trained again."""
     reported = read_int(store, REPORTED)
     for card in cards:
-        recent = (read(store, steps_key(card)) or {}).get("recent") or ()
+        recent = recent_steps(store, card)
         if recent:
-            last = max(int(step) for step, _ in recent)
-            reported = last - 1 if reported is None else max(reported, last - 1)
+            last = max(recent) - 1
+            reported = last if reported is None else max(reported, last)
     return reported
+
+
+def recent_steps(store: Any, card: int) -> dict[int, float]:
+    """The steps a worker last said it committed (step -> seconds; sent with its beats)."""
+    value = read(store, steps_key(card)) or {}
+    return {int(step): float(seconds) for step, seconds in value.get("recent", ())}

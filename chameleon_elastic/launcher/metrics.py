@@ -97,9 +97,7 @@ class AgentMetrics:
             return
         recent: dict[int, float] = {}
         for card in cards:
-            value = channel.read(store, channel.steps_key(card))
-            if value is not None:
-                recent.update({int(step): float(s) for step, s in value.get("recent", ())})
+            recent.update(channel.recent_steps(store, card))
         for step in sorted(s for s in recent if s > self._last_step):
             self.steps.inc()
             self.step_seconds.observe(recent[step])

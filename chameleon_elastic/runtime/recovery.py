@@ -72,7 +72,7 @@ __all__ = ["GaveUp", "Recovery"]
 log = logging.getLogger("chameleon_elastic.runtime.recovery")
 
 #: how long the watchdog's wait for a generation lasts before it is renewed (a generation
-#: may be hours away; each renewal logs a line)
+#: may be hours away)
 WATCH_WAIT = timedelta(hours=1)
 
 
