@@ -25,8 +25,8 @@ it (copies stay equal). Ties go in model order after all rounds on every rank, s
 deadlock either.
 
 :func:`square_share` is this device's part of the job-wide squared gradient norm (for
-clipping): each layer's gradients are counted by one holder only (the lowest device), each tie
-once, by the lowest device holding a copy; the trainer sums the shares in its vote.
+clipping): each layer's gradients are counted by one holder only (:func:`norm_holder`), each
+tie once, by the lowest device holding a copy; the trainer sums the shares in its vote.
 """
 
 from __future__ import annotations
@@ -49,14 +49,17 @@ from .model import PipelineModel, tied_parameter
 from .tensor_parallel import aligned, local, replicated
 from .topology import RankMap
 
-__all__ = ["CHUNK_BYTES", "Chunk", "GradientSums", "SyncMode", "TiedCopies", "bucket_rank_sets",
-           "layer_holder_rank_sets", "square_share", "sum_order", "sync_gradients",
-           "tied_copies"]
+__all__ = ["CHUNK_BYTES", "FIRST_CHUNK_BYTES", "Chunk", "GradientSums", "SyncMode", "TiedCopies",
+           "bind_flat", "bucket_rank_sets", "group_by_kind", "layer_holder_rank_sets", "norm_holder",
+           "square_share", "sum_order", "sync_gradients", "tied_copies"]
 
 SyncMode = Literal["rounds", "serial"]
 
 #: largest all-reduce a bucket is cut into (DDP's default bucket size)
 CHUNK_BYTES = 25 * 2**20
+#: largest first chunk of a bucket (DDP's first bucket): small, so that a sum starts while
+#: most of the backward is still to run
+FIRST_CHUNK_BYTES = 2**20
 
 
 @dataclass(frozen=True)
@@ -113,13 +116,27 @@ def _grads(layers: Mapping[int, nn.Module], layer_ids: Sequence[int],
             if name not in tied.get(i, ())]
 
 
-def _squares(p: torch.Tensor) -> torch.Tensor:
-    """Sum of squares of this card's part of ``p``'s gradient: its norm in the gradient's own
-    dtype, as ``torch.nn.utils.clip_grad_norm_`` computes it, squared in float64 (the shares
-    are summed in float64). Not the norm in float64: converting every element on the way
-    made this loop, which runs over every parameter at every step, cost 40% more than torch's
-    clipping on CPU."""
-    return torch.linalg.vector_norm(local(_grad(p))).double().square()
+def _squares(grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Sum of the squared norms of ``grads`` (float64): each norm in the gradient's own dtype,
+    as ``torch.nn.utils.clip_grad_norm_`` computes it, squared and summed in float64. Not the
+    norms in float64: converting every element on the way cost 40% more than torch's clipping
+    on CPU. One ``_foreach_norm`` per (device, dtype), as torch's clipping: a norm per
+    parameter from Python cost 2-3x torch's clipping on the tiny GPT's ~100 small
+    parameters."""
+    total = torch.zeros((), dtype=torch.float64)
+    for group in group_by_kind(grads):
+        norms = torch._foreach_norm(group)
+        total += torch.stack([n.double() for n in norms]).square().sum().cpu()
+    return total
+
+
+def group_by_kind(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``tensors`` split by (device, dtype), each in its order: what one ``_foreach`` call
+    takes."""
+    kinds: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for x in tensors:
+        kinds.setdefault((x.device, x.dtype), []).append(x)
+    return list(kinds.values())
 
 
 def _start(grads: list[torch.Tensor], group) -> tuple[object, torch.Tensor, list[torch.Tensor]]:
@@ -136,13 +153,10 @@ def _finish(work, flat: torch.Tensor, grads: list[torch.Tensor]) -> None:
         work.wait()
     except RuntimeError as exc:
         raise PeerLost(f"a gradient all-reduce broke: {exc}") from exc
-    if len(grads) == 1 and flat.data_ptr() == grads[0].data_ptr():
+    if not grads or (len(grads) == 1 and flat.data_ptr() == grads[0].data_ptr()):
         return  # summed in place
-    offset = 0
-    for g in grads:
-        n = g.numel()
-        g.copy_(flat[offset:offset + n].view_as(g))
-        offset += n
+    parts = flat.split([g.numel() for g in grads])
+    torch._foreach_copy_(grads, [x.view_as(g) for x, g in zip(parts, grads, strict=True)])
 
 
 @dataclass(frozen=True)
@@ -156,13 +170,14 @@ class Chunk:
 
 def sum_order(layers: Mapping[int, nn.Module], device: int, ranks: RankMap,
               rounds: Sequence[Sequence[AllReduceGroup]], ties: Sequence[TiedCopies] = (),
-              tp_rank: int = 0, cap_bytes: int = CHUNK_BYTES) -> tuple[Chunk, ...]:
+              tp_rank: int = 0, cap_bytes: int = CHUNK_BYTES,
+              first_cap_bytes: int = FIRST_CHUNK_BYTES) -> tuple[Chunk, ...]:
     """This device's all-reduces, in the order it issues them: its buckets in colour-round
-    order, each cut into chunks of at most ``cap_bytes`` (a parameter larger than that is a
-    chunk of its own), walking its layers and parameters backwards, which is the order the
-    backward makes them final. Every holder of a bucket holds the same layers, so it cuts the
-    same chunks in the same order: collectives on a group are issued in one order everywhere.
-    """
+    order, each cut into chunks of at most ``cap_bytes`` (its first at most ``first_cap_bytes``;
+    a parameter larger than that is a chunk of its own), walking its layers and parameters
+    backwards, which is the order the backward makes them final. Every holder of a bucket
+    holds the same layers, so it cuts the same chunks in the same order: collectives on a
+    group are issued in one order everywhere."""
     tied = _tied_names(ties)
     out: list[Chunk] = []
     for rnd in rounds:
@@ -171,20 +186,52 @@ def sum_order(layers: Mapping[int, nn.Module], device: int, ranks: RankMap,
                 continue
             group = ranks.ranks(bucket.devices, tp_rank)
             chunk: list[tuple[int, str]] = []
-            size = 0
+            size, cap = 0, min(first_cap_bytes, cap_bytes)
             for layer in sorted(bucket.layers, reverse=True):
                 for name, p in reversed(list(layers[layer].named_parameters())):
                     if name in tied.get(layer, ()):
                         continue
                     nbytes = local(p).numel() * local(p).element_size()
-                    if chunk and size + nbytes > cap_bytes:
+                    if chunk and size + nbytes > cap:
                         out.append(Chunk(group, tuple(chunk)))
-                        chunk, size = [], 0
+                        chunk, size, cap = [], 0, cap_bytes
                     chunk.append((layer, name))
                     size += nbytes
             if chunk:
                 out.append(Chunk(group, tuple(chunk)))
     return tuple(out)
+
+
+def bind_flat(params: Sequence[torch.Tensor], buffer: torch.Tensor | None
+              ) -> torch.Tensor | None:
+    """One flat buffer holding ``params``' gradients, each ``.grad`` a view into it (DDP's
+    ``gradient_as_bucket_view``): the chunk's all-reduce then sums the gradients in place. It
+    saves flattening them into a new buffer every step and copying the sums back: for the
+    comm-heavy case's 100 MB of gradients that was 60 ms (mostly the new buffer's page faults)
+    and 20 ms of a 0.9 s step. ``buffer``: the one bound last step (kept if it still fits);
+    a gradient that is not its view any more (replaced, or not made yet) is copied in and
+    rebound. None (keep flattening) for ``DTensor`` shards and chunks that mix dtypes or
+    devices."""
+    if not params or any(local(p) is not p for p in params) or len(
+            {(p.dtype, p.device) for p in params}) > 1:
+        return None
+    total = sum(p.numel() for p in params)
+    first = params[0]
+    if buffer is None or buffer.numel() != total or (buffer.dtype, buffer.device) != (
+            first.dtype, first.device):
+        buffer = torch.zeros(total, dtype=first.dtype, device=first.device)
+    offset = 0
+    for p in params:
+        view = buffer[offset:offset + p.numel()].view(p.shape)
+        offset += p.numel()
+        if p.grad is not None and p.grad.data_ptr() == view.data_ptr():
+            continue
+        if p.grad is None:
+            view.zero_()
+        else:
+            view.copy_(p.grad)
+        p.grad = view
+    return buffer
 
 
 class GradientSums:
@@ -198,10 +245,14 @@ class GradientSums:
     when nothing was armed), waits for all, and writes the sums back. A chunk that cannot
     start inside a hook is remembered and raised by :meth:`finish`, as
     :class:`~.errors.PeerLost`, outside autograd.
+
+    ``buffers`` (chunk -> flat buffer, kept by the caller from step to step): bind each
+    chunk's gradients into one (:func:`bind_flat`) before the backward, so that it is summed
+    in place; buffers of chunks no longer issued are dropped from it.
     """
 
     def __init__(self, layers: Mapping[int, nn.Module], chunks: Sequence[Chunk],
-                 groups: GroupTable) -> None:
+                 groups: GroupTable, buffers: dict[Chunk, torch.Tensor] | None = None) -> None:
         named = {x: dict(layers[x].named_parameters()) for x in {x for c in chunks
                                                                   for x, _ in c.params}}
         self._params = {(x, n): named[x][n] for c in chunks for x, n in c.params}
@@ -211,6 +262,14 @@ class GradientSums:
         # a frozen parameter never gets a gradient: it is final from the start
         self._unready = [{k for k in c.params if self._params[k].requires_grad}
                          for c in self._chunks]
+        self._flat: list[torch.Tensor | None] = [None] * len(self._chunks)
+        if buffers is not None:
+            for gone in set(buffers) - set(self._chunks):
+                del buffers[gone]
+            for i, c in enumerate(self._chunks):
+                self._flat[i] = bind_flat([self._params[k] for k in c.params], buffers.get(c))
+                if self._flat[i] is not None:
+                    buffers[c] = self._flat[i]
         self._next = 0
         self._pending: list[tuple[object, torch.Tensor, list[torch.Tensor]]] = []
         self._error: PeerLost | None = None
@@ -232,11 +291,15 @@ class GradientSums:
     def _start_ready(self, everything: bool) -> None:
         while self._next < len(self._chunks) and self._error is None and (
                 everything or not self._unready[self._next]):
-            chunk = self._chunks[self._next]
+            chunk, flat = self._chunks[self._next], self._flat[self._next]
             self._next += 1
-            grads = [local(_grad(self._params[k])) for k in chunk.params]
+            group = self._groups.get(chunk.ranks)
             try:
-                self._pending.append(_start(grads, self._groups.get(chunk.ranks)))
+                if flat is not None:   # the gradients are views of it: summed in place
+                    self._pending.append(_start([flat], group)[:2] + ([],))
+                else:
+                    grads = [local(_grad(self._params[k])) for k in chunk.params]
+                    self._pending.append(_start(grads, group))
             except PeerLost as exc:
                 self._error = exc
 
@@ -306,28 +369,35 @@ def sync_gradients(layers: Mapping[int, nn.Module], device: int, ranks: RankMap,
     return issued
 
 
+def norm_holder(layer: int, holders: Sequence[int]) -> int:
+    """The holder that counts ``layer`` in the job-wide norm: after the sums every holder has
+    the same gradients, so the layers are dealt round the holders (layer ``l`` to the
+    ``l mod n``-th), which splits the work as evenly as the layers allow; one holder, the
+    lowest, doing it all made the others wait for it at the vote (5 ms of the tiny GPT's
+    data-parallel step)."""
+    ordered = sorted(holders)
+    return ordered[layer % len(ordered)]
+
+
 def square_share(layers: Mapping[int, nn.Module], device: int,
                  holders: Mapping[int, Sequence[int]], ties: Sequence[TiedCopies] = (),
                  tp_rank: int = 0) -> float:
     """This card's part of the squared job-wide gradient norm (float64; inf or nan when a
-    gradient is not finite): each layer by its lowest holder, each tie by its lowest device;
-    inside a unit each card counts its shards, card 0 alone the replicated parameters."""
+    gradient is not finite): each layer by one holder (:func:`norm_holder`), each tie by its
+    lowest device; inside a unit each card counts its shards, card 0 alone the replicated
+    parameters."""
 
     def counts(p: torch.Tensor) -> bool:
         return tp_rank == 0 or not replicated(p)
 
     tied = _tied_names(ties)
-    total = torch.zeros((), dtype=torch.float64)
+    params = []
     for t in ties:
         if t.devices and t.devices[0] == device:
             x, name = next((x, n) for x, n in t.members if x in layers)
-            param = tied_parameter(layers[x], x, name)
-            if counts(param):
-                total += _squares(param)
+            params.append(tied_parameter(layers[x], x, name))
     for layer, module in layers.items():
-        if min(holders[layer]) != device:
-            continue
-        for name, p in module.named_parameters():
-            if name not in tied.get(layer, ()) and counts(p):
-                total += _squares(p)
-    return float(total)
+        if norm_holder(layer, holders[layer]) == device:
+            params += [p for name, p in module.named_parameters()
+                       if name not in tied.get(layer, ())]
+    return float(_squares([local(_grad(p)) for p in params if counts(p)]))

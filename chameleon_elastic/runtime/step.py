@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from .errors import PeerLost, PipelineRuntimeError
 from .executor import OpTiming
-from .grad_sync import GradientSums, square_share, sum_order, sync_gradients
+from .grad_sync import GradientSums, group_by_kind, square_share, sum_order, sync_gradients
 from .user_state import after_step
 
 __all__ = ["StepResult", "apply_step", "learning_rate", "train_step"]
@@ -72,11 +72,11 @@ def apply_step(t: TrainerState, norm: float) -> bool:
     if t.optimizer is not None and not skipped:
         if t.max_grad_norm is not None:
             coefficient = t.max_grad_norm / (norm + 1e-6)
-            if coefficient < 1.0:
-                for group in t.optimizer.param_groups:
-                    for p in group["params"]:
-                        if p.grad is not None:
-                            p.grad.mul_(coefficient)
+            if coefficient < 1.0:   # one _foreach_mul_ per (device, dtype), as torch clips
+                grads = [p.grad for group in t.optimizer.param_groups for p in group["params"]
+                         if p.grad is not None]
+                for kind in group_by_kind(grads):
+                    torch._foreach_mul_(kind, coefficient)
         t.optimizer.step()
     t.loss_scale = t.loss_scale.after(norm)
     if t.scheduler is not None:
@@ -99,7 +99,7 @@ def _compute_and_sync(t: TrainerState, step: int, record: bool
     sums = None
     if t.sync_mode == "rounds":  # started during the last backward, as gradients are final
         order = sum_order(t.layers, t.device, t.ranks, t.rounds, t.ties, t.tp_rank)
-        sums = GradientSums(t.layers, order, t.groups)
+        sums = GradientSums(t.layers, order, t.groups, t.grad_buffers)
     outcome = t.executor.run(step, t.orders, record=record, on_phase=t.phases,
                              loss_scale=t.loss_scale.scale,
                              final_backward=sums.armed if sums is not None else None)

@@ -158,6 +158,7 @@ class PipelineTrainer:
         self.loss_scale = LossScale.for_precision(self.precision)
         self.committed: int | None = None   # steps applied here; None: no state yet
         self.synced: int | None = None      # the step whose summed gradients sit in .grad
+        self.grad_buffers: dict = {}        # chunk -> flat gradients, summed in place (.grad_sync)
         self.results: dict[int, StepResult] = {}
         self.reported = -1                  # last step handed to a report callback (job-wide)
         self.redo_below = 0                 # steps below this are trained again (rollback)
