@@ -336,15 +336,19 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.steps < args.skip + 3 or args.launcher_steps < 8:
         ap.error("need --steps >= --skip + 3 and --launcher-steps >= 8")
+    load = [os.getloadavg()[0]]   # the shared machine's load: what the spreads mean
     rows = [run_case(case, plan, args.steps, args.skip)
             for case in args.cases for plan in args.plans]
     launcher = (launcher_row(args.launcher_rounds, args.launcher_steps, 4)
                 if args.launcher_rounds > 0 else None)
+    load.append(os.getloadavg()[0])
     if args.json:
-        print(json.dumps({"rows": rows, "launcher": launcher, "target": TARGET}, indent=2))
+        print(json.dumps({"rows": rows, "launcher": launcher, "target": TARGET,
+                          "load_average": load}, indent=2))
         return 0
     print(f"fault-free step, runtime vs torch's own tool in the same processes (fp32, "
-          f"{args.steps - args.skip} paired steps after {args.skip}; target <= {TARGET}x)")
+          f"{args.steps - args.skip} paired steps after {args.skip}; target <= {TARGET}x; "
+          f"load average {load[0]:.1f} -> {load[1]:.1f})")
     print(f"{'case':<11} {'plan':<8} {'torch tool':<19} {'ours s':>8} {'torch s':>8} "
           f"{'ratio':>6} {'spread':>12}  note")
     for r in rows:

@@ -9,7 +9,14 @@ import torch
 from torch import nn
 
 from chameleon_elastic.plan import AllReduceGroup
-from chameleon_elastic.runtime.grad_sync import GradientSums, sum_order, sync_gradients
+from chameleon_elastic.runtime.grad_sync import (
+    GradientSums,
+    bind_flat,
+    norm_holder,
+    square_share,
+    sum_order,
+    sync_gradients,
+)
 from chameleon_elastic.runtime.groups import GroupTable
 from chameleon_elastic.runtime.local_world import run_local_world
 from chameleon_elastic.runtime.topology import RankMap
@@ -100,3 +107,69 @@ def test_a_chunk_never_final_holds_back_the_chunks_after_it_and_is_summed_at_the
         assert chunks[0][-1][0] == LAYERS - 1  # the skipping layer comes first
         assert before == 0 and during == 0
         assert all(np.array_equal(g, e.numpy()) for g, e in zip(grads, expected))
+
+
+def _two_steps_in_place(rank: int, world: int) -> tuple[list, list, bool]:
+    """Two steps with kept buffers; between them one gradient is replaced by a fresh tensor
+    (as code outside the sums may do), which must be copied in and rebound, not lost."""
+    ranks = RankMap(tuple(range(world)))
+    rounds = ((AllReduceGroup(tuple(range(LAYERS)), tuple(range(world))),),)
+    groups = GroupTable([tuple(range(world))])
+    layers = _layers(False)
+    buffers: dict = {}
+    out = []
+    for step in range(2):
+        for m in layers.values():
+            m.zero_grad(set_to_none=False)
+        if step == 1:
+            layers[0].weight.grad = layers[0].weight.grad.clone()
+        sums = GradientSums(layers, sum_order(layers, rank, ranks, rounds,
+                                              cap_bytes=LAYER_BYTES), groups, buffers)
+        _backward(layers, rank, 0)
+        with sums.armed():
+            _backward(layers, rank, 1)
+        sync_gradients(layers, rank, ranks, groups, rounds=rounds, sums=sums)
+        out.append([g.numpy() for g in _grads(layers)])
+    flats = {t.untyped_storage().data_ptr() for t in buffers.values()}
+    views = all(p.grad.untyped_storage().data_ptr() in flats
+                for m in layers.values() for p in m.parameters())
+    return out[0], out[1], views and len(buffers) == LAYERS
+
+
+@pytest.mark.timeout(60)
+def test_sums_in_kept_flat_buffers_are_exact_and_survive_a_replaced_gradient():
+    out = run_local_world(_two_steps_in_place, 2, timeout_s=50)
+    expected = _expected(2, False)
+    for first, second, views in out:
+        assert views  # every gradient is a view of a kept buffer, the replaced one rebound
+        for got in (first, second):
+            assert all(np.array_equal(g, e.numpy()) for g, e in zip(got, expected))
+
+
+def test_bind_flat_keeps_values_and_leaves_mixed_dtypes_alone():
+    torch.manual_seed(0)
+    a, b = nn.Linear(3, 2), nn.Linear(2, 2)
+    params = [a.weight, a.bias, b.weight]
+    a.weight.grad = torch.randn(2, 3)
+    before = a.weight.grad.clone()
+    flat = bind_flat(params, None)
+    assert flat is not None and flat.numel() == 6 + 2 + 4
+    assert torch.equal(a.weight.grad, before) and torch.equal(b.weight.grad, torch.zeros(2, 2))
+    flat.fill_(1.0)  # the gradients are views: a sum in place reaches them
+    assert all(bool((p.grad == 1).all()) for p in params)
+    assert bind_flat(params, flat) is flat  # still bound: kept as it is
+    half = nn.Linear(2, 2, dtype=torch.float64)
+    assert bind_flat([a.weight, half.weight], None) is None
+
+
+def test_the_norm_is_counted_once_per_layer_and_split_among_the_holders():
+    holders = {i: (0, 1) for i in range(LAYERS)}
+    assert [norm_holder(i, holders[i]) for i in range(LAYERS)] == [0, 1, 0, 1]
+    layers = _layers(False)
+    for m in layers.values():
+        for p in m.parameters():
+            p.grad = torch.full_like(p, 0.5)
+    shares = [square_share(layers, d, holders) for d in (0, 1)]
+    every = sum(float(p.grad.square().sum()) for m in layers.values() for p in m.parameters())
+    assert shares[0] > 0 and shares[1] > 0
+    assert shares[0] + shares[1] == pytest.approx(every, rel=1e-12)
