@@ -49,9 +49,10 @@ from .model import PipelineModel, tied_parameter
 from .tensor_parallel import aligned, local, replicated
 from .topology import RankMap
 
-__all__ = ["CHUNK_BYTES", "FIRST_CHUNK_BYTES", "Chunk", "GradientSums", "SyncMode", "TiedCopies",
-           "bind_flat", "bucket_rank_sets", "group_by_kind", "layer_holder_rank_sets", "norm_holder",
-           "square_share", "sum_order", "sync_gradients", "tied_copies"]
+__all__ = ["CHUNK_BYTES", "FIRST_CHUNK_BYTES", "Bound", "Chunk", "GradientSums", "SyncMode",
+           "TiedCopies", "bind_flat", "bucket_rank_sets", "group_by_kind",
+           "layer_holder_rank_sets", "norm_holder", "square_share", "sum_order",
+           "sync_gradients", "tied_copies"]
 
 SyncMode = Literal["rounds", "serial"]
 
@@ -202,36 +203,43 @@ def sum_order(layers: Mapping[int, nn.Module], device: int, ranks: RankMap,
     return tuple(out)
 
 
-def bind_flat(params: Sequence[torch.Tensor], buffer: torch.Tensor | None
-              ) -> torch.Tensor | None:
+#: a chunk's flat buffer and the views of it its gradients were bound to
+Bound = tuple[torch.Tensor, tuple[torch.Tensor, ...]]
+
+
+def bind_flat(params: Sequence[torch.Tensor], bound: Bound | None) -> Bound | None:
     """One flat buffer holding ``params``' gradients, each ``.grad`` a view into it (DDP's
     ``gradient_as_bucket_view``): the chunk's all-reduce then sums the gradients in place. It
     saves flattening them into a new buffer every step and copying the sums back: for the
     comm-heavy case's 100 MB of gradients that was 60 ms (mostly the new buffer's page faults)
-    and 20 ms of a 0.9 s step. ``buffer``: the one bound last step (kept if it still fits);
-    a gradient that is not its view any more (replaced, or not made yet) is copied in and
+    and 20 ms of a 0.9 s step. ``bound``: what was bound last step, kept when every gradient
+    is still its view (one identity test each: comparing data pointers cost 2 ms a step on
+    the tiny GPT); a gradient that is not (replaced, or not made yet) is copied in and
     rebound. None (keep flattening) for ``DTensor`` shards and chunks that mix dtypes or
     devices."""
+    if bound is not None and len(bound[1]) == len(params) and all(
+            p.grad is v for p, v in zip(params, bound[1], strict=True)):
+        return bound
     if not params or any(local(p) is not p for p in params) or len(
             {(p.dtype, p.device) for p in params}) > 1:
         return None
     total = sum(p.numel() for p in params)
     first = params[0]
+    buffer = bound[0] if bound is not None else None
     if buffer is None or buffer.numel() != total or (buffer.dtype, buffer.device) != (
             first.dtype, first.device):
         buffer = torch.zeros(total, dtype=first.dtype, device=first.device)
-    offset = 0
+    views, offset = [], 0
     for p in params:
         view = buffer[offset:offset + p.numel()].view(p.shape)
         offset += p.numel()
-        if p.grad is not None and p.grad.data_ptr() == view.data_ptr():
-            continue
         if p.grad is None:
             view.zero_()
-        else:
+        elif p.grad.data_ptr() != view.data_ptr():
             view.copy_(p.grad)
         p.grad = view
-    return buffer
+        views.append(view)
+    return buffer, tuple(views)
 
 
 class GradientSums:
@@ -246,13 +254,13 @@ class GradientSums:
     start inside a hook is remembered and raised by :meth:`finish`, as
     :class:`~.errors.PeerLost`, outside autograd.
 
-    ``buffers`` (chunk -> flat buffer, kept by the caller from step to step): bind each
+    ``buffers`` (chunk -> its :data:`Bound`, kept by the caller from step to step): bind each
     chunk's gradients into one (:func:`bind_flat`) before the backward, so that it is summed
     in place; buffers of chunks no longer issued are dropped from it.
     """
 
     def __init__(self, layers: Mapping[int, nn.Module], chunks: Sequence[Chunk],
-                 groups: GroupTable, buffers: dict[Chunk, torch.Tensor] | None = None) -> None:
+                 groups: GroupTable, buffers: dict[Chunk, Bound] | None = None) -> None:
         named = {x: dict(layers[x].named_parameters()) for x in {x for c in chunks
                                                                   for x, _ in c.params}}
         self._params = {(x, n): named[x][n] for c in chunks for x, n in c.params}
@@ -267,9 +275,9 @@ class GradientSums:
             for gone in set(buffers) - set(self._chunks):
                 del buffers[gone]
             for i, c in enumerate(self._chunks):
-                self._flat[i] = bind_flat([self._params[k] for k in c.params], buffers.get(c))
-                if self._flat[i] is not None:
-                    buffers[c] = self._flat[i]
+                bound = bind_flat([self._params[k] for k in c.params], buffers.get(c))
+                if bound is not None:
+                    buffers[c], self._flat[i] = bound, bound[0]
         self._next = 0
         self._pending: list[tuple[object, torch.Tensor, list[torch.Tensor]]] = []
         self._error: PeerLost | None = None

@@ -130,7 +130,7 @@ def _two_steps_in_place(rank: int, world: int) -> tuple[list, list, bool]:
             _backward(layers, rank, 1)
         sync_gradients(layers, rank, ranks, groups, rounds=rounds, sums=sums)
         out.append([g.numpy() for g in _grads(layers)])
-    flats = {t.untyped_storage().data_ptr() for t in buffers.values()}
+    flats = {flat.untyped_storage().data_ptr() for flat, _ in buffers.values()}
     views = all(p.grad.untyped_storage().data_ptr() in flats
                 for m in layers.values() for p in m.parameters())
     return out[0], out[1], views and len(buffers) == LAYERS
@@ -152,12 +152,15 @@ def test_bind_flat_keeps_values_and_leaves_mixed_dtypes_alone():
     params = [a.weight, a.bias, b.weight]
     a.weight.grad = torch.randn(2, 3)
     before = a.weight.grad.clone()
-    flat = bind_flat(params, None)
-    assert flat is not None and flat.numel() == 6 + 2 + 4
+    bound = bind_flat(params, None)
+    assert bound is not None and bound[0].numel() == 6 + 2 + 4
     assert torch.equal(a.weight.grad, before) and torch.equal(b.weight.grad, torch.zeros(2, 2))
-    flat.fill_(1.0)  # the gradients are views: a sum in place reaches them
+    bound[0].fill_(1.0)  # the gradients are views: a sum in place reaches them
     assert all(bool((p.grad == 1).all()) for p in params)
-    assert bind_flat(params, flat) is flat  # still bound: kept as it is
+    assert bind_flat(params, bound) is bound  # still bound: kept as it is
+    b.weight.grad = torch.full((2, 2), 3.0)  # replaced: copied into the same buffer, rebound
+    again = bind_flat(params, bound)
+    assert again is not None and again[0] is bound[0] and bool((bound[0][-4:] == 3).all())
     half = nn.Linear(2, 2, dtype=torch.float64)
     assert bind_flat([a.weight, half.weight], None) is None
 
