@@ -133,10 +133,11 @@ def _squares(grads: Sequence[torch.Tensor]) -> torch.Tensor:
 
 def group_by_kind(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
     """``tensors`` split by (device, dtype), each in its order: what one ``_foreach`` call
-    takes."""
-    kinds: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    takes. A ``DTensor`` goes alone (foreach refuses plain tensors and shards mixed)."""
+    kinds: dict[tuple, list[torch.Tensor]] = {}
     for x in tensors:
-        kinds.setdefault((x.device, x.dtype), []).append(x)
+        alone = id(x) if local(x) is not x else None
+        kinds.setdefault((x.device, x.dtype, alone), []).append(x)
     return list(kinds.values())
 
 
