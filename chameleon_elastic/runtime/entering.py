@@ -96,21 +96,22 @@ def enter(t: TrainerState, plan: ExecutionPlan, reported: int | None) -> Entry:
                  agree_s=began - agreeing, rebuild_s=time.perf_counter() - moved)
 
 
-def release_groups(t: TrainerState) -> None:
-    """Drop the plan's bucket and unit groups (the default group stays; see
-    :meth:`.recovery.Recovery.abort`)."""
+def release_groups(t: TrainerState) -> list[object]:
+    """Take the plan's bucket, unit and save groups out of torch's books (the default group
+    stays; see :meth:`.recovery.Recovery.abort`) and return them, for the caller to free."""
     if t.saving is not None:   # a background save ends before its group does
         t.saving.settle(t.timeouts.collective_s)
-    for table in (t.groups, t.tp_groups):
-        if table is not None:
-            table.destroy()
+    groups = [g for table in (t.groups, t.tp_groups) if table is not None
+              for g in table.destroy()]
     if t.save_group is not None:
         try:
             dist.destroy_process_group(t.save_group)
         except (RuntimeError, ValueError):
             pass
+        groups.append(t.save_group)
         t.save_group = None
     t.group_sockets = t.unit_sockets = frozenset()   # closed with their groups
+    return groups
 
 
 def _roll_forward(t: TrainerState, agreement: Agreement) -> None:
