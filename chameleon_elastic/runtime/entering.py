@@ -68,6 +68,8 @@ def enter(t: TrainerState, plan: ExecutionPlan, reported: int | None) -> Entry:
     ``reported``: the last step the agents know was reported (None: unknown)."""
     agreeing = time.perf_counter()
     t.phases(-1 if t.committed is None else t.committed, "enter")
+    if t.saving is not None:   # ended (committed or not) before rows say which one is latest
+        t.saving.settle(t.timeouts.collective_s)
     plan.validate()
     if plan.num_layers != t.model.num_layers:
         raise PipelineRuntimeError(
@@ -98,9 +100,11 @@ def enter(t: TrainerState, plan: ExecutionPlan, reported: int | None) -> Entry:
 
 def release_groups(t: TrainerState) -> list[object]:
     """Take the plan's bucket, unit and save groups out of torch's books (the default group
-    stays; see :meth:`.recovery.Recovery.abort`) and return them, for the caller to free."""
-    if t.saving is not None:   # a background save ends before its group does
-        t.saving.settle(t.timeouts.collective_s)
+    stays; see :meth:`.recovery.Recovery.abort`) and return them, for the caller to free. A
+    save in flight keeps using its group (its thread holds it; the abort shut its sockets
+    down, so it ends soon if a peer is gone) and is settled when the next plan is entered:
+    that wait (its thread runs at the lowest priority: 0.14-0.22 s on a busy host) is then
+    spent beside the wait for the generation rather than before it."""
     groups = [g for table in (t.groups, t.tp_groups) if table is not None
               for g in table.destroy()]
     if t.save_group is not None:

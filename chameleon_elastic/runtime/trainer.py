@@ -387,8 +387,11 @@ class PipelineTrainer:
                 self.recovery.link.reported(step)
 
     def close(self) -> None:
-        """Release this plan's process groups (the default group stays)."""
+        """Release this plan's process groups (the default group stays), a save in flight
+        ended first."""
         if self.recovery is not None:
             self.recovery.close()
         self.feed.close()
+        if self.saving is not None:
+            self.saving.settle(self.timeouts.collective_s)
         self.release_groups()
