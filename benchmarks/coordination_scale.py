@@ -26,8 +26,9 @@ measured (etcd's requests, watchers and bytes are those of production):
 
 Reported: kill -> every agent adopted, split into detection (the lease's deletion seen by the
 agents' watches), reports (the last agent seeing the loss -> the decider holding every report),
-decision (the planner), publication (fenced record + ``decision`` and ``decided`` keys) and
-adoption (published -> the last agent adopted); etcd's load over the steady state and the
+decision (the planner), publication (fenced record + ``decision`` and ``decided`` keys; both
+also as the deciding thread's own CPU time, so that wall less CPU is the wait on the run queue
+and on etcd) and adoption (published -> the last agent adopted); etcd's load over the steady state and the
 round (requests per second, bytes sent, summed over the members' ``/metrics``, and the
 watchers); and the CPU that etcd and the agents used during the round.
 
@@ -88,7 +89,8 @@ def _stores(client: Any) -> tuple[Any, Any]:
 
 
 class Clock:
-    """Timestamps (monotonic: one clock for every process of the host) of named moments."""
+    """Timestamps (monotonic: one clock for every process of the host) of named moments, and
+    the calling thread's CPU time in each (wall less CPU: the run queue and etcd's answers)."""
 
     def __init__(self) -> None:
         self.marks: dict[str, float] = {}
@@ -98,13 +100,14 @@ class Clock:
         inner = getattr(module, name)
 
         def timed(*args: Any, **kwargs: Any) -> Any:
-            start = time.monotonic()
+            start, cpu = time.monotonic(), time.thread_time()
             try:
                 return inner(*args, **kwargs)
             finally:
                 with self.lock:
                     self.marks[f"{name}_start"] = start
                     self.marks[f"{name}_end"] = time.monotonic()
+                    self.marks[f"{name}_cpu"] = time.thread_time() - cpu
 
         setattr(module, name, timed)
 
@@ -551,6 +554,8 @@ def _summary(got: list[dict[str, Any]], windows: list[Any], victim: int) -> dict
         "reports_s": marks["collect_end"] - detected[-1],
         "decision_s": marks["apply_end"] - marks["apply_start"],
         "publication_s": marks["publish_end"] - marks["apply_end"],
+        "decision_cpu_s": marks["apply_cpu"],   # the decider thread's own CPU
+        "publication_cpu_s": marks["commit_record_cpu"] + marks["publish_cpu"],
         "adoption_s": adopted - marks["publish_end"],
         "adoption_local_cpu_s": local["parse_cpu_s"] * 2 + local["adopt_cpu_s"],
         "total_s": adopted - killed,
@@ -608,7 +613,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     cols = [("nodes", "nodes", "{}"), ("detect (last)", "detect_last_s", "{:.2f} s"),
             ("reports", "reports_s", "{:.3f} s"), ("decision", "decision_s", "{:.3f} s"),
-            ("publication", "publication_s", "{:.3f} s"), ("adoption", "adoption_s", "{:.3f} s"),
+            ("(CPU)", "decision_cpu_s", "{:.3f} s"),
+            ("publication", "publication_s", "{:.3f} s"), ("(CPU)", "publication_cpu_s", "{:.3f} s"),
+            ("adoption", "adoption_s", "{:.3f} s"),
             ("+ per-agent parse/adopt CPU", "adoption_local_cpu_s", "{:.3f} s"),
             ("kill -> all adopted", "total_s", "{:.2f} s"),
             ("etcd req/s steady", "steady_requests_per_s", "{:.0f}"),
