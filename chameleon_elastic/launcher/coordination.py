@@ -47,7 +47,7 @@ import json
 import time
 import zlib
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from datetime import timedelta
 from typing import Any
 
@@ -143,7 +143,9 @@ class Decision:
     no_plan: bool = False                   # the error is the planner's: no layout fits
 
     def to_json(self) -> str:
-        d = asdict(self)
+        # shallow: asdict would first copy the whole plan, field by field, only to have it
+        # replaced by plan.to_dict() (215 of 274 ms at 8192 devices, twice per publication)
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
         d["plan"] = None if self.plan is None else self.plan.to_dict()
         return json.dumps(d)
 
@@ -169,7 +171,13 @@ class Decision:
         """A stored decision: compressed (``encode``; zlib's checksum rejects a damaged
         value), or plain JSON as agents before compression wrote it (a record outlives them)."""
         data = raw.encode() if isinstance(raw, str) else bytes(raw)
-        return cls.from_json(data if data[:1] == b"{" else zlib.decompress(data))
+        try:
+            return cls.from_json(data if data[:1] == b"{" else zlib.decompress(data))
+        except zlib.error as exc:
+            raise LauncherPlanningError(
+                f"the plan decision in the rendezvous store is damaged ({exc}); the agents "
+                "cannot agree on a plan. Restart the job (and check the store's health)."
+            ) from exc
 
 
 def report(store: Any, scope: str, group_rank: int, mine: NodeReport) -> None:
