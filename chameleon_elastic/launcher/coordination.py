@@ -24,7 +24,8 @@ first and catches up when it is newer than its own plan (a late joiner, a node b
 partition), so decisions are always made from the newest plan (a quick round's other members
 adopt the decision, so they skip the read: at scale the record, the whole plan, is the largest
 value in etcd); and an agent whose view is stale can never publish over a newer one: its
-compare-and-set fails and it stops (:class:`Fenced`).
+compare-and-set fails and it stops (:class:`Fenced`). The record and a round's ``decision``
+hold the decision compressed (:meth:`Decision.encode`): every agent of a quick round reads it.
 
 Quick rounds. A recovery that adds no node (a worker lost, a node lost) needs no new
 rendezvous round: the members are those of the last agreement (``Decision.nodes``) less the
