@@ -34,7 +34,8 @@ from collections.abc import Callable, Iterator
 
 import torch.distributed as dist
 
-__all__ = ["GroupSockets", "Sockets", "Watchdog", "new_sockets", "shut_down", "world_sockets"]
+__all__ = ["GroupSockets", "Sockets", "Watchdog", "free_later", "new_sockets", "shut_down",
+           "world_sockets"]
 
 log = logging.getLogger("chameleon_elastic.runtime.abort")
 
@@ -102,15 +103,31 @@ def shut_down(sockets: Sockets) -> None:
             sock.detach()
 
 
+def free_later(groups: list[object]) -> threading.Thread:
+    """Free process groups on a thread of their own: it empties ``groups``, which must hold
+    their last references (take them out of torch's books first). A gloo group's destructor
+    waits for its device loop, which wakes every 10 ms, twice: 20-30 ms per group with the
+    GIL released, measured, and a survivor's recovery (bucket groups, the world) need not
+    wait for it. Their sockets are shut down already, so no peer waits for it either."""
+    thread = threading.Thread(target=groups.clear, name="chameleon-free-groups", daemon=True)
+    thread.start()
+    return thread
+
+
 class Watchdog:
     """Waits on its own thread for its bell (``bell()``: blocks until rung, then clears it;
     ``ring()``); at each ring, while armed with a generation that ``newer(generation)`` says
-    is superseded, calls ``unblock()`` once and disarms. The agent rings the bell when it
-    publishes a generation, so the survivors that were not blocked on the lost peer learn
-    of it at once (a poll every 0.2 s cost them 0.1 s on average, up to 0.2 s, on every
-    recovery). Arming rings it too: a generation published while the watchdog was disarmed
-    is caught then. Stopped before the process ends: a daemon thread caught inside a store
-    call as the interpreter exits can hang it."""
+    is superseded, sets :attr:`superseded` and calls ``unblock()`` once, and disarms. The
+    agent rings the bell when it publishes a generation, so the survivors that were not
+    blocked on the lost peer learn of it at once (a poll every 0.2 s cost them 0.1 s on
+    average, up to 0.2 s, on every recovery). ``unblock`` reaches a loop that is waiting on
+    a peer; :attr:`superseded` reaches one that is computing: the executor looks at it
+    between operations, so a survivor of a data-parallel plan (whose only transfers are the
+    step's gradient sums) gives the step up after its current operation rather than at the
+    end of its backward, up to a whole step later. Arming rings the bell too, and clears
+    :attr:`superseded`: a generation published while the watchdog was disarmed is caught
+    then. Stopped before the process ends: a daemon thread caught inside a store call as the
+    interpreter exits can hang it."""
 
     def __init__(self, bell: Callable[[], None], ring: Callable[[], None],
                  newer: Callable[[int], bool], unblock: Callable[[Sockets], None],
@@ -123,6 +140,8 @@ class Watchdog:
         self._lock = threading.Lock()
         self._armed: tuple[int, Sockets] | None = None
         self._stopped = False
+        #: set while the generation it was armed with is superseded (read without the lock)
+        self.superseded = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="chameleon-watchdog",
                                         daemon=True)
         self._thread.start()
@@ -131,6 +150,7 @@ class Watchdog:
     def arm(self, generation: int, sockets: Sockets) -> None:
         with self._lock:
             self._armed = (generation, sockets)
+            self.superseded.clear()
         self._ring()
 
     def disarm(self) -> None:
@@ -170,5 +190,6 @@ class Watchdog:
                     return
                 if newer:
                     log.info("generation %d is superseded: unblocking its groups", armed[0])
+                    self.superseded.set()
                     self._unblock(armed[1])
                     self._armed = None

@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -330,12 +331,14 @@ class PipelineExecutor:
             on_phase: Callable[[int, str], None] | None = None,
             loss_scale: float = 1.0,
             final_backward: Callable[[], contextlib.AbstractContextManager] | None = None,
-            ) -> StepOutcome:
+            superseded: threading.Event | None = None) -> StepOutcome:
         """Execute ``ops`` (this device's order) for ``step``; gradients accumulate in place.
         ``on_phase(step, "forward" | "backward")`` runs before the first operation of each kind
         (the trainer's fault-injection hook). ``final_backward()``: a context entered around
         the step's last backward here, the one after which this device's gradients are final
-        (the gradient sums start inside it, :class:`~.grad_sync.GradientSums`)."""
+        (the gradient sums start inside it, :class:`~.grad_sync.GradientSums`). ``superseded``:
+        set when the agents have published a newer generation (the watchdog's); the step is
+        then given up before its next operation (:class:`~.errors.PeerLost`)."""
         scale = 1.0 / self.plan.global_micro_batches
         stash: dict[tuple[int, int], tuple[list[torch.Tensor], Any]] = {}
         pending: list = []
@@ -350,6 +353,9 @@ class PipelineExecutor:
                                           if op.kind == "F" and None in (op.source, op.dest)])
         try:
             for index, op in enumerate(ops):
+                if superseded is not None and superseded.is_set():
+                    raise PeerLost(f"device {self.device} gave step {step} up: the agents "
+                                   "published a newer plan generation")
                 if on_phase is not None and op.kind not in entered:
                     entered.add(op.kind)
                     on_phase(step, "forward" if op.kind == "F" else "backward")

@@ -51,12 +51,16 @@ class GroupTable:
                 "was built for another plan."
             ) from None
 
-    def destroy(self) -> None:
-        """Release the groups; never raises (after a failure a group may be half broken)."""
-        for group in self._groups.values():
-            if group is not dist.group.WORLD:
-                try:
-                    dist.destroy_process_group(group)
-                except (RuntimeError, ValueError):
-                    pass
+    def destroy(self) -> list[object]:
+        """Take the groups out of torch's books; never raises (after a failure a group may be
+        half broken). Returns them: a group is freed with its last reference, and its
+        destructor can wait (:func:`.abort.free_later`), so the caller says where that
+        happens."""
+        groups = [g for g in self._groups.values() if g is not dist.group.WORLD]
+        for group in groups:
+            try:
+                dist.destroy_process_group(group)
+            except (RuntimeError, ValueError):
+                pass
         self._groups.clear()
+        return groups

@@ -49,18 +49,20 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
 import psutil
+import torch.distributed as dist
 
 from chameleon_elastic import channel
 from chameleon_elastic.channel import Resumed
 from chameleon_elastic.retries import DEFAULT_CAP, FailureStreak
 
-from .abort import Watchdog, world_sockets
+from .abort import Watchdog, free_later, world_sockets
 from .commit import StateLost
 from .entering import Entry, enter, release_groups
 from .errors import PipelineRuntimeError, keep_message_only
@@ -74,6 +76,8 @@ log = logging.getLogger("chameleon_elastic.runtime.recovery")
 #: how long the watchdog's wait for a generation lasts before it is renewed (a generation
 #: may be hours away)
 WATCH_WAIT = timedelta(hours=1)
+#: seconds a closing worker waits for the groups being freed in the background
+FREE_WAIT = 5.0
 
 
 class GaveUp(PipelineRuntimeError):
@@ -96,6 +100,7 @@ class Recovery:
         self.registered = False
         self.watchdog: Watchdog | None = None
         self._entering = time.time()   # the trainer enters its first plan next
+        self._freeing: list[threading.Thread] = []   # threads freeing aborted groups
 
     def announced(self) -> bool:
         """True when the agent has published a newer generation (checked at step starts: one
@@ -114,8 +119,11 @@ class Recovery:
         # but not yet the groups that _build records with it
         self.backend.unblock(self.trainer.group_sockets | self.trainer.unit_sockets
                              | world_sockets())
-        release_groups(self.trainer)
+        groups = release_groups(self.trainer)
+        if dist.is_initialized():
+            groups.append(dist.group.WORLD)
         self.backend.abort_process_groups()
+        self._freeing = [t for t in self._freeing if t.is_alive()] + [free_later(groups)]
 
     def recover(self, cause: str) -> None:
         """notice -> abort -> wait -> regroup -> agree -> migrate -> rebuild; returns when the
@@ -193,6 +201,7 @@ class Recovery:
             side = self.link.another(timeout=WATCH_WAIT)   # it waits for the next generation
             self.watchdog = Watchdog(side.wait_for_bell, self.link.ring,
                                      lambda g: side.has(g + 1), self.backend.unblock)
+            self.trainer.superseded = self.watchdog.superseded
         self.arm()
 
     def arm(self) -> None:
@@ -204,6 +213,8 @@ class Recovery:
         if self.watchdog is not None:
             self.watchdog.stop()
         self.link.stop_beats()
+        for thread in self._freeing:   # groups freed in the background (abort)
+            thread.join(FREE_WAIT)
 
     def step_committed(self) -> None:
         if self.streak.count:

@@ -102,7 +102,8 @@ def _compute_and_sync(t: TrainerState, step: int, record: bool
         sums = GradientSums(t.layers, order, t.groups)
     outcome = t.executor.run(step, t.orders, record=record, on_phase=t.phases,
                              loss_scale=t.loss_scale.scale,
-                             final_backward=sums.armed if sums is not None else None)
+                             final_backward=sums.armed if sums is not None else None,
+                             superseded=t.superseded)
     compute_done = time.perf_counter()
     t.phases(step, "sync")
     issued = sync_gradients(t.layers, t.device, t.ranks, t.groups, rounds=t.rounds,

@@ -27,6 +27,7 @@ scale travels in the commit rows and the checkpoint).
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
@@ -173,6 +174,8 @@ class PipelineTrainer:
         self.holders: dict[int, tuple[int, ...]] = {}
         self.ties: tuple[TiedCopies, ...] = ()
         self.recovery: Recovery | None = None
+        #: the watchdog's: set when the agents publish a newer generation (runtime/abort.py)
+        self.superseded: threading.Event | None = None
         self.save_group = None                      # background saves' own group, per plan
         self.saving: BackgroundSave | None = None   # the checkpoint being written
         self.preemption = Preemption(link)   # a stop at a step boundary (runtime/preemption)
@@ -384,8 +387,11 @@ class PipelineTrainer:
                 self.recovery.link.reported(step)
 
     def close(self) -> None:
-        """Release this plan's process groups (the default group stays)."""
+        """Release this plan's process groups (the default group stays), a save in flight
+        ended first."""
         if self.recovery is not None:
             self.recovery.close()
         self.feed.close()
+        if self.saving is not None:
+            self.saving.settle(self.timeouts.collective_s)
         self.release_groups()

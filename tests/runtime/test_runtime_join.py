@@ -4,14 +4,16 @@
 from __future__ import annotations
 
 import os
+import queue
 import socket
+import threading
 
 import pytest
 import torch.distributed as dist
 
 from chameleon_elastic import channel
 from chameleon_elastic.channel import Generation
-from chameleon_elastic.runtime.abort import new_sockets, shut_down
+from chameleon_elastic.runtime.abort import Watchdog, new_sockets, shut_down
 from chameleon_elastic.runtime.errors import PeerLost
 from chameleon_elastic.runtime.join import join_generation
 from chameleon_elastic.runtime.link import WorkerLink
@@ -66,3 +68,33 @@ def test_shut_down_cuts_recorded_sockets_but_not_a_socket_that_reused_a_descript
             os.close(extra)
         for s in (live, live_peer, new, new_peer):
             s.close()
+
+
+@pytest.mark.timeout(30)
+def test_the_watchdog_flags_a_superseded_generation_and_arming_clears_the_flag():
+    """The agent's bell wakes the watchdog: for the generation it is armed with, once a newer
+    one exists, it sets ``superseded`` (what a computing loop looks at between operations)
+    and unblocks the groups' sockets once; arming with the next generation clears the flag."""
+    bells: queue.Queue[None] = queue.Queue()
+    published = {0}
+    unblocked: list[frozenset] = []
+    done = threading.Event()
+
+    def unblock(sockets: frozenset) -> None:
+        unblocked.append(sockets)
+        done.set()
+
+    watchdog = Watchdog(lambda: bells.get(timeout=20), lambda: bells.put(None),
+                        lambda g: g + 1 in published, unblock)
+    try:
+        watchdog.arm(0, frozenset({(99, "socket:[1]")}))
+        assert not watchdog.superseded.is_set()
+        published.add(1)
+        bells.put(None)   # the agent rings after publishing generation 1
+        assert done.wait(20), "the watchdog did not act on the bell within 20 s"
+        assert watchdog.superseded.is_set()
+        assert unblocked == [frozenset({(99, "socket:[1]")})]
+        watchdog.arm(1, frozenset())
+        assert not watchdog.superseded.is_set()
+    finally:
+        watchdog.stop()

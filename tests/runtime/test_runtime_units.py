@@ -158,6 +158,30 @@ def test_executor_refuses_another_devices_operations():
         executor.run(0, device_orders(plan)[1])
 
 
+def test_a_superseded_generation_stops_the_step_before_its_next_operation():
+    """A survivor that is computing when the agents publish a newer generation (its only
+    transfers may be the step's gradient sums, at the end of its backward) gives the step up
+    before its next operation, not at its next transfer: nothing runs once the flag is set."""
+    import threading
+
+    from chameleon_elastic.planning.schedule import device_orders
+    from chameleon_elastic.runtime.errors import PeerLost
+
+    plan = data_parallel_plan(1, 7, 2)
+    executor = PipelineExecutor(plan, 0, mlp_model(), build_layers(mlp_model(), 0, 7), 1,
+                                dense_rank_map(plan))
+    superseded, ran = threading.Event(), []
+    superseded.set()
+    with pytest.raises(PeerLost, match="gave step 0 up: the agents published a newer plan"):
+        executor.run(0, device_orders(plan)[0], on_phase=lambda s, p: ran.append(p),
+                     superseded=superseded)
+    assert ran == []
+    superseded.clear()
+    executor.run(0, device_orders(plan)[0], on_phase=lambda s, p: ran.append(p),
+                 superseded=superseded)
+    assert ran == ["forward", "backward"]
+
+
 def test_trainer_needs_an_initialised_process_group():
     plan = plans_with_eight_micro_batches()[0]
     with pytest.raises(PipelineRuntimeError, match="not initialised"):
