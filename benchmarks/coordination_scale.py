@@ -26,13 +26,15 @@ measured (etcd's requests, watchers and bytes are those of production):
 
 Reported: kill -> every agent adopted, split into detection (the lease's deletion seen by the
 agents' watches), reports (the last agent seeing the loss -> the decider holding every report),
-decision (the planner), publication (fenced record + ``decision`` and ``decided`` keys) and
-adoption (published -> the last agent adopted); etcd's load over the steady state and the
+decision (the planner), publication (fenced record + ``decision`` and ``decided`` keys; both
+also as the deciding thread's own CPU time, so that wall less CPU is the wait on the run queue
+and on etcd) and adoption (published -> the last agent adopted); etcd's load over the steady state and the
 round (requests per second, bytes sent, summed over the members' ``/metrics``, and the
 watchers); and the CPU that etcd and the agents used during the round.
 
     python benchmarks/coordination_scale.py [--nodes 256,1024] [--members 3] [--procs 4]
-        [--channels 16] [--ttl 5] [--steady 10] [--kill expiry|revoke] [--json]
+        [--channels 16] [--ttl 5] [--steady 10] [--kill expiry|revoke] [--decider-nice N]
+        [--json]
 """
 
 from __future__ import annotations
@@ -88,7 +90,8 @@ def _stores(client: Any) -> tuple[Any, Any]:
 
 
 class Clock:
-    """Timestamps (monotonic: one clock for every process of the host) of named moments."""
+    """Timestamps (monotonic: one clock for every process of the host) of named moments, and
+    the calling thread's CPU time in each (wall less CPU: the run queue and etcd's answers)."""
 
     def __init__(self) -> None:
         self.marks: dict[str, float] = {}
@@ -98,13 +101,14 @@ class Clock:
         inner = getattr(module, name)
 
         def timed(*args: Any, **kwargs: Any) -> Any:
-            start = time.monotonic()
+            start, cpu = time.monotonic(), time.thread_time()
             try:
                 return inner(*args, **kwargs)
             finally:
                 with self.lock:
                     self.marks[f"{name}_start"] = start
                     self.marks[f"{name}_end"] = time.monotonic()
+                    self.marks[f"{name}_cpu"] = time.thread_time() - cpu
 
         setattr(module, name, timed)
 
@@ -188,6 +192,7 @@ class Agent:
         self.rounds._last_info, self.rounds.nodes = SimpleNamespace(store=self.store), \
             tuple(range(nodes))
         self.params = params
+        self.decider_nice: int | None = None   # see --decider-nice
 
     def alive(self) -> set[int]:
         """``NodeWatch.alive``: the nodes this agent's watch last saw holding their lease."""
@@ -226,6 +231,10 @@ class Agent:
 
         try:
             _, members = self.rounds.quick(self.node, self.alive)
+            if members.decides and self.decider_nice is not None:
+                # this thread only (Linux nice is per thread): a real node's agent has its
+                # node's CPU, not a 2-core machine shared with a thousand agents
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.decider_nice)
             devices = tuple(range(self.node * DEVICES_PER_NODE,
                                   (self.node + 1) * DEVICES_PER_NODE))
             mine = coordination.NodeReport(self.node, (), devices, True)
@@ -277,7 +286,8 @@ def _keeper(endpoints: str, ttl: int, connected: Any, inbox: Any, victim: int, k
 
 
 def _host(first: int, last: int, nodes: int, victim: int, endpoints: str, ttl: int,
-          channels: int, plan_dir: str, ready: Any, orders: Any, results: Any) -> None:
+          channels: int, plan_dir: str, ready: Any, orders: Any, results: Any,
+          decider_nice: int | None = None) -> None:
     """One process hosting agents ``first..last-1`` on ``channels`` shared etcd clients,
     one keep-alive thread per client and each client's one watch-dispatch thread."""
     import copy
@@ -313,6 +323,7 @@ def _host(first: int, last: int, nodes: int, victim: int, endpoints: str, ttl: i
         if n != 0:
             own.plan_dir, own.excluded = Path(plan_dir) / f"node{n}", set()
         agent = Agent(n, nodes, clients[n % channels], params, own)
+        agent.decider_nice = decider_nice
         agent.live._register()   # the real lease grant and node key
         agents.append(agent)
         ready.put(("registered", n))
@@ -419,7 +430,8 @@ def _unspoiled(said: tuple[str, Any]) -> None:
 
 
 def _simulate(cluster: Any, nodes: int, procs: int, channels: int, ttl: int, revoke: bool,
-              steady: float, plan_dir: str, say: Any) -> tuple[list[dict[str, Any]], list[Any]]:
+              steady: float, plan_dir: str, say: Any,
+              decider_nice: int | None = None) -> tuple[list[dict[str, Any]], list[Any]]:
     """Start the hosts, register and watch, measure the steady state, kill one node and
     collect every host's results; returns (results, [steady start, steady end, round end]
     metrics and times)."""
@@ -430,7 +442,7 @@ def _simulate(cluster: Any, nodes: int, procs: int, channels: int, ttl: int, rev
     orders = [ctx.Queue() for _ in bounds]
     hosts = [ctx.Process(target=_host,   # not daemonic: each starts its keep-alive process
                          args=(lo, hi, nodes, victim, cluster.endpoints, ttl, channels,
-                               plan_dir, ready, orders[i], results))
+                               plan_dir, ready, orders[i], results, decider_nice))
              for i, (lo, hi) in enumerate(bounds)]
     t0 = time.monotonic()
     for h in hosts:
@@ -494,7 +506,8 @@ def _drive(cluster: Any, nodes: int, ttl: int, revoke: bool, steady: float, say:
 
 
 def run(nodes: int, members: int, procs: int, ttl: int, revoke: bool, channels: int = 4,
-        steady: float = 10.0, say: Any = print, etcd_dir: str | None = None) -> dict[str, Any]:
+        steady: float = 10.0, say: Any = print, etcd_dir: str | None = None,
+        decider_nice: int | None = None) -> dict[str, Any]:
     from chameleon_elastic.rendezvous.local_cluster import LocalEtcdCluster
 
     with tempfile.TemporaryDirectory(prefix="coordination-scale-", dir=etcd_dir) as data, \
@@ -504,7 +517,7 @@ def run(nodes: int, members: int, procs: int, ttl: int, revoke: bool, channels: 
         _seed(cluster.endpoints, nodes, ttl, plan_dir)
         try:
             got, windows = _simulate(cluster, nodes, procs, channels, ttl, revoke, steady,
-                                     plan_dir, say)
+                                     plan_dir, say, decider_nice)
         except Exception:
             for member in cluster.members:
                 if not member.is_running():
@@ -514,7 +527,7 @@ def run(nodes: int, members: int, procs: int, ttl: int, revoke: bool, channels: 
     row = _summary(got, windows, nodes // 2)
     row.update({"nodes": nodes, "devices": nodes * DEVICES_PER_NODE, "etcd_members": members,
                 "procs": procs, "channels_per_proc": channels, "ttl_s": ttl,
-                "kill": "revoke" if revoke else "expiry"})
+                "kill": "revoke" if revoke else "expiry", "decider_nice": decider_nice})
     return row
 
 
@@ -551,6 +564,8 @@ def _summary(got: list[dict[str, Any]], windows: list[Any], victim: int) -> dict
         "reports_s": marks["collect_end"] - detected[-1],
         "decision_s": marks["apply_end"] - marks["apply_start"],
         "publication_s": marks["publish_end"] - marks["apply_end"],
+        "decision_cpu_s": marks["apply_cpu"],   # the decider thread's own CPU
+        "publication_cpu_s": marks["commit_record_cpu"] + marks["publish_cpu"],
         "adoption_s": adopted - marks["publish_end"],
         "adoption_local_cpu_s": local["parse_cpu_s"] * 2 + local["adopt_cpu_s"],
         "total_s": adopted - killed,
@@ -588,6 +603,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="where the members keep their data (default /dev/shm: a shared "
                              "machine's disk makes every lease grant wait on fsync, which a "
                              "production etcd's SSD does not)")
+    parser.add_argument("--decider-nice", type=int, default=None,
+                        help="the deciding agent's thread's nice value during the round "
+                             "(default: the benchmark's own; -10, etcd's here, stands for a "
+                             "node's own CPU; lowering it needs root)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
     try:
@@ -597,10 +616,13 @@ def main(argv: list[str] | None = None) -> int:
     if min(scales) < 2 or min(args.procs, args.members, args.channels) < 1:
         parser.error("--nodes needs at least 2 nodes each, --procs, --channels and --members "
                      "at least 1")
+    if args.decider_nice is not None and args.decider_nice < os.nice(0) and os.geteuid() != 0:
+        parser.error(f"--decider-nice {args.decider_nice} is below this process's nice value "
+                     f"({os.nice(0)}), which only root may set; leave it out or run as root")
     say = (lambda s: print(s, file=sys.stderr, flush=True))
     rows = [run(n, args.members, min(args.procs, n), args.ttl, args.kill == "revoke",
                 max(1, min(args.channels, n // min(args.procs, n))), args.steady, say,
-                args.etcd_dir)
+                args.etcd_dir, args.decider_nice)
             for n in scales]
     if args.json:
         json.dump({"benchmark": "coordination_scale", "rows": rows}, sys.stdout, indent=2)
@@ -608,7 +630,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     cols = [("nodes", "nodes", "{}"), ("detect (last)", "detect_last_s", "{:.2f} s"),
             ("reports", "reports_s", "{:.3f} s"), ("decision", "decision_s", "{:.3f} s"),
-            ("publication", "publication_s", "{:.3f} s"), ("adoption", "adoption_s", "{:.3f} s"),
+            ("(CPU)", "decision_cpu_s", "{:.3f} s"),
+            ("publication", "publication_s", "{:.3f} s"), ("(CPU)", "publication_cpu_s", "{:.3f} s"),
+            ("adoption", "adoption_s", "{:.3f} s"),
             ("+ per-agent parse/adopt CPU", "adoption_local_cpu_s", "{:.3f} s"),
             ("kill -> all adopted", "total_s", "{:.2f} s"),
             ("etcd req/s steady", "steady_requests_per_s", "{:.0f}"),

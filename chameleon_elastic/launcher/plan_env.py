@@ -110,7 +110,9 @@ def write_plan_file(plan: ExecutionPlan, directory: str | Path) -> str:
     fd, tmp = tempfile.mkstemp(prefix=".plan-", suffix=".json", dir=directory)
     try:
         with os.fdopen(fd, "w") as fh:
-            fh.write(plan.to_json())
+            # one line: json's C encoder (indent falls back to the Python one: 0.4 s of the
+            # decider's 0.58 s of CPU at 8192 devices, on the recovery's critical path)
+            fh.write(plan.to_json(indent=None))
         os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from chameleon_elastic.launcher import coordination
 from chameleon_elastic.launcher.coordination import Decision, NodeReport
-from chameleon_elastic.launcher.session import JobSession
+from chameleon_elastic.launcher.session import JobSession, LauncherPlanningError
 from chameleon_elastic.plan import ExecutionPlan, Pipeline
 from chameleon_elastic.spec import JobSpec
 
@@ -285,3 +285,26 @@ def test_trouble_keeps_the_newest_generation_whoever_writes_last():
     assert channel.read_int(store, channel.TROUBLE) == 2
     channel.write_max(store, channel.TROUBLE, 3)
     assert channel.read_int(store, channel.TROUBLE) == 3
+
+
+def test_a_stored_decision_is_compressed_checked_and_an_older_plain_record_still_read(session):
+    """The decision and the fenced record are stored compressed (every agent of a quick round
+    reads the plan); a record an older agent wrote as plain JSON is still read and fenced over,
+    and a damaged value is refused rather than taken for a plan."""
+    session.apply(lost={2})
+    d = Decision(session.plan, (2,), (0, 1, 3), True, 4, None)
+    assert len(d.encode()) < len(d.to_json()) and Decision.decode(d.encode()) == d
+    fence = dist.HashStore()
+    fence.set(coordination.RECORD, d.to_json())   # written before compression
+    seen, newest = coordination.read_record(fence)
+    assert newest == d
+    session.apply(lost={3})
+    later = Decision(session.plan, (2, 3), (0, 1), True, 4, None)
+    coordination.commit_record(fence, seen, later)
+    assert coordination.read_record(fence)[1] == later
+    with pytest.raises(coordination.Fenced):   # the plain record it replaced is stale now
+        coordination.commit_record(fence, d.to_json(), d)
+    damaged = bytearray(later.encode())
+    damaged[len(damaged) // 2] ^= 0xFF
+    with pytest.raises(LauncherPlanningError, match="damaged"):
+        Decision.decode(bytes(damaged))

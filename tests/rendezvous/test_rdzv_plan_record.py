@@ -1,0 +1,44 @@
+"""The plan record and a round's decision on a real etcd, as the agents store them:
+compressed, fenced by compare-and-set on the compressed bytes, adopted through torch's
+PrefixStore (launcher/coordination.py)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from chameleon_elastic.launcher import coordination
+from chameleon_elastic.launcher.coordination import Decision, NodeReport
+from chameleon_elastic.launcher.session import JobSession
+from chameleon_elastic.rendezvous.store import EtcdStore
+from chameleon_elastic.spec import JobSpec
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _decision(session: JobSession, lost: set[int]) -> Decision:
+    session.apply(lost=lost)
+    live = [d for d in range(4) if d not in session.excluded]
+    return coordination.decide(session.plan, session.excluded,
+                               [NodeReport(0, tuple(sorted(lost)), tuple(live), True)], True)
+
+
+def test_a_compressed_decision_is_fenced_published_and_adopted_on_etcd(
+        etcd_client, run_prefix, tmp_path) -> None:
+    fence = EtcdStore(etcd_client, run_prefix, timeout=timedelta(seconds=10))
+    store = dist.PrefixStore("torch.rendezvous.r.0", fence)
+    session = JobSession(JobSpec.preset("tiny-cpu"), "auto", tmp_path / "a", warm_cache=False)
+    plain = _decision(session, {1})
+    fence.set(coordination.RECORD, plain.to_json())   # an older agent's plain record
+    seen, newest = coordination.read_record(fence)
+    assert newest == plain
+    second = _decision(session, {1, 3})
+    coordination.commit_record(fence, seen, second)
+    assert bytes(fence.get(coordination.RECORD)) == second.encode()   # stored compressed
+    with pytest.raises(coordination.Fenced, match="published meanwhile"):
+        coordination.commit_record(fence, seen, plain)   # a stale view cannot publish
+    assert coordination.read_record(fence)[1] == second
+    coordination.publish(store, "q1/", second)
+    assert coordination.adopt(store, "q1/", timeout_s=5) == second
