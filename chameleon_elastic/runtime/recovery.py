@@ -112,7 +112,10 @@ class Recovery:
         so a peer blocked on this process fails now whatever still holds a group: a group
         closes its sockets only when it is freed, and one held by a reference cycle would
         wait for a garbage collection (a full one costs 0.2-0.3 s with torch loaded, on the
-        path of every recovery). Callers hold no exception of the broken step any more."""
+        path of every recovery). Callers hold no exception of the broken step any more. The
+        groups are then only taken out of torch's books; they are freed on a thread
+        (:func:`.abort.free_later`: a gloo group's destructor waits 20-30 ms), and a
+        checkpoint still being written is settled when the next plan is entered."""
         if self.watchdog is not None:
             self.watchdog.disarm()   # the groups' descriptors are about to be closed
         # the world's own, too: a generation that failed while being entered has its world
