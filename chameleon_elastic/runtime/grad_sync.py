@@ -155,7 +155,7 @@ def _finish(work, flat: torch.Tensor, grads: list[torch.Tensor]) -> None:
         work.wait()
     except RuntimeError as exc:
         raise PeerLost(f"a gradient all-reduce broke: {exc}") from exc
-    if not grads or (len(grads) == 1 and flat.data_ptr() == grads[0].data_ptr()):
+    if len(grads) == 1 and flat.data_ptr() == grads[0].data_ptr():
         return  # summed in place
     parts = flat.split([g.numel() for g in grads])
     torch._foreach_copy_(grads, [x.view_as(g) for x, g in zip(parts, grads, strict=True)])
@@ -303,12 +303,11 @@ class GradientSums:
             chunk, flat = self._chunks[self._next], self._flat[self._next]
             self._next += 1
             group = self._groups.get(chunk.ranks)
+            # with a flat buffer the gradients are its views: it is summed in place
+            grads = ([flat] if flat is not None
+                     else [local(_grad(self._params[k])) for k in chunk.params])
             try:
-                if flat is not None:   # the gradients are views of it: summed in place
-                    self._pending.append(_start([flat], group)[:2] + ([],))
-                else:
-                    grads = [local(_grad(self._params[k])) for k in chunk.params]
-                    self._pending.append(_start(grads, group))
+                self._pending.append(_start(grads, group))
             except PeerLost as exc:
                 self._error = exc
 

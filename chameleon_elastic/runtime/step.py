@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from .errors import PeerLost, PipelineRuntimeError
 from .executor import OpTiming
-from .grad_sync import GradientSums, group_by_kind, square_share, sum_order, sync_gradients
+from .grad_sync import GradientSums, group_by_kind, square_share, sync_gradients
 from .user_state import after_step
 
 __all__ = ["StepResult", "apply_step", "learning_rate", "train_step"]
@@ -98,8 +98,7 @@ def _compute_and_sync(t: TrainerState, step: int, record: bool
     t.optimizer.zero_grad(set_to_none=False)
     sums = None
     if t.sync_mode == "rounds":  # started during the last backward, as gradients are final
-        order = sum_order(t.layers, t.device, t.ranks, t.rounds, t.ties, t.tp_rank)
-        sums = GradientSums(t.layers, order, t.groups, t.grad_buffers)
+        sums = GradientSums(t.layers, t.sum_order, t.groups, t.grad_buffers)
     outcome = t.executor.run(step, t.orders, record=record, on_phase=t.phases,
                              loss_scale=t.loss_scale.scale,
                              final_backward=sums.armed if sums is not None else None,
