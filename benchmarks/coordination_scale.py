@@ -196,7 +196,7 @@ class Agent:
 
     def alive(self) -> set[int]:
         """``NodeWatch.alive``: the nodes this agent's watch last saw holding their lease."""
-        return {int(info["node"]) for info in self.live.members().values() if "node" in info}
+        return self.live.numbers()
 
     def watch(self, listing: dict[str, dict[str, Any]], revision: int) -> None:
         """This agent's own etcd watch on the nodes prefix, from the revision of ``listing``:
@@ -229,6 +229,7 @@ class Agent:
     def recover(self) -> None:
         from chameleon_elastic.launcher import coordination
 
+        self.out["tid"] = threading.get_native_id()   # for --cpu-profile's accounting
         try:
             _, members = self.rounds.quick(self.node, self.alive)
             if members.decides and self.decider_nice is not None:
@@ -430,8 +431,8 @@ def _unspoiled(said: tuple[str, Any]) -> None:
 
 
 def _simulate(cluster: Any, nodes: int, procs: int, channels: int, ttl: int, revoke: bool,
-              steady: float, plan_dir: str, say: Any,
-              decider_nice: int | None = None) -> tuple[list[dict[str, Any]], list[Any]]:
+              steady: float, plan_dir: str, say: Any, decider_nice: int | None = None,
+              sampler: Any = None) -> tuple[list[dict[str, Any]], list[Any]]:
     """Start the hosts, register and watch, measure the steady state, kill one node and
     collect every host's results; returns (results, [steady start, steady end, round end]
     metrics and times)."""
@@ -449,7 +450,7 @@ def _simulate(cluster: Any, nodes: int, procs: int, channels: int, ttl: int, rev
         h.start()
     try:
         got = _drive(cluster, nodes, ttl, revoke, steady, say, t0, hosts, ready, results,
-                     orders, bounds)
+                     orders, bounds, sampler)
     except BaseException:
         for h in hosts:
             h.kill()
@@ -459,6 +460,16 @@ def _simulate(cluster: Any, nodes: int, procs: int, channels: int, ttl: int, rev
         if h.is_alive():
             h.kill()
     return got
+
+
+def _track_hosts(sampler: Any, hosts: list[Any]) -> None:
+    """Sample the hosts (and their threads) and each host's keep-alive process."""
+    import psutil
+
+    for i, h in enumerate(hosts):
+        sampler.track(f"host{i}", h.pid, threads=True)
+        for j, child in enumerate(psutil.Process(h.pid).children()):
+            sampler.track(f"keeper{i}.{j}", child.pid)
 
 
 def _next(ready: Any, hosts: list[Any], timeout: float) -> Any:
@@ -478,12 +489,15 @@ def _next(ready: Any, hosts: list[Any], timeout: float) -> Any:
 
 def _drive(cluster: Any, nodes: int, ttl: int, revoke: bool, steady: float, say: Any,
            t0: float, hosts: list[Any], ready: Any, results: Any, orders: list[Any],
-           bounds: list[tuple[int, int]]) -> tuple[list[dict[str, Any]], list[Any]]:
+           bounds: list[tuple[int, int]],
+           sampler: Any = None) -> tuple[list[dict[str, Any]], list[Any]]:
     victim = nodes // 2
     for count in range(1, nodes + 1):
         _unspoiled(_next(ready, hosts, 300))
         if count % max(1, nodes // 4) == 0 or count == nodes:
             say(f"  {nodes} nodes: {count} agents registered ({time.monotonic() - t0:.1f} s)")
+    if sampler is not None:
+        _track_hosts(sampler, hosts)
     for q in orders:
         q.put("watch")
     for _ in hosts:
@@ -507,7 +521,7 @@ def _drive(cluster: Any, nodes: int, ttl: int, revoke: bool, steady: float, say:
 
 def run(nodes: int, members: int, procs: int, ttl: int, revoke: bool, channels: int = 4,
         steady: float = 10.0, say: Any = print, etcd_dir: str | None = None,
-        decider_nice: int | None = None) -> dict[str, Any]:
+        decider_nice: int | None = None, cpu_profile: bool = False) -> dict[str, Any]:
     from chameleon_elastic.rendezvous.local_cluster import LocalEtcdCluster
 
     with tempfile.TemporaryDirectory(prefix="coordination-scale-", dir=etcd_dir) as data, \
@@ -515,20 +529,76 @@ def run(nodes: int, members: int, procs: int, ttl: int, revoke: bool, channels: 
             tempfile.TemporaryDirectory(prefix="coordination-scale-") as plan_dir:
         _favour(cluster)
         _seed(cluster.endpoints, nodes, ttl, plan_dir)
+        sampler = None
+        if cpu_profile:
+            from cpu_window import CpuSampler
+
+            sampler = CpuSampler()
+            for i, member in enumerate(cluster.members):
+                sampler.track(f"etcd{i}", member.pid)
+            sampler.track("parent", os.getpid())
+            sampler.start()
         try:
             got, windows = _simulate(cluster, nodes, procs, channels, ttl, revoke, steady,
-                                     plan_dir, say, decider_nice)
+                                     plan_dir, say, decider_nice, sampler)
         except Exception:
             for member in cluster.members:
                 if not member.is_running():
                     say(f"etcd member {member.endpoint} died; its log ends with:\n"
                         f"{member.log_tail(40)}")
             raise
+        finally:
+            if sampler is not None:
+                sampler.stop()
     row = _summary(got, windows, nodes // 2)
+    if sampler is not None:
+        row["cpu_windows"] = _cpu_windows(sampler, got, nodes // 2)
     row.update({"nodes": nodes, "devices": nodes * DEVICES_PER_NODE, "etcd_members": members,
                 "procs": procs, "channels_per_proc": channels, "ttl_s": ttl,
                 "kill": "revoke" if revoke else "expiry", "decider_nice": decider_nice})
     return row
+
+
+def _cpu_windows(sampler: Any, got: list[dict[str, Any]],
+                 victim: int) -> dict[str, dict[str, float]]:
+    """Who used the CPU in each phase of the round: etcd's members, the deciding agent's
+    thread, the other agents' threads, the hosts' other Python threads (the watches' dispatch,
+    gRPC's Python side), gRPC's C threads by name, the keep-alive processes, and everything
+    else on the machine (other sessions); ``wait:`` keys are run-queue waits of threads."""
+    marks = next(g["marks"] for g in got if "apply_start" in g["marks"])
+    outs = {n: o for g in got for n, o in g["outs"].items()}
+    decider = outs[0].get("tid")
+    followers = {o.get("tid") for n, o in outs.items() if n not in (0, victim)}
+    mains = set(sampler.procs.values())
+
+    def group(key: str) -> str | None:
+        parts = key.split("/")
+        if len(parts) == 1:   # a process: etcd members, hosts (all threads), keepers, parent
+            return key if key == "machine" or key.startswith("etcd") else (
+                "hosts (all threads)" if key.startswith("host") else
+                "keep-alive processes" if key.startswith("keeper") else key)
+        tid, what = int(parts[1]), parts[2]
+        name = ("decider thread" if tid == decider else "follower agent threads"
+                if tid in followers else "host main threads" if tid in mains
+                else f"host threads named {sampler.comms.get(tid, '?')}")
+        return name if what == "run" else f"wait: {name}" if tid == decider or \
+            tid in followers else None
+
+    detected = max(o["detected"] for n, o in outs.items() if n != victim)
+    spans = {"reports": (detected, marks["collect_end"]),
+             "decision": (marks["apply_start"], marks["apply_end"]),
+             "publication": (marks["apply_end"], marks["publish_end"]),
+             "decision + publication": (marks["apply_start"], marks["publish_end"])}
+    out = {}
+    for name, (t0, t1) in spans.items():
+        used = sampler.window(t0, t1, group)
+        ours = sum(v for k, v in used.items() if k.startswith("etcd") or k in (
+            "hosts (all threads)", "keep-alive processes", "parent"))
+        used["etcd (all members)"] = sum(v for k, v in used.items() if k.startswith("etcd"))
+        used["everything else on the machine"] = used.get("machine", 0.0) - ours
+        used["wall"] = t1 - t0
+        out[name] = {k: round(v, 3) for k, v in sorted(used.items())}
+    return out
 
 
 def _summary(got: list[dict[str, Any]], windows: list[Any], victim: int) -> dict[str, Any]:
@@ -607,6 +677,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="the deciding agent's thread's nice value during the round "
                              "(default: the benchmark's own; -10, etcd's here, stands for a "
                              "node's own CPU; lowering it needs root)")
+    parser.add_argument("--cpu-profile", action="store_true",
+                        help="sample every process's and the agents' threads' CPU time "
+                             "(/proc) and report who used the CPU in each phase of the round "
+                             "(costs CPU itself: not for timing runs)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
     try:
@@ -622,7 +696,7 @@ def main(argv: list[str] | None = None) -> int:
     say = (lambda s: print(s, file=sys.stderr, flush=True))
     rows = [run(n, args.members, min(args.procs, n), args.ttl, args.kill == "revoke",
                 max(1, min(args.channels, n // min(args.procs, n))), args.steady, say,
-                args.etcd_dir, args.decider_nice)
+                args.etcd_dir, args.decider_nice, args.cpu_profile)
             for n in scales]
     if args.json:
         json.dump({"benchmark": "coordination_scale", "rows": rows}, sys.stdout, indent=2)
@@ -644,6 +718,12 @@ def main(argv: list[str] | None = None) -> int:
     print(" | ".join(c for c, _, _ in cols))
     for r in rows:
         print(" | ".join(f.format(r[k]) for _, k, f in cols))
+    for r in rows:
+        for phase, used in r.get("cpu_windows", {}).items():
+            print(f"\n{r['nodes']} nodes, CPU seconds in {phase} ({used['wall']:.3f} s wall):")
+            for k, v in sorted(used.items(), key=lambda kv: -kv[1]):
+                if k != "wall" and abs(v) >= 0.005:
+                    print(f"  {k}: {v:.3f}")
     return 0
 
 

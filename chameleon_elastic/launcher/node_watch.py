@@ -79,7 +79,7 @@ class NodeWatch:
         """Nodes holding their lease, as the watch last saw them (no etcd call). Not this one
         once its lease was lost, until a full round has readmitted it: the others counted it
         gone, so a quick round of its own would decide from a stale view."""
-        nodes = {int(info["node"]) for info in self._live.members().values() if "node" in info}
+        nodes = self._live.numbers()
         return nodes - {int(self.node_id.split("-")[1])} if self.fenced else nodes
 
     def rejoined(self) -> None:

@@ -183,6 +183,13 @@ class NodeLiveness:
         with self._members_lock:
             return {k: dict(v) for k, v in self._members.items()}
 
+    def numbers(self) -> set[int]:
+        """The ``node`` numbers of the live nodes' infos, as this watcher last saw them:
+        ``members`` without copying every info (a quick round's followers check it between
+        their wait slices, a thousand of them every second at 1024 nodes)."""
+        with self._members_lock:
+            return {int(info["node"]) for info in self._members.values() if "node" in info}
+
     def stop(self, revoke: bool = True) -> None:
         """Stop the threads; revoke the lease (peers see ``left`` at once) unless told not to."""
         self._stop.set()

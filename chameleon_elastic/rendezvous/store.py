@@ -12,7 +12,12 @@ Keys live under ``<key_prefix>/<run_id>/store/``; values are raw bytes. The oper
   now stored, else returns the current value (``expected`` when the key is absent);
 - ``wait``: reads the missing keys at revision R, then watches the first missing key from
   R + 1, so a put that races with the read is never missed; a broken watch (etcd restart) just
-  re-reads and re-watches. Timeout -> :class:`EtcdStoreTimeoutError` (a ``DistStoreError``);
+  re-reads and re-watches. Timeout -> :class:`EtcdStoreTimeoutError` (a ``DistStoreError``).
+  A wait that times out keeps its watch (one per store): a caller that waits in slices for
+  the same key (a quick round's followers, checking a lease between slices) then costs etcd
+  nothing per slice, where a read, a watch created and one cancelled per slice made 3000
+  requests a second at 1024 agents. No event on the kept watch means the key is still
+  missing, so the next slice skips the read; a wait for anything else cancels it;
 - ``check``, ``delete_key``, ``num_keys`` (keys of this store), ``append``.
 
 etcd refuses a transaction of more than ``--max-txn-ops`` operations (128 by default), so reads
@@ -87,6 +92,8 @@ class EtcdStore(dist.Store):
         self._client = client
         self._prefix = f"{run_prefix}store/"
         self.set_timeout(timeout)
+        self._kept: _Watch | None = None   # a timed-out wait's watch, for the next slice
+        self._kept_lock = threading.Lock()
 
     @property
     def prefix(self) -> str:
@@ -255,20 +262,50 @@ class EtcdStore(dist.Store):
 
     def _wait_full(self, full: list[str], deadline: float) -> None:
         while True:
-            missing, revision = self._missing(full)
-            if not missing:
-                return
+            watch = self._take_kept(full)
+            if watch is not None:
+                missing = [watch.key]
+            else:
+                missing, revision = self._missing(full)
+                if not missing:
+                    return
             remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise EtcdStoreTimeoutError(
-                    f"Timed out waiting for store key(s) {[k[len(self._prefix):] for k in missing]}"
-                    f" under {self._prefix}: nobody set them before the store timeout "
-                    f"({self.timeout}). A peer is missing or failed; check the other agents' "
-                    "logs, or raise the timeout (--rdzv-conf read_timeout=SECONDS)."
-                )
-            self._watch_once(missing[0], revision + 1, remaining)
+            if remaining > 0 and watch is None:
+                watch = self._watch(missing[0], revision + 1)
+                if watch is None:   # compacted revision or similar: read again
+                    time.sleep(min(0.1, remaining))
+                    continue
+            if remaining > 0 and watch.fired.wait(remaining):
+                watch.cancel()   # the key was written (or the watch broke): read again
+                continue
+            if watch is not None:
+                self._keep(watch)
+            raise EtcdStoreTimeoutError(
+                f"Timed out waiting for store key(s) {[k[len(self._prefix):] for k in missing]}"
+                f" under {self._prefix}: nobody set them before the store timeout "
+                f"({self.timeout}). A peer is missing or failed; check the other agents' "
+                "logs, or raise the timeout (--rdzv-conf read_timeout=SECONDS)."
+            )
 
-    def _watch_once(self, key: str, start_revision: int, seconds: float) -> None:
+    def _take_kept(self, full: list[str]) -> _Watch | None:
+        """The kept watch when it watches the one key waited for and saw nothing since (so
+        the key is still missing), else None (cancelling a kept watch of another key)."""
+        with self._kept_lock:
+            watch, self._kept = self._kept, None
+        if watch is not None and (full != [watch.key] or watch.fired.is_set()):
+            watch.cancel()
+            return None
+        return watch
+
+    def _keep(self, watch: _Watch) -> None:
+        with self._kept_lock:
+            old, self._kept = self._kept, watch
+        if old is not None:
+            old.cancel()
+
+    def _watch(self, key: str, start_revision: int) -> _Watch | None:
+        """A watch on ``key`` from ``start_revision``; None when etcd refused it for a reason
+        a new read settles (a compacted revision)."""
         fired = threading.Event()
 
         def on_event(_response: object) -> None:
@@ -283,18 +320,24 @@ class EtcdStore(dist.Store):
             client, watch_id = self._client.call("store wait", create)
         except EtcdRendezvousError:
             raise
-        except Exception as exc:  # compacted revision or similar: just poll again
+        except Exception as exc:
             if not is_transient(exc):
-                time.sleep(min(0.1, seconds))
-                return
+                return None
             raise
+        return _Watch(key, fired, client, watch_id)
+
+
+class _Watch:
+    """One etcd watch of a store wait: ``fired`` once anything came on it."""
+
+    def __init__(self, key: str, fired: threading.Event, client: Any, watch_id: int) -> None:
+        self.key, self.fired, self._client, self._id = key, fired, client, watch_id
+
+    def cancel(self) -> None:
         try:
-            fired.wait(seconds)
-        finally:
-            try:
-                client.cancel_watch(watch_id)
-            except Exception:  # the stream may be gone already (etcd restart)
-                log.debug("cancelling a store watch failed", exc_info=True)
+            self._client.cancel_watch(self._id)
+        except Exception:  # the stream may be gone already (etcd restart)
+            log.debug("cancelling a store watch failed", exc_info=True)
 
 
 def _count_request(keys: list[str]) -> Any:

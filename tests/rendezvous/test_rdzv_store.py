@@ -159,3 +159,59 @@ def test_store_rides_out_etcd_restart(etcd_server, store) -> None:
     thread.join(timeout=30)
     assert result == [1]
     assert store.get("before") == b"1"
+
+
+def _requests(etcd_server) -> float:
+    """gRPC messages etcd has received so far (unary calls and each watch create/cancel)."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://{etcd_server.endpoint}/metrics", timeout=5) as r:
+        lines = r.read().decode().splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines
+               if line.startswith("grpc_server_msg_received_total"))
+
+
+def _slice(waiter, key: str, seconds: float = 0.2) -> None:
+    with pytest.raises(dist.DistStoreError, match=key):
+        waiter.wait([key], timedelta(seconds=seconds))
+
+
+def test_waiting_in_slices_keeps_one_watch(etcd_server, store) -> None:
+    """A follower waiting for the decision in slices (checking a lease in between) must not
+    cost etcd a read and a watch per slice: the first slice reads and watches, the others
+    reuse that watch; a put between two slices still ends the wait at once."""
+    waiter = dist.PrefixStore("torch.rendezvous.run.0", store)   # as the agents hold it
+    before = _requests(etcd_server)
+    _slice(waiter, "q1/decided")
+    first = _requests(etcd_server) - before
+    for _ in range(4):
+        _slice(waiter, "q1/decided")
+    later = _requests(etcd_server) - before - first
+    assert first >= 2 and later < 4, (first, later)   # read + watch, then nothing per slice
+    store.set("torch.rendezvous.run.0/q1/decided", "1")   # between two slices
+    waiter.wait(["q1/decided"], timedelta(seconds=20))     # the kept watch saw it
+    assert waiter.get("q1/decided") == b"1"
+
+
+def test_kept_watch_wakes_on_a_put_during_a_slice(etcd_settings, run_prefix, store) -> None:
+    _slice(store, "late")
+    with EtcdClient(etcd_settings) as setter_client:
+        setter = EtcdStore(setter_client, run_prefix)
+        done: list[bool] = []
+        thread = threading.Thread(target=lambda: done.append(
+            store.wait(["late"], timedelta(seconds=20)) is None))
+        thread.start()
+        setter.set("late", "here")
+        thread.join(timeout=25)
+    assert done == [True]
+
+
+def test_kept_watch_gives_way_to_a_wait_for_other_keys(store) -> None:
+    _slice(store, "a")
+    store.set("b", "1")
+    store.wait(["b"], timedelta(seconds=5))       # another key: the kept watch is dropped
+    _slice(store, "a")                             # a fresh read and watch: still missing
+    store.set("a", "2")
+    assert store.multi_get(["a", "b"]) == [b"2", b"1"]
+    with pytest.raises(dist.DistStoreError, match="'c'"):
+        store.wait(["a", "c"], timedelta(milliseconds=200))   # names only what is missing
