@@ -119,17 +119,20 @@ class EtcdStore(dist.Store):
         return self.multi_get([key])[0]
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
+        """Read first, wait only for what is missing: a key usually exists when it is read
+        (a quick round's followers read the decision right after its marker woke them, a
+        thousand at once at 1024 nodes), so a check before every read was a request
+        wasted."""
         full = [self._key(k) for k in keys]
         deadline = self._deadline(None)
         gets = [transactions.Get(k) for k in full]
         while True:
-            self._wait_full(full, deadline)
             values = [found[0][0] if found else None for chunk in _chunks(gets)
                       for found in self._client.call(
                           "store get", lambda c, ops=chunk: c.transaction([], ops, []))[1]]
             if all(v is not None for v in values):
                 return [bytes(v) for v in values]  # type: ignore[arg-type]
-            # A key was deleted between the wait and the read: wait again.
+            self._wait_full([k for k, v in zip(full, values) if v is None], deadline)
 
     def add(self, key: str, amount: int) -> int:
         full = self._key(key)

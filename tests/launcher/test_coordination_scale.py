@@ -20,7 +20,7 @@ def test_eight_simulated_nodes_adopt_the_plan_without_the_lost_one(tmp_path):
     run = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "coordination_scale.py"), "--nodes", "8",
          "--members", "1", "--procs", "1", "--ttl", "10", "--steady", "1", "--kill", "revoke",
-         "--json"],
+         "--cpu-profile", "--json"],
         capture_output=True, text=True, timeout=110, cwd=tmp_path, check=False)
     assert run.returncode == 0, f"the scale harness failed: {run.stderr[-3000:]}"
     (row,) = json.loads(run.stdout)["rows"]
@@ -30,3 +30,10 @@ def test_eight_simulated_nodes_adopt_the_plan_without_the_lost_one(tmp_path):
         assert row[phase] >= 0, (phase, row)
     assert row["total_s"] >= row["detect_last_s"]
     assert row["watchers"] >= 8   # one node watch per agent at least
+    # --cpu-profile: who used the CPU in each phase, the deciding thread among them
+    used = row["cpu_windows"]["decision + publication"]
+    assert used["wall"] == pytest.approx(row["decision_plus_publication_s"], abs=1e-3)
+    assert {"machine", "etcd (all members)", "hosts (all threads)",
+            "everything else on the machine"} <= set(used), used
+    assert set(row["cpu_windows"]) == {"reports", "decision", "publication",
+                                       "decision + publication"}
