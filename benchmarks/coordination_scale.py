@@ -30,11 +30,13 @@ decision (the planner), publication (fenced record + ``decision`` and ``decided`
 also as the deciding thread's own CPU time, so that wall less CPU is the wait on the run queue
 and on etcd) and adoption (published -> the last agent adopted); etcd's load over the steady state and the
 round (requests per second, bytes sent, summed over the members' ``/metrics``, and the
-watchers); and the CPU that etcd and the agents used during the round.
+watchers); and the CPU that etcd and the agents used during the round. ``--cpu-profile`` adds,
+per phase, who used the CPU: each member, the deciding thread, the other agents' threads, the
+hosts' other threads, the keep-alives and the rest of the machine (``cpu_window.py``, /proc).
 
     python benchmarks/coordination_scale.py [--nodes 256,1024] [--members 3] [--procs 4]
         [--channels 16] [--ttl 5] [--steady 10] [--kill expiry|revoke] [--decider-nice N]
-        [--json]
+        [--cpu-profile] [--json]
 """
 
 from __future__ import annotations
@@ -588,7 +590,9 @@ def _cpu_windows(sampler: Any, got: list[dict[str, Any]],
     spans = {"reports": (detected, marks["collect_end"]),
              "decision": (marks["apply_start"], marks["apply_end"]),
              "publication": (marks["apply_end"], marks["publish_end"]),
-             "decision + publication": (marks["apply_start"], marks["publish_end"])}
+             "decision + publication": (marks["apply_start"], marks["publish_end"]),
+             "adoption": (marks["publish_end"],
+                          max(o["adopted"] for n, o in outs.items() if n != victim))}
     out = {}
     for name, (t0, t1) in spans.items():
         used = sampler.window(t0, t1, group)

@@ -95,7 +95,9 @@ class CpuSampler:
         while not self._stop.wait(self.period):
             with self._lock:
                 procs, threaded = dict(self.procs), set(self.threaded)
-            sample = {"machine": _machine_busy()}
+            # a process or thread that ended keeps its last value (its CPU stops growing)
+            sample = dict(self.samples[-1]) if self.samples else {}
+            sample["machine"] = _machine_busy()
             for name, pid in procs.items():
                 cpu = _proc_cpu(pid)
                 if cpu is not None:

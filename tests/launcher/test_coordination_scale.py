@@ -36,4 +36,4 @@ def test_eight_simulated_nodes_adopt_the_plan_without_the_lost_one(tmp_path):
     assert {"machine", "etcd (all members)", "hosts (all threads)",
             "everything else on the machine"} <= set(used), used
     assert set(row["cpu_windows"]) == {"reports", "decision", "publication",
-                                       "decision + publication"}
+                                       "decision + publication", "adoption"}
