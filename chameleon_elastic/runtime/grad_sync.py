@@ -49,7 +49,7 @@ from .model import PipelineModel, tied_parameter
 from .tensor_parallel import aligned, local, replicated
 from .topology import RankMap
 
-__all__ = ["CHUNK_BYTES", "FIRST_CHUNK_BYTES", "Bound", "Chunk", "GradientSums", "SyncMode",
+__all__ = ["CHUNK_BYTES", "FIRST_CHUNK_BYTES", "OVERLAP_MIN_BYTES", "Bound", "Chunk", "GradientSums", "SyncMode",
            "TiedCopies", "bind_flat", "bucket_rank_sets", "group_by_kind",
            "layer_holder_rank_sets", "norm_holder", "square_share", "sum_order",
            "sync_gradients", "tied_copies"]
@@ -61,6 +61,11 @@ CHUNK_BYTES = 25 * 2**20
 #: largest first chunk of a bucket (DDP's first bucket): small, so that a sum starts while
 #: most of the backward is still to run
 FIRST_CHUNK_BYTES = 2**20
+#: fewest gradient bytes per parameter for which starting the sums during the backward pays:
+#: each parameter's hook costs 10-20 us of Python a step (registered, then called from
+#: autograd), what a sum over gloo's loopback takes for 30-60 KB; the tiny GPT (13 KB per
+#: parameter) lost 2-3% of its step to them, the 8 x 256 GPT (188 KB) does not
+OVERLAP_MIN_BYTES = 64 * 2**10
 
 
 @dataclass(frozen=True)
@@ -260,7 +265,9 @@ class GradientSums:
     :meth:`finish` starts whatever is left (parameters no backward reached, and everything
     when nothing was armed), waits for all, and writes the sums back. A chunk that cannot
     start inside a hook is remembered and raised by :meth:`finish`, as
-    :class:`~.errors.PeerLost`, outside autograd.
+    :class:`~.errors.PeerLost`, outside autograd. ``overlaps``: whether arming pays, by the
+    gradient bytes per parameter (:data:`OVERLAP_MIN_BYTES`); the trainer arms only then, and
+    otherwise starts every sum right after the backward.
 
     ``buffers`` (chunk -> its :data:`Bound`, kept by the caller from plan to plan): bind each
     chunk's gradients into one (:func:`bind_flat`) before the backward, so that it is summed
@@ -278,6 +285,11 @@ class GradientSums:
         self._members = [[self._params[k] for k in c.params] for c in self._chunks]
         self._hooks = [(p, functools.partial(self._final, key))
                        for key, p in self._params.items()]
+        watched = [p for p in self._params.values() if p.requires_grad]
+        #: whether hooks in the last backward (:meth:`armed`) can win more than they cost
+        self.overlaps = bool(watched) and sum(
+            local(p).numel() * local(p).element_size() for p in watched
+        ) >= OVERLAP_MIN_BYTES * len(watched)
         self._buffers = buffers
         if buffers is not None:
             for gone in set(buffers) - set(self._chunks):

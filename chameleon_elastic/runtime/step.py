@@ -96,12 +96,13 @@ def _compute_and_sync(t: TrainerState, step: int, record: bool
     issued, when compute ended)."""
     assert t.optimizer is not None and t.groups is not None
     t.optimizer.zero_grad(set_to_none=False)
-    sums = t.sums   # started during the last backward, as gradients are final
+    sums = t.sums   # started during the last backward where that pays, as gradients are final
     if sums is not None:
         sums.restart()
     outcome = t.executor.run(step, t.orders, record=record, on_phase=t.phases,
                              loss_scale=t.loss_scale.scale,
-                             final_backward=sums.armed if sums is not None else None,
+                             final_backward=(sums.armed if sums is not None and sums.overlaps
+                                             else None),
                              superseded=t.superseded)
     compute_done = time.perf_counter()
     t.feed.read_ahead(step + 2)   # the readers work while this thread waits for the sums
