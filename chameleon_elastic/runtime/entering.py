@@ -34,13 +34,7 @@ from .checkpoint import latest_step
 from .commit import Agreement, Row, agree
 from .errors import PeerLost, PipelineRuntimeError
 from .executor import BoundarySpec, PipelineExecutor, boundary_spec
-from .grad_sync import (
-    GradientSums,
-    bucket_rank_sets,
-    layer_holder_rank_sets,
-    sum_order,
-    tied_copies,
-)
+from .grad_sync import bucket_rank_sets, layer_holder_rank_sets, plan_sums, tied_copies
 from .groups import GroupTable
 from .layout import fifo_matching, layer_holders, links_into, plan_rounds
 from .restore import restore
@@ -204,9 +198,8 @@ def _build(t: TrainerState, plan: ExecutionPlan, ranks: RankMap) -> None:
     t.group_sockets = frozenset(sockets) | t.unit_sockets | world_sockets()
     # this device's gradient sums change only with the plan (their set-up, every step, cost
     # 1.1 ms of the tiny GPT's step)
-    t.sums = (GradientSums(t.layers, sum_order(t.layers, t.device, ranks, t.rounds, t.ties,
-                                               t.tp_rank), t.groups, t.grad_buffers)
-              if t.sync_mode == "rounds" else None)
+    t.sums = (plan_sums(t.layers, t.device, ranks, t.rounds, t.groups, t.grad_buffers,
+                        t.ties, t.tp_rank) if t.sync_mode == "rounds" else None)
     t.executor, t.orders = None, ()
     if t.device not in plan.working_devices:
         return

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -49,10 +49,10 @@ from .model import PipelineModel, tied_parameter
 from .tensor_parallel import aligned, local, replicated
 from .topology import RankMap
 
-__all__ = ["CHUNK_BYTES", "FIRST_CHUNK_BYTES", "OVERLAP_MIN_BYTES", "Bound", "Chunk", "GradientSums", "SyncMode",
-           "TiedCopies", "bind_flat", "bucket_rank_sets", "group_by_kind",
-           "layer_holder_rank_sets", "norm_holder", "square_share", "sum_order",
-           "sync_gradients", "tied_copies"]
+__all__ = ["CHUNK_BYTES", "FIRST_CHUNK_BYTES", "OVERLAP_MIN_BYTES", "Bound", "Chunk",
+           "GradientSums", "SyncMode", "TiedCopies", "bind_flat", "bucket_rank_sets",
+           "group_by_kind", "layer_holder_rank_sets", "norm_holder", "overlap_pays",
+           "plan_sums", "square_share", "sum_order", "sync_gradients", "tied_copies"]
 
 SyncMode = Literal["rounds", "serial"]
 
@@ -209,6 +209,35 @@ def sum_order(layers: Mapping[int, nn.Module], device: int, ranks: RankMap,
     return tuple(out)
 
 
+def _chunk_params(layers: Mapping[int, nn.Module],
+                  chunks: Sequence[Chunk]) -> dict[tuple[int, str], torch.Tensor]:
+    named = {x: dict(layers[x].named_parameters()) for x in {x for c in chunks
+                                                              for x, _ in c.params}}
+    return {(x, n): named[x][n] for c in chunks for x, n in c.params}
+
+
+def overlap_pays(params: Iterable[torch.Tensor]) -> bool:
+    """Whether starting sums during the backward can win more than its hooks cost: at least
+    :data:`OVERLAP_MIN_BYTES` of gradient per parameter that gets one."""
+    watched = [local(p) for p in params if p.requires_grad]
+    return bool(watched) and sum(
+        p.numel() * p.element_size() for p in watched) >= OVERLAP_MIN_BYTES * len(watched)
+
+
+def plan_sums(layers: Mapping[int, nn.Module], device: int, ranks: RankMap,
+              rounds: Sequence[Sequence[AllReduceGroup]], groups: GroupTable,
+              buffers: dict[Chunk, Bound] | None = None, ties: Sequence[TiedCopies] = (),
+              tp_rank: int = 0) -> GradientSums:
+    """This device's :class:`GradientSums` under a plan, over :func:`sum_order`. Where the
+    overlap does not pay (:func:`overlap_pays`), a bucket's first chunk is as large as the
+    others: a small one is there to start early, and would only add an all-reduce."""
+    order = sum_order(layers, device, ranks, rounds, ties, tp_rank)
+    if not overlap_pays(_chunk_params(layers, order).values()):
+        order = sum_order(layers, device, ranks, rounds, ties, tp_rank,
+                          first_cap_bytes=CHUNK_BYTES)
+    return GradientSums(layers, order, groups, buffers)
+
+
 #: a chunk's flat buffer and the views of it its gradients were bound to
 Bound = tuple[torch.Tensor, tuple[torch.Tensor, ...]]
 
@@ -276,20 +305,15 @@ class GradientSums:
 
     def __init__(self, layers: Mapping[int, nn.Module], chunks: Sequence[Chunk],
                  groups: GroupTable, buffers: dict[Chunk, Bound] | None = None) -> None:
-        named = {x: dict(layers[x].named_parameters()) for x in {x for c in chunks
-                                                                  for x, _ in c.params}}
-        self._params = {(x, n): named[x][n] for c in chunks for x, n in c.params}
+        self._params = _chunk_params(layers, chunks)
         self._chunks = tuple(chunks)
         self._groups = groups
         self._index = {k: i for i, c in enumerate(self._chunks) for k in c.params}
         self._members = [[self._params[k] for k in c.params] for c in self._chunks]
         self._hooks = [(p, functools.partial(self._final, key))
                        for key, p in self._params.items()]
-        watched = [p for p in self._params.values() if p.requires_grad]
         #: whether hooks in the last backward (:meth:`armed`) can win more than they cost
-        self.overlaps = bool(watched) and sum(
-            local(p).numel() * local(p).element_size() for p in watched
-        ) >= OVERLAP_MIN_BYTES * len(watched)
+        self.overlaps = overlap_pays(self._params.values())
         self._buffers = buffers
         if buffers is not None:
             for gone in set(buffers) - set(self._chunks):
@@ -299,9 +323,7 @@ class GradientSums:
     def restart(self) -> None:
         """Ready for a new step: no chunk started, each chunk's gradients bound to its flat
         buffer (rebound where something replaced one; one identity test each otherwise)."""
-        # a frozen parameter never gets a gradient: it is final from the start
-        self._unready = [{k for k in c.params if self._params[k].requires_grad}
-                         for c in self._chunks]
+        self._unready: list[set[tuple[int, str]]] = []   # per chunk, set by armed()
         self._flat: list[torch.Tensor | None] = [None] * len(self._chunks)
         if self._buffers is not None:
             for i, c in enumerate(self._chunks):
@@ -314,6 +336,9 @@ class GradientSums:
 
     @contextlib.contextmanager
     def armed(self) -> Iterator[None]:
+        # a frozen parameter never gets a gradient: it is final from the start
+        self._unready = [{k for k in c.params if self._params[k].requires_grad}
+                         for c in self._chunks]
         handles = [p.register_post_accumulate_grad_hook(hook) for p, hook in self._hooks
                    if p.requires_grad]
         try:
