@@ -196,8 +196,8 @@ def _build(t: TrainerState, plan: ExecutionPlan, ranks: RankMap) -> None:
     with new_sockets() as sockets:
         t.groups = GroupTable(rank_sets, timeout=t.timeouts.delta("collective_s"))
     t.group_sockets = frozenset(sockets) | t.unit_sockets | world_sockets()
-    # this device's gradient sums change only with the plan (their set-up, every step, cost
-    # 1.1 ms of the tiny GPT's step)
+    # this device's gradient sums change only with the plan (set up every step, they cost
+    # 0.6-0.7 ms of the tiny GPT's ~0.19 s step)
     t.sums = (plan_sums(t.layers, t.device, ranks, t.rounds, t.groups, t.grad_buffers,
                         t.ties, t.tp_rank) if t.sync_mode == "rounds" else None)
     t.executor, t.orders = None, ()

@@ -283,7 +283,7 @@ class GradientSums:
     overlap, in the rounds' order).
 
     Built once per plan: which parameters each chunk holds and the hooks that watch them do
-    not change between steps (building them every step cost 0.5 ms of the tiny GPT's ~0.15 s
+    not change between steps (building them every step cost 0.6-0.7 ms of the tiny GPT's ~0.19 s
     step). :meth:`restart` readies it for the next step; the constructor does the first.
     Parameters are taken from ``layers`` as they are when it is built: replacing a layer's
     parameter object needs a new one (as it needs a new optimizer).
