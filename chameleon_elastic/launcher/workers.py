@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import select
 import signal
 import threading
 from collections.abc import Callable
@@ -38,15 +39,23 @@ class ExitBell:
     worker at once instead of at its next tick (up to ``--monitor-interval``, 0.1 s, later).
     Installed only in the main thread, where Python runs signal handlers; elsewhere the loop
     simply ticks. System calls interrupted by the signal restart (``siginterrupt``), so no
-    library in the agent sees an EINTR it did not expect."""
+    library in the agent sees an EINTR it did not expect.
+
+    The handler only writes a byte to a non-blocking pipe that ``wait`` selects on. It must
+    take no lock: Python runs a handler between two bytecodes of the main thread, and when an
+    ``Event.set`` in the handler met the main thread inside that same Event's ``wait`` or
+    ``clear`` (which hold its non-reentrant lock), the agent deadlocked with a zombie worker
+    (seen once in CI: a two-node job whose agent never noticed its worker succeed)."""
 
     def __init__(self) -> None:
-        self._rung = threading.Event()
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._read, False)
+        os.set_blocking(self._write, False)
         self._previous: Any = None
 
     def __enter__(self) -> ExitBell:  # noqa: PYI034 (Self: Python 3.11)
         if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGCHLD, lambda *_: self._rung.set())
+            self._previous = signal.signal(signal.SIGCHLD, self._ring)
             signal.siginterrupt(signal.SIGCHLD, False)
         return self
 
@@ -54,11 +63,19 @@ class ExitBell:
         if self._previous is not None:
             signal.signal(signal.SIGCHLD, self._previous)
             self._previous = None
+        os.close(self._read)
+        os.close(self._write)
+
+    def _ring(self, signum: int, frame: Any) -> None:
+        with contextlib.suppress(BlockingIOError):   # full: it has rung already
+            os.write(self._write, b"\0")
 
     def wait(self, timeout: float) -> None:
         """Until a child ends or ``timeout`` passes."""
-        self._rung.wait(timeout)
-        self._rung.clear()
+        if select.select([self._read], [], [], timeout)[0]:
+            with contextlib.suppress(BlockingIOError):
+                while os.read(self._read, 4096):
+                    pass
 
 
 @dataclass(frozen=True)

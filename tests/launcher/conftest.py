@@ -239,10 +239,18 @@ class Launcher:
         its stderr file on SIGUSR2), so that a timeout names where every worker was stuck, and
         the agent's last events."""
         try:
-            workers = [p for p in psutil.Process(self.proc.pid).children(recursive=True)
-                       if any("workers/" in part for part in p.cmdline())]
+            children = psutil.Process(self.proc.pid).children(recursive=True)
         except psutil.Error:
             return ""
+        workers, zombies = [], []
+        for proc in children:
+            try:
+                if any("workers/" in part for part in proc.cmdline()):
+                    workers.append(proc)
+            except psutil.ZombieProcess:   # ended, never reaped: the agent is not polling
+                zombies.append(proc.pid)
+            except psutil.Error:
+                pass
         logs: dict[int, tuple[Path, int, str]] = {}
         for proc in workers:
             with contextlib.suppress(OSError, psutil.Error):
@@ -266,6 +274,8 @@ class Launcher:
         if state is not None and (state / "events.jsonl").exists():
             events = [json.loads(x)["event"] for x in
                       (state / "events.jsonl").read_text().splitlines()[-4:]]
+        if zombies:
+            lines.append(f"  unreaped (zombie) children of the agent: {zombies}")
         return ("workers, innermost frame first:\n" + "\n".join(lines) + "\n"
                 + (f"agent's last events: {', '.join(events)}\n" if events else ""))
 
