@@ -59,7 +59,7 @@ from .feed import Feed
 from .inbox import FifoInbox
 from .model import PipelineModel, _sizing, build_layers, collate, sample_indices
 from .precision import Precision, autocast
-from .streams import own_streams, seed_layer
+from .streams import layer_seeder, own_streams
 from .tensors import Structure, flatten, leaf_map, unflatten
 from .topology import RankMap
 
@@ -259,8 +259,9 @@ class PipelineExecutor:
                 x = layer(x)
             return x
         with own_streams(self.torch_device):
+            seed = layer_seeder(self.model.seed, step, micro_batch, self.torch_device)
             for index, layer in enumerate(self.layers, start=self._first_layer):
-                seed_layer(self.model.seed, step, micro_batch, index, self.torch_device)
+                seed(index)
                 x = layer(x)
         return x
 

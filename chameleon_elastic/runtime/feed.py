@@ -1,10 +1,13 @@
-"""This device's micro-batches, read one step ahead in the background.
+"""This device's micro-batches, read ahead in the background.
 
 Only the devices that touch data read it: a first stage its micro-batches' inputs, a last stage
 their targets (a device that is both reads each micro-batch once). Which samples a micro-batch
 holds is a pure function of (step, plan) and of (seed, epoch) (:mod:`.data`), so the next
-step's micro-batches are known before the step starts: as step ``t`` begins, :meth:`Feed.begin`
-asks for step ``t + 1``'s, which background readers fetch while step ``t`` computes.
+step's micro-batches are known before the step starts: as step ``t``'s computation ends and
+the training thread waits for its gradient sums, :meth:`Feed.read_ahead` asks for step
+``t + 2``'s, which background readers fetch while it waits and while step ``t + 1`` computes
+(:meth:`Feed.begin` asks for step ``t``'s and ``t + 1``'s itself where nothing has: the first
+step, a new plan).
 
 Readers are threads of this process (``workers`` of them, at least one), or with
 ``processes=True`` as many worker processes (spawned once per trainer; the dataset must be
@@ -76,6 +79,7 @@ class Feed:
         self._pool: Executor | None = None
         self._plan: ExecutionPlan | None = None
         self._ahead: dict[tuple[int, int, int], Future] = {}
+        self._wanted: tuple[tuple[int, int], ...] = ()
 
     @property
     def source(self) -> Any:
@@ -92,19 +96,34 @@ class Feed:
               wanted: Sequence[tuple[int, int]]) -> None:
         """Step ``step`` starts under ``plan`` and will read the micro-batches ``wanted``
         (``(pipeline, micro-batch)`` pairs): drop what was read for another plan or an
-        earlier step, and ask for this step's (unless read ahead) and the next one's."""
+        earlier step, and ask for this step's and the next one's, unless asked for already
+        (:meth:`read_ahead` normally has)."""
         if plan is not self._plan:
             self.discard()
             self._plan = plan
+        self._wanted = tuple(wanted)
         for key in [k for k in self._ahead if k[0] < step]:
             self._ahead.pop(key).cancel()
+        self._request(step)
+        self._request(step + 1)
+
+    def read_ahead(self, step: int) -> None:
+        """Ask for ``step``'s micro-batches (those of the plan and ``wanted`` of the last
+        :meth:`begin`). The trainer calls it as a step's computation ends and the training
+        thread is about to wait for its gradient sums, with the step after next: the
+        readers then collate while it waits, not while it computes, and the next step's
+        :meth:`begin` has nothing left to ask for (asking there, among the forwards, had
+        cost the tiny GPT's step 0.7 ms, and its readers' work competed with the forwards)."""
+        if self._plan is not None:
+            self._request(step)
+
+    def _request(self, step: int) -> None:
         if not self.prefetch:
             return
-        for s in (step, step + 1):
-            for pipeline, micro_batch in wanted:
-                if (s, pipeline, micro_batch) not in self._ahead:
-                    self._ahead[s, pipeline, micro_batch] = self._submit(
-                        self.indices(plan, s, pipeline, micro_batch))
+        for pipeline, micro_batch in self._wanted:
+            if (step, pipeline, micro_batch) not in self._ahead:
+                self._ahead[step, pipeline, micro_batch] = self._submit(
+                    self._plan, step, pipeline, micro_batch)
 
     def batch(self, plan: ExecutionPlan, step: int, pipeline: int, micro_batch: int) -> Batch:
         """``(inputs, targets)`` of the micro-batch, on the training device."""
@@ -134,7 +153,8 @@ class Feed:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
 
-    def _submit(self, indices: list[int]) -> Future:
+    def _submit(self, plan: ExecutionPlan, step: int, pipeline: int,
+                micro_batch: int) -> Future:
         if self._pool is None:
             if self.processes:
                 self._pool = ProcessPoolExecutor(
@@ -143,17 +163,18 @@ class Feed:
             else:
                 self._pool = ThreadPoolExecutor(self.workers,
                                                 thread_name_prefix="chameleon-data")
-        if self.processes:
-            future = self._pool.submit(_read_in_process, indices)
-            if not self.pin:
-                return future
-            pinned: Future = Future()
-            future.add_done_callback(lambda f: _settle(pinned, f))
-            return pinned
-        return self._pool.submit(self._read, indices)
+        if not self.processes:   # a thread finds the indices too
+            return self._pool.submit(self._read, plan, step, pipeline, micro_batch)
+        future = self._pool.submit(_read_in_process,
+                                   self.indices(plan, step, pipeline, micro_batch))
+        if not self.pin:
+            return future
+        pinned: Future = Future()
+        future.add_done_callback(lambda f: _settle(pinned, f))
+        return pinned
 
-    def _read(self, indices: list[int]) -> Batch:
-        batch = collate_samples(self.source, indices)
+    def _read(self, plan: ExecutionPlan, step: int, pipeline: int, micro_batch: int) -> Batch:
+        batch = collate_samples(self.source, self.indices(plan, step, pipeline, micro_batch))
         return _pinned(batch) if self.pin else batch
 
 

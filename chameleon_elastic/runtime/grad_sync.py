@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -49,10 +49,10 @@ from .model import PipelineModel, tied_parameter
 from .tensor_parallel import aligned, local, replicated
 from .topology import RankMap
 
-__all__ = ["CHUNK_BYTES", "FIRST_CHUNK_BYTES", "Bound", "Chunk", "GradientSums", "SyncMode",
-           "TiedCopies", "bind_flat", "bucket_rank_sets", "group_by_kind",
-           "layer_holder_rank_sets", "norm_holder", "square_share", "sum_order",
-           "sync_gradients", "tied_copies"]
+__all__ = ["CHUNK_BYTES", "FIRST_CHUNK_BYTES", "OVERLAP_MIN_BYTES", "Bound", "Chunk",
+           "GradientSums", "SyncMode", "TiedCopies", "bind_flat", "bucket_rank_sets",
+           "group_by_kind", "layer_holder_rank_sets", "norm_holder", "overlap_pays",
+           "plan_sums", "square_share", "sum_order", "sync_gradients", "tied_copies"]
 
 SyncMode = Literal["rounds", "serial"]
 
@@ -61,6 +61,11 @@ CHUNK_BYTES = 25 * 2**20
 #: largest first chunk of a bucket (DDP's first bucket): small, so that a sum starts while
 #: most of the backward is still to run
 FIRST_CHUNK_BYTES = 2**20
+#: fewest gradient bytes per parameter for which starting the sums during the backward pays:
+#: each parameter's hook costs 10-20 us of Python a step (registered, then called from
+#: autograd), what a sum over gloo's loopback takes for 30-60 KB; the tiny GPT (13 KB per
+#: parameter) lost 2-3% of its step to them, the 8 x 256 GPT (188 KB) does not
+OVERLAP_MIN_BYTES = 64 * 2**10
 
 
 @dataclass(frozen=True)
@@ -126,8 +131,8 @@ def _squares(grads: Sequence[torch.Tensor]) -> torch.Tensor:
     parameters."""
     total = torch.zeros((), dtype=torch.float64)
     for group in group_by_kind(grads):
-        norms = torch._foreach_norm(group)
-        total += torch.stack([n.double() for n in norms]).square().sum().cpu()
+        norms = torch._foreach_norm(group)   # widened after stacking: the same values
+        total += torch.stack(norms).double().square().sum().cpu()
     return total
 
 
@@ -204,6 +209,35 @@ def sum_order(layers: Mapping[int, nn.Module], device: int, ranks: RankMap,
     return tuple(out)
 
 
+def _chunk_params(layers: Mapping[int, nn.Module],
+                  chunks: Sequence[Chunk]) -> dict[tuple[int, str], torch.Tensor]:
+    named = {x: dict(layers[x].named_parameters()) for x in {x for c in chunks
+                                                              for x, _ in c.params}}
+    return {(x, n): named[x][n] for c in chunks for x, n in c.params}
+
+
+def overlap_pays(params: Iterable[torch.Tensor]) -> bool:
+    """Whether starting sums during the backward can win more than its hooks cost: at least
+    :data:`OVERLAP_MIN_BYTES` of gradient per parameter that gets one."""
+    watched = [local(p) for p in params if p.requires_grad]
+    return bool(watched) and sum(
+        p.numel() * p.element_size() for p in watched) >= OVERLAP_MIN_BYTES * len(watched)
+
+
+def plan_sums(layers: Mapping[int, nn.Module], device: int, ranks: RankMap,
+              rounds: Sequence[Sequence[AllReduceGroup]], groups: GroupTable,
+              buffers: dict[Chunk, Bound] | None = None, ties: Sequence[TiedCopies] = (),
+              tp_rank: int = 0) -> GradientSums:
+    """This device's :class:`GradientSums` under a plan, over :func:`sum_order`. Where the
+    overlap does not pay (:func:`overlap_pays`), a bucket's first chunk is as large as the
+    others: a small one is there to start early, and would only add an all-reduce."""
+    order = sum_order(layers, device, ranks, rounds, ties, tp_rank)
+    if not overlap_pays(_chunk_params(layers, order).values()):
+        order = sum_order(layers, device, ranks, rounds, ties, tp_rank,
+                          first_cap_bytes=CHUNK_BYTES)
+    return GradientSums(layers, order, groups, buffers)
+
+
 #: a chunk's flat buffer and the views of it its gradients were bound to
 Bound = tuple[torch.Tensor, tuple[torch.Tensor, ...]]
 
@@ -244,8 +278,15 @@ def bind_flat(params: Sequence[torch.Tensor], bound: Bound | None) -> Bound | No
 
 
 class GradientSums:
-    """One step's all-reduces over :func:`sum_order`, each started as soon as its gradients
-    are final and every chunk before it has started (DDP's overlap, in the rounds' order).
+    """The all-reduces of a device's steps under one plan, over :func:`sum_order`, each
+    started as soon as its gradients are final and every chunk before it has started (DDP's
+    overlap, in the rounds' order).
+
+    Built once per plan: which parameters each chunk holds and the hooks that watch them do
+    not change between steps (building them every step cost 0.6-0.7 ms of the tiny GPT's ~0.19 s
+    step). :meth:`restart` readies it for the next step; the constructor does the first.
+    Parameters are taken from ``layers`` as they are when it is built: replacing a layer's
+    parameter object needs a new one (as it needs a new optimizer).
 
     Inside :meth:`armed` (the device's last backward of the step: a gradient is final only
     after its last micro-batch's backward here) a hook on each parameter marks it final once
@@ -253,40 +294,53 @@ class GradientSums:
     :meth:`finish` starts whatever is left (parameters no backward reached, and everything
     when nothing was armed), waits for all, and writes the sums back. A chunk that cannot
     start inside a hook is remembered and raised by :meth:`finish`, as
-    :class:`~.errors.PeerLost`, outside autograd.
+    :class:`~.errors.PeerLost`, outside autograd. ``overlaps``: whether arming pays, by the
+    gradient bytes per parameter (:data:`OVERLAP_MIN_BYTES`); the trainer arms only then, and
+    otherwise starts every sum right after the backward.
 
-    ``buffers`` (chunk -> its :data:`Bound`, kept by the caller from step to step): bind each
+    ``buffers`` (chunk -> its :data:`Bound`, kept by the caller from plan to plan): bind each
     chunk's gradients into one (:func:`bind_flat`) before the backward, so that it is summed
     in place; buffers of chunks no longer issued are dropped from it.
     """
 
     def __init__(self, layers: Mapping[int, nn.Module], chunks: Sequence[Chunk],
                  groups: GroupTable, buffers: dict[Chunk, Bound] | None = None) -> None:
-        named = {x: dict(layers[x].named_parameters()) for x in {x for c in chunks
-                                                                  for x, _ in c.params}}
-        self._params = {(x, n): named[x][n] for c in chunks for x, n in c.params}
+        self._params = _chunk_params(layers, chunks)
         self._chunks = tuple(chunks)
         self._groups = groups
         self._index = {k: i for i, c in enumerate(self._chunks) for k in c.params}
-        # a frozen parameter never gets a gradient: it is final from the start
-        self._unready = [{k for k in c.params if self._params[k].requires_grad}
-                         for c in self._chunks]
-        self._flat: list[torch.Tensor | None] = [None] * len(self._chunks)
+        self._members = [[self._params[k] for k in c.params] for c in self._chunks]
+        self._hooks = [(p, functools.partial(self._final, key))
+                       for key, p in self._params.items()]
+        #: whether hooks in the last backward (:meth:`armed`) can win more than they cost
+        self.overlaps = overlap_pays(self._params.values())
+        self._buffers = buffers
         if buffers is not None:
             for gone in set(buffers) - set(self._chunks):
                 del buffers[gone]
+        self.restart()
+
+    def restart(self) -> None:
+        """Ready for a new step: no chunk started, each chunk's gradients bound to its flat
+        buffer (rebound where something replaced one; one identity test each otherwise)."""
+        self._unready: list[set[tuple[int, str]]] = []   # per chunk, set by armed()
+        self._flat: list[torch.Tensor | None] = [None] * len(self._chunks)
+        if self._buffers is not None:
             for i, c in enumerate(self._chunks):
-                bound = bind_flat([self._params[k] for k in c.params], buffers.get(c))
+                bound = bind_flat(self._members[i], self._buffers.get(c))
                 if bound is not None:
-                    buffers[c], self._flat[i] = bound, bound[0]
+                    self._buffers[c], self._flat[i] = bound, bound[0]
         self._next = 0
         self._pending: list[tuple[object, torch.Tensor, list[torch.Tensor]]] = []
         self._error: PeerLost | None = None
 
     @contextlib.contextmanager
     def armed(self) -> Iterator[None]:
-        handles = [p.register_post_accumulate_grad_hook(functools.partial(self._final, key))
-                   for key, p in self._params.items() if p.requires_grad]
+        # a frozen parameter never gets a gradient: it is final from the start
+        self._unready = [{k for k in c.params if self._params[k].requires_grad}
+                         for c in self._chunks]
+        handles = [p.register_post_accumulate_grad_hook(hook) for p, hook in self._hooks
+                   if p.requires_grad]
         try:
             yield
         finally:

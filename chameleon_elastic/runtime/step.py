@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from .errors import PeerLost, PipelineRuntimeError
 from .executor import OpTiming
-from .grad_sync import GradientSums, group_by_kind, square_share, sync_gradients
+from .grad_sync import group_by_kind, square_share, sync_gradients
 from .user_state import after_step
 
 __all__ = ["StepResult", "apply_step", "learning_rate", "train_step"]
@@ -96,14 +96,16 @@ def _compute_and_sync(t: TrainerState, step: int, record: bool
     issued, when compute ended)."""
     assert t.optimizer is not None and t.groups is not None
     t.optimizer.zero_grad(set_to_none=False)
-    sums = None
-    if t.sync_mode == "rounds":  # started during the last backward, as gradients are final
-        sums = GradientSums(t.layers, t.sum_order, t.groups, t.grad_buffers)
+    sums = t.sums   # started during the last backward where that pays, as gradients are final
+    if sums is not None:
+        sums.restart()
     outcome = t.executor.run(step, t.orders, record=record, on_phase=t.phases,
                              loss_scale=t.loss_scale.scale,
-                             final_backward=sums.armed if sums is not None else None,
+                             final_backward=(sums.armed if sums is not None and sums.overlaps
+                                             else None),
                              superseded=t.superseded)
     compute_done = time.perf_counter()
+    t.feed.read_ahead(step + 2)   # the readers work while this thread waits for the sums
     t.phases(step, "sync")
     issued = sync_gradients(t.layers, t.device, t.ranks, t.groups, rounds=t.rounds,
                             holders=t.holders, mode=t.sync_mode, ties=t.ties, tp_rank=t.tp_rank,

@@ -14,11 +14,12 @@ recomputed forward draws the very same masks. Single-process training does the s
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 
 import torch
 
-__all__ = ["layer_seed", "own_streams", "seed_layer"]
+__all__ = ["layer_seed", "layer_seeder", "own_streams"]
 
 _MASK = (1 << 64) - 1
 
@@ -33,10 +34,19 @@ def _mix(x: int) -> int:
 
 def layer_seed(seed: int, step: int, micro_batch: int, layer: int) -> int:
     """A 63-bit seed, a pure function of its arguments."""
+    return _last_mix(_micro_batch_key(seed, step, micro_batch), layer)
+
+
+def _micro_batch_key(seed: int, step: int, micro_batch: int) -> int:
+    """What the seeds of one micro-batch's layers share."""
     x = _mix(seed & _MASK)
-    for part in (step, micro_batch, layer):
+    for part in (step, micro_batch):
         x = _mix(x ^ (part & _MASK))
-    return x >> 1
+    return x
+
+
+def _last_mix(key: int, layer: int) -> int:
+    return _mix(key ^ (layer & _MASK)) >> 1
 
 
 def _accelerator(device: torch.device) -> tuple[object, int] | None:
@@ -49,7 +59,7 @@ def _accelerator(device: torch.device) -> tuple[object, int] | None:
 @contextlib.contextmanager
 def own_streams(device: torch.device) -> Iterator[None]:
     """Put the process's generators (the CPU's and ``device``'s) back as they were after the
-    body, which reseeds them per layer (:func:`seed_layer`)."""
+    body, which reseeds them per layer (:func:`layer_seeder`)."""
     accelerator = _accelerator(device)
     cpu = torch.random.default_generator.get_state()
     saved = accelerator[0].get_rng_state(accelerator[1]) if accelerator else None
@@ -61,13 +71,19 @@ def own_streams(device: torch.device) -> Iterator[None]:
             accelerator[0].set_rng_state(saved, accelerator[1])
 
 
-def seed_layer(seed: int, step: int, micro_batch: int, layer: int,
-               device: torch.device) -> None:
-    """Seed the CPU generator and ``device``'s with :func:`layer_seed` (inside
-    :func:`own_streams`)."""
-    value = layer_seed(seed, step, micro_batch, layer)
+def layer_seeder(seed: int, step: int, micro_batch: int,
+                 device: torch.device) -> Callable[[int], None]:
+    """``seed(layer)``: seed the CPU generator and ``device``'s with :func:`layer_seed` for
+    that layer of this micro-batch (inside :func:`own_streams`). The seeds' shared part and
+    the device's generator are found once per micro-batch: per layer they had cost 17 us,
+    0.55 ms of the tiny GPT's step."""
+    return functools.partial(_seed, _micro_batch_key(seed, step, micro_batch),
+                             _accelerator(device))
+
+
+def _seed(key: int, accelerator: tuple[object, int] | None, layer: int) -> None:
+    value = _last_mix(key, layer)
     torch.random.default_generator.manual_seed(value)
-    accelerator = _accelerator(device)
     if accelerator:
         with accelerator[0].device(accelerator[1]):
             accelerator[0].manual_seed(value)

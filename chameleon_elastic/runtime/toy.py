@@ -341,7 +341,7 @@ def reference_run(model: PipelineModel, steps: int, global_micro_batches: int,
     from .data import step_sample_ids
     from .model import build_layers, collate, sample_indices, tied_parameter
     from .precision import autocast, check_precision
-    from .streams import own_streams, seed_layer
+    from .streams import layer_seeder, own_streams
 
     precision = check_precision(precision)
     device = torch.device("cpu")
@@ -374,8 +374,9 @@ def reference_run(model: PipelineModel, steps: int, global_micro_batches: int,
             x, y = collate(model, ids[g * micro_batch_size:(g + 1) * micro_batch_size])
             with autocast(precision, device):
                 with own_streams(device):
+                    seed = layer_seeder(model.seed, step, g, device)
                     for i, layer in enumerate(layers):
-                        seed_layer(model.seed, step, g, i, device)
+                        seed(i)
                         x = layer(x)
                 loss = model.loss(x, y) / global_micro_batches
             (scaler.scale(loss) if scaler else loss).backward()

@@ -46,7 +46,7 @@ from .errors import PeerLost, PipelineRuntimeError, keep_message_only, say_peer_
 from .evaluation import Every, evaluate
 from .executor import BoundarySpec, PipelineExecutor
 from .feed import Feed
-from .grad_sync import Chunk, SyncMode, TiedCopies
+from .grad_sync import GradientSums, SyncMode, TiedCopies
 from .groups import GroupTable
 from .layout import data_parallel_plan
 from .link import WorkerLink
@@ -174,7 +174,7 @@ class PipelineTrainer:
         self.rounds: tuple[tuple[AllReduceGroup, ...], ...] = ()
         self.holders: dict[int, tuple[int, ...]] = {}
         self.ties: tuple[TiedCopies, ...] = ()
-        self.sum_order: tuple[Chunk, ...] = ()   # this device's gradient sums, per plan
+        self.sums: GradientSums | None = None    # this device's gradient sums, per plan
         self.recovery: Recovery | None = None
         #: the watchdog's: set when the agents publish a newer generation (runtime/abort.py)
         self.superseded: threading.Event | None = None

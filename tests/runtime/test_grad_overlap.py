@@ -176,3 +176,44 @@ def test_the_norm_is_counted_once_per_layer_and_split_among_the_holders():
     every = sum(float(p.grad.square().sum()) for m in layers.values() for p in m.parameters())
     assert shares[0] > 0 and shares[1] > 0
     assert shares[0] + shares[1] == pytest.approx(every, rel=1e-12)
+
+
+def _train_watching_sums(rank: int, world: int, width: int) -> tuple[list, list, bool]:
+    """Data parallelism over ``world`` ranks; at each step's ``sync`` phase (the backward
+    done, the sums not yet awaited) how many chunks had started."""
+    from chameleon_elastic.runtime import PipelineTrainer
+    from chameleon_elastic.runtime.layout import data_parallel_plan
+    from chameleon_elastic.runtime.toy import mlp_model
+
+    model = mlp_model(layers=3, width=width)
+    box: dict = {}
+
+    def watch(step: int, phase: str) -> None:
+        if phase == "sync":
+            box.setdefault("started", []).append(box["trainer"].sums.started)
+
+    trainer = PipelineTrainer(model, data_parallel_plan(world, 3, 4), rank,
+                              micro_batch_size=2, on_phase=watch)
+    box["trainer"] = trainer
+    losses = [trainer.step(t).loss for t in range(3)]
+    overlaps = trainer.sums.overlaps
+    trainer.close()
+    return losses, box["started"], overlaps
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("width", [16, 160])
+def test_the_trainer_starts_sums_in_the_backward_only_where_that_pays(width):
+    """Width 160 (float64: 100 KiB per parameter): the sums start during the last backward;
+    width 16 (1 KiB): hooks would cost more than they hide, every sum starts after it. The
+    losses equal single-process training either way."""
+    from chameleon_elastic.runtime.grad_sync import OVERLAP_MIN_BYTES
+    from chameleon_elastic.runtime.toy import mlp_model, reference_training
+
+    out = run_local_world(_train_watching_sums, 2, width, timeout_s=50)
+    expected, _ = reference_training(mlp_model(layers=3, width=width), 3, 4, 2)
+    wide = (width * width + width) * 8 / 2 >= OVERLAP_MIN_BYTES
+    for losses, started, overlaps in out:
+        np.testing.assert_allclose(losses, expected, rtol=1e-9, atol=1e-11)
+        assert overlaps == wide
+        assert all(n > 0 for n in started) if wide else started == [0, 0, 0]
