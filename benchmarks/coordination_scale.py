@@ -241,7 +241,7 @@ class Agent:
             devices = tuple(range(self.node * DEVICES_PER_NODE,
                                   (self.node + 1) * DEVICES_PER_NODE))
             mine = coordination.NodeReport(self.node, (), devices, True)
-            decision, _ = coordination.agree(self.store, self.rounds.scope(), members, mine,
+            decision, _, _ = coordination.agree(self.store, self.rounds.scope(), members, mine,
                                              self.session, True, DEVICES_PER_NODE, 120.0,
                                              quick=True)
             self.out["adopted"] = time.monotonic()

@@ -8,7 +8,7 @@ printed. Measured from the kill:
 
     kill -> next committed step : until the first step that had not been committed before the
                                   kill is printed (the time a user loses)
-    steps redone                : steps printed again after the kill (committed work redone)
+    steps redone                : steps a launcher printed again after the kill (committed work redone)
     step s (fault-free)         : the median time between two step lines before the kill, so
                                   that the recovery path can be told from the step it ends with
 
@@ -23,10 +23,13 @@ worker restarts and loads the checkpoint) and ``torchrun-fresh`` (the same with
 TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, torch's switch away from the store it shares across
 restarts, whose stale keys make plain torchrun's relaunched workers fail or hang).
 
-Two nodes (paths ``2n-worker``, ``2n-node-kill``, ``2n-node-stop``): two chameleon-run agents
-x 2 workers on one local etcd (``--rdzv-backend etcd-v3``, ``lease_ttl=2``, ``--nnodes 2``), the
-same tiny GPT without checkpoints; the fault is a kill -9 of device 3's worker, a SIGKILL of its
-node's agent and workers, or a SIGSTOP of them (nothing resets: only the node's lease tells).
+Two nodes (paths ``2n-worker``, ``2n-node-kill``, ``2n-node-stop``, ``2n-decider-kill``,
+``2n-decider-stop``): two chameleon-run agents x 2 workers on one local etcd (``--rdzv-backend
+etcd-v3``, ``lease_ttl=2``, ``--nnodes 2``), the same tiny GPT without checkpoints; the fault is
+a kill -9 of device 3's worker, a SIGKILL of its node's agent and workers, or a SIGSTOP of them
+(nothing resets: only the node's lease tells). The ``decider`` paths strike the node of device
+0 instead: the lowest node, which decides a quick round, so the survivor must decide in its
+place once the lost node's lease is gone.
 Each trial also records the survivor's ``recovered`` event: its phases from the fault to the
 first new step committed (launcher/reporter.py's ``RECOVERY_PHASES``: detect, decide, publish,
 notify, regroup, agree, transfer, rebuild, first step), their total, what they leave unnamed
@@ -41,6 +44,7 @@ time (the slowest process's) and total recovery time (entering the plan plus the
 
     python benchmarks/recovery.py --trials 10
     python benchmarks/recovery.py --trials 10 --paths inplace,2n-worker,2n-node-kill,2n-node-stop
+    python benchmarks/recovery.py --trials 10 --paths 2n-decider-kill,2n-decider-stop
     python benchmarks/recovery.py --ablation --repeats 5
     python benchmarks/recovery.py --trials 10 --ablation --json > recovery.json
 """
@@ -71,7 +75,7 @@ from chameleon_elastic.rendezvous.local_etcd import LocalEtcd
 ROOT = Path(__file__).resolve().parent.parent
 GPT = str(ROOT / "examples" / "train_gpt.py")
 PATHS = ("inplace", "relaunch", "torchrun", "torchrun-fresh",
-         "2n-worker", "2n-node-kill", "2n-node-stop")
+         "2n-worker", "2n-node-kill", "2n-node-stop", "2n-decider-kill", "2n-decider-stop")
 #: the ``recovered`` event's phases, from the fault to the first new step (docs/launcher.md),
 #: their total, and the parts of some of them
 PHASES = (*(f"{p}_s" for p in RECOVERY_PHASES), "total_s")
@@ -102,20 +106,22 @@ def command(path: str, steps: int, precision: str, ckpt: str, state: str) -> lis
 
 class StepWatch:
     """Reads the step lines of launchers' output (one reader thread each) and fires ``kill``
-    once, at the first line of a step >= ``kill_at``; ``kill`` returns whether it struck."""
+    once, at the first line of a step >= ``kill_at``; ``kill`` returns whether it struck. A
+    step is redone when a launcher prints it again after the kill: every node prints the
+    steps, and the survivor printing the kill's step just after the kill is no redo."""
 
     def __init__(self, procs: list[subprocess.Popen], kill_at: int, kill) -> None:
-        self.lines: list[tuple[float, int]] = []
+        self.lines: list[tuple[float, int, int]] = []   # (time, step, which launcher)
         self.kill_t: float | None = None
         self.committed = -1
         self._lock = threading.Lock()
         self._kill_at, self._kill = kill_at, kill
-        self._threads = [threading.Thread(target=self._read, args=(p,), daemon=True)
-                         for p in procs]
+        self._threads = [threading.Thread(target=self._read, args=(p, i), daemon=True)
+                         for i, p in enumerate(procs)]
         for t in self._threads:
             t.start()
 
-    def _read(self, proc: subprocess.Popen) -> None:
+    def _read(self, proc: subprocess.Popen, which: int) -> None:
         assert proc.stdout is not None
         for text in proc.stdout:
             m = STEP_LINE.match(text)
@@ -123,11 +129,20 @@ class StepWatch:
                 continue
             with self._lock:
                 now, step = time.monotonic(), int(m.group(1))
-                self.lines.append((now, step))
+                self.lines.append((now, step, which))
                 if self.kill_t is None and step >= self._kill_at:
-                    committed = max(s for _, s in self.lines)
+                    committed = max(s for _, s, _ in self.lines)
                     if self._kill():
                         self.committed, self.kill_t = committed, time.monotonic()
+
+    def _redone(self, kill_t: float | None) -> int:
+        if kill_t is None:
+            return 0
+        printed: dict[int, int] = {}   # the launcher's last step printed before the kill
+        for t, s, who in self.lines:
+            if t < kill_t:
+                printed[who] = max(printed.get(who, -1), s)
+        return sum(1 for t, s, who in self.lines if t >= kill_t and s <= printed.get(who, -1))
 
     def join(self) -> None:
         for t in self._threads:
@@ -135,17 +150,16 @@ class StepWatch:
 
     def result(self, path: str, code: int | None, steps: int) -> dict:
         kill_t, committed = self.kill_t, self.committed
-        after = [(t, s) for t, s in self.lines if kill_t is not None and t >= kill_t]
-        new = [t for t, s in after if s > committed]
-        finished = sorted({s for _, s in self.lines}) == list(range(steps))
-        before = [(t, s) for t, s in self.lines if kill_t is None or t < kill_t]
+        new = [t for t, s, _ in self.lines if kill_t is not None and t >= kill_t and s > committed]
+        finished = sorted({s for _, s, _ in self.lines}) == list(range(steps))
+        before = [(t, s) for t, s, _ in self.lines if kill_t is None or t < kill_t]
         gaps = [t - t0 for (t0, s0), (t, s) in itertools.pairwise(before)
                 if s == s0 + 1 and s0 >= WARM_FROM]
         return {"path": path, "exit_code": code, "hung": code is None,
                 "finished": finished and code == 0,
                 "killed_after_step": committed if kill_t else None,
                 "kill_to_next_step_s": (new[0] - kill_t) if new and kill_t else None,
-                "steps_redone": sum(1 for _, s in after if s <= committed),
+                "steps_redone": self._redone(kill_t),
                 "step_s": statistics.median(gaps) if gaps else None}
 
 
@@ -192,7 +206,9 @@ def two_node_trial(path: str, steps: int, precision: str, kill_at: int, deadline
                    endpoint: str, run_id: str) -> dict:
     """Two agents x two workers on etcd-v3 (lease TTL 2 s), the tiny GPT. ``2n-worker``:
     kill -9 of device 3's worker; ``2n-node-kill`` / ``2n-node-stop``: SIGKILL / SIGSTOP of
-    the agent and workers of the node that runs device 3 (not the one that prints steps)."""
+    the agent and workers of the node that runs device 3; ``2n-decider-*``: of device 0's
+    (the quick round's decider)."""
+    device = 0 if path.startswith("2n-decider") else 3
     with tempfile.TemporaryDirectory(prefix="recovery-bench-") as tmp:
         agents = {name: _popen([
             sys.executable, "-m", "chameleon_elastic.launcher.cli", "--nnodes", "2",
@@ -204,7 +220,7 @@ def two_node_trial(path: str, steps: int, precision: str, kill_at: int, deadline
 
         def kill() -> bool:
             for name, agent in agents.items():
-                worker = worker_of(agent.pid, 3)
+                worker = worker_of(agent.pid, device)
                 if worker is None:
                     continue
                 if path == "2n-worker":
@@ -212,7 +228,7 @@ def two_node_trial(path: str, steps: int, precision: str, kill_at: int, deadline
                     return True
                 root = psutil.Process(agent.pid)
                 victims.extend([root, *root.children(recursive=True)])
-                sig = signal.SIGKILL if path == "2n-node-kill" else signal.SIGSTOP
+                sig = signal.SIGKILL if path.endswith("-kill") else signal.SIGSTOP
                 for proc in victims:
                     with contextlib.suppress(psutil.Error):
                         proc.send_signal(sig)

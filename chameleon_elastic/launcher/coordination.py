@@ -33,9 +33,12 @@ nodes known gone, and the round is the last one's store under a fresh scope (``r
 Reports are then keyed by node id, the lowest live one decides, and waiting is checked against
 the others' etcd leases (``alive``): the decider polls for the reports (one store read for
 all), the others wait on the one-byte ``decided`` key written after the decision (a watch on
-etcd) in slices. A member whose lease vanishes mid-round is dropped, and a round that cannot
-finish raises :class:`QuickRoundFailed`, after which the agent runs a full rendezvous round
-instead.
+etcd) in slices. A member whose lease vanishes mid-round is dropped; when it is the decider,
+the lowest member still holding its lease decides in its place (it reads the record then, so
+its decision is made from whatever the lost decider committed, and is fenced against it). The
+decision is written only where none is yet, so a frozen decider that wakes after being
+replaced cannot overwrite its replacement's. A round that cannot finish raises
+:class:`QuickRoundFailed`, after which the agent runs a full rendezvous round instead.
 
 Reads block up to the store timeout, so an agent that dies mid-round makes the others fail with
 a store error (the caller's failover), never hang. Everything but the store calls is a pure
@@ -66,7 +69,7 @@ __all__ = ["RECORD", "Decision", "Fenced", "Members", "NodeReport", "QuickRoundF
 
 RECORD = "chameleon/plan"
 _POLL_S = 0.01   # the decider's polls for reports: one etcd read each
-_WAIT_S = 1.0    # the others wait for the decision in slices this long (a lost decider's delay)
+_WAIT_S = 1.0    # the others wait for the decision in slices up to this long (see _slice_s)
 #: a live member that has not joined a quick round by then is in a full round (a node joined)
 QUICK_S = 15.0
 
@@ -221,25 +224,46 @@ def _live_reports(store: Any, scope: str, members: Members, timeout_s: float) ->
         time.sleep(_POLL_S)
 
 
-def _quick_decision(store: Any, scope: str, members: Members, timeout_s: float) -> Decision:
+def _quick_decision(store: Any, scope: str, members: Members,
+                    timeout_s: float) -> tuple[Decision | None, Members]:
     """A quick round's decision, waited for (on etcd a watch, woken by the publication) in
-    slices of ``_WAIT_S``, between which the decider's lease is checked: if the deciding node
-    loses it first, give up. Every member but one waits here, so it must not poll the store:
-    a thousand agents reading every 10 ms would make 100k requests a second."""
-    deadline = time.monotonic() + timeout_s
-    decider = min(members.keys)
-    key = f"{scope}decided"   # see publish
+    slices of ``_WAIT_S``, between which the decider's lease is checked. Every member but one
+    waits here, so it must not poll the store: a thousand agents reading every 10 ms would make
+    100k requests a second.
+
+    A decider whose lease is gone is replaced by the next lowest live member: the round's store
+    is etcd, which outlives it, so giving up for a full round (4 s on two nodes) is not needed.
+    Returns ``(decision, members)``, or ``(None, members)`` when this agent is the decider now
+    (``members`` less the nodes whose lease is gone: they fence themselves)."""
     while True:
-        try:
-            store.wait([key], timedelta(seconds=max(0.01, min(_WAIT_S,
-                                                               deadline - time.monotonic()))))
-            return adopt(store, scope)
-        except dist.DistStoreError:   # this slice's timeout
-            pass
-        if members.alive is not None and decider not in _still_in(members):
-            raise QuickRoundFailed(f"node {decider}, which was deciding, is gone")
-        if time.monotonic() > deadline:
-            raise QuickRoundFailed(f"no decision from node {decider} within {timeout_s:.0f} s")
+        decider = min(members.keys)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                store.wait([f"{scope}decided"], timedelta(seconds=max(0.01, min(
+                    _slice_s(len(members.keys)), deadline - time.monotonic()))))  # see publish
+                return adopt(store, scope), members
+            except dist.DistStoreError:   # this slice's timeout
+                pass
+            alive = _still_in(members) if members.alive is not None else None
+            if alive is not None and decider not in alive:
+                break
+            if time.monotonic() > deadline:
+                raise QuickRoundFailed(
+                    f"no decision from node {decider} within {timeout_s:.0f} s")
+        members = Members(members.me, tuple(k for k in members.keys if k in alive),
+                          members.alive)
+        if members.decides:
+            return None, members
+
+
+def _slice_s(members: int) -> float:
+    """How long a follower waits between two checks of the decider's lease: what replacing a
+    lost decider costs beyond its lease's expiry. A slice makes no etcd request (the store
+    keeps its watch), only a wake-up on the follower's machine, so it is short: 0.1 s, growing
+    with the round to ``_WAIT_S`` at 1000 nodes, which bounds the round's wake-ups per second
+    where followers share machines (benchmarks/coordination_scale.py runs 1024 on two cores)."""
+    return min(_WAIT_S, max(0.1, members / 1000))
 
 
 def losses(reports: Sequence[NodeReport], excluded: Collection[int], devices: int,
@@ -315,8 +339,12 @@ def decide(plan: ExecutionPlan, excluded: Collection[int], reports: Sequence[Nod
 def publish(store: Any, scope: str, decision: Decision) -> None:
     """The decision, then ``decided``, which the others wait on: on etcd a watch event carries
     the value written, so waiting on the decision itself sent every agent the whole plan twice
-    (1.2 GB out of etcd at 1024 nodes, 8192 devices); the marker is one byte."""
-    store.set(f"{scope}decision", decision.encode())
+    (1.2 GB out of etcd at 1024 nodes, 8192 devices); the marker is one byte. The decision is
+    written only where none is: of a frozen decider and the member that replaced it, the
+    first to publish stands and the other's round fails (``QuickRoundFailed``)."""
+    new = decision.encode()
+    if bytes(store.compare_set(f"{scope}decision", "", new)) != new:
+        raise QuickRoundFailed("another node published this round's decision first")
     store.set(f"{scope}decided", "1")
 
 
@@ -351,27 +379,30 @@ def commit_record(fence: Any, seen: str | bytes, decision: Decision) -> None:
 
 def agree(store: Any, scope: str, members: Members, mine: NodeReport, session: JobSession,
           inplace_wanted: bool, units_per_node: int, timeout_s: float,
-          quick: bool = False) -> tuple[Decision, PlanChange | None]:
+          quick: bool = False) -> tuple[Decision, PlanChange | None, bool]:
     """The whole protocol for one round, in its order: catch up with the newest published
-    plan, report, then decide and publish (the lowest member) or adopt. Returns the decision
-    and the plan change it made in ``session`` (None: same plan). Raises
-    ``LauncherPlanningError`` when no plan can run the job, or this agent is fenced; the
-    decider publishes the error first, so that the others end with the same sentence.
-    ``quick``: a quick round (see the module docstring); may raise ``QuickRoundFailed``."""
+    plan, report, then decide and publish (the lowest member) or adopt. Returns the decision,
+    the plan change it made in ``session`` (None: same plan) and whether this agent decided
+    (it hosts the generation's worker store). Raises ``LauncherPlanningError`` when no plan
+    can run the job, or this agent is fenced; the decider publishes the error first, so that
+    the others end with the same sentence. ``quick``: a quick round (see the module
+    docstring); may raise ``QuickRoundFailed``."""
     fence = getattr(store, "underlying_store", store)   # outlives rounds
     seen: str | bytes = ""
     if members.decides or not quick:
         # A quick round's other members adopt what its decider publishes, made from the
         # newest record: they need not each fetch the record, which holds the whole plan
         # (0.6 MB at 8192 devices: 0.6 GB out of etcd per round at 1024 nodes).
-        seen, newest = read_record(fence)
-        if newest is not None and newest.plan is not None and (
-                newest.plan.generation > session.plan.generation):
-            session.adopt(newest.plan, newest.excluded)   # catch up before deciding anything
+        seen = _catch_up(fence, session)
     if quick and members.alive is not None:
         _still_in(members)
     report(store, scope, members.me, mine)
+    published = False
     try:
+        if quick and not members.decides:
+            decision, members = _quick_decision(store, scope, members, min(timeout_s, QUICK_S))
+            if decision is None:   # the decider's lease is gone: this node decides instead
+                seen = _catch_up(fence, session)
         if members.decides:
             keys = (_live_reports(store, scope, members, min(timeout_s, QUICK_S)) if quick
                     else members.keys)
@@ -388,9 +419,11 @@ def agree(store: Any, scope: str, members: Members, mine: NodeReport, session: J
             if decision.error is None:
                 commit_record(fence, seen, decision)
             publish(store, scope, decision)
+            published = True
         else:
-            decision = (_quick_decision(store, scope, members, min(timeout_s, QUICK_S)) if quick
-                        else adopt(store, scope, timeout_s))
+            if not quick:
+                decision = adopt(store, scope, timeout_s)
+            assert decision is not None
             if decision.error or decision.plan is None:
                 error = NoPlanError if decision.no_plan else LauncherPlanningError
                 raise error(decision.error or "no plan was published")
@@ -400,10 +433,22 @@ def agree(store: Any, scope: str, members: Members, mine: NodeReport, session: J
         if decision.error:
             raise LauncherPlanningError(decision.error)
     except Fenced as exc:
+        if quick:   # two deciders (one replaced while frozen): the full round settles it
+            raise QuickRoundFailed(str(exc)) from exc
         raise LauncherPlanningError(str(exc)) from exc
     except LauncherPlanningError as exc:
-        if members.decides:
+        if members.decides and not published:
             publish(store, scope, Decision(None, (), (), False, None, str(exc),
                                            no_plan=isinstance(exc, NoPlanError)))
         raise
-    return decision, change
+    return decision, change, members.decides
+
+
+def _catch_up(fence: Any, session: JobSession) -> str | bytes:
+    """Adopt the newest published plan when it is newer than the session's; returns the
+    record as read, for the compare-and-set of this agent's decision."""
+    seen, newest = read_record(fence)
+    if newest is not None and newest.plan is not None and (
+            newest.plan.generation > session.plan.generation):
+        session.adopt(newest.plan, newest.excluded)   # catch up before deciding anything
+    return seen

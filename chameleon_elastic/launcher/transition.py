@@ -93,11 +93,11 @@ class Transition:
             if self._planned:
                 c.rounds.admit_survivors(spec)
         rdzv_s = time.perf_counter() - began
-        plan_s, decision, change = 0.0, None, None
+        plan_s, decision, change, host = 0.0, None, None, members.decides
         if session is not None:
             t = time.perf_counter()
             try:
-                decision, change = self._agree(info, members, spec, inplace_wanted, quick)
+                decision, change, host = self._agree(info, members, spec, inplace_wanted, quick)
             except QuickRoundFailed as exc:
                 c.emit(Event.FAILURE_SEEN, kind="quick_round_failed", reason=str(exc))
                 return self.run(wg, event, inplace_wanted, expect_reports)
@@ -113,7 +113,7 @@ class Transition:
             t = time.perf_counter()
             c.procs.close(timeout=c.timeouts.shutdown_s)
             stop_s = time.perf_counter() - t
-        wg.master_addr, wg.master_port = c.rounds.open_worker_store(spec, info, members.decides)
+        wg.master_addr, wg.master_port = c.rounds.open_worker_store(spec, info, host)
         wg.store = info.store
         wg.group_rank, wg.group_world_size = info.rank, info.world_size
         if quick and decision is not None:   # the nodes that took part (the exit barrier's)
@@ -136,8 +136,9 @@ class Transition:
         return info
 
     def _agree(self, info: Any, members: Members, spec: Any, inplace_wanted: bool,
-               quick: bool) -> tuple[Decision, Any]:
-        """Report, decide (the lowest member) or adopt (coordination.agree), and log it."""
+               quick: bool) -> tuple[Decision, Any, bool]:
+        """Report, decide (the lowest member) or adopt (coordination.agree), and log it;
+        returns the decision, the plan change and whether this agent decided."""
         c, session, here = self._c, self._c.session, self.here(spec)
         assert session is not None and self.node is not None
         book, live = c.watchers.book, c.procs.devices
@@ -147,7 +148,7 @@ class Transition:
                                  not live or self.runtime(), book.why, c.channel, here.cards,
                                  watch.report(here.units(here.cards)) if watch else None)
         try:
-            decision, change = coordination.agree(
+            decision, change, decided = coordination.agree(
                 info.store, c.rounds.scope(), members, mine, session, inplace_wanted,
                 here.units_per_node, c.timeouts.store_s, quick=quick)
         except LauncherPlanningError as exc:
@@ -159,9 +160,9 @@ class Transition:
         c.budget.settle(peer_node_lost=bool(session.excluded - before - here.units(here.cards)))
         book.settle()
         if change is not None:
-            c.emit(Event.PLAN_CHOSEN, plan_file=session.plan_file, decided_here=members.decides,
+            c.emit(Event.PLAN_CHOSEN, plan_file=session.plan_file, decided_here=decided,
                    inplace=decision.inplace, **change.event_fields())
-        return decision, change
+        return decision, change, decided
 
     def _start(self, wg: Any, decision: Decision | None,
                info: Any) -> tuple[tuple[int, ...], float, float]:
