@@ -382,7 +382,8 @@ def print_tables(report: dict) -> None:
         return "-" if v is None else format(v, spec)
 
     if "summary" in report:
-        print(f"\nlost device (kill -9 of device 3 after step {report['kill_at']}), tiny GPT in "
+        print(f"\nfault after step {report['kill_at']} (device 3's worker, or its node; device 0's "
+              f"node for 2n-decider-*), tiny GPT in "
               f"{report.get('precision', 'bf16')}, 4 gloo workers on {os.cpu_count()} cores, "
               f"{report['trials']} trials per path")
         print(f"{'path':15s} {'finished':>9s} {'hung':>5s} {'kill->next step s: median':>26s} "
