@@ -16,18 +16,13 @@ committed and the previous checkpoint stays in force.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 import threading
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.staging import AsyncStager
 
 from .abort import new_sockets
 from .checkpoint import checkpoint_state, commit, step_dir
@@ -57,38 +52,6 @@ def ensure_save_group(trainer: Any) -> Any:
     return trainer.save_group
 
 
-class _Yielding(dcp.FileSystemWriter):
-    """DCP's file writer, whose thread yields the CPU to training: the background save runs at
-    the lowest priority (on Linux a thread has its own nice value), so it takes the cores the
-    training thread leaves idle rather than slowing its steps."""
-
-    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        # the first call DCP makes in its background thread
-        with contextlib.suppress(AttributeError, OSError):   # not Linux: the default priority
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        super().set_up_storage_writer(is_coordinator, *args, **kwargs)
-
-
-class _OnTheCPU(AsyncStager):
-    """The state is already a detached copy: staging only moves accelerator tensors to the
-    CPU (the default stager would copy every tensor once more)."""
-
-    _synchronize_after_execute = False
-
-    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        def cpu(value: Any) -> Any:
-            if isinstance(value, dict):
-                return {k: cpu(v) for k, v in value.items()}
-            return value.cpu() if isinstance(value, torch.Tensor) else value
-        return cpu(state_dict)
-
-    def synchronize_staging(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
 class BackgroundSave:
     """One checkpoint being written in the background (every rank holds one)."""
 
@@ -103,10 +66,14 @@ class BackgroundSave:
     def start(cls, trainer: Any, directory: str | Path, step: int) -> BackgroundSave:
         """Copy this rank's share of the state after ``step`` steps and hand it to DCP's
         background thread (collective over the world)."""
+        import torch.distributed.checkpoint as dcp  # see dcp_parts
+
+        from .dcp_parts import OnTheCPU, Yielding
+
         group = ensure_save_group(trainer)
         state = checkpoint_state(trainer, step)
-        future = dcp.async_save(state, storage_writer=_Yielding(step_dir(directory, step)),
-                                process_group=group, async_stager=_OnTheCPU())
+        future = dcp.async_save(state, storage_writer=Yielding(step_dir(directory, step)),
+                                process_group=group, async_stager=OnTheCPU())
         return cls(future, Path(directory), step, dist.get_rank() == 0)
 
     def _finish(self, future: Future) -> None:

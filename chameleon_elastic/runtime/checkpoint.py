@@ -30,7 +30,6 @@ read as tensors and the few plain values with ``torch.load(weights_only=True)``.
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import shutil
@@ -42,9 +41,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from .carry_over import move_schedule
 from .errors import PeerLost, PipelineRuntimeError
@@ -135,6 +131,8 @@ def save_checkpoint(trainer: Any, directory: str | Path, step: int) -> None:
     meanwhile raises :class:`~.errors.PeerLost`; the previous checkpoint then stays in force."""
     if trainer.saving is not None:
         trainer.saving.settle()
+    import torch.distributed.checkpoint as dcp  # see dcp_parts
+
     state = checkpoint_state(trainer, step)
     try:
         dcp.save(state, checkpoint_id=step_dir(directory, step))
@@ -153,21 +151,6 @@ def save_checkpoint(trainer: Any, directory: str | Path, step: int) -> None:
 # --------------------------------------------------------------------------- reading
 
 
-class _SafeLoadPlanner(DefaultLoadPlanner):
-    """DCP's planner, but plain values come back through ``torch.load(weights_only=True)``."""
-
-    def load_bytes(self, read_item, value: io.BytesIO) -> None:
-        loaded = torch.load(value, weights_only=True)
-        if not self.flatten_state_dict:
-            self.state_dict[read_item.dest_index.fqn] = loaded
-            return
-        *parents, last = self.mappings[read_item.dest_index.fqn]
-        node = self.original_state_dict
-        for part in parents:
-            node = node[part]
-        node[last] = loaded
-
-
 def _metadata(directory: str | Path, step: int):
     source = step_dir(directory, step)
     if not (source / ".metadata").is_file():
@@ -179,12 +162,16 @@ def _metadata(directory: str | Path, step: int):
         raise PipelineRuntimeError(
             f"checkpoint step {step} in {directory} has no {source / '.metadata'}; it is "
             "damaged: delete the checkpoint directory to start afresh.")
-    return dcp.FileSystemReader(str(source)).read_metadata()
+    from torch.distributed.checkpoint import FileSystemReader  # see dcp_parts
+
+    return FileSystemReader(str(source)).read_metadata()
 
 
 def _request(metadata, wanted) -> dict[str, Any]:
     """A state dict to load into: every saved entry whose key path ``wanted(path)`` accepts,
     nested as it was saved, tensors allocated from the metadata."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
     out: dict[str, Any] = {}
     for fqn, path in metadata.planner_data.items():
         if not wanted(path):
@@ -199,13 +186,17 @@ def _request(metadata, wanted) -> dict[str, Any]:
 
 
 def _read(directory: str | Path, step: int, wanted) -> dict[str, Any]:
+    import torch.distributed.checkpoint as dcp
+
+    from .dcp_parts import SafeLoadPlanner
+
     metadata = _metadata(directory, step)
     request = _request(metadata, wanted)
     if request:
         with warnings.catch_warnings():   # "assuming the intent is to load in a single process"
             warnings.simplefilter("ignore", UserWarning)
             dcp.load(request, checkpoint_id=str(step_dir(directory, step)),
-                     planner=_SafeLoadPlanner(), no_dist=True)
+                     planner=SafeLoadPlanner(), no_dist=True)
     return request
 
 

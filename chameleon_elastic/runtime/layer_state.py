@@ -25,10 +25,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from .errors import PipelineRuntimeError
-from .tensor_parallel import full, local, local_piece
+from .tensor_parallel import full, is_dtensor, local, local_piece
 
 __all__ = ["LayerState", "export_layer", "import_layer", "recv_layer", "send_layer"]
 
@@ -111,7 +110,9 @@ def _like(value: Any, param: torch.Tensor, key: str) -> Any:
     if value.dim() == 0:
         return value.to(local(param).device)
     piece = local_piece(value, param).to(local(param).device)
-    if isinstance(param, DTensor):
+    if is_dtensor(param):
+        from torch.distributed.tensor import DTensor
+
         return DTensor.from_local(piece, param.device_mesh, param.placements, run_check=False)
     return piece
 

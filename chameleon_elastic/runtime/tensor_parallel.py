@@ -21,31 +21,42 @@ shards, built again, sharded on the new generation's mesh and given its shards b
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .errors import PipelineRuntimeError
 
-__all__ = ["aligned", "full", "local", "local_piece", "make_mesh", "replicated", "shard_layer"]
+__all__ = ["aligned", "full", "is_dtensor", "local", "local_piece", "make_mesh", "replicated",
+           "shard_layer"]
+
+
+def is_dtensor(t: Any) -> bool:
+    """Whether ``t`` is a ``DTensor``, without importing ``torch.distributed.tensor``: that
+    import costs about a second per process (it pulls in sympy and torch.export), which every
+    agent and worker paid at start-up although only a plan with ``tp`` > 1 makes one. Before
+    anything imported the module, nothing can be an instance of its class."""
+    module = sys.modules.get("torch.distributed.tensor")
+    cls = getattr(module, "DTensor", None)
+    return cls is not None and isinstance(t, cls)
 
 
 def local(t: Any) -> Any:
     """This card's part of ``t`` (``t`` itself when it is not a ``DTensor``)."""
-    return t.to_local() if isinstance(t, DTensor) else t
+    return t.to_local() if is_dtensor(t) else t
 
 
 def full(t: Any) -> Any:
     """The whole tensor (a collective over the unit for a sharded ``DTensor``), as a plain
     tensor (torch may hand back a wrapper still waiting on the gather: copying waits)."""
-    return t.full_tensor().clone() if isinstance(t, DTensor) else t
+    return t.full_tensor().clone() if is_dtensor(t) else t
 
 
 def aligned(t: Any, like: Any) -> Any:
     """``t`` placed as ``like`` is (a replicated tensor cut to this card's shard, locally)."""
-    if isinstance(t, DTensor) and isinstance(like, DTensor) and t.placements != like.placements:
+    if is_dtensor(t) and is_dtensor(like) and t.placements != like.placements:
         return t.redistribute(like.device_mesh, like.placements)
     return t
 
@@ -53,7 +64,11 @@ def aligned(t: Any, like: Any) -> Any:
 def replicated(t: Any) -> bool:
     """Whether every card of a unit holds all of ``t`` (a plain tensor, or a ``DTensor``
     with no ``Shard`` placement)."""
-    return not isinstance(t, DTensor) or all(isinstance(p, Replicate) for p in t.placements)
+    if not is_dtensor(t):
+        return True
+    from torch.distributed.tensor import Replicate
+
+    return all(isinstance(p, Replicate) for p in t.placements)
 
 
 def local_piece(value: torch.Tensor, like: Any) -> torch.Tensor:
@@ -61,7 +76,7 @@ def local_piece(value: torch.Tensor, like: Any) -> torch.Tensor:
     already (a transfer from the same tensor-parallel rank), cut from the whole tensor when it
     has the global shape (a checkpoint, written under any degree)."""
     mine = local(like)
-    if not isinstance(like, DTensor) or tuple(value.shape) == tuple(mine.shape):
+    if not is_dtensor(like) or tuple(value.shape) == tuple(mine.shape):
         return value
     if tuple(value.shape) != tuple(like.shape):
         raise PipelineRuntimeError(
@@ -69,6 +84,8 @@ def local_piece(value: torch.Tensor, like: Any) -> torch.Tensor:
             f"{tuple(like.shape)} nor this card's shard {tuple(mine.shape)}; the checkpoint "
             "or the transfer was made for another model."
         )
+    from torch.distributed.tensor import Shard
+
     piece = value
     mesh = like.device_mesh
     for dim, placement in enumerate(like.placements):
