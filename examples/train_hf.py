@@ -262,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
             f"({trainer.plan.policy}); {weights}; text as {tokenized}; {trainer.precision}")
     first = trainer.committed
     if trainer.is_reporter and first:
-        say(f"resumed from the checkpoint after step {first - 1}")
+        origin = "the checkpoint" if trainer.started_from == "checkpoint" else "its peers"
+        say(f"resumed from {origin} after step {first - 1}")
     started = time.perf_counter()
 
     def report(result: StepResult) -> None:

@@ -158,6 +158,9 @@ class PipelineTrainer:
         self.job_state_initial = copy_state(self.job_state)
         self.loss_scale = LossScale.for_precision(self.precision)
         self.committed: int | None = None   # steps applied here; None: no state yet
+        #: where this process's state came from when it started: "peers", "none" (nothing to
+        #: move), "checkpoint" or "init" (entering.Entry.source), for the script's first line
+        self.started_from = "init"
         self.synced: int | None = None      # the step whose summed gradients sit in .grad
         self.grad_buffers: dict = {}        # chunk -> flat gradients, summed in place (.grad_sync)
         self.results: dict[int, StepResult] = {}
@@ -188,11 +191,13 @@ class PipelineTrainer:
             self.recovery = Recovery(self, link, backend)
         with keep_message_only(self.recovery is not None) as lost:
             entry = self.enter(plan, None if link is None else link.current().reported)
-        if self.recovery is not None:
-            if lost.message is None:
+        if lost.message is not None:
+            assert self.recovery is not None   # caught only when recovering
+            self.recovery.recover(lost.message)
+        else:
+            self.started_from = entry.source
+            if self.recovery is not None:
                 self.recovery.first_entry(entry)
-            else:
-                self.recovery.recover(lost.message)
 
     @classmethod
     def from_env(cls, model: PipelineModel, *, global_micro_batches: int | None = None,

@@ -236,6 +236,8 @@ def test_a_device_that_comes_back_joins_in_place_and_receives_its_layers(tmp_pat
     for r in recovered:   # the second one's last worker to resume may be the started one
         _assert_phases_cover_the_path(r)
     assert_single_process_results(out, [0, 1, 2, 3], 14, restarted=(2,))
+    # the returning worker started with its layers from its peers (its script says so)
+    assert (out / "started-2").read_text().split() == ["init", "peers"]
     assert "Traceback" not in run.log.read_text()
 
 
@@ -250,6 +252,7 @@ def test_recovery_relaunch_restarts_everyone_from_the_checkpoint(tmp_path, launc
     assert sorted({r["step"] for r in reported}) == list(range(7))
     for device in (0, 1, 2):
         assert len((out / f"pid-{device}").read_text().split()) == 2   # relaunched
+        assert (out / f"started-{device}").read_text().split() == ["init", "checkpoint"]
     r = [e for e in read_events(state / "events.jsonl") if e["event"] == "recovered"][-1]
     assert r["mode"] == "relaunch" and r["source"] == "checkpoint" and r["resumed_step"] == 4
     _assert_phases_cover_the_path(r)   # a started process: its start-up is its regroup

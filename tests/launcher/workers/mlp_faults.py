@@ -155,6 +155,8 @@ def main() -> None:
                                        max_grad_norm=FEATURED_CLIP if featured else None,
                                        layer_state={"ema": WeightEMA} if featured else None)
     trainers.append(trainer)
+    with open(os.path.join(out, f"started-{device}"), "a") as fh:   # where its state came from
+        fh.write(f"{trainer.started_from}\n")
     trainer.run(steps, report, checkpoint_every=2 if checkpoint else 0, evaluate=every)
     state = trainer.state()   # whole tensors: every card of a unit takes part
     if tp_rank == 0:
