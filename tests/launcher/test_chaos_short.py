@@ -24,18 +24,27 @@ def journal(tmp_path_factory) -> Path:
 
 def _one_trial(tmp_path: Path, journal: Path, faults: str, deadline: int) -> dict:
     """One chameleon-run trial of benchmarks/chaos.py with ``faults``, on loopback, after the
-    trials already in ``journal`` (whose reference it reuses)."""
+    trials already in ``journal`` (whose reference it reuses). A trial that did not finish
+    carries the tails of its launchers' output and events under ``logs`` (for the assertion's
+    message: a hang here once left nothing to read)."""
     done = len(journal.read_text().splitlines()) - 1 if journal.exists() else 0
+    logs = tmp_path / "logs"
     run = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "chaos.py"), "--trials", str(done + 1),
          "--launchers", "chameleon", "--faults", faults, "--steps", "14",
          "--stall", "45", "--deadline", str(deadline), "--no-netns", "--json",
-         "--journal", str(journal), *(["--resume"] if journal.exists() else [])],
+         "--journal", str(journal), "--logs", str(logs),
+         *(["--resume"] if journal.exists() else [])],
         capture_output=True, text=True, timeout=140, cwd=tmp_path, check=False)
     assert run.returncode == 0, run.stderr[-3000:]
     results = json.loads(run.stdout)["results"]
     assert len(results) == done + 1, results
-    return results[-1]
+    trial = results[-1]
+    if trial["outcome"] != "finished":
+        trial["logs"] = {f.name: f.read_text().splitlines()[-12:]
+                         for f in sorted(logs.glob(f"{done + 1:03d}-*node*.log"))
+                         + sorted(logs.glob(f"{done + 1:03d}-*events.log"))}
+    return trial
 
 
 @pytest.mark.timeout(150)   # about 45 s on 2 quiet cores; the timeouts leave room for load
