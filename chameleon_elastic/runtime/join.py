@@ -27,6 +27,7 @@ from chameleon_elastic.timeouts import Timeouts
 from .abort import GroupSockets, new_sockets
 from .errors import PeerLost, PipelineRuntimeError
 from .link import WorkerLink
+from .topology import tp_from_env
 
 __all__ = ["init_distributed", "join_generation", "preload_before_groups", "read_plan"]
 
@@ -101,7 +102,7 @@ def preload_before_groups() -> None:
     tests/launcher/test_inplace.py's tensor-parallel loss); not understood further."""
     import torch._dynamo
 
-    if os.environ.get("CHAMELEON_TP_SIZE", "1") not in ("", "1"):
+    if tp_from_env()[1] > 1:
         import torch.distributed.tensor.parallel  # noqa: F401
 
 
