@@ -24,7 +24,8 @@ key                   writer   meaning
 ``pace/<device>``     worker   :class:`Pace`: this generation's steps and their times so far,
                                sent with the beats (the agent's straggler watch)
 ``gap/<device>``      worker   its typical gap between phases in seconds (the auto hang timeout)
-``slow/<device>``     worker   present while it is in a stretch expected to be slow (hang.py)
+``slow/<device>``     worker   present while it is in a stretch expected to be slow (hang.py):
+                               its deadline in seconds, or true (none derived: the ceiling)
 ``steps/<device>``    worker   ``{"recent": [[step, seconds], ...]}``: its last committed steps
                                and their times (``--metrics-port``), sent with the beats
 ``max_failed``        agent    the cap on failed generations in a row (retries.py)

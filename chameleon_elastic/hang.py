@@ -8,21 +8,34 @@ runtime/phases.py), and its agent convicts it only after ``FACTOR`` x the ``QUAN
 recent gaps without progress, within ``[FLOOR_S, ceiling]``. The ceiling is the fixed default
 (``Timeouts.hang_s``: 60 s, or half the collective timeout).
 
-Expected-slow phases are not measured and not convicted on the measured figure: entering a plan
-(the first step of every generation: lazy set-up, transfers), a checkpoint and an evaluation
-each start a *slow stretch* that lasts until the end of the next committed step; meanwhile the
-worker says so on its channel and the ceiling applies. Before ``MIN_GAPS`` gaps are measured the
-ceiling applies too. ``--hang-timeout S`` (or ``CHAMELEON_HANG_TIMEOUT_S``) fixes the timeout
-instead; 0 turns detection off.
+Expected-slow phases are not measured and not convicted on the measured figure: regrouping and
+entering a plan (up to the end of the first step of every generation: lazy set-up, transfers), a
+checkpoint and an evaluation each start a *slow stretch* that lasts until the end of the next
+committed step; meanwhile the worker says so on its channel, with the stretch's own allowance
+when it can be derived: a survivor's recovery (:func:`recovery_deadlines`: each phase after the
+decision is given ``FACTOR`` x what this process measured for it, the transfer by its bytes over
+the measured bandwidth). Only a stretch that nothing measures (a fresh process's first plan, a
+checkpoint, an evaluation) is held to the ceiling: a worker frozen while the others recover is
+cut out in seconds, not at the 60 s ceiling. Before ``MIN_GAPS`` gaps are measured the ceiling
+applies too. ``--hang-timeout S`` (or ``CHAMELEON_HANG_TIMEOUT_S``) fixes the timeout instead;
+0 turns detection off.
+
+The same deadlines bound the recovery from the worker's side (runtime/deadlines.py): a phase
+that runs past ``WORKER_MARGIN`` x its deadline ends its generation, so a stall that no process
+causes by freezing (every one of them asleep, waiting) never waits for a collective or store
+timeout. The margin lets a frozen peer be cut out by its agent first.
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
 
-__all__ = ["FACTOR", "FLOOR_S", "MIN_GAPS", "QUANTILE", "SLOW_PHASES", "GapWindow",
-           "derive_hang_s", "describe"]
+__all__ = ["FACTOR", "FLOOR_S", "MIN_GAPS", "PRIOR_BANDWIDTH", "QUANTILE", "RECOVERY_PHASES",
+           "SLOW_PHASES", "WORKER_MARGIN", "GapWindow", "RecoveryDeadlines", "derive_hang_s",
+           "describe", "quantile", "recovery_deadlines"]
 
 QUANTILE = 0.99
 FACTOR = 5.0
@@ -32,7 +45,15 @@ FLOOR_S = 5.0
 MIN_GAPS = 20
 WINDOW = 256
 #: phases that begin a stretch expected to be slow (until the next ``applied``)
-SLOW_PHASES = frozenset({"enter", "evaluate", "checkpoint"})
+SLOW_PHASES = frozenset({"regroup", "enter", "evaluate", "checkpoint"})
+#: the phases of a recovery after the decision, each with a deadline of its own
+RECOVERY_PHASES = ("regroup", "enter", "first step")
+#: bytes per second a transfer is assumed to reach before one was measured: a slow link
+#: (1 Gbit/s), so that the first transfer's deadline errs on the long side
+PRIOR_BANDWIDTH = 125e6
+#: a worker gives a phase up at this multiple of its deadline (its agent convicts a frozen
+#: peer at 1x: the survivors must not give the generation up first)
+WORKER_MARGIN = 2.0
 
 
 class GapWindow:
@@ -51,16 +72,64 @@ class GapWindow:
         """The ``QUANTILE`` of the window; None until ``MIN_GAPS`` gaps were measured."""
         if len(self._gaps) < MIN_GAPS:
             return None
-        ordered = sorted(self._gaps)
-        return ordered[min(len(ordered) - 1, math.ceil(QUANTILE * len(ordered)) - 1)]
+        return quantile(self._gaps)
 
 
-def derive_hang_s(typical_gap_s: float | None, ceiling_s: float, slow: bool = False) -> float:
+def quantile(values: Iterable[float], q: float = QUANTILE) -> float | None:
+    """The ``q`` quantile of ``values`` (the largest of fewer than 1 / (1 - q)); None if empty."""
+    ordered = sorted(values)
+    if not ordered:
+        return None
+    return ordered[min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1)]
+
+
+def derive_hang_s(typical_gap_s: float | None, ceiling_s: float,
+                  slow: bool | float = False) -> float:
     """The hang timeout in force for one worker: ``FACTOR`` x its typical gap, clamped to
-    ``[FLOOR_S, ceiling_s]``; the ceiling while it is in a slow stretch or not yet measured."""
-    if slow or typical_gap_s is None:
+    ``[FLOOR_S, ceiling_s]``; the ceiling while it is not yet measured. ``slow``: False outside
+    a slow stretch; True in one that nothing measured (the ceiling); a number in one whose
+    allowance the worker derived (a recovery's phase deadline), never below ``FLOOR_S``."""
+    if slow is True:
+        return ceiling_s
+    if slow is not False:
+        return max(FLOOR_S, float(slow))
+    if typical_gap_s is None:
         return ceiling_s
     return min(ceiling_s, max(FLOOR_S, FACTOR * typical_gap_s))
+
+
+@dataclass(frozen=True)
+class RecoveryDeadlines:
+    """Seconds each phase of a recovery after the decision may last: ``regroup`` (joining the
+    new generation's process group), ``enter`` (agreeing on the resume step, moving layers from
+    peers, forming the plan's groups) and ``first step`` (the first step committed under the
+    plan)."""
+
+    regroup_s: float
+    enter_s: float
+    first_step_s: float
+
+    def of(self, phase: str) -> float:
+        return {"regroup": self.regroup_s, "enter": self.enter_s,
+                "first step": self.first_step_s}[phase]
+
+
+def recovery_deadlines(regroups_s: Iterable[float], entries_s: Iterable[float],
+                       steps_s: Iterable[float], transfer_bytes: float,
+                       bandwidth: float | None) -> RecoveryDeadlines:
+    """Each phase's deadline: ``FACTOR`` x the ``QUANTILE`` of what this process measured for it
+    (its regroups: the first join of the job included; its plan entries less their transfers;
+    its committed steps), at least ``FLOOR_S``; the transfer adds ``FACTOR`` x its bytes over the
+    measured bandwidth (``PRIOR_BANDWIDTH`` before one was measured). No ceiling: every figure
+    is measured, and a large transfer legitimately takes long."""
+
+    def bound(measured: Iterable[float], extra_s: float = 0.0) -> float:
+        p = quantile(measured)
+        return max(FLOOR_S, FACTOR * (p or 0.0)) + extra_s
+
+    moving_s = transfer_bytes / (bandwidth or PRIOR_BANDWIDTH)
+    return RecoveryDeadlines(bound(regroups_s), bound(entries_s, FACTOR * moving_s),
+                             bound(steps_s))
 
 
 def describe(hang_s: float, auto: bool) -> str:

@@ -10,9 +10,11 @@ from chameleon_elastic.hang import (
     FACTOR,
     FLOOR_S,
     MIN_GAPS,
+    PRIOR_BANDWIDTH,
     GapWindow,
     derive_hang_s,
     describe,
+    recovery_deadlines,
 )
 from chameleon_elastic.launcher.detectors import HangWatch
 from chameleon_elastic.runtime.phases import Phases
@@ -25,6 +27,8 @@ def test_the_derived_timeout_is_factor_times_the_pace_within_floor_and_ceiling()
     assert derive_hang_s(30.0, 60) == 60
     assert derive_hang_s(2.0, 60, slow=True) == 60     # an expected-slow stretch
     assert derive_hang_s(None, 60) == 60               # not measured yet
+    assert derive_hang_s(2.0, 60, slow=7.5) == 7.5     # a stretch with its own deadline
+    assert derive_hang_s(None, 60, slow=1.0) == FLOOR_S
     assert describe(5.0, True) == "5 s (auto)" and describe(3, False) == "3 s"
     assert describe(0, False) == "off"
 
@@ -97,8 +101,35 @@ def test_the_agent_holds_each_worker_to_its_own_pace_and_a_slow_one_to_the_ceili
     assert watch._limit(store, 0, looked=True) == 10.0
     assert watch._limit(store, 1, looked=False) == FLOOR_S
     assert watch._limit(store, 1, looked=True) == 60
+    channel.write(store, channel.slow_key(1), 6.5)   # a recovery's phase: its deadline
+    assert watch._limit(store, 1, looked=True) == 6.5
     fixed = HangWatch(3, nproc=2)
     assert fixed._limit(store, 0, looked=True) == 3 and fixed.in_force() == ""   # no beat yet
     channel.write(store, channel.beat_key(0), 1)
     fixed.check(store, {0: 1})
     assert fixed.in_force() == "3 s"
+
+
+def test_a_recoverys_deadlines_are_factor_times_what_was_measured_and_the_transfer_its_bytes():
+    few = recovery_deadlines([0.01], [0.02], [0.2], 0.0, None)   # a tiny job: the floor
+    assert (few.regroup_s, few.enter_s, few.first_step_s) == (FLOOR_S, FLOOR_S, FLOOR_S)
+    slow = recovery_deadlines([3.0, 8.0], [2.0], [4.0] * 50 + [1.0], 0.0, None)
+    assert slow.regroup_s == FACTOR * 8.0            # the 0.99 quantile of two: the larger
+    assert slow.enter_s == FACTOR * 2.0 and slow.first_step_s == FACTOR * 4.0
+    assert slow.of("first step") == slow.first_step_s
+    moving = recovery_deadlines([], [], [], 2e9, None)   # nothing measured: the prior link
+    assert moving.enter_s == FLOOR_S + FACTOR * 2e9 / PRIOR_BANDWIDTH
+    measured = recovery_deadlines([], [], [], 2e9, 1e9)
+    assert measured.enter_s == FLOOR_S + FACTOR * 2.0
+
+
+def test_a_recovery_phase_announces_its_own_deadline_until_the_stretch_ends():
+    phases, link = Phases(), _Link()
+    phases.report_to(link)
+    phases.allow(6.5)          # known before the stretch begins: said with it
+    phases(3, "regroup")
+    phases.allow(7.0)          # the next phase's, said at once
+    for name in ("enter", "forward", "backward", "sync", "vote", "apply", "applied"):
+        phases(3, name)
+    phases(4, "checkpoint")    # a stretch nothing measures: the ceiling
+    assert link.said == [6.5, 7.0, False, True]

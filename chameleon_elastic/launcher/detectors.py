@@ -101,6 +101,7 @@ class HangWatch:
         self._nproc = nproc
         self._card = card
         self._gap: dict[int, float] = {}   # device -> typical gap between its phases
+        self._phase: dict[int, bool | float] = {}   # device -> its slow stretch's deadline
         self._gap_read = -math.inf
         self._beats: dict[int, tuple[int, float]] = {}   # device -> (progress count, since)
         # device -> (first look awake without progress, its CPU seconds then)
@@ -123,15 +124,18 @@ class HangWatch:
             return describe(self.hang_s, False)
         gaps = [self._gap.get(d) for d in self._beats]
         figure = max((derive_hang_s(g, self.hang_s) for g in gaps), default=self.hang_s)
-        return describe(figure, True)
+        phases = [v for v in self._phase.values() if not isinstance(v, bool)]
+        return describe(figure, True) + (f"; recovery phase deadline {max(phases):.3g} s"
+                                         if phases else "")
 
     def _limit(self, store: Any, device: int, looked: bool) -> float:
-        """``device``'s timeout now; ``looked``: ask whether it is in a slow stretch (a
-        read), else the least it can be."""
+        """``device``'s timeout now; ``looked``: ask whether it is in a slow stretch and with
+        what deadline (a read), else the least it can be."""
         if not self.auto:
             return self.hang_s
-        slow = looked and bool(store.check([channel.slow_key(device)]))
-        return derive_hang_s(self._gap.get(device), self.hang_s, slow)
+        slow = channel.read(store, channel.slow_key(device)) if looked else None
+        return derive_hang_s(self._gap.get(device), self.hang_s,
+                             False if slow is None else slow)
 
     def _read_gaps(self, store: Any, pids: dict[int, int], now: float) -> None:
         if not self.auto or now - self._gap_read < _GAP_READ_S:
@@ -139,6 +143,8 @@ class HangWatch:
         self._gap_read = now
         gaps = {d: channel.read(store, channel.gap_key(d)) for d in pids}
         self._gap = {d: float(g) for d, g in gaps.items() if g is not None}
+        slow = {d: channel.read(store, channel.slow_key(d)) for d in pids}
+        self._phase = {d: v for d, v in slow.items() if v is not None}
 
     def check(self, store: Any, pids: dict[int, int]) -> tuple[list[WorkerFailure], str | None]:
         """(hung workers, the status text when what it should say changed, else None)."""

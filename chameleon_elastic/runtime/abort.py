@@ -34,8 +34,8 @@ from collections.abc import Callable, Iterator
 
 import torch.distributed as dist
 
-__all__ = ["GroupSockets", "Sockets", "Watchdog", "free_later", "new_sockets", "shut_down",
-           "world_sockets"]
+__all__ = ["GroupSockets", "Sockets", "Watchdog", "free_later", "new_sockets", "open_sockets",
+           "shut_down", "world_sockets"]
 
 log = logging.getLogger("chameleon_elastic.runtime.abort")
 
@@ -62,6 +62,11 @@ def _sockets() -> dict[int, str]:
         if target.startswith("socket:"):
             out[int(entry)] = target
     return out
+
+
+def open_sockets() -> Sockets:
+    """Every socket this process has open now, as (descriptor, ``socket:[inode]``) pairs."""
+    return frozenset(_sockets().items())
 
 
 @contextlib.contextmanager

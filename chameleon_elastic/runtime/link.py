@@ -60,6 +60,12 @@ class WorkerLink:
     def card(self) -> int:
         return self.device * self.tp + self.tp_rank
 
+    @property
+    def port(self) -> int | None:
+        """The channel's port (None when the address is not known)."""
+        port = self.address.rpartition(":")[2]
+        return int(port) if port.isdigit() else None
+
     @classmethod
     def from_env(cls, timeouts: Timeouts | None = None,
                  env: Mapping[str, str] | None = None) -> WorkerLink | None:
@@ -156,13 +162,15 @@ class WorkerLink:
         and hang timeouts are seconds long."""
         self._sender().count += 1
 
-    def slow(self, on: bool) -> None:
-        """This worker is in a stretch expected to be slow (entering a plan, a checkpoint, an
-        evaluation; runtime/phases.py): its agent holds it to the ceiling of the hang timeout,
-        not to the timeout derived from its pace. Said at once, not by the beat thread."""
+    def slow(self, on: bool | float) -> None:
+        """This worker is in a stretch expected to be slow (a recovery, entering a plan, a
+        checkpoint, an evaluation; runtime/phases.py): its agent holds it to the stretch's own
+        deadline when one is given (seconds: a recovery's phase, runtime/deadlines.py), else
+        to the ceiling of the hang timeout, not to the timeout derived from its pace. Said at
+        once, not by the beat thread."""
         key = channel.slow_key(self.card)
-        if on:
-            channel.write(self.store, key, True)
+        if on is not False:
+            channel.write(self.store, key, True if on is True else float(on))
         else:
             self.store.delete_key(key)
 

@@ -35,8 +35,9 @@ class Phases:
         self.hook = hook
         self.beat: Callable[[], None] | None = None
         self.gaps = GapWindow()
-        self._say_slow: Callable[[bool], None] | None = None
+        self._say_slow: Callable[[bool | float], None] | None = None
         self._slow = False
+        self._allowance: float | None = None   # the slow stretch's own deadline, if derived
         self._last: float | None = None
 
     def report_to(self, link: Any) -> None:
@@ -45,7 +46,7 @@ class Phases:
         self._say_slow = link.slow
         link.gaps(self.gaps.typical)
         if self._slow:
-            link.slow(True)
+            link.slow(self._said())
 
     def __call__(self, step: int, phase: str) -> None:
         now = time.perf_counter()
@@ -61,7 +62,20 @@ class Phases:
         if self.hook is not None:
             self.hook(step, phase)
 
+    def allow(self, seconds: float | None) -> None:
+        """The current slow stretch's deadline, derived from measurements (a recovery's phase:
+        runtime/deadlines.py); None: held to the ceiling. Said at once while in a stretch;
+        forgotten when the stretch ends."""
+        self._allowance = seconds
+        if self._slow and self._say_slow is not None:
+            self._say_slow(self._said())
+
+    def _said(self) -> bool | float:
+        return True if self._allowance is None else self._allowance
+
     def _slow_stretch(self, on: bool) -> None:
         self._slow = on
+        if not on:
+            self._allowance = None
         if self._say_slow is not None:
-            self._say_slow(on)
+            self._say_slow(self._said() if on else False)

@@ -64,9 +64,10 @@ from chameleon_elastic.retries import DEFAULT_CAP, FailureStreak
 
 from .abort import Watchdog, free_later, world_sockets
 from .commit import StateLost
+from .deadlines import RecoveryClock, transfer_bytes
 from .entering import Entry, enter, release_groups
 from .errors import PipelineRuntimeError, keep_message_only
-from .join import join_generation, read_plan
+from .join import join_generation, joined_in, read_plan
 from .link import WorkerLink
 
 __all__ = ["GaveUp", "Recovery"]
@@ -101,6 +102,9 @@ class Recovery:
         self.watchdog: Watchdog | None = None
         self._entering = time.time()   # the trainer enters its first plan next
         self._freeing: list[threading.Thread] = []   # threads freeing aborted groups
+        self.clock = RecoveryClock(
+            backend.unblock, lambda: trainer.group_sockets | trainer.unit_sockets
+            | world_sockets(), trainer.phases.allow, spare_port=link.port)
 
     def announced(self) -> bool:
         """True when the agent has published a newer generation (checked at step starts: one
@@ -132,6 +136,8 @@ class Recovery:
         """notice -> abort -> wait -> regroup -> agree -> migrate -> rebuild; returns when the
         trainer runs the new generation and ``trainer.committed`` is the step to resume at."""
         noticed_at = time.time()
+        cause = self.clock.explain(cause)   # the first step's deadline may have been missed
+        self.clock.cancel()
         log.info("device %d: recovering (%s)", self.link.device, cause.splitlines()[0])
         self.failed(self.trainer.plan.generation, cause)   # before its peers fail too
         self.abort()
@@ -142,25 +148,41 @@ class Recovery:
             woke_at, began = time.time(), time.perf_counter()
             try:
                 with keep_message_only() as again:
-                    join_generation(gen, self.link, self.backend.dist_backend,
-                                    self.link.timeouts)
-                    plan = read_plan(gen.plan_file)
-                    regroup_s = time.perf_counter() - began
-                    entry = enter(self.trainer, plan, gen.reported)
+                    entry, regroup_s = self._enter(gen, began)
             except StateLost as lost:
+                self.clock.cancel()
                 self.link.ended(str(lost))
                 raise
             if again.message is None:
                 break
+            message = self.clock.explain(again.message)
+            self.clock.cancel()
             log.info("device %d: generation %d failed too (%s)", self.link.device,
-                     gen.generation, again.message.splitlines()[0])
-            self.failed(gen.generation, again.message)
+                     gen.generation, message.splitlines()[0])
+            self.failed(gen.generation, message)
             self.abort()
             # say so: if no worker died (a peer that could not connect in time), no agent
             # would otherwise form the next generation, and everyone would wait for it
             self.link.trouble(gen.generation)
             after = gen.generation
+        self.clock.enter_phase("first step")
         self.started(entry, regroup_s, noticed_at=noticed_at, woke_at=woke_at)
+
+    def _enter(self, gen: channel.Generation, began: float) -> tuple[Entry, float]:
+        """Regroup into ``gen`` and enter its plan, each phase against its deadline
+        (runtime/deadlines.py); returns the entry and the regroup's seconds."""
+        plan = read_plan(gen.plan_file)
+        self.clock.begin(transfer_bytes(plan, self.link.device))
+        self.clock.enter_phase("regroup")   # its deadline first: the stretch announces it
+        self.trainer.phases(self.trainer.committed, "regroup")
+        join_generation(gen, self.link, self.backend.dist_backend, self.link.timeouts)
+        regroup_s = time.perf_counter() - began
+        self.clock.enter_phase("enter")
+        entering = time.perf_counter()
+        entry = enter(self.trainer, plan, gen.reported)
+        self.clock.regrouped(regroup_s)
+        self.clock.entered(time.perf_counter() - entering, entry.moved_bytes, entry.transfer_s)
+        return entry, regroup_s
 
     def failed(self, generation: int, cause: str) -> None:
         """``generation`` was abandoned; past the cap of such in a row, end the job."""
@@ -174,6 +196,9 @@ class Recovery:
         """The plan this process entered as it started: it learned of the generation when it
         started, and its start-up (imports, joining the world) is its regroup."""
         created = psutil.Process().create_time()
+        joined = joined_in()
+        if joined is not None:   # the job's first regroup, measured
+            self.clock.regrouped(joined)
         self.started(entry, max(0.0, self._entering - created), noticed_at=None,
                      woke_at=created)
 
@@ -219,11 +244,15 @@ class Recovery:
         for thread in self._freeing:   # groups freed in the background (abort)
             thread.join(FREE_WAIT)
 
-    def step_committed(self) -> None:
+    def step_committed(self, step_s: float) -> None:
+        """A step committed here in ``step_s``: the end of a recovery's first step, if one
+        was pending."""
         if self.streak.count:
             self.streak.progressed()
         if self._pending is None:
+            self.clock.stepped(step_s)
             return
+        self.clock.done()
         self.link.resumed(replace(self._pending,
                                   first_step_s=time.perf_counter() - self._resumed_at,
                                   committed_at=time.time()))

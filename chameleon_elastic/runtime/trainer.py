@@ -345,7 +345,7 @@ class PipelineTrainer:
         busy = self.executor.busy_s if self.executor is not None else 0.0
         result = self.step(self.committed)
         if self.recovery is not None:
-            self.recovery.step_committed()
+            self.recovery.step_committed(result.step_s)
             if self.executor is not None:   # the device's speed, for the agent
                 self.recovery.link.paced(self.plan.generation, self.executor.busy_s - busy,
                                          result.compute_s, result.sync_s)

@@ -13,7 +13,9 @@ import torch.distributed as dist
 
 from chameleon_elastic import channel
 from chameleon_elastic.channel import Generation
+from chameleon_elastic.hang import WORKER_MARGIN, RecoveryDeadlines
 from chameleon_elastic.runtime.abort import Watchdog, new_sockets, shut_down
+from chameleon_elastic.runtime.deadlines import RecoveryClock
 from chameleon_elastic.runtime.errors import PeerLost
 from chameleon_elastic.runtime.join import join_generation
 from chameleon_elastic.runtime.link import WorkerLink
@@ -98,3 +100,31 @@ def test_the_watchdog_flags_a_superseded_generation_and_arming_clears_the_flag()
         assert not watchdog.superseded.is_set()
     finally:
         watchdog.stop()
+
+
+@pytest.mark.timeout(30)
+def test_a_regroup_that_cannot_complete_is_given_up_at_its_deadline():
+    """Generation 1 expects two workers and only this one comes: ``init_process_group`` would
+    wait for the missing peer for the store timeout (60 s here; the test's limit is 30 s).
+    The recovery clock gives the regroup up at its deadline instead: it shuts the sockets
+    opened since the phase began (the generation's store client) down, the join fails with
+    PeerLost, and the clock names the missed phase as the generation's cause. The agent
+    channel's own connection is spared."""
+    agent = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    timeouts = Timeouts(store_s=60.0)
+    link = WorkerLink(dist.TCPStore("127.0.0.1", agent.port, is_master=False), 0, timeouts,
+                      f"127.0.0.1:{agent.port}")
+    world = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    gen = Generation(1, "plan-gen1.json", "127.0.0.1", world.port, (0, 1))
+    clock = RecoveryClock(shut_down, frozenset, lambda seconds: None, spare_port=link.port)
+    clock.begin(0.0)
+    clock.deadlines = RecoveryDeadlines(0.2, 0.2, 0.2)   # tiny, for the test
+    clock.enter_phase("regroup")
+    with pytest.raises(PeerLost, match="could not join generation 1"):
+        join_generation(gen, link, "gloo", timeouts)
+    assert clock.missed == ("regroup", WORKER_MARGIN * 0.2)
+    assert clock.explain("device 0 could not join").startswith(
+        "regroup missed its deadline of 0.4 s")
+    assert not dist.is_initialized()
+    channel.write(link.store, "still", 1)   # the channel's connection was not cut
+    assert channel.read(agent, "still") == 1
