@@ -23,7 +23,10 @@ applies too. ``--hang-timeout S`` (or ``CHAMELEON_HANG_TIMEOUT_S``) fixes the ti
 The same deadlines bound the recovery from the worker's side (runtime/deadlines.py): a phase
 that runs past ``WORKER_MARGIN`` x its deadline ends its generation, so a stall that no process
 causes by freezing (every one of them asleep, waiting) never waits for a collective or store
-timeout. The margin lets a frozen peer be cut out by its agent first.
+timeout. The margin lets a frozen peer be cut out by its agent first. And since a healthy
+worker either finishes its phase or gives it up by then, one asleep without progress well past
+that time (:func:`asleep_past_deadline`: in a deadlock of its own, not waiting for a peer) is
+convicted too: no recovery phase can keep a job waiting for longer.
 """
 
 from __future__ import annotations
@@ -34,8 +37,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 __all__ = ["FACTOR", "FLOOR_S", "MIN_GAPS", "PRIOR_BANDWIDTH", "QUANTILE", "RECOVERY_PHASES",
-           "SLOW_PHASES", "WORKER_MARGIN", "GapWindow", "RecoveryDeadlines", "derive_hang_s",
-           "describe", "quantile", "recovery_deadlines"]
+           "SLOW_PHASES", "WORKER_MARGIN", "GapWindow", "PhaseDeadline", "RecoveryDeadlines",
+           "asleep_past_deadline", "derive_hang_s", "describe", "quantile",
+           "recovery_deadlines"]
 
 QUANTILE = 0.99
 FACTOR = 5.0
@@ -83,19 +87,44 @@ def quantile(values: Iterable[float], q: float = QUANTILE) -> float | None:
     return ordered[min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1)]
 
 
+@dataclass(frozen=True)
+class PhaseDeadline:
+    """What a worker in a recovery phase announces on its channel: ``deadline_s``, which its
+    agent convicts it on when it is awake without progress (frozen, spinning), and
+    ``give_up_s``, when it gives the phase up itself (which is progress). A worker asleep
+    without progress past ``give_up_s`` (+ ``FLOOR_S``) did neither: it is hung too, asleep in
+    something that is not a wait for a peer."""
+
+    deadline_s: float
+    give_up_s: float
+
+    @classmethod
+    def from_json(cls, value: object) -> PhaseDeadline | bool:
+        """The channel's value: a deadline, or True (a stretch nothing measures)."""
+        if isinstance(value, dict):
+            return cls(float(value["deadline_s"]), float(value["give_up_s"]))
+        return True
+
+
 def derive_hang_s(typical_gap_s: float | None, ceiling_s: float,
-                  slow: bool | float = False) -> float:
+                  slow: bool | PhaseDeadline = False) -> float:
     """The hang timeout in force for one worker: ``FACTOR`` x its typical gap, clamped to
     ``[FLOOR_S, ceiling_s]``; the ceiling while it is not yet measured. ``slow``: False outside
-    a slow stretch; True in one that nothing measured (the ceiling); a number in one whose
-    allowance the worker derived (a recovery's phase deadline), never below ``FLOOR_S``."""
+    a slow stretch; True in one that nothing measured (the ceiling); a :class:`PhaseDeadline`
+    in a recovery's phase: its deadline, never below ``FLOOR_S``."""
     if slow is True:
         return ceiling_s
-    if slow is not False:
-        return max(FLOOR_S, float(slow))
+    if isinstance(slow, PhaseDeadline):
+        return max(FLOOR_S, slow.deadline_s)
     if typical_gap_s is None:
         return ceiling_s
     return min(ceiling_s, max(FLOOR_S, FACTOR * typical_gap_s))
+
+
+def asleep_past_deadline(idle_s: float, slow: bool | PhaseDeadline) -> bool:
+    """Whether a worker asleep without progress for ``idle_s`` is hung all the same: past the
+    time its recovery phase gives itself up (+ ``FLOOR_S`` for the news to arrive)."""
+    return isinstance(slow, PhaseDeadline) and idle_s >= slow.give_up_s + FLOOR_S
 
 
 @dataclass(frozen=True)

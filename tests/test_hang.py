@@ -3,6 +3,11 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
+
+import psutil
 import torch.distributed as dist
 
 from chameleon_elastic import channel
@@ -12,6 +17,8 @@ from chameleon_elastic.hang import (
     MIN_GAPS,
     PRIOR_BANDWIDTH,
     GapWindow,
+    PhaseDeadline,
+    asleep_past_deadline,
     derive_hang_s,
     describe,
     recovery_deadlines,
@@ -27,8 +34,8 @@ def test_the_derived_timeout_is_factor_times_the_pace_within_floor_and_ceiling()
     assert derive_hang_s(30.0, 60) == 60
     assert derive_hang_s(2.0, 60, slow=True) == 60     # an expected-slow stretch
     assert derive_hang_s(None, 60) == 60               # not measured yet
-    assert derive_hang_s(2.0, 60, slow=7.5) == 7.5     # a stretch with its own deadline
-    assert derive_hang_s(None, 60, slow=1.0) == FLOOR_S
+    assert derive_hang_s(2.0, 60, slow=PhaseDeadline(7.5, 30)) == 7.5   # its own deadline
+    assert derive_hang_s(None, 60, slow=PhaseDeadline(1.0, 4)) == FLOOR_S
     assert describe(5.0, True) == "5 s (auto)" and describe(3, False) == "3 s"
     assert describe(0, False) == "off"
 
@@ -101,8 +108,8 @@ def test_the_agent_holds_each_worker_to_its_own_pace_and_a_slow_one_to_the_ceili
     assert watch._limit(store, 0, looked=True) == 10.0
     assert watch._limit(store, 1, looked=False) == FLOOR_S
     assert watch._limit(store, 1, looked=True) == 60
-    channel.write(store, channel.slow_key(1), 6.5)   # a recovery's phase: its deadline
-    assert watch._limit(store, 1, looked=True) == 6.5
+    channel.write(store, channel.slow_key(1), {"deadline_s": 6.5, "give_up_s": 26.0})
+    assert watch._limit(store, 1, looked=True) == 6.5   # a recovery's phase: its deadline
     fixed = HangWatch(3, nproc=2)
     assert fixed._limit(store, 0, looked=True) == 3 and fixed.in_force() == ""   # no beat yet
     channel.write(store, channel.beat_key(0), 1)
@@ -126,10 +133,84 @@ def test_a_recoverys_deadlines_are_factor_times_what_was_measured_and_the_transf
 def test_a_recovery_phase_announces_its_own_deadline_until_the_stretch_ends():
     phases, link = Phases(), _Link()
     phases.report_to(link)
-    phases.allow(6.5)          # known before the stretch begins: said with it
+    regroup, enter = PhaseDeadline(6.5, 13), PhaseDeadline(7.0, 27)
+    phases.allow(regroup)      # known before the stretch begins: said with it
     phases(3, "regroup")
-    phases.allow(7.0)          # the next phase's, said at once
+    phases.allow(enter)        # the next phase's, said at once
     for name in ("enter", "forward", "backward", "sync", "vote", "apply", "applied"):
         phases(3, name)
     phases(4, "checkpoint")    # a stretch nothing measures: the ceiling
-    assert link.said == [6.5, 7.0, False, True]
+    assert link.said == [regroup, enter, False, True]
+
+
+def test_a_worker_asleep_past_the_time_its_phase_gives_itself_up_is_hung():
+    deadline = PhaseDeadline(5.0, 20.0)
+    assert not asleep_past_deadline(24.0, deadline)   # still within the news' slack
+    assert asleep_past_deadline(20.0 + FLOOR_S, deadline)
+    assert not asleep_past_deadline(1e6, True)        # a stretch nothing measures: never
+    assert not asleep_past_deadline(1e6, False)       # asleep outside a recovery: waiting
+
+
+def _asleep() -> subprocess.Popen:
+    """A process asleep (reading a pipe nobody writes), as a worker blocked where nothing
+    reaches it."""
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                            stdin=subprocess.PIPE)
+    deadline = time.monotonic() + 30
+    while psutil.Process(proc.pid).status() != psutil.STATUS_SLEEPING:
+        assert time.monotonic() < deadline, "the sleeper never fell asleep"
+        time.sleep(0.01)
+    return proc
+
+
+def _as_if_waited(watch: HangWatch, seconds: float) -> None:
+    """Move the watch's clocks back, as if ``seconds`` had passed since the publication and
+    since each worker's progress was last seen."""
+    if watch._published is not None:
+        watch._published -= seconds
+    watch._beats = {d: (count, since - seconds) for d, (count, since) in watch._beats.items()}
+
+
+def test_a_worker_asleep_that_never_takes_up_a_published_generation_is_hung():
+    """Device 0 sleeps where the watchdog's unblocking does not reach (still in the old
+    generation); device 1 took the new generation up and now waits for a peer, asleep too,
+    which is no hang."""
+    sleeper = _asleep()
+    try:
+        store, pids = dist.HashStore(), {0: sleeper.pid, 1: sleeper.pid}
+        store.add(channel.beat_key(0), 7)
+        store.add(channel.beat_key(1), 3)
+        channel.write(store, channel.gap_key(0), 0.1)   # steps of ~0.1 s: the floor
+        watch = HangWatch(60, nproc=2, auto=True)
+        watch._read_gaps(store, pids, now=1e12)
+        watch.reset(store, pids)          # the next generation is published
+        store.add(channel.beat_key(1), 1)   # device 1 regroups
+        assert watch.check(store, pids)[0] == []
+        _as_if_waited(watch, FLOOR_S + 1)
+        hung, _ = watch.check(store, pids)
+        assert [f.device for f in hung] == [0]
+        assert "asleep in the previous plan generation" in hung[0].reason
+        assert hung[0].hang_s == FLOOR_S   # its hang timeout, from its pace
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+def test_a_worker_asleep_past_its_phases_give_up_time_is_hung():
+    sleeper = _asleep()
+    try:
+        store, pids = dist.HashStore(), {0: sleeper.pid}
+        store.add(channel.beat_key(0), 1)
+        watch = HangWatch(60, nproc=1, auto=True)
+        watch.check(store, pids)
+        channel.write(store, channel.slow_key(0), {"deadline_s": 5.0, "give_up_s": 20.0})
+        watch._read_gaps(store, pids, now=1e12)
+        _as_if_waited(watch, 20.0)   # asleep, but not yet past 20 s + the floor
+        assert watch.check(store, pids)[0] == []
+        _as_if_waited(watch, FLOOR_S)
+        hung, _ = watch.check(store, pids)
+        assert [f.device for f in hung] == [0] and hung[0].hang_s == 20.0
+        assert "asleep past its recovery phase's deadline" in hung[0].reason
+    finally:
+        sleeper.kill()
+        sleeper.wait()

@@ -367,9 +367,10 @@ class ChameleonAgent(LocalElasticAgent):
             self._procs.close(signal.SIGKILL, timeout=self._timeouts.shutdown_s)
         if r.trigger is Trigger.MEMBERSHIP:
             self._emit(Event.MEMBERSHIP_CHANGE, nodes_waiting=tick.waiting)
-        if r.trigger is Trigger.PEER_LOST:
-            self._emit(Event.FAILURE_SEEN, kind="peer_lost",
-                       reason="a local worker lost a peer that this node does not run")
+        if r.trigger is Trigger.PEER_LOST:   # the workers' own words (a missed deadline)
+            gen = self._session.plan.generation if self._session is not None else 0
+            self._emit(Event.FAILURE_SEEN, kind="peer_lost", reason=channel.read(
+                self._channel, channel.cause_key(gen)) or "a local worker lost a peer")
         if r.lost:
             self._book.note_lost(set(r.lost), set(tick.bad), tick.failures, self._tp)
         gen = self._session.plan.generation if self._session is not None else 0

@@ -25,7 +25,7 @@ import psutil
 from torch.distributed.elastic.agent.server.api import WorkerState
 
 from chameleon_elastic import channel
-from chameleon_elastic.hang import derive_hang_s, describe
+from chameleon_elastic.hang import PhaseDeadline, asleep_past_deadline, derive_hang_s, describe
 
 from .failures import FailureKind, Trigger, WorkerFailure, classify_exit
 from .node_watch import NodeWatch
@@ -101,18 +101,28 @@ class HangWatch:
         self._nproc = nproc
         self._card = card
         self._gap: dict[int, float] = {}   # device -> typical gap between its phases
-        self._phase: dict[int, bool | float] = {}   # device -> its slow stretch's deadline
+        # device -> its slow stretch's deadline (True: none derived), as last read
+        self._phase: dict[int, bool | PhaseDeadline] = {}
         self._gap_read = -math.inf
         self._beats: dict[int, tuple[int, float]] = {}   # device -> (progress count, since)
         # device -> (first look awake without progress, its CPU seconds then)
         self._awake: dict[int, tuple[float, float]] = {}
         self._shown: dict[int, int] = {}   # device -> last stall step on the status line
+        # the last generation's publication, and the workers that have not made progress since
+        # (device -> its count then)
+        self._published: float | None = None
+        self._unstarted: dict[int, int] = {}
 
-    def reset(self) -> None:
-        """A recovery is no hang: progress is timed afresh."""
+    def reset(self, store: Any = None, pids: dict[int, int] | None = None) -> None:
+        """A recovery is no hang: progress is timed afresh. With the channel (``store``) and
+        the workers kept (``pids``), as a generation is about to be published: each worker's
+        progress count now, so that one which never starts the new generation is seen."""
         self._beats.clear()
         self._awake.clear()
         self._shown.clear()
+        self._published = time.monotonic()
+        counts = {d: channel.read_int(store, channel.beat_key(d)) for d in (pids or {})}
+        self._unstarted = {d: c for d, c in counts.items() if c is not None}
 
     def in_force(self) -> str:
         """The timeout in force, as the status line says it: ``5 s (auto)`` (the most lenient
@@ -124,7 +134,7 @@ class HangWatch:
             return describe(self.hang_s, False)
         gaps = [self._gap.get(d) for d in self._beats]
         figure = max((derive_hang_s(g, self.hang_s) for g in gaps), default=self.hang_s)
-        phases = [v for v in self._phase.values() if not isinstance(v, bool)]
+        phases = [v.deadline_s for v in self._phase.values() if isinstance(v, PhaseDeadline)]
         return describe(figure, True) + (f"; recovery phase deadline {max(phases):.3g} s"
                                          if phases else "")
 
@@ -135,7 +145,7 @@ class HangWatch:
             return self.hang_s
         slow = channel.read(store, channel.slow_key(device)) if looked else None
         return derive_hang_s(self._gap.get(device), self.hang_s,
-                             False if slow is None else slow)
+                             False if slow is None else PhaseDeadline.from_json(slow))
 
     def _read_gaps(self, store: Any, pids: dict[int, int], now: float) -> None:
         if not self.auto or now - self._gap_read < _GAP_READ_S:
@@ -144,7 +154,7 @@ class HangWatch:
         gaps = {d: channel.read(store, channel.gap_key(d)) for d in pids}
         self._gap = {d: float(g) for d, g in gaps.items() if g is not None}
         slow = {d: channel.read(store, channel.slow_key(d)) for d in pids}
-        self._phase = {d: v for d, v in slow.items() if v is not None}
+        self._phase = {d: PhaseDeadline.from_json(v) for d, v in slow.items() if v is not None}
 
     def check(self, store: Any, pids: dict[int, int]) -> tuple[list[WorkerFailure], str | None]:
         """(hung workers, the status text when what it should say changed, else None)."""
@@ -158,6 +168,8 @@ class HangWatch:
             count = channel.read_int(store, channel.beat_key(device))
             if count is None:
                 continue
+            if self._unstarted.get(device, count) != count:
+                del self._unstarted[device]   # it took up the new generation
             seen = self._beats.get(device)
             if seen is None or seen[0] != count:
                 self._beats[device] = (count, now)
@@ -174,15 +186,36 @@ class HangWatch:
                 continue   # gone: the next poll reports its exit
             if state in (psutil.STATUS_SLEEPING, psutil.STATUS_IDLE):
                 self._awake.pop(device, None)
+                asleep = self._asleep_hung(device, idle, now)
+                if asleep is not None:
+                    hung.append(self._hung(device, idle, *asleep))
                 continue
             limit = self._limit(store, device, looked=True)
             stalled[device] = (idle, limit)
             if idle >= limit and self._convicted(device, state, cpu, now):
-                hung.append(WorkerFailure(
-                    device, device % self._nproc, -signal.SIGKILL, None, FailureKind.DEVICE_LOST,
-                    f"hung: no progress for {idle:.1f} s, process {state}",
-                    since=time.time() - idle, hang_s=limit, hang_auto=self.auto))
+                hung.append(self._hung(device, idle, f"process {state}", limit))
         return hung, self._status(stalled)
+
+    def _asleep_hung(self, device: int, idle: float, now: float) -> tuple[str, float] | None:
+        """Asleep is waiting for a peer, unless the wait outlasts what waiting can: past the
+        time its recovery phase gives itself up, or, after a generation was published (and
+        the worker's watchdog unblocked every transfer of the old one), past its hang timeout
+        without having taken it up: then it is stuck where no unblocking reaches (how and the
+        timeout in force, else None)."""
+        slow = self._phase.get(device, False)
+        if asleep_past_deadline(idle, slow):
+            assert isinstance(slow, PhaseDeadline)
+            return "asleep past its recovery phase's deadline", slow.give_up_s
+        if device in self._unstarted and self._published is not None:
+            limit = derive_hang_s(self._gap.get(device), self.hang_s)
+            if now - self._published >= limit:
+                return "asleep in the previous plan generation", limit
+        return None
+
+    def _hung(self, device: int, idle: float, how: str, limit: float) -> WorkerFailure:
+        return WorkerFailure(device, device % self._nproc, -signal.SIGKILL, None,
+                             FailureKind.DEVICE_LOST, f"hung: no progress for {idle:.1f} s, {how}",
+                             since=time.time() - idle, hang_s=limit, hang_auto=self.auto)
 
     def _convicted(self, device: int, state: str, cpu: float, now: float) -> bool:
         since, cpu_then = self._awake.setdefault(device, (now, cpu))

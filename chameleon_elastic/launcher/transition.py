@@ -107,7 +107,7 @@ class Transition:
             c.watchers.rejoined()
         if c.channel is not None:   # a lost peer reported before this round is handled
             channel.write(c.channel, channel.TROUBLE, -1)
-        c.watchers.hangs.reset()
+        c.watchers.hangs.reset(c.channel, c.procs.pids())
         stop_s = 0.0
         if decision is None or not decision.inplace:
             t = time.perf_counter()

@@ -8,7 +8,14 @@ pull gRPC into every process that never uses etcd.
 from __future__ import annotations
 
 import importlib
+import os
 from typing import Any
+
+# This package only ever forks to exec (workers, etcd servers). gRPC's fork support installs
+# pre-fork handlers that wait for gRPC's threads, and a fork() there blocked for good (a test
+# fixture starting etcd after other tests' channels; no alarm can interrupt it). Off unless
+# the user chose otherwise; it must be set before gRPC is imported.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 __all__ = [
     "EtcdAuthError",

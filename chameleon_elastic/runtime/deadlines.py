@@ -35,6 +35,7 @@ from collections.abc import Callable
 from chameleon_elastic.hang import (
     RECOVERY_PHASES,
     WORKER_MARGIN,
+    PhaseDeadline,
     RecoveryDeadlines,
     recovery_deadlines,
 )
@@ -59,11 +60,12 @@ class RecoveryClock:
     """Measures this process's regroups, plan entries and steps; times a recovery's phases.
 
     ``unblock(sockets)``: makes calls blocked on ``sockets`` fail (the device plugin's);
-    ``sockets()``: the generation's sockets known now (its groups'); ``announce(seconds)``:
-    tells the agent the deadline of the phase begun (None: the phase ended)."""
+    ``sockets()``: the generation's sockets known now (its groups'); ``announce(deadline)``:
+    tells the agent the deadline of the phase begun (None: no phase is timed)."""
 
     def __init__(self, unblock: Callable[[Sockets], None], sockets: Callable[[], Sockets],
-                 announce: Callable[[float | None], None], spare_port: int | None = None) -> None:
+                 announce: Callable[[PhaseDeadline | None], None],
+                 spare_port: int | None = None) -> None:
         self._unblock = unblock
         self._sockets = sockets
         self._announce = announce
@@ -106,7 +108,7 @@ class RecoveryClock:
     def enter_phase(self, name: str) -> None:
         """``name`` begins: announce its deadline, and give it up at ``WORKER_MARGIN`` x that
         plus the phase before (peers may still be in it)."""
-        self.cancel()
+        self._stop()
         if self.deadlines is None:
             return
         at = RECOVERY_PHASES.index(name)
@@ -119,22 +121,28 @@ class RecoveryClock:
         timer.name = "chameleon-deadline"
         with self._lock:
             self.phase, self._timer = name, timer
-        self._announce(limit)
+        self._announce(PhaseDeadline(limit, give_up_s))
         timer.start()
 
     def cancel(self) -> None:
-        """The phase ended in time (or the recovery is over)."""
-        with self._lock:
-            timer, self._timer, self.phase = self._timer, None, None
-        if timer is not None:
-            timer.cancel()
+        """No phase is timed any more: the generation was given up (its worker now waits for
+        the agents, for as long as they take), or the recovery is over."""
+        if self._stop():
+            self._announce(None)
 
     def done(self) -> None:
         """The first step under the plan committed: the recovery is over."""
         if self.deadlines is not None:
             self.cancel()
-            self._announce(None)
             self.deadlines = None
+
+    def _stop(self) -> bool:
+        """Stop the phase's timer; whether one was running."""
+        with self._lock:
+            timer, self._timer, self.phase = self._timer, None, None
+        if timer is not None:
+            timer.cancel()
+        return timer is not None
 
     def explain(self, message: str) -> str:
         """The cause to give for a failed generation: the missed deadline, when one was."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import dataclasses
 import json
 import os
 import threading
@@ -25,6 +26,7 @@ import torch.distributed as dist
 
 from chameleon_elastic import channel
 from chameleon_elastic.channel import Generation, Registration, Resumed
+from chameleon_elastic.hang import PhaseDeadline
 from chameleon_elastic.timeouts import Timeouts
 
 from .errors import PipelineRuntimeError
@@ -162,7 +164,7 @@ class WorkerLink:
         and hang timeouts are seconds long."""
         self._sender().count += 1
 
-    def slow(self, on: bool | float) -> None:
+    def slow(self, on: bool | PhaseDeadline) -> None:
         """This worker is in a stretch expected to be slow (a recovery, entering a plan, a
         checkpoint, an evaluation; runtime/phases.py): its agent holds it to the stretch's own
         deadline when one is given (seconds: a recovery's phase, runtime/deadlines.py), else
@@ -170,7 +172,7 @@ class WorkerLink:
         once, not by the beat thread."""
         key = channel.slow_key(self.card)
         if on is not False:
-            channel.write(self.store, key, True if on is True else float(on))
+            channel.write(self.store, key, True if on is True else dataclasses.asdict(on))
         else:
             self.store.delete_key(key)
 

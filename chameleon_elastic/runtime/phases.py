@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from chameleon_elastic.hang import SLOW_PHASES, GapWindow
+from chameleon_elastic.hang import SLOW_PHASES, GapWindow, PhaseDeadline
 
 __all__ = ["PhaseHook", "Phases"]
 
@@ -35,9 +35,9 @@ class Phases:
         self.hook = hook
         self.beat: Callable[[], None] | None = None
         self.gaps = GapWindow()
-        self._say_slow: Callable[[bool | float], None] | None = None
+        self._say_slow: Callable[[bool | PhaseDeadline], None] | None = None
         self._slow = False
-        self._allowance: float | None = None   # the slow stretch's own deadline, if derived
+        self._allowance: PhaseDeadline | None = None   # the stretch's own deadline, if derived
         self._last: float | None = None
 
     def report_to(self, link: Any) -> None:
@@ -62,15 +62,15 @@ class Phases:
         if self.hook is not None:
             self.hook(step, phase)
 
-    def allow(self, seconds: float | None) -> None:
+    def allow(self, deadline: PhaseDeadline | None) -> None:
         """The current slow stretch's deadline, derived from measurements (a recovery's phase:
         runtime/deadlines.py); None: held to the ceiling. Said at once while in a stretch;
         forgotten when the stretch ends."""
-        self._allowance = seconds
+        self._allowance = deadline
         if self._slow and self._say_slow is not None:
             self._say_slow(self._said())
 
-    def _said(self) -> bool | float:
+    def _said(self) -> bool | PhaseDeadline:
         return True if self._allowance is None else self._allowance
 
     def _slow_stretch(self, on: bool) -> None:

@@ -144,6 +144,23 @@ def test_a_worker_frozen_while_the_others_recover_is_cut_out_at_its_phase_deadli
     assert "recovery phase deadline" in run.log.read_text()   # the status line showed it
 
 
+@pytest.mark.timeout(90)
+def test_a_worker_deadlocked_asleep_while_the_others_recover_is_cut_out_too(tmp_path, launch):
+    """As above, but device 0 deadlocks asleep as it enters the plan: asleep is what a worker
+    waiting for a peer looks like, so no hang timeout applies. Its peers give the generation
+    up at twice their phase deadline; the next generation is published, and device 0, asleep
+    without ever taking it up, is convicted at its hang timeout (or, first, once asleep past
+    the time its own phase would have given itself up). Devices 1 and 2 finish."""
+    run, out, state = _launch_mlp(launch, tmp_path, 14, "3:8:forward:kill", "0:8:enter:sleep",
+                                  "--pace", "0.1")
+    assert run.wait(80) == 0, run.log.read_text()[-3000:]
+    seen = [e for e in read_events(state / "events.jsonl") if e["event"] == "failure_seen"]
+    hung = [e for e in seen if e.get("device") == 0]
+    assert len(hung) == 1 and "hung: no progress for " in hung[0]["reason"]
+    assert "asleep" in hung[0]["reason"]
+    assert_single_process_results(out, [1, 2], 14)
+
+
 def test_a_quick_rounds_decider_hosts_the_worker_store_at_its_own_address():
     """In a quick round the decider may be another node than the one that hosted the last full
     round's store; when that node is the one lost, its address is unreachable. The decider

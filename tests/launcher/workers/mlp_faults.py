@@ -12,7 +12,8 @@ peer's last message of the all-reduce never arrives): it abandons the step befor
 ``kill-saved`` - as ``kill``, once the checkpoint being written in the background has ended
 (a loss after the checkpoint is on disk, as a save that took no time would have it);
 ``raise`` - a bug: the script raises (only in the first process of the device, so the process
-that replaces it trains on); ``spin`` - a hang that keeps a core busy; ``dist-error`` - a
+that replaces it trains on); ``spin`` - a hang that keeps a core busy; ``sleep`` - a hang
+asleep (a deadlock of the script's own: to its agent it looks like a wait for a peer); ``dist-error`` - a
 ``torch.distributed.DistBackendError`` (what NCCL raises), every time the phase is reached, in
 every generation: a failure that keeps coming back; ``stop-S`` - another process SIGSTOPs this
 one and SIGCONTs it S seconds later (a device frozen for a while).
@@ -53,6 +54,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import torch
@@ -136,6 +138,8 @@ def main() -> None:
         elif action == "spin":
             while True:   # a hang that burns a core (a stuck kernel polling, a livelock)
                 pass
+        elif action == "sleep":
+            threading.Event().wait()   # a deadlock asleep: nothing it waits for will come
 
     def report(result) -> None:
         with open(os.path.join(out, "steps.jsonl"), "a") as fh:
