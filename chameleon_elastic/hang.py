@@ -37,6 +37,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 __all__ = ["FACTOR", "FLOOR_S", "MIN_GAPS", "PRIOR_BANDWIDTH", "QUANTILE", "RECOVERY_PHASES",
+           "REGROUP_PRIOR_PER_RANK_S",
            "SLOW_PHASES", "WORKER_MARGIN", "GapWindow", "PhaseDeadline", "RecoveryDeadlines",
            "asleep_past_deadline", "derive_hang_s", "describe", "quantile",
            "recovery_deadlines"]
@@ -55,6 +56,10 @@ RECOVERY_PHASES = ("regroup", "enter", "first step")
 #: bytes per second a transfer is assumed to reach before one was measured: a slow link
 #: (1 Gbit/s), so that the first transfer's deadline errs on the long side
 PRIOR_BANDWIDTH = 125e6
+#: seconds of regroup per rank of the world before one was measured: a full mesh on one store
+#: costs O(ranks) per rank (docs/rendezvous.md: about 38 s at 1k gloo ranks); a job's first
+#: join is no measure (it waits for every process to start)
+REGROUP_PRIOR_PER_RANK_S = 0.04
 #: a worker gives a phase up at this multiple of its deadline (its agent convicts a frozen
 #: peer at 1x: the survivors must not give the generation up first)
 WORKER_MARGIN = 2.0
@@ -145,20 +150,21 @@ class RecoveryDeadlines:
 
 def recovery_deadlines(regroups_s: Iterable[float], entries_s: Iterable[float],
                        steps_s: Iterable[float], transfer_bytes: float,
-                       bandwidth: float | None) -> RecoveryDeadlines:
+                       bandwidth: float | None, world_size: int) -> RecoveryDeadlines:
     """Each phase's deadline: ``FACTOR`` x the ``QUANTILE`` of what this process measured for it
-    (its regroups: the first join of the job included; its plan entries less their transfers;
-    its committed steps), at least ``FLOOR_S``; the transfer adds ``FACTOR`` x its bytes over the
-    measured bandwidth (``PRIOR_BANDWIDTH`` before one was measured). No ceiling: every figure
-    is measured, and a large transfer legitimately takes long."""
+    (its regroups, ``REGROUP_PRIOR_PER_RANK_S`` x ``world_size`` before the first; its plan
+    entries less their transfers; its committed steps), at least ``FLOOR_S``; the transfer adds
+    ``FACTOR`` x its bytes over the measured bandwidth (``PRIOR_BANDWIDTH`` before one was
+    measured). No ceiling: every figure is measured, and a large transfer legitimately takes
+    long."""
 
-    def bound(measured: Iterable[float], extra_s: float = 0.0) -> float:
+    def bound(measured: Iterable[float], prior_s: float = 0.0, extra_s: float = 0.0) -> float:
         p = quantile(measured)
-        return max(FLOOR_S, FACTOR * (p or 0.0)) + extra_s
+        return max(FLOOR_S, FACTOR * (prior_s if p is None else p)) + extra_s
 
     moving_s = transfer_bytes / (bandwidth or PRIOR_BANDWIDTH)
-    return RecoveryDeadlines(bound(regroups_s), bound(entries_s, FACTOR * moving_s),
-                             bound(steps_s))
+    return RecoveryDeadlines(bound(regroups_s, REGROUP_PRIOR_PER_RANK_S * world_size),
+                             bound(entries_s, extra_s=FACTOR * moving_s), bound(steps_s))
 
 
 def describe(hang_s: float, auto: bool) -> str:

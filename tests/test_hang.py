@@ -16,6 +16,7 @@ from chameleon_elastic.hang import (
     FLOOR_S,
     MIN_GAPS,
     PRIOR_BANDWIDTH,
+    REGROUP_PRIOR_PER_RANK_S,
     GapWindow,
     PhaseDeadline,
     asleep_past_deadline,
@@ -118,16 +119,18 @@ def test_the_agent_holds_each_worker_to_its_own_pace_and_a_slow_one_to_the_ceili
 
 
 def test_a_recoverys_deadlines_are_factor_times_what_was_measured_and_the_transfer_its_bytes():
-    few = recovery_deadlines([0.01], [0.02], [0.2], 0.0, None)   # a tiny job: the floor
+    few = recovery_deadlines([0.01], [0.02], [0.2], 0.0, None, 4)   # a tiny job: the floor
     assert (few.regroup_s, few.enter_s, few.first_step_s) == (FLOOR_S, FLOOR_S, FLOOR_S)
-    slow = recovery_deadlines([3.0, 8.0], [2.0], [4.0] * 50 + [1.0], 0.0, None)
+    slow = recovery_deadlines([3.0, 8.0], [2.0], [4.0] * 50 + [1.0], 0.0, None, 4)
     assert slow.regroup_s == FACTOR * 8.0            # the 0.99 quantile of two: the larger
     assert slow.enter_s == FACTOR * 2.0 and slow.first_step_s == FACTOR * 4.0
     assert slow.of("first step") == slow.first_step_s
-    moving = recovery_deadlines([], [], [], 2e9, None)   # nothing measured: the prior link
+    moving = recovery_deadlines([], [], [], 2e9, None, 4)   # nothing measured: the priors
     assert moving.enter_s == FLOOR_S + FACTOR * 2e9 / PRIOR_BANDWIDTH
-    measured = recovery_deadlines([], [], [], 2e9, 1e9)
+    assert moving.regroup_s == FLOOR_S   # 4 ranks regroup in far less than the floor
+    measured = recovery_deadlines([], [], [], 2e9, 1e9, 1024)
     assert measured.enter_s == FLOOR_S + FACTOR * 2.0
+    assert measured.regroup_s == FACTOR * REGROUP_PRIOR_PER_RANK_S * 1024   # a large world
 
 
 def test_a_recovery_phase_announces_its_own_deadline_until_the_stretch_ends():

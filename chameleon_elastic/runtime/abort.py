@@ -143,7 +143,7 @@ class Watchdog:
         self._unblock = unblock
         self._join_s = join_s
         self._lock = threading.Lock()
-        self._armed: tuple[int, Sockets] | None = None
+        self._armed: tuple[int, Sockets | Callable[[], Sockets]] | None = None
         self._stopped = False
         #: set while the generation it was armed with is superseded (read without the lock)
         self.superseded = threading.Event()
@@ -152,7 +152,9 @@ class Watchdog:
         self._thread.start()
         atexit.register(self.stop)   # also when the script ends without closing its trainer
 
-    def arm(self, generation: int, sockets: Sockets) -> None:
+    def arm(self, generation: int, sockets: Sockets | Callable[[], Sockets]) -> None:
+        """Watch for a generation newer than ``generation``; ``sockets``: what to unblock then
+        (or what gives them then: a generation being entered still opens sockets)."""
         with self._lock:
             self._armed = (generation, sockets)
             self.superseded.clear()
@@ -196,5 +198,5 @@ class Watchdog:
                 if newer:
                     log.info("generation %d is superseded: unblocking its groups", armed[0])
                     self.superseded.set()
-                    self._unblock(armed[1])
+                    self._unblock(armed[1]() if callable(armed[1]) else armed[1])
                     self._armed = None

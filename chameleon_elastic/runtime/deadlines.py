@@ -76,7 +76,8 @@ class RecoveryClock:
         self._bandwidth: float | None = None
         self._lock = threading.Lock()
         self._timer: threading.Timer | None = None
-        self._before: Sockets = frozenset()
+        self._before: Sockets = frozenset()       # open as the current phase began
+        self._recovering: Sockets = frozenset()   # open as the current recovery began
         self.deadlines: RecoveryDeadlines | None = None
         self.phase: str | None = None
         #: (phase, seconds) of the phase given up at its deadline, until the next recovery
@@ -98,12 +99,19 @@ class RecoveryClock:
 
     # ------------------------------------------------------------------ one recovery
 
-    def begin(self, plan_bytes: float) -> RecoveryDeadlines:
+    def begin(self, plan_bytes: float, world_size: int) -> RecoveryDeadlines:
         """A recovery starts (the decision is known): its deadlines, from what was measured."""
         self.deadlines = recovery_deadlines(self._regroups, self._entries, self._steps,
-                                            plan_bytes, self._bandwidth)
+                                            plan_bytes, self._bandwidth, world_size)
         self.missed = None
+        self._recovering = open_sockets()
         return self.deadlines
+
+    def generation_sockets(self) -> Sockets:
+        """The sockets of the generation being entered or trained: its groups', and the ones
+        opened since its recovery began (a store client, a group still forming), never the
+        agent channel's."""
+        return self._sockets() | self._opened_since(self._recovering)
 
     def enter_phase(self, name: str) -> None:
         """``name`` begins: announce its deadline, and give it up at ``WORKER_MARGIN`` x that
@@ -157,10 +165,15 @@ class RecoveryClock:
             if self.phase != name or self._timer is None:
                 return   # ended meanwhile
             self._timer, self.missed = None, (name, seconds)
-        fresh = frozenset(s for s in open_sockets() - self._before
-                          if not _talks_to(s[0], self._spare_port))
         log.warning("%s missed its deadline of %.3g s: giving the generation up", name, seconds)
+        # sockets opened in the phase: ours while regrouping and entering; in the first step
+        # the script runs, and its own connections are never cut
+        fresh = self._opened_since(self._before) if name != "first step" else frozenset()
         self._unblock(self._sockets() | fresh)
+
+    def _opened_since(self, before: Sockets) -> Sockets:
+        return frozenset(s for s in open_sockets() - before
+                         if not _talks_to(s[0], self._spare_port))
 
 
 def _talks_to(fd: int, port: int | None) -> bool:

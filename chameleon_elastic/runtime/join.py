@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import time
-import weakref
 from datetime import timedelta
 from pathlib import Path
 
@@ -30,21 +29,10 @@ from .errors import PeerLost, PipelineRuntimeError
 from .link import WorkerLink
 from .topology import tp_from_env
 
-__all__ = ["init_distributed", "join_generation", "joined_in", "preload_before_groups",
-           "read_plan"]
+__all__ = ["init_distributed", "join_generation", "preload_before_groups", "read_plan"]
 
 #: how long one attempt to reach a generation's store lasts before checking for a newer one
 _CONNECT_SLICE_S = 1.0
-
-#: default group -> seconds its ``init_process_group`` took here: the job's first measured
-#: regroup, from which a recovery's regroup deadline is derived (runtime/deadlines.py)
-_JOINED_IN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def joined_in() -> float | None:
-    """Seconds the current default group took to form in this process (None: none formed)."""
-    world = dist.group.WORLD if dist.is_initialized() else None
-    return None if world is None else _JOINED_IN.get(world)
 
 
 def join_generation(gen: Generation, link: WorkerLink, backend: str, timeouts: Timeouts) -> None:
@@ -55,7 +43,6 @@ def join_generation(gen: Generation, link: WorkerLink, backend: str, timeouts: T
     store = _connect(gen, link, timeouts)
     try:
         torch_compat.forget_failed_group_names()
-        began = time.perf_counter()
         with new_sockets() as sockets:
             dist.init_process_group(backend, store=dist.PrefixStore(gen.prefix, store),
                                     rank=rank, world_size=gen.world_size,
@@ -64,7 +51,6 @@ def join_generation(gen: Generation, link: WorkerLink, backend: str, timeouts: T
         raise PeerLost(f"device {device} could not join generation {gen.generation}: "
                        f"{exc}") from exc
     GroupSockets[dist.group.WORLD] = frozenset(sockets)
-    _JOINED_IN[dist.group.WORLD] = time.perf_counter() - began
     plan = read_plan(gen.plan_file)
     env = {"RANK": str(rank), "WORLD_SIZE": str(gen.world_size),
            "MASTER_ADDR": gen.master_addr, "MASTER_PORT": str(gen.master_port)}

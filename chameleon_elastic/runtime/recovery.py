@@ -67,7 +67,7 @@ from .commit import StateLost
 from .deadlines import RecoveryClock, transfer_bytes
 from .entering import Entry, enter, release_groups
 from .errors import PipelineRuntimeError, keep_message_only
-from .join import join_generation, joined_in, read_plan
+from .join import join_generation, read_plan
 from .link import WorkerLink
 
 __all__ = ["GaveUp", "Recovery"]
@@ -172,9 +172,10 @@ class Recovery:
         """Regroup into ``gen`` and enter its plan, each phase against its deadline
         (runtime/deadlines.py); returns the entry and the regroup's seconds."""
         plan = read_plan(gen.plan_file)
-        self.clock.begin(transfer_bytes(plan, self.link.device))
+        self.clock.begin(transfer_bytes(plan, self.link.device), gen.world_size)
         self.clock.enter_phase("regroup")   # its deadline first: the stretch announces it
         self.trainer.phases(self.trainer.committed, "regroup")
+        self.arm(gen.generation)   # a generation published meanwhile ends this one at once
         join_generation(gen, self.link, self.backend.dist_backend, self.link.timeouts)
         regroup_s = time.perf_counter() - began
         self.clock.enter_phase("enter")
@@ -196,9 +197,6 @@ class Recovery:
         """The plan this process entered as it started: it learned of the generation when it
         started, and its start-up (imports, joining the world) is its regroup."""
         created = psutil.Process().create_time()
-        joined = joined_in()
-        if joined is not None:   # the job's first regroup, measured
-            self.clock.regrouped(joined)
         self.started(entry, max(0.0, self._entering - created), noticed_at=None,
                      woke_at=created)
 
@@ -232,10 +230,18 @@ class Recovery:
             self.trainer.superseded = self.watchdog.superseded
         self.arm()
 
-    def arm(self) -> None:
-        """Give the watchdog the groups' current sockets (again after a group is added)."""
-        if self.watchdog is not None:
+    def arm(self, generation: int | None = None) -> None:
+        """Arm the watchdog for ``generation`` (default: the plan's), with the sockets of its
+        groups as they are when it fires: a survivor entering a generation (regrouping,
+        agreeing, moving layers) gives it up at once when a newer one is published, as one
+        training does; waiting for a peer that the newer generation left out would last until
+        a deadline, and the agent would take it for hung."""
+        if self.watchdog is None:
+            return
+        if generation is None:   # training: the plan's groups (never a socket of the script's)
             self.watchdog.arm(self.trainer.plan.generation, self.trainer.group_sockets)
+        else:                    # entering: whatever the generation has opened so far
+            self.watchdog.arm(generation, self.clock.generation_sockets)
 
     def close(self) -> None:
         if self.watchdog is not None:

@@ -117,7 +117,7 @@ def test_a_regroup_that_cannot_complete_is_given_up_at_its_deadline():
     world = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     gen = Generation(1, "plan-gen1.json", "127.0.0.1", world.port, (0, 1))
     clock = RecoveryClock(shut_down, frozenset, lambda seconds: None, spare_port=link.port)
-    clock.begin(0.0)
+    clock.begin(0.0, world_size=2)
     clock.deadlines = RecoveryDeadlines(0.2, 0.2, 0.2)   # tiny, for the test
     clock.enter_phase("regroup")
     with pytest.raises(PeerLost, match="could not join generation 1"):
