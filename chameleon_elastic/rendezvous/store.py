@@ -6,7 +6,8 @@ Keys live under ``<key_prefix>/<run_id>/store/``; values are raw bytes. The oper
 - ``set``/``multi_set``: one put / one transaction;
 - ``get``/``multi_get``: wait until the keys exist (up to the store timeout), then read;
 - ``add``: integer counter, updated by compare-and-set on the key's mod revision (retried on
-  contention), returns the new value;
+  contention), returns the new value; applied exactly once even when etcd's reply is lost
+  (``append`` too: :meth:`EtcdStore._once`);
 - ``compare_set(key, expected, desired)``: one transaction; writes ``desired`` when the value
   equals ``expected`` (or the key is absent and ``expected`` is empty) and returns the value
   now stored, else returns the current value (``expected`` when the key is absent);
@@ -45,7 +46,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+import uuid
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -91,6 +93,7 @@ class EtcdStore(dist.Store):
         super().__init__()
         self._client = client
         self._prefix = f"{run_prefix}store/"
+        self._marks = f"{run_prefix}store-once/"
         self.set_timeout(timeout)
         self._kept: _Watch | None = None   # a timed-out wait's watch, for the next slice
         self._kept_lock = threading.Lock()
@@ -137,45 +140,68 @@ class EtcdStore(dist.Store):
     def add(self, key: str, amount: int) -> int:
         full = self._key(key)
 
-        def bump(client: Any) -> int | None:
+        def bump(client: Any) -> tuple[list, Any, int]:
             value, meta = client.get(full)
             if value is None:
-                compare = [transactions.Create(full) == 0]
-                new = int(amount)
-            else:
-                try:
-                    current = int(bytes(value))
-                except ValueError as exc:
-                    raise EtcdRendezvousError(
-                        f"store add({key!r}) found a non-integer value {bytes(value)[:40]!r}; "
-                        "add only works on keys written by add (or set to a decimal integer)."
-                    ) from exc
-                compare = [transactions.Mod(full) == meta.mod_revision]
-                new = current + int(amount)
-            ok, _ = client.transaction(compare, [transactions.Put(full, str(new))], [])
-            return new if ok else None
+                return [transactions.Create(full) == 0], transactions.Put(full, str(amount)), \
+                    int(amount)
+            try:
+                current = int(bytes(value))
+            except ValueError as exc:
+                raise EtcdRendezvousError(
+                    f"store add({key!r}) found a non-integer value {bytes(value)[:40]!r}; "
+                    "add only works on keys written by add (or set to a decimal integer)."
+                ) from exc
+            new = current + int(amount)
+            return [transactions.Mod(full) == meta.mod_revision], transactions.Put(full, str(new)), \
+                new
 
-        while True:
-            result = self._client.call("store add", bump)
-            if result is not None:
-                return result
+        return int(self._once("store add", bump))
 
     def append(self, key: str, value: str | bytes) -> None:
         full, data = self._key(key), _to_bytes(value)
 
-        def extend(client: Any) -> bool:
+        def extend(client: Any) -> tuple[list, Any, int]:
             old, meta = client.get(full)
             if old is None:
-                compare = [transactions.Create(full) == 0]
-                new = data
-            else:
-                compare = [transactions.Mod(full) == meta.mod_revision]
-                new = bytes(old) + data
-            ok, _ = client.transaction(compare, [transactions.Put(full, new)], [])
-            return bool(ok)
+                return [transactions.Create(full) == 0], transactions.Put(full, data), 0
+            return ([transactions.Mod(full) == meta.mod_revision],
+                    transactions.Put(full, bytes(old) + data), 0)
 
-        while not self._client.call("store append", extend):
-            pass
+        self._once("store append", extend)
+
+    def _once(self, what: str, update: Callable[[Any], tuple[list, Any, int]]) -> int:
+        """Apply a read-modify-write exactly once. ``update(client)`` reads and returns the
+        compare, the put and the result; the transaction that applies the put also writes a
+        marker unique to this call, and a retry reads it first. Why: a transient error may
+        strike after etcd applied the transaction (its leader killed mid-call), and the client
+        retries the call; a second ``add`` counted one agent twice in torch's exit barrier,
+        whose last member must count exactly to the world size, and every agent then waited
+        out the barrier's timeout. Contention (the compare failing) just reads again."""
+        marker = f"{self._marks}{uuid.uuid4().hex}"   # outside the store's keys (num_keys)
+        tries = 0
+
+        def attempt(client: Any) -> int | None:
+            nonlocal tries
+            tries += 1
+            if tries > 1:
+                done, _ = client.get(marker)
+                if done is not None:   # applied; its reply was lost
+                    return int(bytes(done))
+            compare, put, result = update(client)
+            ok, _ = client.transaction(compare, [put, transactions.Put(marker, str(result))],
+                                       [])
+            return result if ok else None
+
+        while True:
+            result = self._client.call(what, attempt)
+            if result is not None:
+                break
+        try:
+            self._client.call(what, lambda c: c.delete(marker), timeout=0.0)
+        except Exception as exc:  # noqa: BLE001 - a marker left behind costs a few bytes
+            log.debug("store marker %s left behind: %s", marker, exc)
+        return result
 
     def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
         full, want, new = self._key(key), _to_bytes(expected), _to_bytes(desired)

@@ -7,6 +7,7 @@ from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
+from pyetcd import exceptions as etcd_exceptions
 
 from chameleon_elastic.rendezvous.client import EtcdClient
 from chameleon_elastic.rendezvous.errors import EtcdStoreTimeoutError
@@ -45,6 +46,42 @@ def test_add_counts(store) -> None:
     assert store.add("n", 5) == 5
     assert store.add("n", -2) == 3
     assert store.get("n") == b"3"
+
+
+class _ReplyLost:
+    """The pyetcd client, except that its first transaction that writes is applied by etcd and
+    then fails as a leader killed mid-call makes it fail (a transient error): its reply lost."""
+
+    def __init__(self, client) -> None:
+        self._client, self.lost = client, 0
+
+    def transaction(self, compare, success, failure):
+        result = self._client.transaction(compare, success, failure)
+        if success and not self.lost:
+            self.lost += 1
+            raise etcd_exceptions.ConnectionFailedError("injected: the reply was lost")
+        return result
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+
+
+@pytest.mark.parametrize("operation", ["add", "append"])
+def test_a_write_whose_reply_was_lost_is_not_applied_twice(store, monkeypatch, operation) -> None:
+    """The client retries a call that failed transiently; had etcd applied it already, a
+    second add counted one agent twice in torch's exit barrier (which then waited out its
+    timeout on every node)."""
+    store.add("n", 1) if operation == "add" else store.append("s", "a")
+    lossy = _ReplyLost(store._client.client())
+    monkeypatch.setattr(store._client, "client", lambda: lossy)
+    if operation == "add":
+        assert store.add("n", 1) == 2
+        assert store.get("n") == b"2"
+    else:
+        store.append("s", "b")
+        assert store.get("s") == b"ab"
+    assert lossy.lost == 1   # the reply was lost once, and the call retried
+    assert store.num_keys() == 1   # no marker among the store's keys
 
 
 def test_concurrent_adds_are_exact(etcd_settings, run_prefix) -> None:
