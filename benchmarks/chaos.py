@@ -16,6 +16,8 @@ the previous one:
     etcd-restart  SIGKILL of a random member of the three (the leader included), started
                   again at once on its data directory (chameleon-run only)
     partition     a node's link cut (network namespaces; needs root)
+    recovery-kill kill -9 of one worker, then of another 50-500 ms later, while the survivors
+                  recover from the first (a fault during a recovery)
 
 chameleon-run runs with ``--rdzv-backend etcd-v3`` (lease_ttl 2 s, the automatic hang timeout),
 torchrun with ``--rdzv-backend c10d`` on the first node and ``--max-restarts 3``; both with a
@@ -61,7 +63,7 @@ from chameleon_elastic.exit_status import ExitStatus
 ROOT = Path(__file__).resolve().parent.parent
 GPT = str(ROOT / "examples" / "train_gpt.py")
 KINDS = ("worker-kill", "worker-stop", "slow-device", "node-kill", "node-stop", "etcd-leader",
-         "etcd-restart", "partition")
+         "etcd-restart", "partition", "recovery-kill")
 ETCD_FAULTS = ("etcd-leader", "etcd-restart")
 #: the slow device: stopped STOPPED_S of every PERIOD_S, for SLOW_FOR_S
 SLOW_FOR_S, STOPPED_S, PERIOD_S = 10.0, 0.06, 0.12
@@ -285,7 +287,7 @@ class Trial:
         target = self.rng.choice(alive_nodes)
         printed = last_step(alive_nodes)
         at = time.time()
-        if kind in ("worker-kill", "worker-stop", "slow-device"):
+        if kind in ("worker-kill", "worker-stop", "slow-device", "recovery-kill"):
             workers = [p for n in alive_nodes for p in n.workers()]
             if not workers:
                 return
@@ -293,7 +295,11 @@ class Trial:
             if kind == "slow-device":
                 threading.Thread(target=_duty_cycle, args=(victim,), daemon=True).start()
             else:
-                _signal([victim], signal.SIGKILL if kind == "worker-kill" else signal.SIGSTOP)
+                _signal([victim], signal.SIGSTOP if kind == "worker-stop" else signal.SIGKILL)
+            if kind == "recovery-kill" and len(workers) > 1:
+                second = self.rng.choice([w for w in workers if w != victim])
+                threading.Timer(self.rng.uniform(0.05, 0.5), _signal,
+                                ([second], signal.SIGKILL)).start()
         elif kind in ("node-kill", "node-stop"):
             _signal([target.proc.pid, *target.family],
                     signal.SIGKILL if kind == "node-kill" else signal.SIGSTOP)

@@ -25,7 +25,8 @@ key                   writer   meaning
                                sent with the beats (the agent's straggler watch)
 ``gap/<device>``      worker   its typical gap between phases in seconds (the auto hang timeout)
 ``slow/<device>``     worker   present while it is in a stretch expected to be slow (hang.py):
-                               its deadline in seconds, or true (none derived: the ceiling)
+                               in a recovery its phase's :class:`~.hang.PhaseDeadline`
+                               (``deadline_s``, ``give_up_s``), else true (the ceiling)
 ``steps/<device>``    worker   ``{"recent": [[step, seconds], ...]}``: its last committed steps
                                and their times (``--metrics-port``), sent with the beats
 ``max_failed``        agent    the cap on failed generations in a row (retries.py)
@@ -71,6 +72,7 @@ __all__ = [
     "chameleon_env",
     "gap_key",
     "generation_key",
+    "host",
     "job_env",
     "known_reported",
     "pace_key",
@@ -296,6 +298,15 @@ class Pace:
     def from_dict(cls, d: Mapping[str, Any]) -> Pace:
         return cls(int(d["generation"]), int(d["steps"]), float(d["busy_s"]),
                    float(d["wait_s"]), float(d["sync_s"]))
+
+
+def host(timeouts: Any) -> Any:
+    """The agent's end: a store on loopback, on a port the OS picks (``timeouts``: the job's
+    :class:`~.timeouts.Timeouts`; a read waits up to its ``store_s``)."""
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                         timeout=timeouts.delta("store_s"))
 
 
 def write(store: Any, key: str, record: Any) -> None:

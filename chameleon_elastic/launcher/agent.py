@@ -11,26 +11,24 @@ in place. This file is the loop and the wiring; each concern has a room of its o
     worker_env.py    the environment a worker starts with
     workers.py       the worker processes, polled one by one (a death stops nobody else)
     reporter.py      one event and one line per recovery, once the workers resumed
+    generations.py   generations abandoned before a step: past a cap, the job ends
+    preemption.py    SIGTERM: the workers stop at a step boundary with a checkpoint
 
 A tick: poll the workers, read the detectors into a Tick, react, apply. A recovery is one
-transition (transition.py): a round, the agreement, then IN PLACE (every live worker registered with
-the runtime, ``--recovery inplace``: nobody is stopped, the new generation is published on the
-node's channel with a fresh worker store, workers start only for devices without a live one,
-and the survivors regroup, runtime/recovery.py) or RELAUNCH (unmodified scripts, a crash,
-``--recovery relaunch``: every local worker is stopped and all start again); the reporter says
-how it went once the workers have committed a step. docs/launcher.md follows one failure
-through these files.
+transition: a round, the agreement, then IN PLACE (every live worker on the runtime: nobody is
+stopped, the new generation is published on the node's channel, workers start only for devices
+without one, the survivors regroup: runtime/recovery.py) or RELAUNCH (unmodified scripts, a
+crash, ``--recovery relaunch``: every local worker starts again). docs/launcher.md follows one
+failure through these files.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import logging
 import signal
 import time
-from typing import TYPE_CHECKING, Any, Literal, NoReturn
+from typing import TYPE_CHECKING, Any, Literal
 
-import torch.distributed as dist
 from torch.distributed.elastic.agent.server.api import (
     RunResult,
     WorkerGroup,
@@ -49,14 +47,15 @@ from chameleon_elastic.timeouts import Timeouts
 
 from .detectors import Watchers
 from .failures import FailureEvent, RestartBudget, Trigger
+from .generations import AbandonedGenerations
 from .health import AlwaysHealthy, HealthCheck
 from .observe import Event, EventLog, StatusLine
 from .plan_env import NodeCards
-from .preemption import PEER_PREEMPTED, PREEMPTION_SIGNALS, Preempted, drain
+from .preemption import PEER_PREEMPTED, PREEMPTION_SIGNALS, Preempted, preempt
 from .profiler import Profiler
 from .reactions import Reaction, Tick, react
 from .reporter import RecoveryReporter
-from .rounds import Rounds
+from .rounds import CLOSED, Rounds
 from .session import JobSession, LauncherPlanningError, NoPlanError
 from .starter import TorchHooks, WorkerStarter
 from .stragglers import StragglerWatch
@@ -69,12 +68,7 @@ if TYPE_CHECKING:
 
 __all__ = ["ChameleonAgent", "RecoveryMode"]
 
-log = logging.getLogger("chameleon_elastic.launcher.agent")
-
 RecoveryMode = Literal["inplace", "relaunch"]
-
-# what abandons a generation (a node joining or a device coming back does not)
-_FAILURES = frozenset(Trigger) - {Trigger.MEMBERSHIP, Trigger.REJOINED}
 
 
 class ChameleonAgent(LocalElasticAgent):
@@ -113,31 +107,22 @@ class ChameleonAgent(LocalElasticAgent):
         self._recovery = recovery
         self._rounds = Rounds(rdzv_parameters, self._timeouts, self._status, self._emit)
         self._procs = WorkerProcesses()
-        self._watchers = Watchers(self._timeouts.hang_s,
-                                  NodeCards(0, spec.local_world_size, self._tp),
+        tp = session.tp if session is not None else 1   # cards per plan device
+        self._watchers = Watchers(self._timeouts, NodeCards(0, spec.local_world_size, tp),
                                   health or AlwaysHealthy(), self._emit, self._update_status,
                                   StragglerWatch(session.spec.stragglers)
                                   if stragglers and session is not None else None,
-                                  hang_auto=self._timeouts.hang_auto,
                                   note=self._status.update)
-        self._book = self._watchers.book
         self._reporter = RecoveryReporter(
             self._emit, self._status, profiler,
-            logs_specs.root_log_dir if isinstance(logs_specs, WorkerLogs) else None, self._tp)
+            logs_specs.root_log_dir if isinstance(logs_specs, WorkerLogs) else None, tp)
         self._budget = RestartBudget(spec.max_restarts, spec.max_restarts)
-        self._streak = retries.FailureStreak(max_failed_generations)
         self._exits: dict[int, Any] = {}        # global rank -> Exit, of the last poll
-        self._channel: Any = None               # this node's agent <-> worker store
-        if session is not None:
-            self._channel = dist.TCPStore("127.0.0.1", 0, is_master=True,
-                                          wait_for_workers=False,
-                                          timeout=self._timeouts.delta("store_s"))
-            # the workers count failed generations too, up to the same cap
-            channel.write(self._channel, channel.MAX_FAILED, max_failed_generations)
+        # this node's agent <-> worker store
+        self._channel = channel.host(self._timeouts) if session is not None else None
+        self._abandoned = AbandonedGenerations(max_failed_generations, self._channel)
         starter = WorkerStarter(
-            self._procs, self._channel,
-            f"127.0.0.1:{self._channel.port}" if self._channel is not None else "",
-            TorchHooks(self._set_local_rank_env, self._before_start,
+            self._procs, self._channel, TorchHooks(self._set_local_rank_env, self._before_start,
                        self._log_line_prefix_template, logs_specs, start_method),
             self._emit, lambda: self._profiler.worker_env() if self._profiler is not None else {})
         self._transition = Transition(Crew(
@@ -158,25 +143,12 @@ class ChameleonAgent(LocalElasticAgent):
                           self._budget.max_restarts)
 
     @property
-    def _tp(self) -> int:
-        """Cards per plan device (``training.tp``; 1 without a job)."""
-        return self._session.tp if self._session is not None else 1
-
-    @property
     def _here(self) -> NodeCards:
         return self._transition.here(self._worker_group.spec)
 
     @property
     def _planned(self) -> bool:
         return self._session is not None and self._session.policy != "restart"
-
-    @property
-    def _inplace_wanted(self) -> bool:
-        return self._planned and self._recovery == "inplace"
-
-    @property
-    def _runtime(self) -> bool:
-        return self._transition.runtime()
 
     # ------------------------------------------------------------------ one transition
 
@@ -209,40 +181,14 @@ class ChameleonAgent(LocalElasticAgent):
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
         self._procs.close(timeout=self._timeouts.shutdown_s)
 
-    def _fence(self) -> None:
-        """Our lease is lost (lease thread): stop every worker now, whatever the loop does."""
-        self._procs.signal_all(signal.SIGKILL)
-        self._emit(Event.FAILURE_SEEN, kind="fenced", node=self._transition.node,
-                   reason="this node's lease was lost (cut off from etcd, or frozen): its "
-                          "workers were stopped, as their plan may be stale")
-
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
-        """Every worker polled on its own: a failure stops nobody (torch's context would)."""
-        exits = [e for e in self._procs.poll() if e.failure is not None]
-        self._exits = {e.worker.global_rank: e for e in exits}
-        if exits:
-            return RunResult(state=WorkerState.FAILED,
-                             failures={e.worker.global_rank: e.failure for e in exits})
-        if not self._procs.devices:   # torch's result keys: the workers' global ranks
-            return RunResult(state=WorkerState.SUCCEEDED,
-                             return_values={w.global_rank: None for w in worker_group.workers})
-        return RunResult(state=WorkerState.HEALTHY)
+        result, self._exits = self._procs.run_result(worker_group.workers)
+        return result
 
     def ready(self) -> bool:
         """This node's workers train under the current generation (``/readyz``)."""
         return (not self._busy and self._worker_group.state == WorkerState.HEALTHY
                 and self._reporter.pending is None and bool(self._procs.devices))
-
-    def _tick_metrics(self) -> None:
-        if self._metrics is None:
-            return
-        workers = self._worker_group.workers
-        if self._session is not None:
-            generation, live = self._session.plan.generation, len(self._session.plan.live_devices)
-        else:
-            generation = max(self._rounds.attempt, 0)
-            live = workers[0].world_size if workers else None
-        self._metrics.tick(self._channel, self._procs.devices, generation, live)
 
     def stderr_log(self, global_rank: int) -> str | None:
         """The file that a worker which just failed wrote its stderr to (None: the console)."""
@@ -257,24 +203,17 @@ class ChameleonAgent(LocalElasticAgent):
         except SignalException as exc:
             if isinstance(exc, Preempted) or exc.sigval not in PREEMPTION_SIGNALS:
                 raise
-            self._preempted(exc.sigval.name, exc.sigval)
-
-    def _preempted(self, why: str, sigval: signal.Signals,
-                   runtime: bool | None = None) -> NoReturn:
-        """Drain this node's workers at a step boundary (launcher/preemption.py), then end."""
-        drained = drain(self._channel, self._procs, why, self._timeouts.shutdown_s, runtime)
-        self._emit(Event.JOB_FINISHED, state="PREEMPTED", reason=why,
-                   checkpoint=drained.committed, stopped=drained.stopped)
-        raise Preempted(drained.sentence(self._timeouts.shutdown_s), sigval) from None
+            preempt(self._channel, self._procs, exc.sigval.name, exc.sigval,
+                    self._timeouts.shutdown_s, self._emit)
 
     def _run_loop(self) -> RunResult:
         spec = self._worker_group.spec
         wg = self._worker_group
+        job = self._session
         self._emit(Event.AGENT_STARTED, entrypoint=spec.get_entrypoint_name(),
                    nproc_per_node=spec.local_world_size, max_restarts=spec.max_restarts,
-                   policy=None if self._session is None else self._session.policy,
-                   recovery=self._recovery if self._session is not None else None,
-                   plan_file=None if self._session is None else self._session.plan_file)
+                   **({} if job is None else {"policy": job.policy, "recovery": self._recovery,
+                                              "plan_file": job.plan_file}))
         try:
             self._initialize_workers(wg)
         except LauncherPlanningError as exc:
@@ -282,7 +221,8 @@ class ChameleonAgent(LocalElasticAgent):
             self.exit_status = _status_of(exc)
             return RunResult(state=WorkerState.FAILED)
         if self._transition.node is not None:
-            self._watchers.watch_leases(self._rounds.params, self._transition.node, self._fence)
+            self._watchers.watch_leases(self._rounds.params, self._transition.node,
+                                        self._procs.signal_all)
         with ExitBell() as bell:
             return self._loop(wg, bell)
 
@@ -292,7 +232,8 @@ class ChameleonAgent(LocalElasticAgent):
             bell.wait(spec.monitor_interval)
             result = self._monitor_workers(wg)
             if any(e.exitcode == ExitStatus.PREEMPTED for e in self._exits.values()):
-                self._preempted(PEER_PREEMPTED, signal.SIGTERM, runtime=True)
+                preempt(self._channel, self._procs, PEER_PREEMPTED, signal.SIGTERM,
+                        self._timeouts.shutdown_s, self._emit, runtime=True)
             if result.state == WorkerState.SUCCEEDED:
                 wg.state = result.state
                 self._update_status("succeeded")
@@ -305,7 +246,9 @@ class ChameleonAgent(LocalElasticAgent):
                 if self._session is not None:
                     self._report(self._reporter.poll(self._channel, self._session.plan,
                                                      self._procs.pids(), self._budget.used))
-                self._tick_metrics()
+                if self._metrics is not None:
+                    self._metrics.tick_agent(self._channel, self._procs.devices, self._session,
+                                             self._rounds.attempt, wg.workers)
                 tick = self._observe(result)
                 wg.state = tick.state
                 reaction = react(tick)
@@ -317,9 +260,7 @@ class ChameleonAgent(LocalElasticAgent):
             except LauncherPlanningError as exc:
                 return self._end(str(exc), _status_of(exc))
             except RendezvousClosedError:
-                return self._end("the job's rendezvous is closed: the other nodes finished or "
-                                 "gave up while this node was cut off, so there is nothing to "
-                                 "rejoin.")
+                return self._end(CLOSED)
             if outcome is not None:
                 return outcome
 
@@ -342,7 +283,8 @@ class ChameleonAgent(LocalElasticAgent):
             self._here, self._session, self._channel, lambda: self._rounds.nodes_waiting(spec),
             self._rounds.quick_called,
             max(1.0, 4 * spec.monitor_interval), planned=self._planned,
-            inplace_wanted=self._inplace_wanted, runtime=self._runtime,
+            inplace_wanted=self._planned and self._recovery == "inplace",
+            runtime=self._transition.runtime(),
             some_succeeded=bool(self._procs.succeeded), restarts_left=self._budget.left)
 
     def _apply(self, r: Reaction, tick: Tick, result: RunResult) -> RunResult | None:
@@ -354,30 +296,24 @@ class ChameleonAgent(LocalElasticAgent):
         if r.action == "end":   # the workers found that training cannot go on
             self._emit(Event.PLANNING_FAILED, error=r.reason)
             return self._end(r.reason or "training cannot go on")
-        if r.action == "fail":
-            self._procs.close(timeout=self._timeouts.shutdown_s)
-            self._worker_group.state = WorkerState.FAILED
-            self._update_status("failed")
-            self._emit(Event.JOB_FINISHED, state="FAILED", reason=r.reason,
-                       restarts_used=self._budget.used)
-            return result
+        if r.action == "fail":   # torchrun's end: its error report names the failures
+            return self._end(r.reason or "max restarts used up", say=False, result=result)
         if r.action == "fence":
             # the lease thread has killed the workers already; their deaths are ours, not lost
             # devices; rejoin and adopt
             self._procs.close(signal.SIGKILL, timeout=self._timeouts.shutdown_s)
+        gen = self._session.plan.generation if self._session is not None else 0
         if r.trigger is Trigger.MEMBERSHIP:
             self._emit(Event.MEMBERSHIP_CHANGE, nodes_waiting=tick.waiting)
-        if r.trigger is Trigger.PEER_LOST:   # the workers' own words (a missed deadline)
-            gen = self._session.plan.generation if self._session is not None else 0
-            self._emit(Event.FAILURE_SEEN, kind="peer_lost", reason=channel.read(
-                self._channel, channel.cause_key(gen)) or "a local worker lost a peer")
+        elif r.trigger is Trigger.PEER_LOST:   # the workers' own words (a missed deadline)
+            self._emit(Event.FAILURE_SEEN, kind="peer_lost", reason=self._abandoned.cause(
+                gen, (), peer_lost=True) or "a local worker lost a peer")
         if r.lost:
-            self._book.note_lost(set(r.lost), set(tick.bad), tick.failures, self._tp)
-        gen = self._session.plan.generation if self._session is not None else 0
+            self._watchers.book.note_lost(set(r.lost), set(tick.bad), tick.failures, self._here.tp)
         event = FailureEvent(r.trigger, gen, wall=time.time(), lost=r.lost, joined=r.joined,
                              failures=tick.failures if tick.state != WorkerState.HEALTHY else ())
-        if r.trigger in _FAILURES and self._gave_up(r, tick):
-            return self._end(f"giving up: {self._streak.sentence()}")
+        if self._abandoned.past_cap(r, tick, gen, self._here.cards):
+            return self._end(self._abandoned.sentence())
         if r.charge:
             self._budget.charge()
         try:
@@ -386,38 +322,24 @@ class ChameleonAgent(LocalElasticAgent):
             self._budget.charged = False
         return None
 
-    def _gave_up(self, r: Reaction, tick: Tick) -> bool:
-        """Count the generation being abandoned unless it committed a step (a worker here said
-        how it resumed in it); True past the cap. Only runtime workers can say so: registered
-        ones, or ones that reported trouble before they could register."""
-        runtime = tick.runtime or r.trigger is Trigger.PEER_LOST
-        if not runtime or self._session is None or self._channel is None:
-            return False
-        gen = self._session.plan.generation
-        keys = [channel.resumed_key(gen, c) for c in self._here.cards]
-        if any(self._channel.check([k]) for k in keys):
-            self._streak.progressed()
-        for key in keys:   # a relaunch with no device changed keeps the generation's number
-            self._channel.delete_key(key)
-        said = "; ".join(f"device {f.device}: {f.reason}" for f in tick.failures)
-        if not said and r.trigger is Trigger.PEER_LOST:   # the workers' own words
-            said = channel.read(self._channel, channel.cause_key(gen)) or ""
-        return self._streak.failed(said or (r.trigger.value if r.trigger else "unknown"))
-
-    def _end(self, sentence: str, status: ExitStatus = ExitStatus.FAILED) -> RunResult:
-        """The job cannot go on: one sentence, every worker stopped, the exit status."""
+    def _end(self, sentence: str, status: ExitStatus = ExitStatus.FAILED, *, say: bool = True,
+             result: RunResult | None = None) -> RunResult:
+        """The job cannot go on: one sentence (``say``), every worker stopped, the status."""
         self.exit_status = status
-        self._status.say(f"chameleon-run: {sentence}")
+        if say:
+            self._status.say(f"chameleon-run: {sentence}")
         self._procs.close(timeout=self._timeouts.shutdown_s)
         self._worker_group.state = WorkerState.FAILED
         self._update_status("failed")
-        self._emit(Event.JOB_FINISHED, state="FAILED", reason=sentence)
-        return RunResult(state=WorkerState.FAILED)
+        self._emit(Event.JOB_FINISHED, state="FAILED", reason=sentence,
+                   restarts_used=self._budget.used)
+        return result or RunResult(state=WorkerState.FAILED)
 
     def _recover(self, event: FailureEvent, inplace: bool, quick: bool) -> None:
         mode = "in place" if inplace else "relaunch"
         self._update_status(f"recovering {mode} ({event.reason})")
-        self._transition_to(event, inplace, expect_reports=self._runtime, quick=quick)
+        self._transition_to(event, inplace, expect_reports=self._transition.runtime(),
+                            quick=quick)
 
 
 def _status_of(exc: LauncherPlanningError) -> ExitStatus:

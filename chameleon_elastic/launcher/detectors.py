@@ -26,6 +26,7 @@ from torch.distributed.elastic.agent.server.api import WorkerState
 
 from chameleon_elastic import channel
 from chameleon_elastic.hang import PhaseDeadline, asleep_past_deadline, derive_hang_s, describe
+from chameleon_elastic.timeouts import Timeouts
 
 from .failures import FailureKind, Trigger, WorkerFailure, classify_exit
 from .node_watch import NodeWatch
@@ -325,10 +326,11 @@ class Watchers:
     """Every detector of one agent, read into one :class:`~.reactions.Tick` per monitor tick.
     ``lease`` is the etcd node watch (None elsewhere), set once the first round is done."""
 
-    def __init__(self, hang_s: float, here: NodeCards, health: Any,
+    def __init__(self, timeouts: Timeouts, here: NodeCards, health: Any,
                  emit: Callable[..., None], status: Callable[[str], None],
-                 stragglers: StragglerWatch | None = None, hang_auto: bool = False,
+                 stragglers: StragglerWatch | None = None,
                  note: Callable[..., None] = lambda **_: None) -> None:
+        hang_s, hang_auto = timeouts.hang_s, timeouts.hang_auto
         self.book = DeviceBook()
         self.hangs = HangWatch(hang_s, here.nproc, "device" if here.tp == 1 else "card",
                                auto=hang_auto)
@@ -386,15 +388,25 @@ class Watchers:
                     rejoining=frozenset(self.book.rejoining), waiting=waiting, trouble=trouble,
                     store_lost=store_lost, quick_called=called, tp=here.tp, slow=slow, **facts)
 
-    def watch_leases(self, params: Any, node: int, on_fenced: Callable[[], None]) -> None:
+    def watch_leases(self, params: Any, node: int,
+                     stop_workers: Callable[[signal.Signals], None]) -> None:
         """Hold a lease and watch the others' (etcd-v3 only; see node_watch.py)."""
         if params.backend != "etcd-v3":
             return
         try:
-            self.lease = NodeWatch(params, node, on_fenced=on_fenced).start()
+            self.lease = NodeWatch(params, node, on_fenced=lambda: self._fenced(
+                stop_workers, node)).start()
         except Exception as exc:  # noqa: BLE001 - liveness is an accelerator, not a necessity
             log.warning("node leases unavailable (%s); lost nodes are seen through the "
                         "rendezvous and the workers only", exc)
+
+    def _fenced(self, stop_workers: Callable[[signal.Signals], None], node: int) -> None:
+        """Our lease is lost (the lease thread): every worker stops now, whatever the loop
+        does, since its plan may be stale."""
+        stop_workers(signal.SIGKILL)
+        self._emit(Event.FAILURE_SEEN, kind="fenced", node=node,
+                   reason="this node's lease was lost (cut off from etcd, or frozen): its "
+                          "workers were stopped, as their plan may be stale")
 
     def alive(self) -> Callable[[], set[int]] | None:
         """Nodes holding their lease, when leases are watched (etcd-v3)."""

@@ -87,6 +87,16 @@ class AgentMetrics:
         elif event == "rendezvous":
             self.lease_ok.set(1)
 
+    def tick_agent(self, store: Any, cards: Iterable[int], session: Any, attempt: int,
+                   workers: list[Any]) -> None:
+        """:meth:`tick` from an agent's state: the plan generation and live devices of its job
+        (``session``), else torchrun's restart attempt and world size."""
+        if session is not None:
+            generation, live = session.plan.generation, len(session.plan.live_devices)
+        else:
+            generation, live = max(attempt, 0), workers[0].world_size if workers else None
+        self.tick(store, cards, generation, live)
+
     def tick(self, store: Any, cards: Iterable[int], generation: int,
              live_devices: int | None) -> None:
         """The plan in force and the steps committed since the last tick."""

@@ -21,14 +21,17 @@ from __future__ import annotations
 
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from chameleon_elastic import channel
 
-__all__ = ["PEER_PREEMPTED", "PREEMPTION_SIGNALS", "Drained", "Preempted", "drain"]
+from .observe import Event
+
+__all__ = ["PEER_PREEMPTED", "PREEMPTION_SIGNALS", "Drained", "Preempted", "drain", "preempt"]
 
 #: what preempted the job when this node got no signal of its own
 PEER_PREEMPTED = "on another node, or by a signal to the workers"
@@ -97,3 +100,13 @@ def drain(store: Any, procs: Any, why: str, grace_s: float, runtime: bool | None
     return Drained(why, runtime, checkpoints, stopped,
                    channel.read_int(store, channel.CHECKPOINT) if runtime else None,
                    channel.read_int(store, channel.REPORTED) if runtime else None)
+
+
+def preempt(store: Any, procs: Any, why: str, sigval: signal.Signals, grace_s: float,
+            emit: Callable[..., None], runtime: bool | None = None) -> NoReturn:
+    """Drain (:func:`drain`), say so in the event log, and end the agent's run with
+    :class:`Preempted` (exit status 75)."""
+    drained = drain(store, procs, why, grace_s, runtime)
+    emit(Event.JOB_FINISHED, state="PREEMPTED", reason=why, checkpoint=drained.committed,
+         stopped=drained.stopped)
+    raise Preempted(drained.sentence(grace_s), sigval) from None

@@ -42,7 +42,7 @@ from .coordination import Members
 from .observe import Event, StatusLine
 from .waiting import RendezvousWait
 
-__all__ = ["STORE_LOST", "Rounds"]
+__all__ = ["CLOSED", "STORE_LOST", "Rounds"]
 
 log = logging.getLogger("chameleon_elastic.launcher.rounds")
 
@@ -50,6 +50,9 @@ _FAILOVER_ATTEMPTS = 3
 # What an unreachable rendezvous store raises: torch's wrapped error, or the raw TCPStore one
 # when the store dies between two of the handler's own calls.
 STORE_LOST = (RendezvousConnectionError, dist.DistNetworkError)
+#: the sentence of a rendezvous closed while this node was cut off (torch's RendezvousClosedError)
+CLOSED = ("the job's rendezvous is closed: the other nodes finished or gave up while this node "
+          "was cut off, so there is nothing to rejoin.")
 
 
 class Rounds:

@@ -43,11 +43,11 @@ class TorchHooks:
 
 
 class WorkerStarter:
-    def __init__(self, procs: WorkerProcesses, store: Any, address: str, hooks: TorchHooks,
+    def __init__(self, procs: WorkerProcesses, store: Any, hooks: TorchHooks,
                  emit: Callable[..., None], extra_env: Callable[[], dict[str, str]]) -> None:
         self._procs = procs
         self._channel = store           # this node's agent <-> worker store (None: no job)
-        self._address = address
+        self._address = f"127.0.0.1:{store.port}" if store is not None else ""
         self._hooks = hooks
         self._emit = emit
         self._extra_env = extra_env     # the profiler's variables

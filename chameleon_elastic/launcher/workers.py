@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from torch.distributed.elastic.agent.server.api import Worker
+from torch.distributed.elastic.agent.server.api import RunResult, Worker, WorkerState
 from torch.distributed.elastic.multiprocessing import start_processes
 from torch.distributed.elastic.multiprocessing.api import PContext
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
@@ -184,6 +184,19 @@ class WorkerProcesses:
         for e in ended:
             del self._live[e.device]
         return ended
+
+    def run_result(self, group_workers: list[Worker]) -> tuple[RunResult, dict[int, Exit]]:
+        """One poll as torch's agent sees it: every worker polled on its own, so a failure stops
+        nobody (torch's process context would stop them all). Returns the result and the
+        failed workers by global rank (``group_workers``: torch's, for a success's keys)."""
+        failed = {e.worker.global_rank: e for e in self.poll() if e.failure is not None}
+        if failed:
+            return RunResult(state=WorkerState.FAILED, failures={
+                rank: e.failure for rank, e in failed.items()}), failed
+        if not self.devices:
+            return RunResult(state=WorkerState.SUCCEEDED, return_values={
+                w.global_rank: None for w in group_workers}), failed
+        return RunResult(state=WorkerState.HEALTHY), failed
 
     def signal_all(self, sig: signal.Signals) -> None:
         """Send ``sig`` to every live worker; safe from another thread (nothing is forgotten:
