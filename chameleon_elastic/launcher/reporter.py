@@ -55,15 +55,30 @@ class Pending:
     decided_at: float            # Unix seconds: the decision in hand
     published_at: float          # the generation on the node's channel
     parts: dict[str, float]      # parts of the phases: rendezvous_s, plan_s, stop_s, launch_s
+    #: the recovery this one replaced before any worker committed a step in it (a second
+    #: failure meanwhile, a generation given up): reported with this one, from its fault
+    before: Pending | None = None
+
+    def chain(self) -> list[Pending]:
+        """Every recovery reported by this one, the first first."""
+        links = [self] if self.before is None else [*self.before.chain(), self]
+        return links
 
 
 def describe(p: Pending, tp: int) -> str:
     """``device 3 lost (SIGKILL)``, ``devices 2, 3 lost (node gone)``, ``device 1 back``: how
-    each device was lost is what its own node reported (the decision carries it)."""
+    each device was lost is what its own node reported (the decisions carry it), over every
+    recovery this one reports (a device lost while the survivors recovered from another)."""
     event = p.event
-    lost = sorted(p.change.lost) if p.change else sorted(event.lost)
-    joined = sorted(p.change.joined) if p.change else sorted(event.joined)
-    why = dict(p.decision.why)
+    lost: set[int] = set()
+    joined: set[int] = set()
+    why: dict[int, str] = {}
+    for link in p.chain():
+        came = set(link.change.joined) if link.change else set(link.event.joined)
+        went = set(link.change.lost) if link.change else set(link.event.lost)
+        lost, joined = (lost - came) | went, (joined - went) | came
+        why.update(dict(link.decision.why))
+    lost, joined = sorted(lost), sorted(joined)
     parts = []
     if lost:
         said = sorted({why.get(d, "node gone") for d in lost})
@@ -84,8 +99,9 @@ def describe(p: Pending, tp: int) -> str:
 
 def recovered_fields(p: Pending, records: dict[int, Resumed], restarts_used: int) -> dict:
     """The ``recovered`` event's fields (docs/launcher.md lists them)."""
-    failed_at = min([p.event.wall, *(r.noticed_at for r in records.values() if r.noticed_at),
-                     *(f.since for f in p.event.failures if f.since)])
+    first = p.chain()[0]
+    failed_at = min([first.event.wall, *(r.noticed_at for r in records.values() if r.noticed_at),
+                     *(f.since for link in p.chain() for f in link.event.failures if f.since)])
     worst = max(records.values(), key=lambda r: r.regroup_s + r.transfer_s, default=None)
     return dict(
         reason=p.event.reason, mode="inplace" if p.decision.inplace else "relaunch",
@@ -95,7 +111,7 @@ def recovered_fields(p: Pending, records: dict[int, Resumed], restarts_used: int
         moved_layers=worst.moved_layers if worst else 0,
         source=worst.source if worst else None,
         rolled_forward=sorted(d for d, r in records.items() if r.rolled_forward),
-        redone_steps=worst.redone_steps if worst else 0,
+        redone_steps=worst.redone_steps if worst else 0, generations=len(p.chain()),
         restarts_used=restarts_used, **p.parts, **phase_times(p, records, failed_at))
 
 

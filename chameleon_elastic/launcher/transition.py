@@ -130,7 +130,7 @@ class Transition:
             c.reporter.pending = Pending(
                 event, decision, change, kept, started, waiting, decided_at, published_at,
                 {"rendezvous_s": rdzv_s, "plan_s": plan_s, "stop_s": stop_s,
-                 "launch_s": launch_s})
+                 "launch_s": launch_s}, before=c.reporter.pending)
             if not waiting:
                 c.report(c.reporter.finish({}, session.plan, c.budget.used))
         return info
