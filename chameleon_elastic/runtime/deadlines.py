@@ -145,12 +145,12 @@ class RecoveryClock:
             self.deadlines = None
 
     def _stop(self) -> bool:
-        """Stop the phase's timer; whether one was running."""
+        """Stop the phase's timer; whether a phase was timed (its timer may have fired)."""
         with self._lock:
-            timer, self._timer, self.phase = self._timer, None, None
+            timer, self._timer, phase, self.phase = self._timer, None, self.phase, None
         if timer is not None:
             timer.cancel()
-        return timer is not None
+        return phase is not None
 
     def explain(self, message: str) -> str:
         """The cause to give for a failed generation: the missed deadline, when one was."""
