@@ -122,7 +122,8 @@ class HangWatch:
         self._awake.clear()
         self._shown.clear()
         self._published = time.monotonic()
-        counts = {d: channel.read_int(store, channel.beat_key(d)) for d in (pids or {})}
+        counts = {d: channel.read_int(store, channel.beat_key(d))
+                  for d in (pids or {} if store is not None else {})}
         self._unstarted = {d: c for d, c in counts.items() if c is not None}
 
     def in_force(self) -> str:
