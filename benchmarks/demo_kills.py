@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import re
 import shutil
@@ -39,7 +40,6 @@ from pathlib import Path
 import psutil
 from launched import supervise, worker_of
 
-from chameleon_elastic.hang import quantile
 
 ROOT = Path(__file__).resolve().parent.parent
 STEP = re.compile(r"^(?:\S+ )?step\s+(\d+)\s")
@@ -157,6 +157,13 @@ def busy_loops(n: int):
         for p in spinners:
             p.kill()
             p.wait()
+
+
+def quantile(values: list[float], q: float) -> float | None:
+    """The ``q`` quantile (the largest of fewer than 1 / (1 - q) values); None if empty. Our
+    own, not chameleon_elastic.hang's: the script also measures older versions of the code."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered), math.ceil(q * len(ordered))) - 1] if ordered else None
 
 
 def summarise(results: list[dict]) -> dict:
