@@ -40,7 +40,6 @@ from pathlib import Path
 import psutil
 from launched import supervise, worker_of
 
-
 ROOT = Path(__file__).resolve().parent.parent
 STEP = re.compile(r"^(?:\S+ )?step\s+(\d+)\s")
 
