@@ -12,7 +12,8 @@ Per run: the exit status, every step printed exactly once (a step printed twice 
 as a user would count it), and for each kill the seconds from the kill to the first step line
 after the step it followed. A kill whose next step takes longer than ``--stall`` seconds gets
 every process of the run dumped with py-spy into ``--dumps`` (when py-spy is installed), so a
-stall can be read where it happened. Prints a table (median, p99, max per fault) and, with
+stall can be read where it happened; such a run, or one that fails, also leaves its console
+output and state directory (event log, workers' stderr) there. Prints a table (median, p99, max per fault) and, with
 ``--json``, every run.
 
     python benchmarks/demo_kills.py --runs 30 --load 1
@@ -96,7 +97,13 @@ class Run:
             watcher.start()
             code = supervise(proc, deadline)
             reader.join(10)
-            return self._result(code)
+            result = self._result(code)
+            if self.dumps is not None and (code != 0 or not result["every_step_once"] or any(
+                    (k["next_step_s"] or math.inf) > self.stall for k in result["kills"])):
+                keep = self.dumps / f"run{self.index}"   # what a stall or a failure left
+                shutil.copytree(state, keep / "state", dirs_exist_ok=True)
+                (keep / "console.txt").write_text("\n".join(t for _, t in self.lines) + "\n")
+            return result
 
     def _read(self, proc: subprocess.Popen) -> None:
         pending = sorted(self.faults)
