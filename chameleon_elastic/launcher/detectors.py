@@ -194,7 +194,7 @@ class HangWatch:
                 continue
             limit = self._limit(store, device, looked=True)
             stalled[device] = (idle, limit)
-            if idle >= limit and self._convicted(device, state, cpu, now):
+            if idle >= limit and self._convicted(device, state, cpu, now, idle / limit):
                 hung.append(self._hung(device, idle, f"process {state}", limit))
         return hung, self._status(stalled)
 
@@ -219,9 +219,15 @@ class HangWatch:
                              FailureKind.DEVICE_LOST, f"hung: no progress for {idle:.1f} s, {how}",
                              since=time.time() - idle, hang_s=limit, hang_auto=self.auto)
 
-    def _convicted(self, device: int, state: str, cpu: float, now: float) -> bool:
+    def _convicted(self, device: int, state: str, cpu: float, now: float,
+                   over: float) -> bool:
+        """``over``: its time without progress over its timeout (at least 1)."""
         since, cpu_then = self._awake.setdefault(device, (now, cpu))
         if state != psutil.STATUS_STOPPED and now - since < _HANG_CONFIRM_S:
+            return False
+        if state == psutil.STATUS_DISK_SLEEP and over < 2:
+            # in the kernel, waiting for IO: a worker reading a file (a lazy import) can sit
+            # there for seconds on a host busy with IO; a hang there lasts, so held to twice
             return False
         if state == psutil.STATUS_RUNNING and cpu - cpu_then < (now - since) / 2:
             # runnable but hardly run: starved of a core by other load, not spinning
