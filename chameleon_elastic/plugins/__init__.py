@@ -56,7 +56,7 @@ def device_backends(backend: str) -> dict[str, str]:
     "nccl2"}``, ``"hccl"`` -> ``{"npu": "hccl"}``, ``"gloo"`` -> ``{"cpu": "gloo"}``)."""
     name = backend.strip().lower()
     if ":" in name:
-        pairs = (part.split(":", 1) for part in name.split(","))
+        pairs = (part.split(":", 1) for part in name.split(",") if ":" in part)
         return {device.strip(): named.strip() for device, named in pairs}
     device = "cuda" if name.startswith("nccl") else "npu" if name == "hccl" else "cpu"
     return {device: name}
