@@ -10,11 +10,12 @@ One home, because how depends on the backend and the torch release (docs/runtime
   (``ncclCommSplit``) instead of bootstrapping each one through the store. gloo binds nothing.
 - **Subgroups** (:class:`GroupTable`): ``new_group`` is collective over the whole world (every
   rank calls it for every group, in one order, members or not) and is what gloo, hccl and the
-  classic NCCL (``nccl`` up to 2.14, ``nccl-legacy``) get. nccl2 does not take the eager
-  ``new_group`` path for a rank outside the group (Megatron-LM and sglang moved to
-  ``split_group``), so on nccl2 every subgroup is split from the world with ``split_group``,
-  one call per *round* of disjoint rank sets (:func:`disjoint_rounds`): the tensor-parallel
-  units of a plan are one split, not one collective per unit. :func:`subgroup_method` decides.
+  classic NCCL (``nccl`` up to 2.14, ``nccl-legacy``) get. nccl2 lacked the eager
+  ``new_group`` path for a rank outside the group in its first versions (sglang and
+  Megatron-LM moved to ``split_group``), and ``split_group`` makes any number of disjoint
+  groups in one collective; so on nccl2 every subgroup is split from the world, one call per
+  *round* of disjoint rank sets (:func:`disjoint_rounds`): the tensor-parallel units of a plan
+  are one split, not one collective per unit. :func:`subgroup_method` decides.
 - **The checkpoint group** (:func:`gloo_world_group`): a gloo group over the whole world, which
   no backend refuses (every rank is a member).
 
@@ -33,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from chameleon_elastic import torch_compat
-from chameleon_elastic.plugins import device_backends
+from chameleon_elastic.plugins import device_backends, get_backend
 
 from .errors import PeerLost, PipelineRuntimeError
 
@@ -51,8 +52,6 @@ def world_device(backend: str) -> torch.device | None:
     has a cuda part and this host has GPUs; None otherwise (gloo, hccl, no GPU)."""
     if "cuda" not in device_backends(backend) or not torch.cuda.is_available():
         return None
-    from chameleon_elastic.plugins import get_backend
-
     return get_backend("cuda").device(int(os.environ.get("LOCAL_RANK", "0")))
 
 
