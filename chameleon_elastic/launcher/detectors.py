@@ -166,7 +166,9 @@ class HangWatch:
                 cpu = sum(proc.cpu_times()[:2])
             except psutil.Error:
                 continue   # gone: the next poll reports its exit
-            if state in (psutil.STATUS_SLEEPING, psutil.STATUS_IDLE):
+            if state in (psutil.STATUS_SLEEPING, psutil.STATUS_IDLE, psutil.STATUS_ZOMBIE):
+                # a zombie has exited (its last steps done, then a slow teardown: torch 2.15's
+                # CUDA build): the next poll reaps it and reports its exit, not a hang
                 self._awake.pop(device, None)
                 continue
             limit = self._limit(store, device, looked=True)
