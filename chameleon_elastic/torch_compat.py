@@ -7,13 +7,18 @@ or calls some of its underscored methods, and the launcher reuses two private he
 names them all, so that a torch upgrade is one file to check, and
 tests/test_torch_compat.py fails when one disappears or changes its signature.
 
-Checked against torch 2.13.0, the version pyproject.toml declares (``>=2.13,<2.14``): the
-launcher also passes ``WorkerSpec`` arguments that only recent torch has (``numa_options``,
-``duplicate_stdout_filters``, ``duplicate_stderr_filters``, ``virtual_local_rank``).
+Checked against torch 2.13, 2.14 and 2.15, the range pyproject.toml declares
+(``>=2.13,<2.16``; CI runs the suite on 2.13.0 and a subset on 2.15.0): the launcher also passes
+``WorkerSpec`` arguments that only recent torch has (``numa_options``,
+``duplicate_stdout_filters``, ``duplicate_stderr_filters``, ``virtual_local_rank``). None of the
+members below changed its signature within that range, so there are no per-version branches;
+what differs between the releases is what their process-group backends can do, and that is
+answered here too, by release (:func:`torch_release`), for runtime/groups.py to decide with.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -27,9 +32,12 @@ __all__ = [
     "entrypoint_name",
     "fake_tensor_mode",
     "forget_failed_group_names",
+    "nccl_means_nccl2",
     "rendezvous_participants",
     "set_min_nodes",
+    "split_group_on_cpu",
     "stop_heartbeats",
+    "torch_release",
     "worker_process",
 ]
 
@@ -181,3 +189,33 @@ def fake_tensor_mode() -> Any:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+# ---------------------------------------------------------------- what each release can do
+
+def torch_release() -> tuple[int, int]:
+    """(major, minor) of the torch imported here: 2.15.0+cu132 -> (2, 15)."""
+    import torch
+
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+def nccl_means_nccl2() -> bool:
+    """Whether the backend name ``nccl`` builds torch's nccl2 (``ProcessGroupNCCL2``, on the
+    torchcomms engine) rather than the classic ``ProcessGroupNCCL``: the default from 2.15
+    (``TORCH_DIST_USE_NCCL2=0`` goes back), opt-in in 2.14 (``TORCH_DIST_USE_NCCL2=1``), absent
+    before. torch reads the variable once, when a process first makes a group named ``nccl``
+    (it registers the backend then); set it before that, as torch requires."""
+    release = torch_release()
+    flag = os.environ.get("TORCH_DIST_USE_NCCL2")
+    if release >= (2, 15):
+        return flag != "0"
+    return release >= (2, 14) and flag == "1"
+
+
+def split_group_on_cpu() -> bool:
+    """Whether ``dist.split_group`` can split a gloo world with no accelerator bound: from
+    2.15 (2.14.1 raises "No device associated with the default pg" on CPU)."""
+    return torch_release() >= (2, 15)
+

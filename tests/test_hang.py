@@ -217,3 +217,40 @@ def test_a_worker_asleep_past_its_phases_give_up_time_is_hung():
     finally:
         sleeper.kill()
         sleeper.wait()
+
+
+def test_a_worker_that_has_exited_is_never_hung_while_a_stopped_one_is():
+    """A finished worker can sit as a zombie, unreaped, past its hang timeout (torch 2.15's
+    slower teardown did, and the job was re-run); it has exited, so the next poll reports it.
+    A stopped worker past its timeout is convicted at one look (the control)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    store = dist.HashStore()
+    exited = subprocess.Popen([sys.executable, "-c", "pass"])
+    stopped = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        stopped.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 30
+        while (psutil.Process(exited.pid).status() != psutil.STATUS_ZOMBIE
+               or psutil.Process(stopped.pid).status() != psutil.STATUS_STOPPED):
+            assert time.monotonic() < deadline, "the children never reached zombie / stopped"
+            time.sleep(0.01)
+        watch = HangWatch(3, nproc=2)
+        pids = {0: exited.pid, 1: stopped.pid}
+        for device in pids:
+            channel.write(store, channel.beat_key(device), 1)
+        watch.check(store, pids)                       # the beats seen now ...
+        long_ago = time.monotonic() - 100
+        watch._beats = {d: (1, long_ago) for d in pids}   # ... and not again for 100 s,
+        watch._awake = {d: (long_ago, 0.0) for d in pids}  # awake all along
+        hung, _ = watch.check(store, pids)
+        assert [h.device for h in hung] == [1]
+    finally:
+        stopped.kill()
+        stopped.wait()
+        exited.wait()

@@ -107,3 +107,58 @@ def test_a_failed_init_process_group_leaves_the_next_world_named_as_its_peers_na
         assert dist.group.WORLD.group_name == "0"
     finally:
         dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------- per release (2.13 to 2.15)
+
+def test_the_group_functions_take_what_runtime_groups_passes():
+    """runtime/groups.py passes these by name on every release of the range."""
+    import torch.distributed as dist
+
+    wanted = {"init_process_group": ("backend", "timeout", "store", "rank", "world_size",
+                                     "device_id"),
+              "new_group": ("ranks", "timeout", "backend"),
+              "split_group": ("split_ranks", "timeout")}
+    for name, params in wanted.items():
+        have = inspect.signature(getattr(dist, name)).parameters
+        assert set(params) <= set(have), (name, sorted(set(params) - set(have)))
+
+
+def test_nccl_means_nccl2_where_torch_builds_nccl2_for_the_name():
+    """Against torch's own registration of ``nccl`` (2.14+ register it on first use, reading
+    TORCH_DIST_USE_NCCL2 then); before 2.14 there is no nccl2."""
+    import torch.distributed as dist
+
+    if torch_compat.torch_release() < (2, 14):
+        assert not torch_compat.nccl_means_nccl2()
+        return
+    dist.Backend._ensure_backend_registered("nccl")
+    creator = dist.Backend._plugins["NCCL"].creator_fn
+    assert torch_compat.nccl_means_nccl2() == ("nccl2" in creator.__name__), creator.__name__
+
+
+def test_split_group_on_cpu_says_whether_a_gloo_world_splits():
+    """2.15 splits a gloo world; 2.14.1 raises "No device associated with the default pg"."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        try:
+            dist.split_group(split_ranks=[[0]])
+            split = True
+        except RuntimeError:
+            split = False
+        assert split == torch_compat.split_group_on_cpu()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_both_nccl_implementations_have_their_names_from_2_14():
+    """plugins/cuda.py offers nccl2 and nccl-legacy; torch builds them by those names."""
+    import torch.distributed as dist
+
+    if torch_compat.torch_release() < (2, 14) or not dist.is_nccl_available():
+        pytest.skip("nccl2 / nccl-legacy exist from torch 2.14, in builds with NCCL")
+    for name in ("nccl2", "nccl-legacy"):
+        dist.Backend._ensure_backend_registered(name)
+        assert name.upper() in dist.Backend._plugins, name

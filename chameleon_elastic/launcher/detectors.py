@@ -186,6 +186,11 @@ class HangWatch:
                 cpu = sum(proc.cpu_times()[:2])
             except psutil.Error:
                 continue   # gone: the next poll reports its exit
+            if state == psutil.STATUS_ZOMBIE:
+                # it has exited (its last steps done, then a slow teardown: torch 2.15's CUDA
+                # build): the next poll reaps it and reports its exit, not a hang
+                self._awake.pop(device, None)
+                continue
             if state in (psutil.STATUS_SLEEPING, psutil.STATUS_IDLE):
                 self._awake.pop(device, None)
                 asleep = self._asleep_hung(device, idle, now)

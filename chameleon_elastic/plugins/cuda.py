@@ -1,5 +1,13 @@
 """CUDA back-end: nccl (plus gloo for CPU tensors), one GPU per local rank, figures from
-torch's caching allocator."""
+torch's caching allocator.
+
+Which NCCL: torch 2.15 builds its new nccl2 backend (``ProcessGroupNCCL2``, on the torchcomms
+engine) for the name ``nccl``, 2.14 builds it for ``nccl2`` only, and both keep the classic
+``ProcessGroupNCCL`` as ``nccl-legacy``. The back-end is made with one of those names
+(``get_backend("nccl-legacy")``, or ``CHAMELEON_BACKEND=nccl-legacy`` for a job's workers);
+``nccl``, the default, is whichever torch builds for it. How groups are then made on each
+(device binding, ``new_group`` or ``split_group``) is decided in runtime/groups.py.
+"""
 
 from __future__ import annotations
 
@@ -7,20 +15,30 @@ from typing import TYPE_CHECKING
 
 from chameleon_elastic import torch_compat
 
-from .base import DeviceBackend, MemoryStats
+from .base import DeviceBackend, MemoryStats, PluginError
 
 if TYPE_CHECKING:
     from chameleon_elastic.runtime.abort import Sockets
 
-__all__ = ["CudaBackend"]
+__all__ = ["NCCL_NAMES", "CudaBackend"]
+
+
+#: the names torch gives its NCCL implementations (2.14+ for the last two)
+NCCL_NAMES = ("nccl", "nccl2", "nccl-legacy")
 
 
 class CudaBackend(DeviceBackend):
     name = "cuda"
-    # nccl for tensors on the GPU, gloo for the runtime's small CPU tensors (the rows every
-    # rank agrees on, votes): an nccl-only group refuses CPU tensors ("No backend type
-    # associated with device type cpu", seen on an H200 by benchmarks/cuda_smoke.py)
-    dist_backend = "cpu:gloo,cuda:nccl"
+
+    def __init__(self, nccl: str = "nccl") -> None:
+        if nccl not in NCCL_NAMES:
+            raise PluginError(f"unknown NCCL implementation {nccl!r}; choose one of "
+                              f"{', '.join(NCCL_NAMES)} (nccl: torch's default for the name).")
+        self.nccl = nccl
+        # nccl for tensors on the GPU, gloo for the runtime's small CPU tensors (the rows every
+        # rank agrees on, votes): an nccl-only group refuses CPU tensors ("No backend type
+        # associated with device type cpu", seen on an H200 by benchmarks/cuda_smoke.py)
+        self.dist_backend = f"cpu:gloo,cuda:{nccl}"
 
     def is_available(self) -> bool:
         try:

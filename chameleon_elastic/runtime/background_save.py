@@ -27,6 +27,7 @@ import torch.distributed as dist
 from .abort import new_sockets
 from .checkpoint import checkpoint_state, commit, step_dir
 from .errors import PeerLost
+from .groups import gloo_world_group
 
 __all__ = ["BackgroundSave", "ensure_save_group"]
 
@@ -41,9 +42,7 @@ def ensure_save_group(trainer: Any) -> Any:
     if trainer.save_group is None:
         with new_sockets() as sockets:
             try:
-                trainer.save_group = dist.new_group(
-                    list(range(dist.get_world_size())),
-                    timeout=trainer.timeouts.delta("collective_s"), backend="gloo")
+                trainer.save_group = gloo_world_group(trainer.timeouts.delta("collective_s"))
             except RuntimeError as exc:
                 raise PeerLost(f"cannot create the checkpoint group: {exc}") from exc
         trainer.group_sockets = trainer.group_sockets | frozenset(sockets)

@@ -26,6 +26,7 @@ from chameleon_elastic.timeouts import Timeouts
 
 from .abort import GroupSockets, new_sockets
 from .errors import PeerLost, PipelineRuntimeError
+from .groups import init_world
 from .link import WorkerLink
 from .topology import tp_from_env
 
@@ -44,9 +45,8 @@ def join_generation(gen: Generation, link: WorkerLink, backend: str, timeouts: T
     try:
         torch_compat.forget_failed_group_names()
         with new_sockets() as sockets:
-            dist.init_process_group(backend, store=dist.PrefixStore(gen.prefix, store),
-                                    rank=rank, world_size=gen.world_size,
-                                    timeout=timeouts.delta("collective_s"))
+            init_world(backend, timeouts.delta("collective_s"),
+                       dist.PrefixStore(gen.prefix, store), rank, gen.world_size)
     except RuntimeError as exc:
         raise PeerLost(f"device {device} could not join generation {gen.generation}: "
                        f"{exc}") from exc
@@ -114,11 +114,12 @@ def read_plan(path: str) -> ExecutionPlan:
 
 
 def init_distributed(backend: str | None = None, timeout_s: float | None = None) -> None:
-    """Join the job's process group with the back-end of the device plugin (gloo on CPU) and the
-    resolved collective timeout. Under ``chameleon-run --job`` the group is the newest plan
-    generation's, taken from this node's agent (so a process started to join a running job
-    meets the survivors); otherwise ``init_process_group`` from torchrun's environment. No-op
-    when already initialised."""
+    """Join the job's process group with the back-end of the device plugin (gloo on CPU;
+    ``CHAMELEON_BACKEND`` names another, e.g. ``nccl-legacy``), bound to this process's GPU on
+    cuda (:func:`.groups.init_world`), and the resolved collective timeout. Under
+    ``chameleon-run --job`` the group is the newest plan generation's, taken from this node's
+    agent (so a process started to join a running job meets the survivors); otherwise
+    ``init_process_group`` from torchrun's environment. No-op when already initialised."""
     if dist.is_initialized():
         return
     from chameleon_elastic.plugins import get_backend
@@ -131,7 +132,7 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None)
             join_generation(link.current(), link, name, timeouts)
         else:
             preload_before_groups()
-            dist.init_process_group(backend=name, timeout=timeouts.delta("collective_s"))
+            init_world(name, timeouts.delta("collective_s"))
     except (RuntimeError, ValueError) as exc:
         raise PipelineRuntimeError(
             f"cannot join the process group with backend {name!r}: {exc}; start the script "
