@@ -40,6 +40,9 @@ CASES = {
     "backward": (["1:3:backward:kill"], None),
     "gradient-sync": (["2:3:sync:kill"], None),
     "vote-reporter": (["0:3:vote:kill"], None),
+    # the reporting process dies right after printing step 3, as a person or a script that
+    # kills it on seeing the line would: the next reporter must not print step 3 again
+    "reporter-after-its-line": (["0:3:reported:kill"], None),
     # device 3 dies after the vote; device 1's vote result never arrived: it must not apply
     # step 3 on its own, and it may roll it forward only if a survivor committed it
     "between-vote-and-apply": (["3:3:apply:kill", "1:3:apply:lose-vote"], None),

@@ -5,8 +5,10 @@ chosen phases of chosen steps: the commit protocol's test bed.
                   [--min-world N]
 
 PHASE is one of the trainer's phases (forward, backward, sync, vote, apply, applied, or
-enter: as the process starts entering a plan, STEP being the steps it has committed). ACTION:
-``kill`` - the process SIGKILLs itself there (a lost device); ``lose-vote`` - this rank acts as
+enter: as the process starts entering a plan, STEP being the steps it has committed), or
+``reported``: right after the reporting process wrote step STEP's line. ACTION:
+``kill`` - the process SIGKILLs itself there (a lost device); ``kill-node`` (after
+``reported`` only) - it SIGKILLs its agent, then itself (a node lost); ``lose-vote`` - this rank acts as
 if its vote had failed although the vote completed elsewhere (what a rank sees when a dying
 peer's last message of the all-reduce never arrives): it abandons the step before applying;
 ``kill-saved`` - as ``kill``, once the checkpoint being written in the background has ended
@@ -143,6 +145,11 @@ def main() -> None:
                                  "redone": result.redone, "device": device,
                                  "eval_loss": None if math.isnan(result.eval_loss)
                                  else result.eval_loss}) + "\n")
+        action = mine.pop((result.step, "reported"), None)
+        if action == "kill-node":   # the agent first: the whole node goes, its word with it
+            os.kill(os.getppid(), signal.SIGKILL)
+        if action in ("kill", "kill-node"):
+            os.kill(os.getpid(), signal.SIGKILL)
 
     init_distributed()
     dataset = (RegressionData(int(options["--dataset"])) if "--dataset" in options
