@@ -165,14 +165,19 @@ def _megabytes(n: float) -> str:
 
 def recovery_line(what: str, plan: Any, *, inplace: bool, started: int, moved_layers: int,
                   moved_bytes: float, source: str, resumed_step: int | None, redone: int,
-                  seconds: float | None, logs: str | None = None, tp: int = 1) -> str:
+                  seconds: float | None, logs: str | None = None, tp: int = 1,
+                  same_layout: bool = False) -> str:
     """The one plain line a person reads per recovery, e.g. ``device 3 lost (SIGKILL) at step
     8; re-planned to 2 pipelines: devices 0, 1 | device 2; moved 3 layers from peers (1.2 MB to
     this node); resumed at step 8 in 0.41 s``. ``moved_layers`` counts the whole job's moves,
     ``moved_bytes`` what this node's workers received. ``logs``: where the workers' stderr went
-    (the survivors' complaints about their lost peer are there, not on the console)."""
+    (the survivors' complaints about their lost peer are there, not on the console).
+    ``same_layout``: no device was lost, back or slowed (a crash restarted on the plan in
+    force), so nothing was re-planned: ``kept the plan (2 pipelines: ...)``."""
     parts = [what if resumed_step is None else f"{what} at step {resumed_step + redone}"]
-    if plan.policy == "reroute":
+    if same_layout:
+        parts.append(f"kept the plan ({layout(plan, tp)})")
+    elif plan.policy == "reroute":
         peers = sorted({s.device for r in plan.reroute for s in r.peers})
         parts.append(f"rerouted to data-parallel peers: {name_devices(peers, tp)}")
     else:
@@ -180,8 +185,8 @@ def recovery_line(what: str, plan: Any, *, inplace: bool, started: int, moved_la
     if not inplace:
         parts.append(f"relaunched {started} worker{'s' if started != 1 else ''}")
     elif started:
-        parts.append(f"started {started} worker{'s' if started != 1 else ''} for returning "
-                     "devices")
+        parts.append(f"started {started} worker{'s' if started != 1 else ''} " + (
+            "in place of the failed" if same_layout else "for returning devices"))
     if source == "peers":
         here = f"{_megabytes(moved_bytes)} to this node" if moved_bytes else "none to this node"
         parts.append(f"moved {moved_layers} layer{'s' if moved_layers != 1 else ''} from peers "

@@ -97,6 +97,10 @@ def test_exception_in_worker_restarts_on_the_same_device(tmp_path, launch):
     crash = [e for e in events if e["event"] == "failure_seen"]
     assert [(e["device"], e["kind"], e["exitcode"]) for e in crash] == [(2, "crash", 1)]
     assert not [e for e in events if e["event"] == "plan_chosen"]
+    # the same plan restarted: the recovery line says so, and nothing was re-planned
+    line = next(x for x in run.log.read_text().splitlines() if "exited with code 1" in x)
+    assert "kept the plan (2 pipelines: devices 0, 1 | devices 2, 3); relaunched 4 workers" \
+        in line and "re-planned" not in line, line
 
 
 @pytest.mark.timeout(60)

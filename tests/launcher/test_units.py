@@ -243,9 +243,15 @@ def test_recovery_line_says_what_was_lost_what_moved_and_where_training_resumed(
     assert "at step 12" in back and "restored from the checkpoint of step 10" in back
     assert "steps 10-11 will be trained again" in back
     relaunch = recovery_line("device 2: worker exited with code 1", plan, inplace=False,
-                             started=4, moved_layers=0, moved_bytes=0, source="", 
-                             resumed_step=None, redone=0, seconds=None)
-    assert relaunch.endswith("relaunched 4 workers")
+                             started=4, moved_layers=0, moved_bytes=0, source="",
+                             resumed_step=None, redone=0, seconds=None, same_layout=True)
+    assert relaunch == ("device 2: worker exited with code 1; kept the plan (2 pipelines: "
+                        "devices 0, 1 | devices 2, 3); relaunched 4 workers")
+    replaced = recovery_line("device 2: worker exited with code 1", plan, inplace=True,
+                             started=1, moved_layers=0, moved_bytes=0, source="none",
+                             resumed_step=5, redone=0, seconds=0.3, same_layout=True)
+    assert "kept the plan" in replaced and "re-planned" not in replaced
+    assert "started 1 worker in place of the failed" in replaced
 
 
 def _run_cli(argv, capsys, monkeypatch, tmp_path):
