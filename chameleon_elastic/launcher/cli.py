@@ -404,6 +404,7 @@ def _resolve(args: argparse.Namespace, parser: argparse.ArgumentParser,
         config, cmd, cmd_args = config_from_args(args)
     except (ValueError, AssertionError) as exc:   # torch validates --nnodes with assert
         raise LaunchConfigError(str(exc)) from exc
+    _check_endpoint(config, parser)
     _check_script(args)
     _, max_nodes = parse_min_max_nnodes(args.nnodes)
     try:
@@ -434,6 +435,29 @@ def _resolve(args: argparse.Namespace, parser: argparse.ArgumentParser,
                 shutil.rmtree(state_dir, ignore_errors=True)
             raise
     return _Launch(config, cmd, list(cmd_args), timeouts, cap, state_dir, session)
+
+
+def _check_endpoint(config: Any, parser: argparse.ArgumentParser) -> None:
+    """A malformed ``--rdzv-endpoint`` (or an etcd-v3 ``--rdzv-conf`` value) is a usage error,
+    said in one line before anything connects: torch's c10d raised it in a traceback as the
+    agent started, and etcd's resolver failed it only after ``connect_timeout``."""
+    backend, endpoint = config.rdzv_backend, config.rdzv_endpoint
+    if backend == "etcd-v3":
+        from chameleon_elastic.rendezvous.config import EtcdSettings
+        from chameleon_elastic.rendezvous.errors import EtcdConfigError
+
+        try:
+            EtcdSettings.from_config(endpoint, config.rdzv_configs)
+        except EtcdConfigError as exc:
+            parser.error(str(exc))
+    elif endpoint:
+        from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+        try:
+            parse_rendezvous_endpoint(endpoint, default_port=29400)
+        except ValueError as exc:
+            parser.error(f"--rdzv-endpoint {endpoint!r}: {str(exc).rstrip('.')}; give the "
+                         "host:port of the node that hosts the rendezvous (c10d: node 0)")
 
 
 def _worker_spec(launch: _Launch) -> tuple[Any, Any]:

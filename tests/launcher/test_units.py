@@ -281,6 +281,14 @@ def _run_cli(argv, capsys, monkeypatch, tmp_path):
      "cannot read measured profile 'none.json'", 2),
     # torchrun's own validation (a ValueError, exit 1 there too), as one sentence
     (["--nnodes", "3:1", "x.py"], "invalid launch configuration", 1),
+    # a malformed rendezvous endpoint, refused before anything connects (issue 39)
+    (["--nnodes", "2", "--rdzv-backend", "etcd-v3", "--rdzv-endpoint", "^step +15", "x.py"],
+     "--rdzv-endpoint entry '^step +15' is not host:port", 2),
+    (["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "^step +15", "x.py"],
+     "--rdzv-endpoint '^step +15': The hostname", 2),
+    (["--nnodes", "2", "--rdzv-endpoint", "host:x", "x.py"], "port number", 2),
+    (["--nnodes", "2", "--rdzv-backend", "etcd-v3", "--rdzv-endpoint", "127.0.0.1:2379",
+      "--rdzv-conf", "lease_ttl=x", "x.py"], "lease_ttl='x' is not a whole number", 2),
 ])
 def test_usage_errors_end_in_one_line_without_traceback(argv, needle, code, capsys, monkeypatch,
                                                         tmp_path):
