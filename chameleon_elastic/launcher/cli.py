@@ -626,7 +626,9 @@ def _torch_logging_untouched(args: argparse.Namespace) -> bool:
 
 def _failure_sentence(exc: Any) -> str:
     """One sentence for ``ChildFailedError``: who failed, how, and where the details are (the
-    worker's stderr log under --job; otherwise its output above and its error file)."""
+    worker's stderr log under --job; otherwise its error file, or its output above, which we
+    did not capture and so never claim holds a traceback: a worker killed by a signal has
+    none, one that exited with a code may have printed nothing)."""
     rank, first = exc.get_first_failure()
     how = (f"was killed by {first.signal_name()}" if first.exitcode < 0
            else f"exited with code {first.exitcode}")
@@ -634,8 +636,13 @@ def _failure_sentence(exc: Any) -> str:
     others = f" ({more} more worker{'s' if more != 1 else ''} failed)" if more else ""
     log = getattr(exc, "stderr_logs", {}).get(rank)
     if log is None:
-        where = ("; its traceback is in its output above"
-                 + (f" and in {first.error_file}" if os.path.exists(first.error_file) else ""))
+        if os.path.exists(first.error_file):
+            where = f"; its traceback is in {first.error_file}"
+        elif first.exitcode < 0:
+            where = ("; a signal leaves no Python traceback: what the worker printed last, if "
+                     "anything, is above")
+        else:
+            where = "; what it printed, if anything, is above"
         return f"{exc.name} failed: rank {rank} (pid {first.pid}) {how}{others}{where}."
     from .worker_logs import tail
 

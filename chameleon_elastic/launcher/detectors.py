@@ -145,6 +145,8 @@ class HangWatch:
         if not self.hang_s or store is None:
             return [], None
         now = time.monotonic()
+        for gone in set(self._beats) - set(pids):   # exited: no longer part of the figure
+            del self._beats[gone]
         self._read_gaps(store, pids, now)
         hung = []
         stalled: dict[int, tuple[float, float]] = {}   # device -> (idle, its timeout)
@@ -170,13 +172,20 @@ class HangWatch:
                 self._awake.pop(device, None)
                 continue
             limit = self._limit(store, device, looked=True)
-            stalled[device] = (idle, limit)
+            if idle >= stall_shown_after(limit) and not self._leaving(store, device):
+                stalled[device] = (idle, limit)
             if idle >= limit and self._convicted(device, state, cpu, now):
                 hung.append(WorkerFailure(
                     device, device % self._nproc, -signal.SIGKILL, None, FailureKind.DEVICE_LOST,
                     f"hung: no progress for {idle:.1f} s, process {state}",
                     since=time.time() - idle, hang_s=limit, hang_auto=self.auto))
         return hung, self._status(stalled)
+
+    @staticmethod
+    def _leaving(store: Any, device: int) -> bool:
+        """Past its last step (runtime/link.py): still held to the ceiling, never named as
+        stalled on the status line, whose last word is then the job's success."""
+        return channel.read(store, channel.slow_key(device)) == channel.LEAVING
 
     def _convicted(self, device: int, state: str, cpu: float, now: float) -> bool:
         since, cpu_then = self._awake.setdefault(device, (now, cpu))

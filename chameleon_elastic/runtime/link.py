@@ -194,7 +194,14 @@ class WorkerLink:
                                         was.sync_s + sync_s)
 
     def stop_beats(self) -> None:
-        """Stop sending progress (before the process ends)."""
+        """Stop sending progress (before the process ends). What is left (freeing groups,
+        torch's teardown) is a slow stretch of its own, *leaving*: the agent holds the worker to
+        the ceiling of the hang timeout, not to its step pace, and does not name it stalled
+        (a person read 'device 2: no progress for 3 s' after the job's last step)."""
+        try:
+            channel.write(self.store, channel.slow_key(self.card), channel.LEAVING)
+        except RuntimeError:   # the agent is gone: nobody watches
+            pass
         if self._beats is not None:
             self._beats.stop()
             self._beats = None

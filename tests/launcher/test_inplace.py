@@ -296,6 +296,23 @@ def test_a_stopped_worker_is_declared_hung_killed_and_recovered_in_place(tmp_pat
 
 
 @pytest.mark.timeout(90)
+def test_a_worker_tearing_down_after_its_last_step_is_neither_stalled_nor_hung(tmp_path,
+                                                                              launch):
+    """After success a worker may take seconds to leave (freeing groups, torch's teardown),
+    busy and beating no more: with the automatic hang timeout derived from its pace (5 s) the
+    status line said 'device 3: no progress for 3 s (hung at 5 s, auto)' after the last step,
+    and a longer teardown was killed as a hang. Leaving is a slow stretch: held to the
+    ceiling (60 s), named only after 10 s."""
+    run, out, state = _launch_mlp(launch, tmp_path, 14, "--pace", "0.2", "3:14:closed:linger-4",
+                                  status=True)
+    assert run.wait(80) == 0, run.log.read_text()[-3000:]
+    log = run.log.read_text()
+    leaving = log[log.index("device 3 closed its trainer"):]
+    assert "no progress" not in leaving, leaving[-2000:]
+    assert not [e for e in read_events(state / "events.jsonl") if e["event"] == "failure_seen"]
+
+
+@pytest.mark.timeout(90)
 def test_a_spinning_worker_is_declared_hung_too(tmp_path, launch):
     """A hang that burns a core: running, not stopped, and using its core (so not merely
     starved of one by other load): hung once the confirmation second has passed."""

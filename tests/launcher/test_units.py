@@ -335,3 +335,21 @@ def test_pet_environment_overrides_our_flags(monkeypatch):
     args = build_parser().parse_args(["x.py"])
     assert args.policy == "replan"
     assert args.nproc_per_node == "3"
+
+
+@pytest.mark.parametrize("exitcode,says", [
+    (-6, "was killed by SIGABRT; a signal leaves no Python traceback: what the worker printed "
+         "last, if anything, is above."),
+    (1, "exited with code 1; what it printed, if anything, is above."),
+])
+def test_a_failed_worker_without_a_log_is_never_said_to_have_left_a_traceback(exitcode, says):
+    """Without --job the worker's output goes to the console, uncaptured: the failure sentence
+    must not point at a traceback that may not exist (a SIGABRT at teardown printed none)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from chameleon_elastic.launcher.cli import _failure_sentence
+
+    failure = ProcessFailure(local_rank=1, pid=123, exitcode=exitcode, error_file="/nonexistent")
+    sentence = _failure_sentence(ChildFailedError("train.py", {1: failure}))
+    assert sentence == f"train.py failed: rank 1 (pid 123) {says}"
+    assert "traceback is in" not in sentence

@@ -5,8 +5,9 @@ chosen phases of chosen steps: the commit protocol's test bed.
                   [--min-world N]
 
 PHASE is one of the trainer's phases (forward, backward, sync, vote, apply, applied, or
-enter: as the process starts entering a plan, STEP being the steps it has committed), or
-``reported``: right after the reporting process wrote step STEP's line. ACTION:
+enter: as the process starts entering a plan, STEP being the steps it has committed),
+``reported``: right after the reporting process wrote step STEP's line, or ``closed``: after
+the process closed its trainer at the end (STEP: the run's steps). ACTION:
 ``kill`` - the process SIGKILLs itself there (a lost device); ``kill-node`` (after
 ``reported`` only) - it SIGKILLs its agent, then itself (a node lost); ``lose-vote`` - this rank acts as
 if its vote had failed although the vote completed elsewhere (what a rank sees when a dying
@@ -17,7 +18,8 @@ peer's last message of the all-reduce never arrives): it abandons the step befor
 that replaces it trains on); ``spin`` - a hang that keeps a core busy; ``dist-error`` - a
 ``torch.distributed.DistBackendError`` (what NCCL raises), every time the phase is reached, in
 every generation: a failure that keeps coming back; ``stop-S`` - another process SIGSTOPs this
-one and SIGCONTs it S seconds later (a device frozen for a while).
+one and SIGCONTs it S seconds later (a device frozen for a while); ``linger-S`` (after
+``closed`` only) - the process keeps a core busy S seconds before it exits (a slow teardown).
 
 ``--tp-model``: residual MLP blocks with a tensor-parallel plan (``toy.tp_mlp_model``), for jobs
 with ``training.tp`` > 1; DEVICE in a fault then names a card (``unit * tp + tp rank``), and so
@@ -172,6 +174,12 @@ def main() -> None:
         torch.save({layer: objects["ema"].state_dict() for layer, objects
                     in trainer.extras.items()}, os.path.join(out, f"ema-{unit}.pt"))
     trainer.close()
+    action = mine.get((steps, "closed"))
+    if action is not None and action.startswith("linger-"):   # a slow teardown, on a core
+        print(f"device {device} closed its trainer", flush=True)
+        until = time.monotonic() + float(action.split("-")[1])
+        while time.monotonic() < until:
+            pass
 
 
 if __name__ == "__main__":
