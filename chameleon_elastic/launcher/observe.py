@@ -6,15 +6,19 @@ seconds), ``event`` (name), ``attempt`` (worker-group launch counter, 0 = first 
 ``generation`` (plan generation); the rest depends on the event. The names and fields are listed
 in docs/launcher.md.
 
-Status line: a whole line each time the status changes, never more often (dimmed with ``rich``
-on a terminal, plain text elsewhere); never redrawn in place, which would glue it to the next
-line a worker writes to the same terminal.
+Status line: a whole line each time the status changes (dimmed with ``rich`` on a terminal),
+never redrawn in place, which would glue it to the next line a worker writes to the same
+terminal. Off a terminal (a log file, Slurm's output) a line is written when the state changes
+in a way that matters to a person (the plan, the live devices, the restarts, what the agent is
+doing), and a figure that merely moves (seconds waited, a stall's length, the hang timeout
+derived anew) at most once a minute: a log kept for days is read, not watched.
 """
 
 from __future__ import annotations
 
 import enum
 import json
+import re
 import sys
 import threading
 import time
@@ -74,24 +78,43 @@ class EventLog:
                 self._fh = None
 
 
+#: off a terminal, the least time between two lines that differ only in their figures
+QUIET_S = 60.0
+_FIGURE = re.compile(r"\d+(?:[.:]\d+)*")
+
+
 class StatusLine:
-    """``gen 2 | policy replan | live 3/4 | restarts 1/3 | running``, one whole line per change.
+    """``gen 2 | policy replan | live 3/4 | restarts 1/3 | running``, one whole line per change
+    (off a terminal: per change that matters, see the module's docstring).
 
     Never a line redrawn in place: the workers share our terminal and write to it directly, so
     a line without its newline would be glued to the next worker line. On a terminal the line
     is dimmed (rich), elsewhere it is plain text.
     """
 
-    def __init__(self, enabled: bool = True, stream: TextIO | None = None) -> None:
+    def __init__(self, enabled: bool = True, stream: TextIO | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.enabled = enabled
         self.stream = stream if stream is not None else sys.stderr
         self.fields: dict[str, Any] = {}
         self._last = ""
+        self._last_essence = ""
+        self._last_at = -float("inf")
+        self._clock = clock
         self._console = None
-        if enabled and self.stream.isatty():
+        self._tty = self.stream.isatty()
+        if enabled and self._tty:
             from rich.console import Console
 
             self._console = Console(file=self.stream, highlight=False, soft_wrap=True)
+
+    def essence(self) -> str:
+        """The line as a person's reading of it changes: without the hang timeout, every
+        figure of the state masked (``waiting for # more node ... (#:# so far)``)."""
+        f = self.fields
+        state = _FIGURE.sub("#", str(f.get("state", "")))
+        return (f"{f.get('generation', 0)}|{f.get('policy')}|{f.get('live')}/"
+                f"{f.get('devices')}|{f.get('restarts', 0)}/{f.get('max_restarts', 0)}|{state}")
 
     def render(self) -> str:
         f = self.fields
@@ -111,10 +134,12 @@ class StatusLine:
         self.fields.update(fields)
         if not self.enabled:
             return
-        text = self.render()
+        text, essence, now = self.render(), self.essence(), self._clock()
         if text == self._last:
             return
-        self._last = text
+        if not self._tty and essence == self._last_essence and now - self._last_at < QUIET_S:
+            return   # only a figure moved: said again within a minute at most
+        self._last, self._last_essence, self._last_at = text, essence, now
         self._write(f"[{text}]", "dim")
 
     def show(self, state: str, session: Any, attempt: int, restarts: int,

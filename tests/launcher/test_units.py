@@ -127,6 +127,37 @@ def test_status_line_plain_when_not_a_tty(tmp_path):
     assert "gen 1" in text and "policy replan" in text and "live 3/4" in text
 
 
+def test_status_line_off_a_terminal_says_what_changed_and_moving_figures_once_a_minute(
+        tmp_path):
+    """In a log file: a line per change of plan, devices, restarts or what the agent does; the
+    seconds waited, a stall's length and the derived hang timeout at most once a minute (a
+    node waiting 10 minutes wrote 60 lines; every new hang figure was a line)."""
+    now = [0.0]
+    with open(tmp_path / "s", "w") as fh:
+        status = StatusLine(stream=fh, clock=lambda: now[0])
+        base = dict(generation=0, policy="initial", live=4, devices=4, restarts=0,
+                    max_restarts=0)
+        status.update(**base, state="running")
+        for t, fields in [(1, {"hang": "60 s (auto)"}), (5, {"hang": "5.13 s (auto)"}),
+                          (9, {"hang": "6.01 s (auto)"}),
+                          (10, {"state": "waiting for 1 more node at h:2379 (0:10 so far)"}),
+                          (20, {"state": "waiting for 1 more node at h:2379 (0:20 so far)"}),
+                          (50, {"state": "waiting for 1 more node at h:2379 (0:50 so far)"}),
+                          (75, {"state": "waiting for 1 more node at h:2379 (1:15 so far)"}),
+                          (80, {"state": "running"}), (81, {"live": 3}),
+                          (82, {"state": "device 2: no progress for 3 s (hung at 5 s, auto)"}),
+                          (84, {"state": "device 2: no progress for 5 s (hung at 5 s, auto)"}),
+                          (85, {"state": "succeeded"})]:
+            now[0] = t
+            status.update(**fields)
+    lines = (tmp_path / "s").read_text().splitlines()
+    assert [x.split(" | ")[-1] for x in lines] == [
+        "running]", "waiting for 1 more node at h:2379 (0:10 so far)]",
+        "waiting for 1 more node at h:2379 (1:15 so far)]", "running]", "running]",
+        "device 2: no progress for 3 s (hung at 5 s, auto)]", "succeeded]"]
+    assert "live 3/4" in lines[4] and "hang timeout 6.01 s" in lines[1]
+
+
 def test_profile_round_trip_replaces_guesses():
     spec = JobSpec.preset("tiny-cpu")
     plan = _plan_2x2()
