@@ -353,7 +353,7 @@ class ChameleonAgent(LocalElasticAgent):
             return None
         if r.action == "end":   # the workers found that training cannot go on
             self._emit(Event.PLANNING_FAILED, error=r.reason)
-            return self._end(r.reason or "training cannot go on")
+            return self._end(r.reason or "training cannot go on", ExitStatus(r.status))
         if r.action == "fail":
             self._procs.close(timeout=self._timeouts.shutdown_s)
             self._worker_group.state = WorkerState.FAILED

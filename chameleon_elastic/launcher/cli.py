@@ -83,7 +83,8 @@ def _epilog() -> str:
              "      the script is missing (one sentence says which): retryable")),
          (2, "a flag was used wrongly (one line)"),
          (75, "preempted (SIGTERM, or SIGUSR1/2 in --signals-to-handle): requeue"),
-         (93, "no plan can run the job on the devices left: do not requeue")])
+         (93, ("no plan can run the job on the devices left, or layers were lost with no\n"
+               "      checkpoint to restore them from: do not requeue"))])
 
 
 def build_parser() -> argparse.ArgumentParser:

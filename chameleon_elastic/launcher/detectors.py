@@ -335,9 +335,12 @@ class Watchers:
         failures = tuple(classify_exit(e.exitcode, e.device, e.local_rank)
                          for e in exits) + tuple(hung)
         waiting, trouble, store_lost, ended, called = 0, False, False, None, False
+        ended_status = 1
         if state != WorkerState.HEALTHY:
             log_failures(self._emit, failures, bad)
             ended = channel.read(store, channel.ENDED) if store is not None else None
+            if ended is not None:
+                ended_status = channel.read_int(store, channel.ENDED_STATUS) or 1
         elif lease is None and not self.book.rejoining and session is not None and (
                 quick_called()):
             called = True
@@ -352,7 +355,7 @@ class Watchers:
             found = self.stragglers.check(session.planned, session.plan)
             slow = None if found is None else tuple(sorted(found.items()))
         return Tick(state=state, failures=failures, hung=frozenset(f.device for f in hung),
-                    bad=frozenset(bad), lease=lease, ended=ended,
+                    bad=frozenset(bad), lease=lease, ended=ended, ended_status=ended_status,
                     rejoining=frozenset(self.book.rejoining), waiting=waiting, trouble=trouble,
                     store_lost=store_lost, quick_called=called, tp=here.tp, slow=slow, **facts)
 

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from chameleon_elastic import channel
 from chameleon_elastic.channel import Generation, Registration, Resumed
+from chameleon_elastic.exit_status import ExitStatus
 from chameleon_elastic.timeouts import Timeouts
 
 from .errors import PipelineRuntimeError
@@ -221,10 +222,12 @@ class WorkerLink:
         channel.write_max(self.store, channel.TROUBLE, generation)
         self.store.add(channel.beat_key(self.card), 1)
 
-    def ended(self, sentence: str) -> None:
+    def ended(self, sentence: str, status: ExitStatus = ExitStatus.FAILED) -> None:
         """Training cannot go on (some layer's state exists nowhere, or failures keep coming
-        back): the agent ends the job with this sentence instead of reporting a crashed worker.
-        The first sentence stays: the worker that failed first says why the others did."""
+        back): the agent ends the job with this sentence and ``status`` instead of reporting a
+        crashed worker. The first sentence stays: the worker that failed first says why the
+        others did."""
+        channel.write_once(self.store, channel.ENDED_STATUS, int(status))
         channel.write_once(self.store, channel.ENDED, sentence)
 
 

@@ -60,6 +60,7 @@ import torch.distributed as dist
 
 from chameleon_elastic import channel
 from chameleon_elastic.channel import Resumed
+from chameleon_elastic.exit_status import ExitStatus
 from chameleon_elastic.retries import DEFAULT_CAP, FailureStreak
 
 from .abort import Watchdog, free_later, world_sockets
@@ -147,8 +148,8 @@ class Recovery:
                     plan = read_plan(gen.plan_file)
                     regroup_s = time.perf_counter() - began
                     entry = enter(self.trainer, plan, gen.reported)
-            except StateLost as lost:
-                self.link.ended(str(lost))
+            except StateLost as lost:   # a requeue would start over from step 0: 93
+                self.link.ended(str(lost), ExitStatus.DO_NOT_REQUEUE)
                 raise
             if again.message is None:
                 break
