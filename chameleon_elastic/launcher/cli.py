@@ -25,15 +25,14 @@ import dataclasses
 import functools
 import logging
 import os
-import shutil
 import signal
 import sys
-import tempfile
-import time
 import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
+
+from .state_dir import StateDir
 
 __all__ = ["LaunchConfigError", "ScriptNotFound", "build_parser", "console", "main"]
 
@@ -149,8 +148,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="Precompute plans for up to K simultaneous losses in the background "
                             "(default: the job's planner.cache_failures; 0 disables).")
     group.add_argument("--state-dir", "--state_dir", action=env, type=str, default=None,
-                       help="Directory for plan files (plan-gen<N>.json), the event log and "
-                            "profiles (default: a new temporary directory with --job).")
+                       help="Directory for plan files (plan-gen<N>.json), the event log, "
+                            "profiles and (with --job) the workers' stderr logs; kept. "
+                            "Default: a new chameleon-run-<date>-<time>-* directory in the "
+                            "temporary directory with --job, removed at the end unless it "
+                            "holds something to read (a failure, a recovery, a worker's "
+                            "stderr).")
     group.add_argument("--event-log", "--event_log", action=env, type=str, default=None,
                        help="JSONL event log path (default: <state-dir>/events.jsonl when a "
                             "state dir is in use).")
@@ -264,7 +267,7 @@ class _Launch:
     cmd_args: list[Any]
     timeouts: Any
     max_failed_generations: int
-    state_dir: Path | None
+    state: StateDir | None       # the run's state directory (state_dir.py)
     session: Any                 # JobSession with --job / --preset, else None
 
 
@@ -284,9 +287,15 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
     _prepare_rendezvous(args)
     with _held_warnings("torch.distributed.run"):   # its OMP banner: only once the job is valid
         launch = _resolve(args, parser, job_mode)
-    config, state_dir, session = launch.config, launch.state_dir, launch.session
+    config, state, session = launch.config, launch.state, launch.session
+    state_dir = None if state is None else state.path
     event_path = args.event_log or (None if state_dir is None else state_dir / "events.jsonl")
-    served = _serve_metrics(args, parser, launch.timeouts.hang_s)
+    try:
+        served = _serve_metrics(args, parser, launch.timeouts.hang_s)
+    except BaseException:
+        if state is not None:
+            state.close(succeeded=False, records=())
+        raise
     events = EventLog(event_path, listeners=() if served is None else (served.metrics.observe,))
     profiler = None
     if args.profile_out:
@@ -314,9 +323,12 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
     )
     if served is not None:
         served.ready = agent.ready
+    succeeded = False
     try:
-        return _run_agent(agent, spec, config,
-                          torch_compat.entrypoint_name(launch.cmd, list(launch.cmd_args)))
+        result = _run_agent(agent, spec, config,
+                            torch_compat.entrypoint_name(launch.cmd, list(launch.cmd_args)))
+        succeeded = True
+        return result
     finally:
         if served is not None:
             served.close()
@@ -324,7 +336,11 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
             profiler.write(args.profile_out, None if session is None else session.spec,
                            None if session is None else session.plan)
         events.close()
-        if event_path is not None and Path(event_path).exists():
+        if state is not None and state.close(succeeded, events.records):
+            if succeeded:
+                sys.stderr.write(f"chameleon-run: removed {state_dir}: the run succeeded and "
+                                 "left nothing to read there (--state-dir DIR keeps it)\n")
+        elif event_path is not None and Path(event_path).exists():
             sys.stderr.write(f"chameleon-run: events of this run: {event_path}\n")
 
 
@@ -417,25 +433,16 @@ def _resolve(args: argparse.Namespace, parser: argparse.ArgumentParser,
     if config.rdzv_backend not in ("static",):
         for key, value in _DYNAMIC_RDZV_DEFAULTS.items():
             config.rdzv_configs.setdefault(key, value)
-    state_dir: Path | None = None
-    made_state_dir = False
-    if args.state_dir is not None:
-        state_dir = Path(args.state_dir)
-        state_dir.mkdir(parents=True, exist_ok=True)
-    elif job_mode or args.profile_out:
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        state_dir = Path(tempfile.mkdtemp(prefix=f"chameleon-run-{stamp}-"))
-        made_state_dir = True
+    state = StateDir.open(args.state_dir, needed=job_mode or bool(args.profile_out))
     session = None
     if job_mode:
-        assert state_dir is not None
+        assert state is not None
         try:
-            session = _make_session(parser, args, config.nproc_per_node, max_nodes, state_dir)
+            session = _make_session(parser, args, config.nproc_per_node, max_nodes, state.path)
         except BaseException:
-            if made_state_dir:   # nothing ran: leave nothing behind
-                shutil.rmtree(state_dir, ignore_errors=True)
+            state.close(succeeded=False, records=())   # nothing ran: leave nothing behind
             raise
-    return _Launch(config, cmd, list(cmd_args), timeouts, cap, state_dir, session)
+    return _Launch(config, cmd, list(cmd_args), timeouts, cap, state, session)
 
 
 def _check_endpoint(config: Any, parser: argparse.ArgumentParser) -> None:
@@ -585,11 +592,15 @@ def console() -> None:
                          f"{int(ExitStatus.PREEMPTED)}: requeue)\n")
         raise SystemExit(int(ExitStatus.PREEMPTED)) from None
     except (SignalException, KeyboardInterrupt) as exc:
-        # torch's agent has stopped the workers already (SignalException); before any worker
-        # started, Python's KeyboardInterrupt ends the wait. Exit as torchrun does (1), with
-        # no traceback. A preemption signal (SIGTERM, SIGUSR1/2) is Preempted, above.
-        sig = signal.Signals(exc.sigval).name if isinstance(exc, SignalException) else "SIGINT"
-        sys.stderr.write(f"chameleon-run: interrupted ({sig}): workers stopped\n")
+        # torch's agent has stopped the workers already (SignalException: its handler exists
+        # from the first worker's start on); before any worker started, Python's
+        # KeyboardInterrupt ends the wait. Exit as torchrun does (1), with no traceback. A
+        # preemption signal (SIGTERM, SIGUSR1/2) is Preempted, above.
+        if isinstance(exc, SignalException):
+            what = f"{signal.Signals(exc.sigval).name}): workers stopped"
+        else:
+            what = "SIGINT) before any worker started"
+        sys.stderr.write(f"chameleon-run: interrupted ({what}\n")
         raise SystemExit(1) from None
     except LaunchConfigError as exc:
         sys.stderr.write(f"chameleon-run: error: invalid launch configuration: "
