@@ -10,8 +10,9 @@ Status line: a whole line each time the status changes (dimmed with ``rich`` on 
 never redrawn in place, which would glue it to the next line a worker writes to the same
 terminal. Off a terminal (a log file, Slurm's output) a line is written when the state changes
 in a way that matters to a person (the plan, the live devices, the restarts, what the agent is
-doing), and a figure that merely moves (seconds waited, a stall's length, the hang timeout
-derived anew) at most once a minute: a log kept for days is read, not watched.
+doing, a hang timeout halved or doubled), and a figure that merely moves (seconds waited, a
+stall's length, the hang timeout derived anew: 5.13 s, 6.01 s, 6.74 s) at most once a minute:
+a log kept for days is read, not watched.
 """
 
 from __future__ import annotations
@@ -99,6 +100,7 @@ class StatusLine:
         self.fields: dict[str, Any] = {}
         self._last = ""
         self._last_essence = ""
+        self._last_hang: float | None = None
         self._last_at = -float("inf")
         self._clock = clock
         self._console = None
@@ -137,9 +139,12 @@ class StatusLine:
         text, essence, now = self.render(), self.essence(), self._clock()
         if text == self._last:
             return
-        if not self._tty and essence == self._last_essence and now - self._last_at < QUIET_S:
+        hang = _seconds(self.fields.get("hang"))
+        if (not self._tty and essence == self._last_essence and now - self._last_at < QUIET_S
+                and not _moved_far(self._last_hang, hang)):
             return   # only a figure moved: said again within a minute at most
         self._last, self._last_essence, self._last_at = text, essence, now
+        self._last_hang = hang
         self._write(f"[{text}]", "dim")
 
     def show(self, state: str, session: Any, attempt: int, restarts: int,
@@ -165,6 +170,20 @@ class StatusLine:
         else:
             self.stream.write(text + "\n")
             self.stream.flush()
+
+
+def _seconds(text: Any) -> float | None:
+    """``5.13 s (auto)`` -> 5.13; ``off`` or nothing -> None."""
+    found = _FIGURE.match(str(text or ""))
+    return float(found.group()) if found else None
+
+
+def _moved_far(was: float | None, now: float | None) -> bool:
+    """A hang timeout that appeared, went, or was at least halved or doubled: a detector that
+    convicts in 5 s instead of 60 s is news; 5.13 s becoming 6.01 s is not."""
+    if was is None or now is None:
+        return (was is None) != (now is None)
+    return max(was, now) >= 2 * min(was, now)
 
 
 def name_devices(ids: Sequence[int], tp: int = 1) -> str:

@@ -149,7 +149,7 @@ def test_every_replica_lost_restores_the_checkpoint_in_place_and_says_what_is_re
 def test_every_replica_lost_without_a_checkpoint_ends_the_job_in_one_sentence(tmp_path, launch):
     """Exit 93, do not requeue: a requeue would start over from step 0 (issue 39)."""
     run, out, state = _launch_mlp(launch, tmp_path, 7, "1:3:forward:kill", "3:3:forward:kill")
-    assert run.wait(80) == 93
+    assert run.wait(80) == 93, run.log.read_text()[-3000:]
     log = run.log.read_text()
     assert "layers 4-7 were lost with every device that held them" in log
     assert "Traceback" not in log and "ChildFailedError" not in log
@@ -197,7 +197,7 @@ def test_a_second_loss_during_the_first_ones_transition_without_a_checkpoint_end
     """As above, without a checkpoint: the workers find that layers 4-7 exist nowhere (the plan
     did not know), and the job ends with their sentence, not a crashed worker's."""
     run, _, state = _launch_mlp(launch, tmp_path, 5, "3:1:forward:kill", "1:1:enter:kill")
-    assert run.wait(80) == 93
+    assert run.wait(80) == 93, run.log.read_text()[-3000:]
     lines = run.log.read_text().strip().splitlines()
     assert "layers 4-7 were lost with every device that held them" in lines[-2], lines
     assert "Traceback" not in "".join(lines)
