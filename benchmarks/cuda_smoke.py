@@ -96,8 +96,8 @@ def _groups(cuda: CudaBackend, dev: torch.device) -> Check:
         summed = bool(t.sum().item() == 4)
     finally:
         dist.destroy_process_group()
-    return (f"{cuda.dist_backend}: world bound to {dev}, built as {expected}, a subgroup by "
-            f"{method}", bound and built == expected and summed,
+    return ((f"{cuda.dist_backend}: world bound to {dev}, built as {expected}, a subgroup by "
+            f"{method}"), bound and built == expected and summed,
             f"bound: {bound}; built: {built}; subgroup all-reduce: {summed}")
 
 
@@ -106,8 +106,8 @@ def _trains_like_the_cpu(cuda: CudaBackend, dev: torch.device, steps: int) -> Ch
     cpu, cpu_s = _train("gloo", None, steps, None)
     worst = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(gpu, cpu, strict=True))
     return (f"trainer on cuda ({cuda.dist_backend}), {steps} steps = CPU + gloo", worst < 1e-4,
-            f"max relative loss difference {worst:.1e}; {gpu_s:.2f} s on the GPU, "
-            f"{cpu_s:.2f} s on the CPU")
+            (f"max relative loss difference {worst:.1e}; {gpu_s:.2f} s on the GPU, "
+            f"{cpu_s:.2f} s on the CPU"))
 
 
 def _checkpoint_and_abort(cuda: CudaBackend, dev: torch.device, steps: int) -> list[Check]:
@@ -121,8 +121,8 @@ def _checkpoint_and_abort(cuda: CudaBackend, dev: torch.device, steps: int) -> l
         more, _ = _train("gloo", None, steps + 2, ckpt, resume=True)
         checks.append(("checkpoint written from the GPU, read on the CPU",
                        saved == steps and len(more) == 2,
-                       f"checkpoint of step {saved}; resumed for {len(more)} more steps; GPU "
-                       f"peak {peak / 2**20:.1f} MiB"))
+                       (f"checkpoint of step {saved}; resumed for {len(more)} more steps; GPU "
+                       f"peak {peak / 2**20:.1f} MiB")))
     _world(cuda.dist_backend)
     t = torch.ones(4, device=dev)
     dist.all_reduce(t)
@@ -136,8 +136,8 @@ def _checkpoint_and_abort(cuda: CudaBackend, dev: torch.device, steps: int) -> l
     again = bool(t.sum().item() == 4)
     dist.destroy_process_group()
     checks.append(("abort_process_groups (ncclCommAbort), then a new group", gone and again,
-                   f"aborted in {abort_s * 1e3:.0f} ms; no group after it: {gone}; "
-                   f"a new group all-reduces: {again}"))
+                   (f"aborted in {abort_s * 1e3:.0f} ms; no group after it: {gone}; "
+                   f"a new group all-reduces: {again}")))
     return checks
 
 
@@ -166,16 +166,16 @@ def main(argv: list[str] | None = None) -> int:
     dev = cuda.device(0)
     stats = cuda.memory_stats(0)
     checks: list[Check] = [("plugin: device and memory figures", stats.total > 0,
-                            f"{dev}, {torch.cuda.get_device_name(dev)}, "
-                            f"{stats.total / 2**30:.0f} GiB")]
+                            (f"{dev}, {torch.cuda.get_device_name(dev)}, "
+                            f"{stats.total / 2**30:.0f} GiB"))]
     names = ["nccl", "nccl-legacy"] if torch_compat.torch_release() >= (2, 14) else ["nccl"]
     for name in names:
         flavour = get_backend(name)
         assert isinstance(flavour, CudaBackend)
         checks += _checked(f"{flavour.dist_backend}: groups",
-                           lambda: [_groups(flavour, dev)])
+                           lambda f=flavour: [_groups(f, dev)])
         checks += _checked(f"{flavour.dist_backend}: trainer",
-                           lambda: [_trains_like_the_cpu(flavour, dev, args.steps)])
+                           lambda f=flavour: [_trains_like_the_cpu(f, dev, args.steps)])
     checks += _checked("checkpoint and abort",
                        lambda: _checkpoint_and_abort(cuda, dev, args.steps))
     ok = all(passed for _, passed, _ in checks)

@@ -98,6 +98,8 @@ TROUBLE = "trouble"
 MAX_FAILED = "max_failed"
 STOP = "stop"            # the agent was preempted: stop at the next step boundary
 ENDED = "ended"          # a worker found that training cannot go on: the sentence that says why
+LEAVING = "leaving"      # a slow key's value once its worker is past its last step (leaving)
+ENDED_STATUS = "ended_status"   # the exit status the ENDED sentence calls for (exit_status.py)
 
 CHAMELEON_VARS: tuple[str, ...] = (
     "CHAMELEON_PLAN_GENERATION",

@@ -8,7 +8,7 @@ code   name              meaning, and what a scheduler does
 =====  ================  ==================================================================
 0      SUCCESS           every worker finished: done
 1      FAILED            workers failed for good (restart budget spent, a crash, the
-                         rendezvous unreachable or closed, every replica of some layer lost):
+                         rendezvous unreachable or closed, failures that kept coming back):
                          retryable, requeue (it resumes from its last checkpoint)
 2      USAGE             a flag, a job file or a profile is wrong (torchrun's, argparse's):
                          do not requeue, fix the command
@@ -17,8 +17,12 @@ code   name              meaning, and what a scheduler does
                          boundary where it could: requeue; the same command goes on at the next
                          step. (``EX_TEMPFAIL`` of sysexits.h: "try again later".)
 93     DO_NOT_REQUEUE    no plan can run the job on the devices left (too few devices, nothing
-                         fits): running it again on the same allocation fails the same way.
-                         (NVIDIA's fault-tolerant launcher uses 93 for the same meaning.)
+                         fits): running it again on the same allocation fails the same way;
+                         or every replica of some layers was lost and the job keeps no
+                         checkpoint to restore them from: a requeue would silently start over
+                         from step 0, with nothing to stop the same loss; the fix is the
+                         command (a checkpoint directory). (NVIDIA's fault-tolerant launcher
+                         uses 93 for "do not requeue".)
 =====  ================  ==================================================================
 
 It lives at the top of the package, beside the channel, because both sides use it: the agent

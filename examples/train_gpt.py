@@ -251,7 +251,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                     help="give the head its own weights instead of reusing the embedding")
     ap.add_argument("--micro-batch-size", type=int, default=None,
                     help="samples per micro-batch; default: the job's training.micro_batch_size "
-                         "under chameleon-run (another value is refused), else 4")
+                         "under chameleon-run (1 unless the job says otherwise; another value is "
+                         "refused), else 1, so torchrun and chameleon-run train alike")
     ap.add_argument("--global-micro-batches", type=int, default=8,
                     help="used only without a plan (plain torchrun data parallelism)")
     ap.add_argument("--corpus-bytes", type=int, default=2_000_000)
@@ -309,8 +310,7 @@ def main(argv: list[str] | None = None) -> int:
                       dropout=args.dropout)
     try:
         trainer = PipelineTrainer.from_env(model, global_micro_batches=args.global_micro_batches,
-                                           micro_batch_size=args.micro_batch_size or (
-                                               None if plan is not None else 4),
+                                           micro_batch_size=args.micro_batch_size,
                                            checkpoint_dir=args.checkpoint_dir,
                                            max_grad_norm=args.max_grad_norm or None,
                                            precision=args.precision or os.environ.get(

@@ -295,7 +295,7 @@ class ChameleonAgent(LocalElasticAgent):
             return None
         if r.action == "end":   # the workers found that training cannot go on
             self._emit(Event.PLANNING_FAILED, error=r.reason)
-            return self._end(r.reason or "training cannot go on")
+            return self._end(r.reason or "training cannot go on", ExitStatus(r.status))
         if r.action == "fail":   # torchrun's end: its error report names the failures
             return self._end(r.reason or "max restarts used up", say=False, result=result)
         if r.action == "fence":

@@ -25,15 +25,14 @@ import dataclasses
 import functools
 import logging
 import os
-import shutil
 import signal
 import sys
-import tempfile
-import time
 import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
+
+from .state_dir import StateDir
 
 __all__ = ["LaunchConfigError", "ScriptNotFound", "build_parser", "console", "main"]
 
@@ -83,7 +82,8 @@ def _epilog() -> str:
              "      the script is missing (one sentence says which): retryable")),
          (2, "a flag was used wrongly (one line)"),
          (75, "preempted (SIGTERM, or SIGUSR1/2 in --signals-to-handle): requeue"),
-         (93, "no plan can run the job on the devices left: do not requeue")])
+         (93, ("no plan can run the job on the devices left, or layers were lost with no\n"
+               "      checkpoint to restore them from: do not requeue"))])
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -148,8 +148,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="Precompute plans for up to K simultaneous losses in the background "
                             "(default: the job's planner.cache_failures; 0 disables).")
     group.add_argument("--state-dir", "--state_dir", action=env, type=str, default=None,
-                       help="Directory for plan files (plan-gen<N>.json), the event log and "
-                            "profiles (default: a new temporary directory with --job).")
+                       help="Directory for plan files (plan-gen<N>.json), the event log, "
+                            "profiles and (with --job) the workers' stderr logs; kept. "
+                            "Default: a new chameleon-run-<date>-<time>-* directory in the "
+                            "temporary directory with --job, removed at the end unless it "
+                            "holds something to read (a failure, a recovery, a worker's "
+                            "stderr).")
     group.add_argument("--event-log", "--event_log", action=env, type=str, default=None,
                        help="JSONL event log path (default: <state-dir>/events.jsonl when a "
                             "state dir is in use).")
@@ -263,7 +267,7 @@ class _Launch:
     cmd_args: list[Any]
     timeouts: Any
     max_failed_generations: int
-    state_dir: Path | None
+    state: StateDir | None       # the run's state directory (state_dir.py)
     session: Any                 # JobSession with --job / --preset, else None
 
 
@@ -283,9 +287,15 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
     _prepare_rendezvous(args)
     with _held_warnings("torch.distributed.run"):   # its OMP banner: only once the job is valid
         launch = _resolve(args, parser, job_mode)
-    config, state_dir, session = launch.config, launch.state_dir, launch.session
+    config, state, session = launch.config, launch.state, launch.session
+    state_dir = None if state is None else state.path
     event_path = args.event_log or (None if state_dir is None else state_dir / "events.jsonl")
-    served = _serve_metrics(args, parser, launch.timeouts.hang_s)
+    try:
+        served = _serve_metrics(args, parser, launch.timeouts.hang_s)
+    except BaseException:
+        if state is not None:
+            state.close(succeeded=False, records=())
+        raise
     events = EventLog(event_path, listeners=() if served is None else (served.metrics.observe,))
     profiler = None
     if args.profile_out:
@@ -313,9 +323,12 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
     )
     if served is not None:
         served.ready = agent.ready
+    succeeded = False
     try:
-        return _run_agent(agent, spec, config,
-                          torch_compat.entrypoint_name(launch.cmd, list(launch.cmd_args)))
+        result = _run_agent(agent, spec, config,
+                            torch_compat.entrypoint_name(launch.cmd, list(launch.cmd_args)))
+        succeeded = True
+        return result
     finally:
         if served is not None:
             served.close()
@@ -323,7 +336,11 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
             profiler.write(args.profile_out, None if session is None else session.spec,
                            None if session is None else session.plan)
         events.close()
-        if event_path is not None and Path(event_path).exists():
+        if state is not None and state.close(succeeded, events.records):
+            if succeeded:
+                sys.stderr.write(f"chameleon-run: removed {state_dir}: the run succeeded and "
+                                 "left nothing to read there (--state-dir DIR keeps it)\n")
+        elif event_path is not None and Path(event_path).exists():
             sys.stderr.write(f"chameleon-run: events of this run: {event_path}\n")
 
 
@@ -404,6 +421,7 @@ def _resolve(args: argparse.Namespace, parser: argparse.ArgumentParser,
         config, cmd, cmd_args = config_from_args(args)
     except (ValueError, AssertionError) as exc:   # torch validates --nnodes with assert
         raise LaunchConfigError(str(exc)) from exc
+    _check_endpoint(config, parser)
     _check_script(args)
     _, max_nodes = parse_min_max_nnodes(args.nnodes)
     try:
@@ -415,25 +433,39 @@ def _resolve(args: argparse.Namespace, parser: argparse.ArgumentParser,
     if config.rdzv_backend not in ("static",):
         for key, value in _DYNAMIC_RDZV_DEFAULTS.items():
             config.rdzv_configs.setdefault(key, value)
-    state_dir: Path | None = None
-    made_state_dir = False
-    if args.state_dir is not None:
-        state_dir = Path(args.state_dir)
-        state_dir.mkdir(parents=True, exist_ok=True)
-    elif job_mode or args.profile_out:
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        state_dir = Path(tempfile.mkdtemp(prefix=f"chameleon-run-{stamp}-"))
-        made_state_dir = True
+    state = StateDir.open(args.state_dir, needed=job_mode or bool(args.profile_out))
     session = None
     if job_mode:
-        assert state_dir is not None
+        assert state is not None
         try:
-            session = _make_session(parser, args, config.nproc_per_node, max_nodes, state_dir)
+            session = _make_session(parser, args, config.nproc_per_node, max_nodes, state.path)
         except BaseException:
-            if made_state_dir:   # nothing ran: leave nothing behind
-                shutil.rmtree(state_dir, ignore_errors=True)
+            state.close(succeeded=False, records=())   # nothing ran: leave nothing behind
             raise
-    return _Launch(config, cmd, list(cmd_args), timeouts, cap, state_dir, session)
+    return _Launch(config, cmd, list(cmd_args), timeouts, cap, state, session)
+
+
+def _check_endpoint(config: Any, parser: argparse.ArgumentParser) -> None:
+    """A malformed ``--rdzv-endpoint`` (or an etcd-v3 ``--rdzv-conf`` value) is a usage error,
+    said in one line before anything connects: torch's c10d raised it in a traceback as the
+    agent started, and etcd's resolver failed it only after ``connect_timeout``."""
+    backend, endpoint = config.rdzv_backend, config.rdzv_endpoint
+    if backend == "etcd-v3":
+        from chameleon_elastic.rendezvous.config import EtcdSettings
+        from chameleon_elastic.rendezvous.errors import EtcdConfigError
+
+        try:
+            EtcdSettings.from_config(endpoint, config.rdzv_configs)
+        except EtcdConfigError as exc:
+            parser.error(str(exc))
+    elif endpoint:
+        from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+        try:
+            parse_rendezvous_endpoint(endpoint, default_port=29400)
+        except ValueError as exc:
+            parser.error(f"--rdzv-endpoint {endpoint!r}: {str(exc).rstrip('.')}; give the "
+                         "host:port of the node that hosts the rendezvous (c10d: node 0)")
 
 
 def _worker_spec(launch: _Launch) -> tuple[Any, Any]:
@@ -560,11 +592,15 @@ def console() -> None:
                          f"{int(ExitStatus.PREEMPTED)}: requeue)\n")
         raise SystemExit(int(ExitStatus.PREEMPTED)) from None
     except (SignalException, KeyboardInterrupt) as exc:
-        # torch's agent has stopped the workers already (SignalException); before any worker
-        # started, Python's KeyboardInterrupt ends the wait. Exit as torchrun does (1), with
-        # no traceback. A preemption signal (SIGTERM, SIGUSR1/2) is Preempted, above.
-        sig = signal.Signals(exc.sigval).name if isinstance(exc, SignalException) else "SIGINT"
-        sys.stderr.write(f"chameleon-run: interrupted ({sig}): workers stopped\n")
+        # torch's agent has stopped the workers already (SignalException: its handler exists
+        # from the first worker's start on); before any worker started, Python's
+        # KeyboardInterrupt ends the wait. Exit as torchrun does (1), with no traceback. A
+        # preemption signal (SIGTERM, SIGUSR1/2) is Preempted, above.
+        if isinstance(exc, SignalException):
+            what = f"{signal.Signals(exc.sigval).name}): workers stopped"
+        else:
+            what = "SIGINT) before any worker started"
+        sys.stderr.write(f"chameleon-run: interrupted ({what}\n")
         raise SystemExit(1) from None
     except LaunchConfigError as exc:
         sys.stderr.write(f"chameleon-run: error: invalid launch configuration: "
@@ -602,7 +638,9 @@ def _torch_logging_untouched(args: argparse.Namespace) -> bool:
 
 def _failure_sentence(exc: Any) -> str:
     """One sentence for ``ChildFailedError``: who failed, how, and where the details are (the
-    worker's stderr log under --job; otherwise its output above and its error file)."""
+    worker's stderr log under --job; otherwise its error file, or its output above, which we
+    did not capture and so never claim holds a traceback: a worker killed by a signal has
+    none, one that exited with a code may have printed nothing)."""
     rank, first = exc.get_first_failure()
     how = (f"was killed by {first.signal_name()}" if first.exitcode < 0
            else f"exited with code {first.exitcode}")
@@ -610,8 +648,13 @@ def _failure_sentence(exc: Any) -> str:
     others = f" ({more} more worker{'s' if more != 1 else ''} failed)" if more else ""
     log = getattr(exc, "stderr_logs", {}).get(rank)
     if log is None:
-        where = ("; its traceback is in its output above"
-                 + (f" and in {first.error_file}" if os.path.exists(first.error_file) else ""))
+        if os.path.exists(first.error_file):
+            where = f"; its traceback is in {first.error_file}"
+        elif first.exitcode < 0:
+            where = ("; a signal leaves no Python traceback: what the worker printed last, if "
+                     "anything, is above")
+        else:
+            where = "; what it printed, if anything, is above"
         return f"{exc.name} failed: rank {rank} (pid {first.pid}) {how}{others}{where}."
     from .worker_logs import tail
 

@@ -163,6 +163,8 @@ class HangWatch:
         if not self.hang_s or store is None:
             return [], None
         now = time.monotonic()
+        for gone in set(self._beats) - set(pids):   # exited: no longer part of the figure
+            del self._beats[gone]
         self._read_gaps(store, pids, now)
         hung = []
         stalled: dict[int, tuple[float, float]] = {}   # device -> (idle, its timeout)
@@ -198,7 +200,8 @@ class HangWatch:
                     hung.append(self._hung(device, idle, *asleep))
                 continue
             limit = self._limit(store, device, looked=True)
-            stalled[device] = (idle, limit)
+            if idle >= stall_shown_after(limit) and not self._leaving(store, device):
+                stalled[device] = (idle, limit)
             if idle >= limit and self._convicted(device, state, cpu, now, idle / limit):
                 hung.append(self._hung(device, idle, f"process {state}", limit))
         return hung, self._status(stalled)
@@ -218,6 +221,12 @@ class HangWatch:
             if now - self._published >= limit:
                 return "asleep in the previous plan generation", limit
         return None
+
+    @staticmethod
+    def _leaving(store: Any, device: int) -> bool:
+        """Past its last step (runtime/link.py): still held to the ceiling, never named as
+        stalled on the status line, whose last word is then the job's success."""
+        return channel.read(store, channel.slow_key(device)) == channel.LEAVING
 
     def _hung(self, device: int, idle: float, how: str, limit: float) -> WorkerFailure:
         return WorkerFailure(device, device % self._nproc, -signal.SIGKILL, None,
@@ -379,9 +388,12 @@ class Watchers:
         failures = tuple(classify_exit(e.exitcode, e.device, e.local_rank)
                          for e in exits) + tuple(hung)
         waiting, trouble, store_lost, ended, called = 0, False, False, None, False
+        ended_status = 1
         if state != WorkerState.HEALTHY:
             log_failures(self._emit, failures, bad)
             ended = channel.read(store, channel.ENDED) if store is not None else None
+            if ended is not None:
+                ended_status = channel.read_int(store, channel.ENDED_STATUS) or 1
         elif lease is None and not self.book.rejoining and session is not None and (
                 quick_called()):
             called = True
@@ -396,7 +408,7 @@ class Watchers:
             found = self.stragglers.check(session.planned, session.plan)
             slow = None if found is None else tuple(sorted(found.items()))
         return Tick(state=state, failures=failures, hung=frozenset(f.device for f in hung),
-                    bad=frozenset(bad), lease=lease, ended=ended,
+                    bad=frozenset(bad), lease=lease, ended=ended, ended_status=ended_status,
                     rejoining=frozenset(self.book.rejoining), waiting=waiting, trouble=trouble,
                     store_lost=store_lost, quick_called=called, tp=here.tp, slow=slow, **facts)
 

@@ -6,15 +6,20 @@ seconds), ``event`` (name), ``attempt`` (worker-group launch counter, 0 = first 
 ``generation`` (plan generation); the rest depends on the event. The names and fields are listed
 in docs/launcher.md.
 
-Status line: a whole line each time the status changes, never more often (dimmed with ``rich``
-on a terminal, plain text elsewhere); never redrawn in place, which would glue it to the next
-line a worker writes to the same terminal.
+Status line: a whole line each time the status changes (dimmed with ``rich`` on a terminal),
+never redrawn in place, which would glue it to the next line a worker writes to the same
+terminal. Off a terminal (a log file, Slurm's output) a line is written when the state changes
+in a way that matters to a person (the plan, the live devices, the restarts, what the agent is
+doing, a hang timeout halved or doubled), and a figure that merely moves (seconds waited, a
+stall's length, the hang timeout derived anew: 5.13 s, 6.01 s, 6.74 s) at most once a minute:
+a log kept for days is read, not watched.
 """
 
 from __future__ import annotations
 
 import enum
 import json
+import re
 import sys
 import threading
 import time
@@ -74,24 +79,44 @@ class EventLog:
                 self._fh = None
 
 
+#: off a terminal, the least time between two lines that differ only in their figures
+QUIET_S = 60.0
+_FIGURE = re.compile(r"\d+(?:[.:]\d+)*")
+
+
 class StatusLine:
-    """``gen 2 | policy replan | live 3/4 | restarts 1/3 | running``, one whole line per change.
+    """``gen 2 | policy replan | live 3/4 | restarts 1/3 | running``, one whole line per change
+    (off a terminal: per change that matters, see the module's docstring).
 
     Never a line redrawn in place: the workers share our terminal and write to it directly, so
     a line without its newline would be glued to the next worker line. On a terminal the line
     is dimmed (rich), elsewhere it is plain text.
     """
 
-    def __init__(self, enabled: bool = True, stream: TextIO | None = None) -> None:
+    def __init__(self, enabled: bool = True, stream: TextIO | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.enabled = enabled
         self.stream = stream if stream is not None else sys.stderr
         self.fields: dict[str, Any] = {}
         self._last = ""
+        self._last_essence = ""
+        self._last_hang: float | None = None
+        self._last_at = -float("inf")
+        self._clock = clock
         self._console = None
-        if enabled and self.stream.isatty():
+        self._tty = self.stream.isatty()
+        if enabled and self._tty:
             from rich.console import Console
 
             self._console = Console(file=self.stream, highlight=False, soft_wrap=True)
+
+    def essence(self) -> str:
+        """The line as a person's reading of it changes: without the hang timeout, every
+        figure of the state masked (``waiting for # more node ... (#:# so far)``)."""
+        f = self.fields
+        state = _FIGURE.sub("#", str(f.get("state", "")))
+        return (f"{f.get('generation', 0)}|{f.get('policy')}|{f.get('live')}/"
+                f"{f.get('devices')}|{f.get('restarts', 0)}/{f.get('max_restarts', 0)}|{state}")
 
     def render(self) -> str:
         f = self.fields
@@ -111,10 +136,15 @@ class StatusLine:
         self.fields.update(fields)
         if not self.enabled:
             return
-        text = self.render()
+        text, essence, now = self.render(), self.essence(), self._clock()
         if text == self._last:
             return
-        self._last = text
+        hang = _seconds(self.fields.get("hang"))
+        if (not self._tty and essence == self._last_essence and now - self._last_at < QUIET_S
+                and not _moved_far(self._last_hang, hang)):
+            return   # only a figure moved: said again within a minute at most
+        self._last, self._last_essence, self._last_at = text, essence, now
+        self._last_hang = hang
         self._write(f"[{text}]", "dim")
 
     def show(self, state: str, session: Any, attempt: int, restarts: int,
@@ -142,6 +172,20 @@ class StatusLine:
             self.stream.flush()
 
 
+def _seconds(text: Any) -> float | None:
+    """``5.13 s (auto)`` -> 5.13; ``off`` or nothing -> None."""
+    found = _FIGURE.match(str(text or ""))
+    return float(found.group()) if found else None
+
+
+def _moved_far(was: float | None, now: float | None) -> bool:
+    """A hang timeout that appeared, went, or was at least halved or doubled: a detector that
+    convicts in 5 s instead of 60 s is news; 5.13 s becoming 6.01 s is not."""
+    if was is None or now is None:
+        return (was is None) != (now is None)
+    return max(was, now) >= 2 * min(was, now)
+
+
 def name_devices(ids: Sequence[int], tp: int = 1) -> str:
     """``device 2`` / ``devices 2, 1`` (in the order given); under tensor parallelism, plan
     devices are units: ``unit 1 (cards 2-3)``."""
@@ -165,14 +209,19 @@ def _megabytes(n: float) -> str:
 
 def recovery_line(what: str, plan: Any, *, inplace: bool, started: int, moved_layers: int,
                   moved_bytes: float, source: str, resumed_step: int | None, redone: int,
-                  seconds: float | None, logs: str | None = None, tp: int = 1) -> str:
+                  seconds: float | None, logs: str | None = None, tp: int = 1,
+                  same_layout: bool = False) -> str:
     """The one plain line a person reads per recovery, e.g. ``device 3 lost (SIGKILL) at step
     8; re-planned to 2 pipelines: devices 0, 1 | device 2; moved 3 layers from peers (1.2 MB to
     this node); resumed at step 8 in 0.41 s``. ``moved_layers`` counts the whole job's moves,
     ``moved_bytes`` what this node's workers received. ``logs``: where the workers' stderr went
-    (the survivors' complaints about their lost peer are there, not on the console)."""
+    (the survivors' complaints about their lost peer are there, not on the console).
+    ``same_layout``: no device was lost, back or slowed (a crash restarted on the plan in
+    force), so nothing was re-planned: ``kept the plan (2 pipelines: ...)``."""
     parts = [what if resumed_step is None else f"{what} at step {resumed_step + redone}"]
-    if plan.policy == "reroute":
+    if same_layout:
+        parts.append(f"kept the plan ({layout(plan, tp)})")
+    elif plan.policy == "reroute":
         peers = sorted({s.device for r in plan.reroute for s in r.peers})
         parts.append(f"rerouted to data-parallel peers: {name_devices(peers, tp)}")
     else:
@@ -180,8 +229,8 @@ def recovery_line(what: str, plan: Any, *, inplace: bool, started: int, moved_la
     if not inplace:
         parts.append(f"relaunched {started} worker{'s' if started != 1 else ''}")
     elif started:
-        parts.append(f"started {started} worker{'s' if started != 1 else ''} for returning "
-                     "devices")
+        parts.append(f"started {started} worker{'s' if started != 1 else ''} " + (
+            "in place of the failed" if same_layout else "for returning devices"))
     if source == "peers":
         here = f"{_megabytes(moved_bytes)} to this node" if moved_bytes else "none to this node"
         parts.append(f"moved {moved_layers} layer{'s' if moved_layers != 1 else ''} from peers "

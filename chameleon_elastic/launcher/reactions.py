@@ -57,6 +57,7 @@ class Tick:
     bad: frozenset[int] = frozenset()          # units failing the health check
     lease: Trigger | None = None               # NODE_LOST (another node) or FENCED (ours)
     ended: str | None = None                   # a worker's sentence: training cannot go on
+    ended_status: int = 1                      # and the exit status it calls for
     planned: bool = False                      # a job, with a policy other than restart
     inplace_wanted: bool = False               # and recovery in place asked for
     runtime: bool = False                      # every live worker runs on the runtime
@@ -82,6 +83,7 @@ class Reaction:
     kill: frozenset[int] = frozenset()      # cards to SIGKILL first
     charge: bool = False                    # a crash: spend one restart
     reason: str | None = None               # "end": the sentence
+    status: int = 1                         # "end": the exit status (exit_status.py)
 
     @property
     def quick(self) -> bool:
@@ -120,7 +122,7 @@ def react(t: Tick) -> Reaction:
 
 def _failed(t: Tick) -> Reaction:
     if t.ended is not None:
-        return Reaction("end", reason=t.ended)
+        return Reaction("end", reason=t.ended, status=t.ended_status)
     lost = frozenset(unit_of(f.device, t.tp) for f in t.failures
                      if f.kind is FailureKind.DEVICE_LOST) | t.bad
     crashed = any(f.kind is FailureKind.CRASH for f in t.failures)

@@ -179,7 +179,8 @@ class RecoveryReporter:
                              started=len(p.started), moved_layers=fields["moved_layers"],
                              moved_bytes=fields["transfer_bytes"], source=fields["source"] or "",
                              resumed_step=fields["resumed_step"], redone=fields["redone_steps"],
-                             seconds=fields["total_s"], logs=self._logs_dir, tp=self._tp)
+                             seconds=fields["total_s"], logs=self._logs_dir, tp=self._tp,
+                             same_layout=p.change is None or p.change.same_layout)
         self._status.say(f"chameleon-run: {line}")
         total = fields["total_s"]
         return ("running" if total is None

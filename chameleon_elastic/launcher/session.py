@@ -57,6 +57,7 @@ class PlanChange:
     rejected: dict[str, str] = field(default_factory=dict)
     slow: dict[int, float] | None = None    # a straggler decision: the factors it was made for
     was_slow: dict[int, float] = field(default_factory=dict)   # and those before it
+    same_layout: bool = False   # a new generation of the layout in force (a crash, regrouped)
 
     def event_fields(self) -> dict[str, Any]:
         """The ``plan_chosen`` event's own fields (docs/launcher.md)."""
@@ -162,12 +163,14 @@ class JobSession:
             return None
         lost = tuple(sorted(excluded - self.excluded))
         joined = tuple(sorted(self.excluded - excluded))
+        same = plan == replace(self.plan, generation=plan.generation, transfers=plan.transfers)
         self.excluded = excluded
         self.plan = plan
         self.plan_file = write_plan_file(plan, self.plan_dir)
         self._refresh_cache()
         return PlanChange(plan=plan, lost=lost, joined=joined, cached=False, decide_s=0.0,
-                          candidates={plan.policy: _summary(plan)}, rejected={})
+                          candidates={plan.policy: _summary(plan)}, rejected={},
+                          same_layout=same)
 
     def renew(self) -> PlanChange:
         """The same layout as a new generation (nothing moves): what live workers regroup on
@@ -176,7 +179,8 @@ class JobSession:
         self.plan = replace(self.plan, generation=self.plan.generation + 1, transfers=())
         self.plan_file = write_plan_file(self.plan, self.plan_dir)
         return PlanChange(plan=self.plan, lost=(), joined=(), cached=False, decide_s=0.0,
-                          candidates={self.plan.policy: _summary(self.plan)}, rejected={})
+                          candidates={self.plan.policy: _summary(self.plan)}, rejected={},
+                          same_layout=True)
 
     def apply(self, lost: Collection[int] = (), joined: Collection[int] = ()) -> PlanChange | None:
         """Tell the planner about newly lost / returning devices; None when nothing changes."""

@@ -69,6 +69,12 @@ def load_config(source: Any) -> tuple[Any, Path | None]:
     if isinstance(source, PretrainedConfig):
         return copy_config(source), None
     directory = Path(source)
+    if not directory.is_dir():
+        where = "is a file, not a directory" if directory.exists() else "does not exist"
+        raise HFModelError(
+            f"the model directory {str(directory)!r} {where}; pass the directory that "
+            "transformers' save_pretrained wrote (config.json plus model*.safetensors), or a "
+            "PretrainedConfig.")
     if not (directory / "config.json").is_file():
         raise HFModelError(
             f"{str(directory)!r} has no config.json; pass a directory written by "

@@ -13,6 +13,7 @@ positive. A bad value raises :class:`EtcdConfigError` naming the option and the 
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 from collections.abc import Mapping
@@ -50,6 +51,12 @@ def parse_endpoints(text: str) -> tuple[tuple[str, int], ...]:
                 f"--rdzv-endpoint entry {raw!r} has no host. Give the etcd client URL(s) as "
                 "host:port, comma-separated for a cluster, e.g. 10.0.0.1:2379,10.0.0.2:2379."
             )
+        if not _is_host(host):
+            raise EtcdConfigError(
+                f"--rdzv-endpoint entry {raw!r} is not host:port ({host!r} is neither a host "
+                "name nor an IP address). Give the etcd client URL(s) as host:port, "
+                "comma-separated for a cluster, e.g. 10.0.0.1:2379,10.0.0.2:2379."
+            )
         endpoints.append((host, port))
     if not endpoints:
         raise EtcdConfigError(
@@ -58,6 +65,23 @@ def parse_endpoints(text: str) -> tuple[tuple[str, int], ...]:
             "several members)."
         )
     return tuple(endpoints)
+
+
+#: one label of a host name (RFC 1123, with the underscore that container names carry)
+_LABEL = re.compile(r"^[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?$")
+
+
+def _is_host(host: str) -> bool:
+    """A host name of dot-separated labels, or an IPv4/IPv6 address: what a resolver can look
+    up. Checked here so that a stray word (``'^step +15'`` pasted from a log) is refused at
+    once rather than after ``connect_timeout`` of failed lookups."""
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        pass
+    labels = host.rstrip(".").split(".")
+    return len(host) <= 253 and all(_LABEL.match(label) for label in labels)
 
 
 def _parse_port(text: str, raw: str) -> int:

@@ -40,7 +40,7 @@ from .layout import fifo_matching, layer_holders, links_into, plan_rounds
 from .restore import restore
 from .step import StepResult, apply_step, learning_rate
 from .tensor_parallel import make_mesh
-from .topology import RankMap, check_world
+from .topology import RankMap, check_world, node_of
 
 __all__ = ["Entry", "enter", "release_groups"]
 
@@ -92,7 +92,7 @@ def enter(t: TrainerState, plan: ExecutionPlan, reported: int | None) -> Entry:
     source, moved_layers, moved_bytes = restore(t, plan, rows, agreement, ranks)
     moved = time.perf_counter()
     t.synced = None
-    redone = _settle_reporting(t, source, agreement, reported)
+    redone = _settle_reporting(t, source, agreement, reported, _reporter_unheard(t, rows, ranks))
     _build(t, plan, ranks)
     return Entry(t.committed, source, rolled, moved_layers, moved_bytes, moved - began, redone,
                  agree_s=began - agreeing, rebuild_s=time.perf_counter() - moved)
@@ -127,8 +127,16 @@ def _roll_forward(t: TrainerState, agreement: Agreement) -> None:
 
 
 def _settle_reporting(t: TrainerState, source: str, agreement: Agreement,
-                      reported: int | None) -> int:
-    """Where reporting resumes after entering a plan; returns the steps to be redone."""
+                      reported: int | None, unheard: bool) -> int:
+    """Where reporting resumes after entering a plan, so that a step is printed once by the
+    job whoever dies when; returns the steps to be redone.
+
+    Resuming at R from peers, whoever reported had handed step R - 2 to its callback before
+    it took part in step R - 1's vote, which completed. Step R - 1 it hands over (telling its
+    agent first, trainer._report) after applying it. Its agent's word says which, unless it
+    is ``unheard`` (its node is gone); then step R - 1 counts as printed: the reporter is far
+    likelier to have died in step R (the whole step) than between the vote of R - 1 and its
+    line (its optimizer step), and a step printed twice reads as a step trained twice."""
     assert t.committed is not None
     start = t.committed
     known = max(agreement.reported, t.reported, -1 if reported is None else reported)
@@ -139,10 +147,21 @@ def _settle_reporting(t: TrainerState, source: str, agreement: Agreement,
             t.redo_below = known + 1
             return known + 1 - start
         return 0
-    if reported is None and agreement.reported < 0:
-        known = max(known, start - 2)   # a lost reporter had reported up to R - 2
+    known = max(known, start - 1 if unheard else start - 2)
     t.reported = min(known, start - 1)
     return 0
+
+
+def _reporter_unheard(t: TrainerState, rows: list[Row], ranks: RankMap) -> bool:
+    """Whether the last generation's reporter is gone with its word: it enters with no state,
+    and it ran on another node than the new reporter's, so its agent (which holds the last
+    step it handed over) may be gone too. A process new to the job knows no last generation."""
+    if not t.ranks.device_of_rank or not ranks.device_of_rank:
+        return False
+    old, new = t.ranks.device_of_rank[0], ranks.device_of_rank[0]
+    if any(r.device == old and r.committed is not None for r in rows):
+        return False   # still here: its row carries what it reported
+    return node_of(old, t.tp_size) != node_of(new, t.tp_size)
 
 
 def _row(t: TrainerState) -> Row:

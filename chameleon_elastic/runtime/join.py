@@ -113,13 +113,22 @@ def read_plan(path: str) -> ExecutionPlan:
         raise PipelineRuntimeError(f"cannot read the plan file {path!r}: {exc}") from exc
 
 
+def _launched() -> bool:
+    """Whether a launcher (torchrun, chameleon-run, Slurm's srun wrappers) set the variables
+    torch's ``env://`` rendezvous reads; with none of them the process is alone."""
+    return any(name in os.environ for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR",
+                                               "MASTER_PORT"))
+
+
 def init_distributed(backend: str | None = None, timeout_s: float | None = None) -> None:
     """Join the job's process group with the back-end of the device plugin (gloo on CPU;
     ``CHAMELEON_BACKEND`` names another, e.g. ``nccl-legacy``), bound to this process's GPU on
     cuda (:func:`.groups.init_world`), and the resolved collective timeout. Under
     ``chameleon-run --job`` the group is the newest plan generation's, taken from this node's
     agent (so a process started to join a running job meets the survivors); otherwise
-    ``init_process_group`` from torchrun's environment. No-op when already initialised."""
+    ``init_process_group`` from torchrun's environment, or, with no launcher's variables at all
+    (``python train.py``), a world of one on an in-memory store, which is what a person
+    starting a script alone means. No-op when already initialised."""
     if dist.is_initialized():
         return
     from chameleon_elastic.plugins import get_backend
@@ -132,7 +141,8 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None)
             join_generation(link.current(), link, name, timeouts)
         else:
             preload_before_groups()
-            init_world(name, timeouts.delta("collective_s"))
+            alone = {} if _launched() else {"store": dist.HashStore(), "rank": 0, "world_size": 1}
+            init_world(name, timeouts.delta("collective_s"), **alone)
     except (RuntimeError, ValueError) as exc:
         raise PipelineRuntimeError(
             f"cannot join the process group with backend {name!r}: {exc}; start the script "

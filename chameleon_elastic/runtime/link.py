@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from chameleon_elastic import channel
 from chameleon_elastic.channel import Generation, Registration, Resumed
+from chameleon_elastic.exit_status import ExitStatus
 from chameleon_elastic.hang import PhaseDeadline
 from chameleon_elastic.timeouts import Timeouts
 
@@ -204,7 +205,14 @@ class WorkerLink:
                                         was.sync_s + sync_s)
 
     def stop_beats(self) -> None:
-        """Stop sending progress (before the process ends)."""
+        """Stop sending progress (before the process ends). What is left (freeing groups,
+        torch's teardown) is a slow stretch of its own, *leaving*: the agent holds the worker to
+        the ceiling of the hang timeout, not to its step pace, and does not name it stalled
+        (a person read 'device 2: no progress for 3 s' after the job's last step)."""
+        try:
+            channel.write(self.store, channel.slow_key(self.card), channel.LEAVING)
+        except RuntimeError:   # the agent is gone: nobody watches
+            pass
         if self._beats is not None:
             self._beats.stop()
             self._beats = None
@@ -224,10 +232,12 @@ class WorkerLink:
         channel.write_max(self.store, channel.TROUBLE, generation)
         self.store.add(channel.beat_key(self.card), 1)
 
-    def ended(self, sentence: str) -> None:
+    def ended(self, sentence: str, status: ExitStatus = ExitStatus.FAILED) -> None:
         """Training cannot go on (some layer's state exists nowhere, or failures keep coming
-        back): the agent ends the job with this sentence instead of reporting a crashed worker.
-        The first sentence stays: the worker that failed first says why the others did."""
+        back): the agent ends the job with this sentence and ``status`` instead of reporting a
+        crashed worker. The first sentence stays: the worker that failed first says why the
+        others did."""
+        channel.write_once(self.store, channel.ENDED_STATUS, int(status))
         channel.write_once(self.store, channel.ENDED, sentence)
 
 

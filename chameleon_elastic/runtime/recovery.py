@@ -60,6 +60,7 @@ import torch.distributed as dist
 
 from chameleon_elastic import channel
 from chameleon_elastic.channel import Resumed
+from chameleon_elastic.exit_status import ExitStatus
 from chameleon_elastic.retries import DEFAULT_CAP, FailureStreak
 
 from .abort import Watchdog, free_later, world_sockets
@@ -149,9 +150,9 @@ class Recovery:
             try:
                 with keep_message_only() as again:
                     entry, regroup_s = self._enter(gen, began)
-            except StateLost as lost:
+            except StateLost as lost:   # a requeue would start over from step 0: 93
                 self.clock.cancel()
-                self.link.ended(str(lost))
+                self.link.ended(str(lost), ExitStatus.DO_NOT_REQUEUE)
                 raise
             if again.message is None:
                 break

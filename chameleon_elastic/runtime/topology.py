@@ -26,6 +26,7 @@ __all__ = [
     "check_world",
     "dense_rank_map",
     "device_from_env",
+    "node_of",
     "plan_from_env",
     "tp_from_env",
 ]
@@ -153,6 +154,13 @@ def tp_from_env(env: Mapping[str, str] | None = None) -> tuple[int, int]:
             "with chameleon-run, which sets them."
         )
     return rank, size
+
+
+def node_of(device: int, tp_size: int = 1, env: Mapping[str, str] | None = None) -> int:
+    """The node ``device`` runs on: chameleon-run numbers devices node by node, ``LOCAL_WORLD_SIZE``
+    cards (``LOCAL_WORLD_SIZE / tp_size`` devices) per node."""
+    env = os.environ if env is None else env
+    return device // max(1, int(env.get("LOCAL_WORLD_SIZE", "1")) // tp_size)
 
 
 def device_from_env(plan: ExecutionPlan, env: Mapping[str, str] | None = None) -> int:

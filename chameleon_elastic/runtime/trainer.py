@@ -386,12 +386,15 @@ class PipelineTrainer:
             return
         end = self.committed - 1 if self._evaluation_due(every, steps) else self.committed
         for step in range(self.reported + 1, end):
-            result = self.results.get(step)
-            if result is not None:
-                report(result)
+            # said to the agent before the line is printed: a kill that follows the line (a
+            # person or a test acting on it) cannot leave the agents believing it unprinted
+            # and have the next reporter print it again (entering._settle_reporting)
             self.reported = step
             if self.recovery is not None:
                 self.recovery.link.reported(step)
+            result = self.results.get(step)
+            if result is not None:
+                report(result)
 
     def close(self) -> None:
         """Release this plan's process groups (the default group stays), a save in flight

@@ -12,7 +12,7 @@ import pytest
 from chameleon_elastic.launcher.plan_env import chameleon_env, local_assignments
 from chameleon_elastic.plan import ExecutionPlan
 
-from .conftest import PROBE, pid_alive, read_envs, wait_for
+from .conftest import PROBE, free_port, pid_alive, read_envs, wait_for
 
 
 def _events(path) -> list[dict]:
@@ -97,6 +97,10 @@ def test_exception_in_worker_restarts_on_the_same_device(tmp_path, launch):
     crash = [e for e in events if e["event"] == "failure_seen"]
     assert [(e["device"], e["kind"], e["exitcode"]) for e in crash] == [(2, "crash", 1)]
     assert not [e for e in events if e["event"] == "plan_chosen"]
+    # the same plan restarted: the recovery line says so, and nothing was re-planned
+    line = next(x for x in run.log.read_text().splitlines() if "exited with code 1" in x)
+    assert "kept the plan (2 pipelines: devices 0, 1 | devices 2, 3); relaunched 4 workers" \
+        in line and "re-planned" not in line, line
 
 
 @pytest.mark.timeout(60)
@@ -231,6 +235,25 @@ def test_a_scripts_own_usage_error_under_a_job_is_shown_on_the_console(tmp_path,
     console = run.log.read_text()
     assert "exited with code 2" in console
     assert console.strip().splitlines()[-1].endswith("error: unrecognized arguments: --stpes 40")
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_before_any_worker_started_says_so_and_leaves_nothing(tmp_path, launch):
+    """A node waiting for the others is interrupted: no worker was ever started, so the line
+    does not say 'workers stopped', and the state directory it made is gone."""
+    out = tmp_path / "out"
+    out.mkdir()
+    run = launch("chameleon", ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend",
+                               "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+                               "--rdzv-id", "alone", "--preset", "tiny-cpu", "--no-status",
+                               PROBE, str(out), "ok"])
+    wait_for(lambda: "waiting for 1 more node" in run.log.read_text(), 45, "the waiting line")
+    os.kill(run.proc.pid, signal.SIGINT)
+    assert run.wait(30) == 1
+    lines = run.log.read_text().strip().splitlines()
+    assert lines[-1] == "chameleon-run: interrupted (SIGINT) before any worker started", lines
+    state = Path(next(x for x in lines if "workers' stderr in" in x).split(" in ")[-1])
+    assert not state.exists() and not read_envs(out)
 
 
 @pytest.mark.timeout(60)

@@ -40,6 +40,9 @@ CASES = {
     "backward": (["1:3:backward:kill"], None),
     "gradient-sync": (["2:3:sync:kill"], None),
     "vote-reporter": (["0:3:vote:kill"], None),
+    # the reporting process dies right after printing step 3, as a person or a script that
+    # kills it on seeing the line would: the next reporter must not print step 3 again
+    "reporter-after-its-line": (["0:3:reported:kill"], None),
     # device 3 dies after the vote; device 1's vote result never arrived: it must not apply
     # step 3 on its own, and it may roll it forward only if a survivor committed it
     "between-vote-and-apply": (["3:3:apply:kill", "1:3:apply:lose-vote"], None),
@@ -144,8 +147,9 @@ def test_every_replica_lost_restores_the_checkpoint_in_place_and_says_what_is_re
 
 @pytest.mark.timeout(90)
 def test_every_replica_lost_without_a_checkpoint_ends_the_job_in_one_sentence(tmp_path, launch):
+    """Exit 93, do not requeue: a requeue would start over from step 0 (issue 39)."""
     run, out, state = _launch_mlp(launch, tmp_path, 7, "1:3:forward:kill", "3:3:forward:kill")
-    assert run.wait(80) == 1
+    assert run.wait(80) == 93, run.log.read_text()[-3000:]
     log = run.log.read_text()
     assert "layers 4-7 were lost with every device that held them" in log
     assert "Traceback" not in log and "ChildFailedError" not in log
@@ -193,7 +197,7 @@ def test_a_second_loss_during_the_first_ones_transition_without_a_checkpoint_end
     """As above, without a checkpoint: the workers find that layers 4-7 exist nowhere (the plan
     did not know), and the job ends with their sentence, not a crashed worker's."""
     run, _, state = _launch_mlp(launch, tmp_path, 5, "3:1:forward:kill", "1:1:enter:kill")
-    assert run.wait(80) == 1
+    assert run.wait(80) == 93, run.log.read_text()[-3000:]
     lines = run.log.read_text().strip().splitlines()
     assert "layers 4-7 were lost with every device that held them" in lines[-2], lines
     assert "Traceback" not in "".join(lines)
@@ -290,6 +294,23 @@ def test_a_stopped_worker_is_declared_hung_killed_and_recovered_in_place(tmp_pat
     assert "(hung at 3 s)" in log[waiting:waiting + 60]
     assert waiting < log.index("device 1 lost (hung: no progress for ")
     assert not pid_alive(victim)
+
+
+@pytest.mark.timeout(90)
+def test_a_worker_tearing_down_after_its_last_step_is_neither_stalled_nor_hung(tmp_path,
+                                                                              launch):
+    """After success a worker may take seconds to leave (freeing groups, torch's teardown),
+    busy and beating no more: with the automatic hang timeout derived from its pace (5 s) the
+    status line said 'device 3: no progress for 3 s (hung at 5 s, auto)' after the last step,
+    and a longer teardown was killed as a hang. Leaving is a slow stretch: held to the
+    ceiling (60 s), named only after 10 s."""
+    run, _out, state = _launch_mlp(launch, tmp_path, 14, "--pace", "0.2", "3:14:closed:linger-4",
+                                  status=True)
+    assert run.wait(80) == 0, run.log.read_text()[-3000:]
+    log = run.log.read_text()
+    leaving = log[log.index("device 3 closed its trainer"):]
+    assert "no progress" not in leaving, leaving[-2000:]
+    assert not [e for e in read_events(state / "events.jsonl") if e["event"] == "failure_seen"]
 
 
 @pytest.mark.timeout(90)

@@ -89,7 +89,10 @@ def test_a_stopped_worker_is_convicted_on_the_timeout_derived_from_its_pace(tmp_
     a measured pace (steps of about 0.2 s: the 5 s floor, far below the 60 s ceiling); a
     SIGSTOPped worker is then convicted on it and recovered from in place: two replicas, so
     that the survivor holds every layer."""
-    run, out, state = _launch_mlp(launch, tmp_path, 14, "--pace", "0.2", status=True,
+    # 40 steps: the auto figure needs 20 measured gaps and a few seconds to reach the agent, and
+    # under load it came so late that the SIGSTOP hit a worker leaving after its last step
+    # (held to the ceiling, by design)
+    run, out, state = _launch_mlp(launch, tmp_path, 40, "--pace", "0.2", status=True,
                                   two_devices=True, replicas=True)
     wait_for(lambda: any(x < 60 for x in _in_force(run.log.read_text())), 60,
              "the status line's auto hang timeout below the ceiling")

@@ -138,6 +138,9 @@ def _group_rank(state: Path) -> int | None:
     ("kill", 1, "1:2"), ("stop", 1, "1:2"),
     ("kill", 0, "1:2"),    # the quick round's decider: its lease outlives it by up to 2 s
     ("kill", 1, "2"),      # the usual launch: min = max; the minimum binds the first round only
+    # the reporting process's node dies right after it printed step 6, its agent with it:
+    # nobody is left who heard it, and the new reporter must not print step 6 again
+    ("print", 0, "1:2"),
 ])
 def test_lost_node_on_etcd_v3_recovers_in_place(tmp_path, launch, fault, victim_rank, nnodes):
     """2 agents x 2 gloo workers on a real etcd; one whole node (agent and workers) is
@@ -146,7 +149,8 @@ def test_lost_node_on_etcd_v3_recovers_in_place(tmp_path, launch, fault, victim_
     layers from their peers and finish with single-process results, whether the job was
     launched elastic (``1:2``) or fixed-size (``2``). Without a rendezvous round: when the lost
     node is the one that decides quick rounds (the lowest), the survivor decides in its place
-    once its lease is gone (giving up for a full round cost 6.6 s)."""
+    once its lease is gone (giving up for a full round cost 6.6 s). Every step is printed once
+    by the job, also when the node lost is the reporter's."""
     local_etcd = pytest.importorskip("chameleon_elastic.rendezvous.local_etcd")
     out = tmp_path / "out"
     out.mkdir()
@@ -159,7 +163,8 @@ def test_lost_node_on_etcd_v3_recovers_in_place(tmp_path, launch, fault, victim_
                   "--monitor-interval", "0.1", "--no-status", "--preset", "tiny-cpu"]
         agents = [launch("chameleon", [*common, "--state-dir", str(tmp_path / name),
                                        MLP_FAULTS, str(out), str(steps), "--pace", "0.3",
-                                       "--min-world", "4"],
+                                       "--min-world", "4",
+                                       *(["0:6:reported:kill-node"] if fault == "print" else [])],
                          name=name) for name in ("a", "b")]
         wait_for(lambda: (out / "steps.jsonl").exists()
                  and len((out / "steps.jsonl").read_text().splitlines()) >= 4, 90,
@@ -169,7 +174,9 @@ def test_lost_node_on_etcd_v3_recovers_in_place(tmp_path, launch, fault, victim_
         survivor = agents[1 - victim]
         survivor_state = tmp_path / ("a", "b")[1 - victim]
         try:
-            if fault == "kill":
+            if fault == "print":   # the reporter kills its node itself
+                agents[victim].proc.wait(60)
+            elif fault == "kill":
                 os.kill(agents[victim].proc.pid, signal.SIGKILL)   # its workers die with it
                 agents[victim].proc.wait(10)
             else:
@@ -184,8 +191,7 @@ def test_lost_node_on_etcd_v3_recovers_in_place(tmp_path, launch, fault, victim_
                     proc.kill()
 
     node = 1 - victim_rank
-    assert_single_process_results(out, [2 * node, 2 * node + 1], steps,
-                                  reporter_node_lost=victim_rank == 0)
+    assert_single_process_results(out, [2 * node, 2 * node + 1], steps)
     events = read_events(survivor_state / "events.jsonl")
     recovered = [e for e in events if e["event"] == "recovered" and e["reason"] != "membership"]
     assert recovered and recovered[-1]["mode"] == "inplace"

@@ -32,9 +32,13 @@ def test_our_lost_lease_fences_before_anything_else():
     assert (r.action, r.trigger, r.inplace) == ("fence", Trigger.FENCED, True)
 
 
-def test_a_workers_sentence_ends_the_job():
-    r = react(Tick(FAILED, failures=(_crashed(0),), ended="layers 4-7 were lost", **PLANNED))
-    assert (r.action, r.reason) == ("end", "layers 4-7 were lost")
+def test_a_workers_sentence_ends_the_job_with_the_status_it_calls_for():
+    r = react(Tick(FAILED, failures=(_crashed(0),), ended="layers 4-7 were lost",
+                   ended_status=93, **PLANNED))
+    assert (r.action, r.reason, r.status) == ("end", "layers 4-7 were lost", 93)
+    gave_up = react(Tick(FAILED, failures=(_crashed(0),), ended="3 generations failed",
+                         **PLANNED))
+    assert gave_up.status == 1
 
 
 def test_a_lost_device_is_planned_around_in_place_without_a_restart():

@@ -127,6 +127,40 @@ def test_status_line_plain_when_not_a_tty(tmp_path):
     assert "gen 1" in text and "policy replan" in text and "live 3/4" in text
 
 
+def test_status_line_off_a_terminal_says_what_changed_and_moving_figures_once_a_minute(
+        tmp_path):
+    """In a log file: a line per change of plan, devices, restarts or what the agent does; the
+    seconds waited, a stall's length and the derived hang timeout at most once a minute (a
+    node waiting 10 minutes wrote 60 lines; every new hang figure was a line)."""
+    now = [0.0]
+    with open(tmp_path / "s", "w") as fh:
+        status = StatusLine(stream=fh, clock=lambda: now[0])
+        base = {"generation": 0, "policy": "initial", "live": 4, "devices": 4, "restarts": 0,
+                    "max_restarts": 0}
+        status.update(**base, state="running")
+        for t, fields in [(1, {"hang": "60 s (auto)"}), (5, {"hang": "5.13 s (auto)"}),
+                          (7, {"hang": "6.01 s (auto)"}), (9, {"hang": "6.74 s (auto)"}),
+                          (10, {"state": "waiting for 1 more node at h:2379 (0:10 so far)"}),
+                          (20, {"state": "waiting for 1 more node at h:2379 (0:20 so far)"}),
+                          (50, {"state": "waiting for 1 more node at h:2379 (0:50 so far)"}),
+                          (75, {"state": "waiting for 1 more node at h:2379 (1:15 so far)"}),
+                          (80, {"state": "running"}), (81, {"live": 3}),
+                          (82, {"state": "device 2: no progress for 3 s (hung at 5 s, auto)"}),
+                          (84, {"state": "device 2: no progress for 5 s (hung at 5 s, auto)"}),
+                          (85, {"state": "succeeded"})]:
+            now[0] = t
+            status.update(**fields)
+    lines = (tmp_path / "s").read_text().splitlines()
+    assert [x.split(" | ")[-1] for x in lines] == [
+        "running]", "running]", "running]", "waiting for 1 more node at h:2379 (0:10 so far)]",
+        "waiting for 1 more node at h:2379 (1:15 so far)]", "running]", "running]",
+        "device 2: no progress for 3 s (hung at 5 s, auto)]", "succeeded]"]
+    # the hang timeout when it appears (60 s) and when it falls to a twelfth (5.13 s), not when
+    # it drifts (6.01 s, 6.74 s: the latest is on the next line written)
+    assert "hang timeout 60 s" in lines[1] and "hang timeout 5.13 s" in lines[2]
+    assert "hang timeout 6.74 s" in lines[3] and "live 3/4" in lines[6]
+
+
 def test_profile_round_trip_replaces_guesses():
     spec = JobSpec.preset("tiny-cpu")
     plan = _plan_2x2()
@@ -243,9 +277,15 @@ def test_recovery_line_says_what_was_lost_what_moved_and_where_training_resumed(
     assert "at step 12" in back and "restored from the checkpoint of step 10" in back
     assert "steps 10-11 will be trained again" in back
     relaunch = recovery_line("device 2: worker exited with code 1", plan, inplace=False,
-                             started=4, moved_layers=0, moved_bytes=0, source="", 
-                             resumed_step=None, redone=0, seconds=None)
-    assert relaunch.endswith("relaunched 4 workers")
+                             started=4, moved_layers=0, moved_bytes=0, source="",
+                             resumed_step=None, redone=0, seconds=None, same_layout=True)
+    assert relaunch == ("device 2: worker exited with code 1; kept the plan (2 pipelines: "
+                        "devices 0, 1 | devices 2, 3); relaunched 4 workers")
+    replaced = recovery_line("device 2: worker exited with code 1", plan, inplace=True,
+                             started=1, moved_layers=0, moved_bytes=0, source="none",
+                             resumed_step=5, redone=0, seconds=0.3, same_layout=True)
+    assert "kept the plan" in replaced and "re-planned" not in replaced
+    assert "started 1 worker in place of the failed" in replaced
 
 
 def _run_cli(argv, capsys, monkeypatch, tmp_path):
@@ -275,6 +315,14 @@ def _run_cli(argv, capsys, monkeypatch, tmp_path):
      "cannot read measured profile 'none.json'", 2),
     # torchrun's own validation (a ValueError, exit 1 there too), as one sentence
     (["--nnodes", "3:1", "x.py"], "invalid launch configuration", 1),
+    # a malformed rendezvous endpoint, refused before anything connects (issue 39)
+    (["--nnodes", "2", "--rdzv-backend", "etcd-v3", "--rdzv-endpoint", "^step +15", "x.py"],
+     "--rdzv-endpoint entry '^step +15' is not host:port", 2),
+    (["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "^step +15", "x.py"],
+     "--rdzv-endpoint '^step +15': The hostname", 2),
+    (["--nnodes", "2", "--rdzv-endpoint", "host:x", "x.py"], "port number", 2),
+    (["--nnodes", "2", "--rdzv-backend", "etcd-v3", "--rdzv-endpoint", "127.0.0.1:2379",
+      "--rdzv-conf", "lease_ttl=x", "x.py"], "lease_ttl='x' is not a whole number", 2),
 ])
 def test_usage_errors_end_in_one_line_without_traceback(argv, needle, code, capsys, monkeypatch,
                                                         tmp_path):
@@ -321,3 +369,21 @@ def test_pet_environment_overrides_our_flags(monkeypatch):
     args = build_parser().parse_args(["x.py"])
     assert args.policy == "replan"
     assert args.nproc_per_node == "3"
+
+
+@pytest.mark.parametrize("exitcode,says", [
+    (-6, ("was killed by SIGABRT; a signal leaves no Python traceback: what the worker printed "
+         "last, if anything, is above.")),
+    (1, "exited with code 1; what it printed, if anything, is above."),
+])
+def test_a_failed_worker_without_a_log_is_never_said_to_have_left_a_traceback(exitcode, says):
+    """Without --job the worker's output goes to the console, uncaptured: the failure sentence
+    must not point at a traceback that may not exist (a SIGABRT at teardown printed none)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from chameleon_elastic.launcher.cli import _failure_sentence
+
+    failure = ProcessFailure(local_rank=1, pid=123, exitcode=exitcode, error_file="/nonexistent")
+    sentence = _failure_sentence(ChildFailedError("train.py", {1: failure}))
+    assert sentence == f"train.py failed: rank 1 (pid 123) {says}"
+    assert "traceback is in" not in sentence

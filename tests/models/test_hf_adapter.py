@@ -137,6 +137,17 @@ def test_directory_without_config_is_one_sentence(tmp_path):
     _one_sentence(str(err.value))
 
 
+def test_a_model_directory_that_does_not_exist_is_said_so(tmp_path):
+    for path, says in ((tmp_path / "nope", "does not exist"),
+                       (tmp_path / "file", "is a file, not a directory")):
+        if path.name == "file":
+            path.write_text("")
+        with pytest.raises(hf.HFModelError) as err:
+            hf.causal_lm(path)
+        assert f"the model directory {str(path)!r} {says}" in str(err.value)
+        _one_sentence(str(err.value))
+
+
 def test_unsupported_architecture_names_it_and_the_supported_ones(tmp_path):
     from transformers import OPTConfig
 

@@ -31,9 +31,13 @@ def test_endpoints_parse_cluster_lists() -> None:
         ("h3", 2379),
         ("::1", 4),
     )
+    # container and Kubernetes service names, a fully qualified name, a bare IPv6 address
+    assert parse_endpoints("etcd_1:2379,etcd-0.etcd.default.svc.:2379,fe80::1") == (
+        ("etcd_1", 2379), ("etcd-0.etcd.default.svc.", 2379), ("fe80::1", 2379))
 
 
-@pytest.mark.parametrize("bad", ["", " , ", "host:0", "host:http", ":2379"])
+@pytest.mark.parametrize("bad", ["", " , ", "host:0", "host:http", ":2379", "^step +15",
+                                 "two words:2379", "-host:2379", "a..b:2379", "[:::1]:2379"])
 def test_bad_endpoint_is_config_error(bad: str) -> None:
     with pytest.raises(EtcdConfigError, match="rdzv-endpoint"):
         parse_endpoints(bad)

@@ -5,8 +5,11 @@ chosen phases of chosen steps: the commit protocol's test bed.
                   [--min-world N]
 
 PHASE is one of the trainer's phases (forward, backward, sync, vote, apply, applied, or
-enter: as the process starts entering a plan, STEP being the steps it has committed). ACTION:
-``kill`` - the process SIGKILLs itself there (a lost device); ``lose-vote`` - this rank acts as
+enter: as the process starts entering a plan, STEP being the steps it has committed),
+``reported``: right after the reporting process wrote step STEP's line, or ``closed``: after
+the process closed its trainer at the end (STEP: the run's steps). ACTION:
+``kill`` - the process SIGKILLs itself there (a lost device); ``kill-node`` (after
+``reported`` only) - it SIGKILLs its agent, then itself (a node lost); ``lose-vote`` - this rank acts as
 if its vote had failed although the vote completed elsewhere (what a rank sees when a dying
 peer's last message of the all-reduce never arrives): it abandons the step before applying;
 ``kill-saved`` - as ``kill``, once the checkpoint being written in the background has ended
@@ -16,7 +19,8 @@ that replaces it trains on); ``spin`` - a hang that keeps a core busy; ``sleep``
 asleep (a deadlock of the script's own: to its agent it looks like a wait for a peer); ``dist-error`` - a
 ``torch.distributed.DistBackendError`` (what NCCL raises), every time the phase is reached, in
 every generation: a failure that keeps coming back; ``stop-S`` - another process SIGSTOPs this
-one and SIGCONTs it S seconds later (a device frozen for a while).
+one and SIGCONTs it S seconds later (a device frozen for a while); ``linger-S`` (after
+``closed`` only) - the process keeps a core busy S seconds before it exits (a slow teardown).
 
 ``--tp-model``: residual MLP blocks with a tensor-parallel plan (``toy.tp_mlp_model``), for jobs
 with ``training.tp`` > 1; DEVICE in a fault then names a card (``unit * tp + tp rank``), and so
@@ -147,6 +151,11 @@ def main() -> None:
                                  "redone": result.redone, "device": device,
                                  "eval_loss": None if math.isnan(result.eval_loss)
                                  else result.eval_loss}) + "\n")
+        action = mine.pop((result.step, "reported"), None)
+        if action == "kill-node":   # the agent first: the whole node goes, its word with it
+            os.kill(os.getppid(), signal.SIGKILL)
+        if action in ("kill", "kill-node"):
+            os.kill(os.getpid(), signal.SIGKILL)
 
     init_distributed()
     dataset = (RegressionData(int(options["--dataset"])) if "--dataset" in options
@@ -169,6 +178,12 @@ def main() -> None:
         torch.save({layer: objects["ema"].state_dict() for layer, objects
                     in trainer.extras.items()}, os.path.join(out, f"ema-{unit}.pt"))
     trainer.close()
+    action = mine.get((steps, "closed"))
+    if action is not None and action.startswith("linger-"):   # a slow teardown, on a core
+        print(f"device {device} closed its trainer", flush=True)
+        until = time.monotonic() + float(action.split("-")[1])
+        while time.monotonic() < until:
+            pass
 
 
 if __name__ == "__main__":
