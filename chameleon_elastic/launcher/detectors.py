@@ -136,9 +136,12 @@ class HangWatch:
             return describe(self.hang_s, False)
         gaps = [self._gap.get(d) for d in self._beats]
         figure = max((derive_hang_s(g, self.hang_s) for g in gaps), default=self.hang_s)
+        return describe(figure, True)
+
+    def recovering(self) -> str:
+        """The longest deadline of a recovery phase a worker is in (``5.2 s``), else ``""``."""
         phases = [v.deadline_s for v in self._phase.values() if isinstance(v, PhaseDeadline)]
-        return describe(figure, True) + (f"; recovery phase deadline {max(phases):.3g} s"
-                                         if phases else "")
+        return f"{max(phases):.3g} s" if phases else ""
 
     def _limit(self, store: Any, device: int, looked: bool) -> float:
         """``device``'s timeout now; ``looked``: ask whether it is in a slow stretch and with
@@ -355,8 +358,8 @@ class Watchers:
         self.book = DeviceBook()
         self.hangs = HangWatch(hang_s, here.nproc, "device" if here.tp == 1 else "card",
                                auto=hang_auto)
-        self._note = note   # a field of the status line: the hang timeout in force
-        self._in_force = ""
+        self._note = note   # fields of the status line: the hang timeout, a recovery's deadline
+        self._in_force = ("", "")
         self.trouble = PeerTrouble()
         self.stragglers = stragglers   # None: --stragglers off
         self.lease: Any = None
@@ -372,10 +375,10 @@ class Watchers:
         The detectors are read in the table's order, each only when it can still matter."""
         healthy = state == WorkerState.HEALTHY
         hung, stall = self.hangs.check(store, pids) if healthy else ([], None)
-        in_force = self.hangs.in_force()
-        if in_force and in_force != self._in_force:
+        in_force = (self.hangs.in_force(), self.hangs.recovering())
+        if in_force[0] and in_force != self._in_force:
             self._in_force = in_force
-            self._note(hang=in_force)
+            self._note(hang=in_force[0], deadline=in_force[1])
         if stall is not None:
             self._status(stall)
         bad = set()

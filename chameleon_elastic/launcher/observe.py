@@ -112,11 +112,13 @@ class StatusLine:
 
     def essence(self) -> str:
         """The line as a person's reading of it changes: without the hang timeout, every
-        figure of the state masked (``waiting for # more node ... (#:# so far)``)."""
+        figure of the state masked (``waiting for # more node ... (#:# so far)``), and whether
+        a recovery phase's deadline is in force (not its figure)."""
         f = self.fields
         state = _FIGURE.sub("#", str(f.get("state", "")))
         return (f"{f.get('generation', 0)}|{f.get('policy')}|{f.get('live')}/"
-                f"{f.get('devices')}|{f.get('restarts', 0)}/{f.get('max_restarts', 0)}|{state}")
+                f"{f.get('devices')}|{f.get('restarts', 0)}/{f.get('max_restarts', 0)}|{state}|"
+                f"{bool(f.get('deadline'))}")
 
     def render(self) -> str:
         f = self.fields
@@ -128,6 +130,8 @@ class StatusLine:
         parts.append(f"restarts {f.get('restarts', 0)}/{f.get('max_restarts', 0)}")
         if "hang" in f:
             parts.append(f"hang timeout {f['hang']}")
+        if f.get("deadline"):
+            parts.append(f"recovery phase deadline {f['deadline']}")
         if "state" in f:
             parts.append(str(f["state"]))
         return " | ".join(parts)
