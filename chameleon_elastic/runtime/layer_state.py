@@ -63,15 +63,19 @@ class LayerState:
 
 
 def export_layer(layer: int, module: nn.Module, optimizer: torch.optim.Optimizer | None,
-                 whole: bool = False, extras: Mapping[str, Any] | None = None) -> LayerState:
+                 whole: bool = False, extras: Mapping[str, Any] | None = None,
+                 host: bool = False) -> LayerState:
     """Detached copies of the layer's state (and of its registered objects' ``extras``). A
     tensor-parallel layer gives this card's shards, or, with ``whole``, the whole tensors (a
     collective over its unit: every card of the unit must export the same layers in the same
-    order)."""
+    order). ``host``: the copies go to host memory (one copy, wherever the tensors live)."""
     take = full if whole else local
 
     def copy(v: Any) -> Any:
-        return take(v).detach().clone() if isinstance(v, torch.Tensor) else v
+        if not isinstance(v, torch.Tensor):
+            return v
+        v = take(v).detach()
+        return v.to("cpu", copy=True) if host else v.clone()
 
     opt_state = [] if optimizer is None else [
         {k: copy(v) for k, v in optimizer.state.get(p, {}).items()} for p in module.parameters()]
