@@ -531,9 +531,9 @@ def initial_plan(spec: JobSpec) -> ExecutionPlan:
     problem = snapshots.host_memory_problem(spec, plan)
     if problem:
         raise PlanningError(
-            f"the initial layout's in-memory snapshots do not fit: {problem}; raise it, take "
-            "them less deep ([recovery] snapshot_every = 0 turns them off) or spread the "
-            "model over more nodes.")
+            f"the initial layout's in-memory snapshots do not fit: {problem}; raise "
+            "cluster.host_memory_bytes, spread the devices over more nodes "
+            "(cluster.devices_per_node), or take no snapshots ([recovery] snapshot_every = 0).")
     return plan
 
 
@@ -544,7 +544,7 @@ def resolve_snapshots(spec: JobSpec) -> JobSpec:
     goes with them) or under tensor parallelism (not yet supported)."""
     if spec.recovery.snapshot_every is not None:
         return spec
-    if spec.training.tp > 1 or spec.cluster.recovery == "relaunch":
+    if snapshots.why_none(spec):
         return spec.with_snapshot_every(0)
     return spec.with_snapshot_every(snapshots.default_every(spec, initial_plan(spec)))
 

@@ -34,7 +34,7 @@ from chameleon_elastic.spec import JobSpec
 
 __all__ = ["BUDGET", "HOST_COPY_BYTES_PER_S", "SLOTS", "default_every", "device_bytes",
            "every", "from_snapshots", "host_bytes", "host_memory_problem", "partners",
-           "redone_s", "snapshot_s"]
+           "redone_s", "snapshot_s", "why_none"]
 
 #: the share of the fault-free step time snapshots may take at their default interval
 BUDGET = 0.02
@@ -47,9 +47,19 @@ SLOTS = 2
 
 def every(spec: JobSpec) -> int:
     """The job's snapshot interval as resolved (0: off). ``None`` in the spec (the default,
-    not yet resolved by a CLI) counts as off here; tensor parallelism has no snapshots yet."""
+    not yet resolved by a CLI) counts as off here; so do a relaunch, whose new processes
+    have none of the old ones' memory, and tensor parallelism (not yet supported)."""
     k = spec.recovery.snapshot_every
-    return 0 if k is None or spec.training.tp > 1 else k
+    return 0 if k is None or why_none(spec) else k
+
+
+def why_none(spec: JobSpec) -> str | None:
+    """Why the job can take no snapshots whatever its interval (None: it can)."""
+    if spec.cluster.recovery == "relaunch":
+        return "cluster.recovery = relaunch restarts every process, and their memory with them"
+    if spec.training.tp > 1:
+        return "not yet under tensor parallelism"
+    return None
 
 
 def _stage_layers(plan: ExecutionPlan) -> dict[int, tuple[int, int]]:
