@@ -19,7 +19,8 @@ Who talks to whom, in what order (every rank, K = ``every``):
 3. Before step S's vote the training thread waits for that thread (:meth:`fence`): the copy
    reads what only the apply changes, and once any rank commits step S, every rank's exchange
    of snapshot S is complete (the vote needs every rank). Snapshot S is then *sealed*, and the
-   next snapshot drops those before it: a device keeps at most two.
+   next snapshot drops those before it: a device keeps two (three when a recovery cut the
+   sealing of one short).
 
 On failure: the copy always ends; an exchange with a lost peer fails (its sockets reset, or the
 recovery's abort shuts them down). Entering the next plan first settles the thread
@@ -279,8 +280,11 @@ class Snapshots:
     # ------------------------------------------------------------------ taking one
 
     def _start(self, t: Any, step: int) -> None:
+        """Keep the newest sealed snapshot and, when a recovery cut the sealing of a newer one
+        short, the newest such (its copies may still serve): with this one, at most three."""
         keep = max((s.step for s in self.slots.values() if s.sealed), default=-1)
-        for s in [s for s in self.slots if s < keep]:
+        unsealed = sorted(s for s in self.slots if s > keep and s != step)
+        for s in [s for s in self.slots if s < keep] + unsealed[:-1]:
             del self.slots[s]
         pairs = partners(t.plan, self.devices_per_node)
         send_to = pairs.get(t.device)
