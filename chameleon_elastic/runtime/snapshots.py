@@ -7,8 +7,10 @@ train the steps since again, instead of reading a checkpoint from disk or ending
 
 Who talks to whom, in what order (every rank, K = ``every``):
 
-1. Before step S, when S is a multiple of K (step 0 included: the seeded start), the training
-   thread starts snapshot S (:meth:`Snapshots.before_step`) and goes on training.
+1. Before step S, when S is a multiple of K (step 0 included: the seeded start) or the first
+   step of a plan generation (so that the copies sit at the partners of the plan in force,
+   which the planner counts on), the training thread starts snapshot S
+   (:meth:`Snapshots.before_step`) and goes on training.
 2. A background thread copies this device's layers (weights, optimizer state, registered
    objects) and the job's state (its objects, the loss scale) into host memory, then sends the
    copy to its *partner* (``planning.snapshots.partners`` of the plan: a device on another
@@ -69,11 +71,11 @@ _CPU = torch.device("cpu")
 
 
 def snapshots_from_env(tp_size: int = 1) -> tuple[int, int | None]:
-    """(interval, plan devices per node) from chameleon-run's environment: 0 (off) without it
-    or under tensor parallelism; a node holds ``LOCAL_WORLD_SIZE`` cards."""
+    """(interval, plan devices per node) from chameleon-run's environment: interval 0 (off)
+    without it; a node holds ``LOCAL_WORLD_SIZE`` cards, units of ``tp_size``."""
     every = int(os.environ.get(EVERY_ENV, "0") or 0)
     cards = os.environ.get("LOCAL_WORLD_SIZE")
-    return (0 if tp_size > 1 else every), (int(cards) // tp_size if cards else None)
+    return every, (int(cards) // tp_size if cards else None)
 
 
 @dataclass
@@ -209,17 +211,20 @@ class Snapshots:
     def before_step(self, t: Any) -> None:
         """At a step boundary of the loop: the snapshot fenced in the step before is sealed
         (its vote passed); one is started when the committed step is a multiple of the
-        interval and this plan generation has not taken it yet. Every rank of a generation
-        passes the same boundaries, survivors and processes that joined alike, so all decide
-        alike (the plan's group is made collectively at its first snapshot). A survivor that
-        kept that step's snapshot from the generation before takes it again into the same
-        slot: the same state, now also at the new plan's partners."""
+        interval, and at the first boundary of every plan generation, so that the copies sit
+        at the partners of the plan in force (the planner counts on those) from its first
+        step on. Every rank of a generation passes the same boundaries, survivors and
+        processes that joined alike, so all decide alike (the plan's group is made
+        collectively at its first snapshot). A survivor that kept that step's snapshot from
+        the generation before takes it again into the same slot: the same state."""
         if self._fenced is not None and self._fenced in self.slots:
             self.slots[self._fenced].sealed = True
         self._fenced = None
-        step = t.committed
-        if self.every and step % self.every == 0 and self._taken != (t.plan.generation, step):
-            self._taken = (t.plan.generation, step)
+        step, generation = t.committed, t.plan.generation
+        fresh = self._taken is None or self._taken[0] != generation
+        if self.every and (step % self.every == 0 or fresh) \
+                and self._taken != (generation, step):
+            self._taken = (generation, step)
             self._start(t, step)
 
     def fence(self, step: int) -> None:

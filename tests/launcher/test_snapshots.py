@@ -42,6 +42,12 @@ precision = "fp32"
 """
 
 
+# a loaded host makes devices look slow, and a straggler's re-plan starts a plan generation,
+# which takes a snapshot at its first step: the snapshot a loss goes back to would then depend
+# on the load
+CALM = ("--stragglers", "off")
+
+
 def _job(directory: Path) -> Path:
     job = directory / "pp4.toml"
     job.write_text(PIPELINE_OF_FOUR)
@@ -65,16 +71,19 @@ def _reported(out: Path) -> list[dict]:
 
 
 def _assert_restored_from_a_snapshot(out: Path, state: Path, survivors: list[int], steps: int,
-                                     every: int) -> int:
+                                     newest: tuple[int, int]) -> int:
     """Every step printed once as trained and the rolled-back ones once more marked trained
     again, each loss and every survivor's final layers equal to single-process training, the
-    survivors in their first processes; returns the snapshot's step."""
+    survivors in their first processes; returns the snapshot's step, which must lie in
+    ``newest`` (the last multiple of the interval sealed before the loss, and the step before
+    it: a plan generation that began in between takes one at its first step too, e.g. a
+    straggler's re-plan on a loaded host)."""
     reported = _reported(out)
     assert [r["step"] for r in reported if not r["redone"]] == list(range(steps))
     again = [r["step"] for r in reported if r["redone"]]
     assert again, "no step was trained again"
     resume = again[0]
-    assert resume % every == 0 and again == list(range(resume, again[-1] + 1))
+    assert newest[0] <= resume <= newest[1] and again == list(range(resume, again[-1] + 1))
     ref_losses, ref_params = mlp_reference(steps)
     np.testing.assert_allclose([r["loss"] for r in reported],
                                [ref_losses[r["step"]] for r in reported], rtol=1e-9, atol=1e-12)
@@ -108,12 +117,13 @@ def test_a_stage_with_one_replica_lost_comes_back_from_a_snapshot(tmp_path, laun
     out, state = tmp_path / "out", tmp_path / "state"
     out.mkdir()
     run = launch("chameleon", ["--standalone", "--nproc-per-node", "4", "--job", str(job),
-                               "--state-dir", str(state), "--monitor-interval", "0.05",
+                               *CALM, "--state-dir", str(state), "--monitor-interval", "0.05",
                                "--no-status", MLP_FAULTS, str(out), str(steps),
                                "2:11:forward:kill"])
     assert run.wait(80) == 0, run.log.read_text()[-3000:]
-    resume = _assert_restored_from_a_snapshot(out, state, [0, 1, 3], steps, every)
-    assert resume == 10 // every * every   # snapshot 8 at the default 4: sealed by step 9
+    # snapshot 8 at the default 4, sealed by step 9
+    resume = _assert_restored_from_a_snapshot(out, state, [0, 1, 3], steps,
+                                              (10 // every * every, 10))
     log = run.log.read_text()
     line = next(x for x in log.splitlines() if "lost (SIGKILL)" in x)
     assert f"restored from the in-memory snapshot of step {resume}" in line
@@ -136,7 +146,7 @@ def test_the_node_holding_two_stages_lost_on_etcd_v3_comes_back_from_snapshots(t
         common = ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "etcd-v3",
                   "--rdzv-endpoint", etcd.endpoint, "--rdzv-id", "snapshot-node",
                   "--rdzv-conf", "last_call_timeout=5,lease_ttl=2", "--local-addr", "127.0.0.1",
-                  "--monitor-interval", "0.1", "--no-status", "--job", str(job)]
+                  "--monitor-interval", "0.1", "--no-status", "--job", str(job), *CALM]
         agents = {name: launch("chameleon", [*common, "--state-dir", str(tmp_path / name),
                                              MLP_FAULTS, str(out), str(steps), "--pace", "0.3",
                                              "--min-world", "4"], name=name)
@@ -150,8 +160,7 @@ def test_the_node_holding_two_stages_lost_on_etcd_v3_comes_back_from_snapshots(t
         survivor = next(a for name, a in agents.items() if name != holder)
         assert survivor.wait(90) == 0, survivor.log.read_text()[-3000:]
     state = tmp_path / next(name for name in agents if name != holder)
-    resume = _assert_restored_from_a_snapshot(out, state, [0, 1], steps, every)
-    assert resume >= 10 // every * every
+    _assert_restored_from_a_snapshot(out, state, [0, 1], steps, (10 // every * every, steps))
     assert "Traceback" not in survivor.log.read_text()
 
 
@@ -170,12 +179,11 @@ def test_a_second_loss_during_the_first_ones_transition_comes_back_from_snapshot
     out, state = tmp_path / "out", tmp_path / "state"
     out.mkdir()
     run = launch("chameleon", ["--standalone", "--nproc-per-node", "4", "--preset", "tiny-cpu",
-                               "--snapshot-every", "2", "--state-dir", str(state),
+                               "--snapshot-every", "2", *CALM, "--state-dir", str(state),
                                "--monitor-interval", "0.05", "--no-status", MLP_FAULTS,
                                str(out), str(steps), "3:5:forward:kill", "1:5:enter:kill"])
     assert run.wait(80) == 0, run.log.read_text()[-3000:]
-    resume = _assert_restored_from_a_snapshot(out, state, [0, 2], steps, 2)
-    assert resume == 4
+    _assert_restored_from_a_snapshot(out, state, [0, 2], steps, (4, 4))
     assert "Traceback" not in run.log.read_text()
 
 
@@ -188,7 +196,7 @@ def test_when_no_snapshot_survives_the_checkpoint_is_restored_and_one_sentence_s
     out, state = tmp_path / "out", tmp_path / "state"
     out.mkdir()
     run = launch("chameleon", ["--standalone", "--nproc-per-node", "4", "--job", str(job),
-                               "--snapshot-every", "4", "--state-dir", str(state),
+                               "--snapshot-every", "4", *CALM, "--state-dir", str(state),
                                "--monitor-interval", "0.05", "--no-status", MLP_FAULTS,
                                str(out), "9", "2:7:forward:kill-saved", "3:7:forward:kill-saved",
                                "--checkpoint-dir", str(tmp_path / "ckpt")])
