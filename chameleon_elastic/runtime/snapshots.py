@@ -52,7 +52,7 @@ from chameleon_elastic.planning.snapshots import partners
 
 from .abort import free_later, new_sockets
 from .errors import PeerLost, PipelineRuntimeError
-from .layer_state import LayerState, export_layer, recv_layer, send_layer
+from .layer_state import Packed, pack_layer, packed_bytes, recv_packed, send_packed, unpack
 from .migrate import Move, move_states, stage_layers
 from .topology import RankMap
 from .user_state import copy_state
@@ -85,7 +85,7 @@ class Slot:
     step: int
     scale: tuple[float, int]
     job: dict[str, dict[str, Any]] | None = None   # the job-wide objects' states
-    layers: dict[int, LayerState] = field(default_factory=dict)   # complete copies only
+    layers: dict[int, Packed] = field(default_factory=dict)   # complete copies only, packed
     sealed: bool = False   # complete on every rank (a later vote passed)
 
 
@@ -164,16 +164,6 @@ def snapshot_moves(plan: ExecutionPlan, found: Found) -> tuple[Move, ...]:
             sent[src] = sent.get(src, 0) + 1
             moves.setdefault((src, device), []).append(layer)
     return tuple(Move(src, dst, tuple(layers)) for (src, dst), layers in sorted(moves.items()))
-
-
-def _cloned(state: LayerState) -> LayerState:
-    """A copy to train on: the snapshot must not change if the optimizer steps in place."""
-    def dup(v: Any) -> Any:
-        return v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
-
-    return LayerState(state.layer, {k: dup(v) for k, v in state.params.items()},
-                      [{k: dup(v) for k, v in e.items()} for e in state.optimizer],
-                      {n: {k: dup(v) for k, v in e.items()} for n, e in state.extra.items()})
 
 
 @dataclass
@@ -325,7 +315,7 @@ class Snapshots:
         """The background thread: copy, then exchange."""
         try:
             began = time.perf_counter()
-            states = {x: export_layer(x, module, optimizer, extras=extras, host=True)
+            states = {x: pack_layer(x, module, optimizer, extras, _CPU)
                       for x, module, extras in work}
             slot.job = {name: {k: v.cpu() if isinstance(v, torch.Tensor) else v
                                for k, v in entry.items()}
@@ -334,23 +324,23 @@ class Snapshots:
             copied = time.perf_counter()
             self._exchange(slot, states, ranks, send_to, incoming, group)
             self.stats = Stats(slot.step, copied - began, time.perf_counter() - copied,
-                               0.0, sum(s.nbytes for s in states.values()))
+                               0.0, sum(map(packed_bytes, states.values())))
         except BaseException as exc:   # noqa: BLE001 - raised in the training thread
             self._error = exc
 
     @staticmethod
-    def _exchange(slot: Slot, states: Mapping[int, LayerState], ranks: RankMap,
+    def _exchange(slot: Slot, states: Mapping[int, Packed], ranks: RankMap,
                   send_to: int | None, incoming: list, group: Any) -> None:
         isend = functools.partial(dist.isend, group=group)
         recv = functools.partial(dist.recv, group=group)
         pending = []
         if send_to is not None:
             dst = ranks.rank(send_to)
-            for x, state in sorted(states.items()):
-                pending += send_layer(state, dst, x, _CPU, isend)
+            for x, packed in sorted(states.items()):
+                pending += send_packed(packed, dst, x, _CPU, isend)
         for src, layers in incoming:
             for x in layers:
-                slot.layers[x] = recv_layer(ranks.rank(src), x, _CPU, recv)
+                slot.layers[x] = recv_packed(ranks.rank(src), x, _CPU, recv)
         for work, _ in pending:
             work.wait()
 
@@ -370,15 +360,17 @@ def gather_inventories(snapshots: Snapshots, device: int, num_layers: int,
 
 def restore_snapshot(snapshots: Snapshots, found: Found, plan: ExecutionPlan, device: int,
                      ranks: RankMap, torch_device: torch.device
-                     ) -> tuple[dict[int, LayerState], int, float]:
+                     ) -> tuple[dict[int, Any], int, float]:
     """This device's layers of ``plan`` at ``found.step``: its own copies, and the others'
     moved point to point (collective). Returns (layer -> state, layers moved in the job,
     bytes received here)."""
     slot = snapshots.slots.get(found.step)
     kept = {} if slot is None else slot.layers
     moves = snapshot_moves(plan, found)
-    received = move_states(moves, device, ranks, kept.__getitem__, torch_device)
-    local = {x: _cloned(kept[x]) for x in stage_layers(plan, device) if x not in received}
+    received = move_states(moves, device, ranks, lambda x: unpack(kept[x], _CPU),
+                           torch_device)
+    # unpacked copies: training on them leaves the snapshot as it was
+    local = {x: unpack(kept[x], _CPU) for x in stage_layers(plan, device) if x not in received}
     snapshots.restored(found.step)
     moved = float(sum(s.nbytes for s in received.values()))
     return {**local, **received}, sum(len(m.layers) for m in moves), moved

@@ -14,6 +14,7 @@ import torch
 
 from chameleon_elastic.plan import ExecutionPlan, Pipeline
 from chameleon_elastic.runtime import PipelineTrainer
+from chameleon_elastic.runtime.layer_state import unpack
 from chameleon_elastic.runtime.local_world import run_local_world
 from chameleon_elastic.runtime.snapshots import (
     Found,
@@ -79,8 +80,8 @@ def _train_lose_and_restore(rank: int, world: int, steps: int, lost: int):
     losses = []
     trainer.run(steps, lambda r: losses.append((r.step, r.redone, r.loss)))
     slots = {s: sorted(slot.layers) for s, slot in trainer.snapshots.slots.items()}
-    copies = {s: {x: {k: v.numpy().copy() for k, v in state.params.items()}
-                  for x, state in slot.layers.items()}
+    copies = {s: {x: {k: v.numpy() for k, v in unpack(packed, torch.device("cpu")).params.items()}
+                  for x, packed in slot.layers.items()}
               for s, slot in trainer.snapshots.slots.items()}
     trainer.snapshots.settle()
     trainer.release_groups()
@@ -133,11 +134,21 @@ def test_a_negative_interval_is_refused_in_one_sentence():
         Snapshots(-1)
 
 
-def test_snapshot_tensors_live_in_host_memory():
-    from chameleon_elastic.runtime.layer_state import export_layer
+def test_a_packed_copy_lives_in_host_memory_and_unpacks_to_the_state():
+    from chameleon_elastic.runtime.layer_state import export_layer, pack_layer, unpack
 
     layer = torch.nn.Linear(3, 2)
-    state = export_layer(0, layer, None, host=True)
-    assert all(v.device.type == "cpu" for v in state.params.values())
-    assert all(v.data_ptr() != p.data_ptr() for v, p in
-               zip(state.params.values(), layer.state_dict().values()))
+    optimizer = torch.optim.Adam(layer.parameters())
+    layer(torch.randn(4, 3)).sum().backward()
+    optimizer.step()
+    before = export_layer(0, layer, optimizer)
+    packed = pack_layer(0, layer, optimizer)
+    assert all(b.device.type == "cpu" for b in packed[1])
+    with torch.no_grad():
+        layer.weight.add_(1.0)   # training goes on: the copy does not move with it
+    back = unpack(packed, torch.device("cpu"))
+    assert torch.equal(back.params["weight"], before.params["weight"])
+    assert torch.equal(back.optimizer[0]["exp_avg"], before.optimizer[0]["exp_avg"])
+    unpack(packed, torch.device("cpu")).params["weight"].add_(1.0)   # a copy, too
+    assert torch.equal(unpack(packed, torch.device("cpu")).params["weight"],
+                       before.params["weight"])
