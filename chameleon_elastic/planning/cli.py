@@ -28,6 +28,7 @@ from ..spec import (
     unit_of,
     units_of,
 )
+from . import snapshots
 from .search import (
     Decision,
     PlanningError,
@@ -38,7 +39,6 @@ from .search import (
     initial_plan,
     resolve_snapshots,
 )
-from . import snapshots
 from .stragglers import decide_speeds
 from .units import unit_spec
 

@@ -26,7 +26,7 @@ last snapshot instead of a disk read (or the job). The runtime takes the copies
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Mapping
+from collections.abc import Collection
 from dataclasses import replace
 
 from chameleon_elastic.plan import ExecutionPlan, Transfer
@@ -167,17 +167,11 @@ def from_snapshots(spec: JobSpec, current: ExecutionPlan, failed: Collection[int
                    plan: ExecutionPlan) -> ExecutionPlan:
     """``plan`` with its checkpoint transfers taken from snapshots where a live partner of a
     lost holder keeps one (``Transfer.snapshot``); unchanged when none does or the job takes
-    no snapshots. The estimate of a changed plan is made again by the caller."""
+    no snapshots. ``failed``: the devices this event lost. The estimate of a changed plan is
+    made again by the caller."""
     if not every(spec) or not plan.checkpoint_layers:
         return plan
-    live = set(plan.live_devices)
-    gone = set(failed) | set(current.failed_devices)
-    ranges = _stage_layers(current)
-    keeper: dict[int, int] = {}
-    for d, p in sorted(partners(current, _per_node(spec)).items()):
-        if d in gone and p in live:
-            for x in range(*ranges[d]):
-                keeper.setdefault(x, p)
+    keeper = _keepers(spec, current, set(failed), set(plan.live_devices))
     if not keeper:
         return plan
     size = spec.model.transfer_bytes
@@ -186,14 +180,27 @@ def from_snapshots(spec: JobSpec, current: ExecutionPlan, failed: Collection[int
         if not t.from_checkpoint:
             transfers.append(t)
             continue
-        kept = [x for x in t.layers if x in keeper]
         rest = [x for x in t.layers if x not in keeper]
         if rest:
             transfers.append(Transfer(t.src, t.dst, tuple(rest), math.fsum(map(size, rest))))
-        by_src: Mapping[int, list[int]] = {}
-        for x in kept:
-            by_src.setdefault(keeper[x], []).append(x)   # type: ignore[attr-defined]
+        by_src: dict[int, list[int]] = {}
+        for x in t.layers:
+            if x in keeper:
+                by_src.setdefault(keeper[x], []).append(x)
         for src, layers in sorted(by_src.items()):
             moved = 0.0 if src == t.dst else math.fsum(map(size, layers))
             transfers.append(Transfer(src, t.dst, tuple(layers), moved, snapshot=True))
     return replace(plan, transfers=tuple(transfers), estimate=None)
+
+
+def _keepers(spec: JobSpec, current: ExecutionPlan, failed: set[int],
+             live: set[int]) -> dict[int, int]:
+    """Layer -> the live device keeping a snapshot of it, for the layers of ``current``'s
+    devices lost in ``failed`` (the lowest lost holder's partner first)."""
+    ranges = _stage_layers(current)
+    keeper: dict[int, int] = {}
+    for d, p in sorted(partners(current, _per_node(spec)).items()):
+        if d in failed and p in live:
+            for x in range(*ranges[d]):
+                keeper.setdefault(x, p)
+    return keeper

@@ -176,12 +176,13 @@ def _unflatten(header: dict[str, Any], buffers: list[torch.Tensor],
 
 
 def pack_layer(layer: int, module: nn.Module, optimizer: torch.optim.Optimizer | None,
-               extras: Mapping[str, Any] | None = None,
-               device: torch.device = torch.device("cpu")) -> Packed:
+               extras: Mapping[str, Any] | None = None, device: torch.device | None = None
+               ) -> Packed:
     """One copy of the layer's state, packed for the wire, on ``device`` (host memory by
     default): one buffer per dtype is the only copy made, and it is what a send sends and
     what :func:`unpack` reads back."""
-    return _flatten(export_layer(layer, module, optimizer, extras=extras, copy=False), device)
+    return _flatten(export_layer(layer, module, optimizer, extras=extras, copy=False),
+                    device or torch.device("cpu"))
 
 
 def packed_bytes(packed: Packed) -> int:

@@ -209,9 +209,9 @@ def test_when_no_snapshot_survives_the_checkpoint_is_restored_and_one_sentence_s
                                [ref_losses[r["step"]] for r in reported], rtol=1e-9, atol=1e-12)
     log = run.log.read_text()
     said = [x for x in log.splitlines() if "no in-memory snapshot" in x]
-    assert said == ["chameleon: layers 4-7 were lost with every device that held them and no "
-                    "in-memory snapshot of them survived: restoring the checkpoint of step 6 "
-                    "from disk."], said
+    assert said == [("chameleon: layers 4-7 were lost with every device that held them and no "
+                     "in-memory snapshot of them survived: restoring the checkpoint of step 6 "
+                     "from disk.")], said
     r = [e for e in read_events(state / "events.jsonl") if e["event"] == "recovered"][-1]
     assert (r["source"], r["resumed_step"]) == ("checkpoint", 6)
     assert "Traceback" not in log

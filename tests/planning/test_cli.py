@@ -2,9 +2,9 @@
 request, exit 1 when a sound request has no plan."""
 
 import json
-from pathlib import Path
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
