@@ -58,8 +58,8 @@ from .migrate import Move, move_states, stage_layers
 from .topology import RankMap
 from .user_state import copy_state
 
-__all__ = ["EVERY_ENV", "Found", "Inventory", "Slot", "Snapshots", "newest_common",
-           "snapshot_moves", "snapshots_from_env"]
+__all__ = ["EVERY_ENV", "Found", "Inventory", "Slot", "Snapshots", "gather_inventories",
+           "newest_common", "restore_snapshot", "snapshot_moves", "snapshots_from_env"]
 
 log = logging.getLogger("chameleon_elastic.runtime.snapshots")
 
