@@ -106,7 +106,7 @@ class JobSession:
             raise ValueError(f"unknown policy {policy!r}; expected one of {CLI_POLICIES}")
         planning = _planning_api()
         self._planning = planning
-        try:   # the snapshot interval the workers take (CHAMELEON_SNAPSHOT_EVERY) and it prices
+        try:   # the snapshot interval the workers take (CHAMELEON_SNAPSHOT_EVERY), priced too
             spec = planning.resolve_snapshots(spec)
         except planning.PlanningError as exc:
             raise NoPlanError(f"no initial plan for job {spec.name!r}: {exc}") from exc
