@@ -124,7 +124,8 @@ def job_env(spec: JobSpec) -> dict[str, str]:
     """What every worker of a job learns of the job itself (not of its plan): how the runtime
     should train by default, so a script follows the job file the planner priced."""
     return {"CHAMELEON_MICRO_BATCH_SIZE": str(spec.training.micro_batch_size),
-            "CHAMELEON_PRECISION": spec.training.precision}
+            "CHAMELEON_PRECISION": spec.training.precision,
+            "CHAMELEON_SNAPSHOT_EVERY": str(spec.recovery.snapshot_every or 0)}
 
 
 def chameleon_env(plan: ExecutionPlan, role: DeviceRole, plan_file: str,

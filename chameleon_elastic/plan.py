@@ -18,7 +18,9 @@ micro-batch the device runs, its own and those it absorbs for a dead peer, so a 
 own flag is never used.
 
 A transfer's source is a live device, or ``CHECKPOINT`` for layers that no live device holds
-any more (every replica died): the receiver loads those from the last checkpoint.
+any more (every replica died): the receiver loads those from the last checkpoint. A transfer
+marked ``snapshot`` also moves layers no live device holds, from the in-memory snapshot a live
+device keeps of them (``planning.snapshots``): its source is that device.
 """
 
 from __future__ import annotations
@@ -156,12 +158,14 @@ class Reroute:
 @dataclass(frozen=True)
 class Transfer:
     """``dst`` receives ``layers`` (weights + optimizer state, ``bytes`` in all) from ``src``:
-    a live device, or ``CHECKPOINT`` when no live device holds them."""
+    a live device, or ``CHECKPOINT`` when no live device holds them. ``snapshot``: no live
+    device holds them either, and ``src`` sends them from its in-memory snapshot."""
 
     src: int | str
     dst: int
     layers: tuple[int, ...]
     bytes: float
+    snapshot: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.src, str) and self.src != CHECKPOINT:
@@ -173,14 +177,24 @@ class Transfer:
     def from_checkpoint(self) -> bool:
         return self.src == CHECKPOINT
 
+    @property
+    def from_peer(self) -> bool:
+        """A live holder sends the layers from its training state (not a checkpoint, not a
+        snapshot)."""
+        return not self.snapshot and self.src != CHECKPOINT
+
     def to_dict(self) -> dict[str, Any]:
-        return {"src": self.src, "dst": self.dst, "layers": list(self.layers), "bytes": self.bytes}
+        out = {"src": self.src, "dst": self.dst, "layers": list(self.layers), "bytes": self.bytes}
+        if self.snapshot:
+            out["snapshot"] = True
+        return out
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Transfer:
         src = d["src"]
         return cls(src if isinstance(src, str) else int(src), int(d["dst"]),
-                   tuple(int(x) for x in d["layers"]), float(d["bytes"]))
+                   tuple(int(x) for x in d["layers"]), float(d["bytes"]),
+                   bool(d.get("snapshot", False)))
 
 
 @dataclass(frozen=True)
@@ -280,6 +294,12 @@ class ExecutionPlan:
         """Layers the transfers take from the checkpoint (sorted): non-empty exactly when some
         layer lost every replica, so peers alone cannot restore the state."""
         return tuple(sorted({x for t in self.transfers if t.from_checkpoint for x in t.layers}))
+
+    @property
+    def snapshot_layers(self) -> tuple[int, ...]:
+        """Layers the transfers take from in-memory snapshots (sorted): they lost every replica
+        too, but a live device keeps a snapshot of them."""
+        return tuple(sorted({x for t in self.transfers if t.snapshot for x in t.layers}))
 
     def micro_batch_offset(self, pipeline: int) -> int:
         """First global micro-batch index of ``pipeline``: quotas are laid end to end in

@@ -48,6 +48,7 @@ __all__ = [
     "Precision",
     "RecomputePolicy",
     "Recovery",
+    "RecoverySpec",
     "SpecError",
     "StragglerSpec",
     "TrainingSpec",
@@ -165,6 +166,13 @@ class ClusterSpec:
     recovery: Recovery = "inplace"
     regroup_s: float = 1.0
     tp_bandwidth_bytes_per_s: float | None = None
+    devices_per_node: int | None = None      # cards per node; None: every card on one node
+    host_memory_bytes: float | None = None   # per node, for in-memory snapshots; None: no check
+
+    def node_of(self, card: int) -> int:
+        """The node card ``card`` sits on: nodes hold ``devices_per_node`` consecutive cards
+        (``node * nproc_per_node + local_rank``, as chameleon-run numbers them)."""
+        return 0 if self.devices_per_node is None else card // self.devices_per_node
 
     @property
     def tp_bandwidth(self) -> float:
@@ -237,6 +245,16 @@ class StragglerSpec:
 
 
 @dataclass(frozen=True)
+class RecoverySpec:
+    """The optional [recovery] table. ``snapshot_every``: every how many committed steps each
+    device copies its state into host memory, its own and another node's (0: never; None:
+    the default, chosen from the job's figures so that fault-free training slows by at most
+    2%: ``planning.snapshots.default_every``, resolved by the CLIs)."""
+
+    snapshot_every: int | None = None
+
+
+@dataclass(frozen=True)
 class JobSpec:
     model: ModelProfile
     cluster: ClusterSpec
@@ -244,6 +262,7 @@ class JobSpec:
     planner: PlannerSpec = field(default_factory=PlannerSpec)
     name: str = "job"
     stragglers: StragglerSpec = field(default_factory=StragglerSpec)
+    recovery: RecoverySpec = field(default_factory=RecoverySpec)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], name: str = "job") -> JobSpec:
@@ -285,14 +304,23 @@ class JobSpec:
                        default="inplace")
         return replace(self, cluster=replace(self.cluster, recovery=cast(Recovery, mode)))
 
+    def with_snapshot_every(self, every: int | None) -> JobSpec:
+        """This spec with ``recovery.snapshot_every`` replaced (chameleon-run's
+        ``--snapshot-every``); itself when ``every`` is None."""
+        if every is None:
+            return self
+        checked = _integer({"snapshot_every": every}, "recovery", "snapshot_every", minimum=0)
+        return replace(self, recovery=RecoverySpec(checked))
+
     def to_dict(self) -> dict[str, Any]:
         """Plain data; per-layer figures stay lists so the result reloads with from_dict. An
-        absent ``boundary_bytes`` or ``tp_bandwidth_bytes_per_s`` stays absent (each follows
-        another figure)."""
+        absent ``boundary_bytes``, ``tp_bandwidth_bytes_per_s``, ``devices_per_node``,
+        ``host_memory_bytes`` or ``snapshot_every`` stays absent (each has a default)."""
         out = asdict(self)
         out["model"] = {k: (list(v) if isinstance(v, tuple) else v)
                         for k, v in out["model"].items() if v is not None}
         out["cluster"] = {k: v for k, v in out["cluster"].items() if v is not None}
+        out["recovery"] = {k: v for k, v in out["recovery"].items() if v is not None}
         return out
 
 
@@ -454,20 +482,23 @@ def _parse(data: Mapping[str, Any], name: str) -> JobSpec:
     _check_layout(model, cluster, training)
     planner = _parse_planner(_section(data, "planner", required=False))
     stragglers = _parse_stragglers(_section(data, "stragglers", required=False))
+    recovery = _parse_recovery(_section(data, "recovery", required=False))
     job_name = data.get("name", name)
     if not isinstance(job_name, str):
         raise SpecError(f"name = {job_name!r} is invalid; expected a string.")
     return JobSpec(model=model, cluster=cluster, training=training, planner=planner, name=job_name,
-                   stragglers=stragglers)
+                   stragglers=stragglers, recovery=recovery)
 
 
 def _reject_unknown_tables(data: Mapping[str, Any]) -> None:
     """Fail on a top-level key that is no table of a job file: most often a misspelt table."""
     for key in data:
-        if key not in ("name", "model", "cluster", "training", "planner", "stragglers"):
+        if key not in ("name", "model", "cluster", "training", "planner", "stragglers",
+                       "recovery"):
             raise SpecError(
                 f"unknown top-level key {key!r}; a job file has the tables [model], [cluster], "
-                "[training], optionally [planner] and [stragglers], and an optional name."
+                "[training], optionally [planner], [stragglers] and [recovery], and an optional "
+                "name."
             )
 
 
@@ -491,7 +522,8 @@ def _parse_cluster(c: Mapping[str, Any]) -> ClusterSpec:
     """The [cluster] table. An absent ``tp_bandwidth_bytes_per_s`` stays None, so that it
     follows ``bandwidth_bytes_per_s`` (``ClusterSpec.tp_bandwidth``)."""
     keys = ("devices", "device_memory_bytes", "bandwidth_bytes_per_s", "restart_s",
-            "failure_rate_per_hour", "recovery", "regroup_s", "tp_bandwidth_bytes_per_s")
+            "failure_rate_per_hour", "recovery", "regroup_s", "tp_bandwidth_bytes_per_s",
+            "devices_per_node", "host_memory_bytes")
     _reject_unknown(c, "cluster", keys)
     return ClusterSpec(
         devices=_integer(c, "cluster", "devices"),
@@ -504,6 +536,10 @@ def _parse_cluster(c: Mapping[str, Any]) -> ClusterSpec:
         regroup_s=_number(c, "cluster", "regroup_s", default=1.0),
         tp_bandwidth_bytes_per_s=(_number(c, "cluster", "tp_bandwidth_bytes_per_s", strict=True)
                                   if "tp_bandwidth_bytes_per_s" in c else None),
+        devices_per_node=(_integer(c, "cluster", "devices_per_node")
+                          if "devices_per_node" in c else None),
+        host_memory_bytes=(_number(c, "cluster", "host_memory_bytes", strict=True)
+                           if "host_memory_bytes" in c else None),
     )
 
 
@@ -528,6 +564,13 @@ def _check_layout(model: ModelProfile, cluster: ClusterSpec, training: TrainingS
     """Fail on an initial layout the cluster or the model cannot hold: each table may be
     valid alone and the job still impossible (more stages than layers, more units than cards)."""
     tp = training.tp
+    per_node = cluster.devices_per_node
+    if per_node is not None and (cluster.devices % per_node or per_node % tp):
+        raise SpecError(
+            f"cluster.devices_per_node = {per_node} does not divide cluster.devices = "
+            f"{cluster.devices} into whole nodes of whole units of training.tp = {tp} cards; "
+            "give the cards of one node, a multiple of tp that divides the devices."
+        )
     if cluster.devices % tp:
         raise SpecError(
             f"cluster.devices = {cluster.devices} is not a multiple of training.tp = {tp}; "
@@ -570,6 +613,13 @@ def _parse_stragglers(p: Mapping[str, Any]) -> StragglerSpec:
         )
     return StragglerSpec(threshold, recover,
                          _integer(p, "stragglers", "window", minimum=1, default=5))
+
+
+def _parse_recovery(r: Mapping[str, Any]) -> RecoverySpec:
+    """The optional [recovery] table: absent keys take their defaults."""
+    _reject_unknown(r, "recovery", ("snapshot_every",))
+    every = _integer(r, "recovery", "snapshot_every", minimum=0) if "snapshot_every" in r else None
+    return RecoverySpec(every)
 
 
 def _parse_planner(p: Mapping[str, Any]) -> PlannerSpec:

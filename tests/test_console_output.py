@@ -107,7 +107,7 @@ def test_piped_text_lines_are_not_folded() -> None:
     # The summary of a failure is one line a script can grep, not folded at 80 columns.
     proc = _run(list(TABLE_COMMANDS["plan"][0]), COLUMNS="80")
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("failure of [1, 3]"))
-    assert "layers 4-7 was lost: they come from the checkpoint" in line
+    assert "layers 4-7 was lost: they come from in-memory snapshots" in line
     assert line.endswith("(--policy replan or auto).")
 
 

@@ -122,6 +122,15 @@ def build_parser() -> argparse.ArgumentParser:
                             "and take state from peers) or relaunch (stop and restart every "
                             "worker). Scripts that do not use the runtime are always relaunched. "
                             "Default: the job's cluster.recovery.")
+    group.add_argument("--snapshot-every", "--snapshot_every", action=env, type=int,
+                       default=None, metavar="K",
+                       help="Runtime scripts recovering in place: every K committed steps each "
+                            "device copies its state into host memory, its own and a device's "
+                            "on another node, so layers that lose every replica come back from "
+                            "memory (the steps since are trained again) instead of from a "
+                            "checkpoint on disk. 0: no snapshots. Default: the job's [recovery] "
+                            "snapshot_every, else the least K for which the snapshots cost at "
+                            "most 2%% of the estimated step time.")
     group.add_argument("--stragglers", action=env, type=str, default="auto",
                        choices=("auto", "off"),
                        help="auto (default): a device whose measured speed stays below the "
@@ -231,6 +240,12 @@ def _make_session(parser: argparse.ArgumentParser, args: argparse.Namespace, npr
             except SpecError as exc:
                 raise SpecError(f"--profile {args.profile}: {exc}") from exc
         spec = spec.with_recovery(args.recovery)  # the flag wins, for the planner too
+        if args.snapshot_every is not None and args.snapshot_every < 0:
+            raise SpecError(f"--snapshot-every {args.snapshot_every} is invalid; pass an "
+                            "integer >= 0 (0: no snapshots).")
+        spec = spec.with_snapshot_every(args.snapshot_every)
+        spec = dataclasses.replace(spec, cluster=dataclasses.replace(
+            spec.cluster, devices_per_node=nproc))   # where snapshot partners are
     except (SpecError, ProfileError) as exc:
         parser.error(str(exc))
     world = nproc * max_nodes

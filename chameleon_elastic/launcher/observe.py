@@ -239,6 +239,8 @@ def recovery_line(what: str, plan: Any, *, inplace: bool, started: int, moved_la
         here = f"{_megabytes(moved_bytes)} to this node" if moved_bytes else "none to this node"
         parts.append(f"moved {moved_layers} layer{'s' if moved_layers != 1 else ''} from peers "
                      f"({here})")
+    elif source == "snapshot" and resumed_step is not None:
+        parts.append(f"restored from the in-memory snapshot of step {resumed_step}")
     elif source == "checkpoint" and resumed_step is not None:
         parts.append(f"restored from the checkpoint of step {resumed_step}")
     elif source == "init" and redone:

@@ -72,13 +72,19 @@ class PlanChange:
 
 def _planning_api() -> SimpleNamespace:
     """The planner's documented entry points (imported lazily: the launcher runs without it)."""
-    from chameleon_elastic.planning import PlanCache, PlanningError, decide, initial_plan
+    from chameleon_elastic.planning import (
+        PlanCache,
+        PlanningError,
+        decide,
+        initial_plan,
+        resolve_snapshots,
+    )
     from chameleon_elastic.planning.stragglers import decide_speeds
     from chameleon_elastic.planning.units import unit_spec
 
     return SimpleNamespace(PlanCache=PlanCache, PlanningError=PlanningError, decide=decide,
                            initial_plan=initial_plan, unit_spec=unit_spec,
-                           decide_speeds=decide_speeds)
+                           decide_speeds=decide_speeds, resolve_snapshots=resolve_snapshots)
 
 
 def _summary(plan: ExecutionPlan) -> dict[str, Any]:
@@ -101,6 +107,10 @@ class JobSession:
             raise ValueError(f"unknown policy {policy!r}; expected one of {CLI_POLICIES}")
         planning = _planning_api()
         self._planning = planning
+        try:   # the snapshot interval the workers take (CHAMELEON_SNAPSHOT_EVERY), priced too
+            spec = planning.resolve_snapshots(spec)
+        except planning.PlanningError as exc:
+            raise NoPlanError(f"no initial plan for job {spec.name!r}: {exc}") from exc
         self.spec = spec
         self.planned = planning.unit_spec(spec)   # what the planner sees: units of tp cards
         self.policy = policy

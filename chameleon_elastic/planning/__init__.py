@@ -6,8 +6,8 @@ Pure Python on numpy/scipy/networkx; never imports torch, so the launcher, the s
 
 from .cache import PlanCache
 from .estimator import evaluate
-from .search import Decision, PlanningError, decide, initial_plan
+from .search import Decision, PlanningError, decide, initial_plan, resolve_snapshots
 from .units import tp_allreduce_s, unit_spec
 
 __all__ = ["Decision", "PlanCache", "PlanningError", "decide", "evaluate", "initial_plan",
-           "tp_allreduce_s", "unit_spec"]
+           "resolve_snapshots", "tp_allreduce_s", "unit_spec"]

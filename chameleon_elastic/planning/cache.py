@@ -184,7 +184,7 @@ def _relabel_transfers(transfers: tuple[Transfer, ...], mapping: dict[int, int],
     for i in hit:
         t = out[i]
         src = t.src if t.from_checkpoint else mapping.get(int(t.src), t.src)
-        out[i] = Transfer(src, mapping.get(t.dst, t.dst), t.layers, t.bytes)
+        out[i] = Transfer(src, mapping.get(t.dst, t.dst), t.layers, t.bytes, t.snapshot)
     return tuple(out)
 
 

@@ -28,6 +28,7 @@ from ..spec import (
     unit_of,
     units_of,
 )
+from . import snapshots
 from .search import (
     Decision,
     PlanningError,
@@ -36,6 +37,7 @@ from .search import (
     compact_ids,
     decide,
     initial_plan,
+    resolve_snapshots,
 )
 from .stragglers import decide_speeds
 from .units import unit_spec
@@ -65,7 +67,9 @@ EXAMPLES: tuple[tuple[str, str], ...] = (
     ("chameleon-plan --preset llama2-7b-910b", "the initial layout of the paper's 8 devices"),
     ("chameleon-plan --preset llama2-7b-910b --fail 3", "device 3 fails: reroute or re-plan?"),
     ("chameleon-plan --preset tiny-cpu --fail 1,3",
-     "a stage loses every replica: re-plan, those layers from the checkpoint"),
+     "a stage loses every replica: re-plan, those layers from in-memory snapshots"),
+    ("chameleon-plan --preset tiny-cpu --fail 1,3 --snapshot-every 0",
+     "the same without snapshots: those layers from the checkpoint"),
     ("chameleon-plan --job chameleon_elastic/presets/tiny-cpu.toml --fail 1 --fail 2 --json",
      "two failures one after the other, as JSON"),
     ("chameleon-plan --preset llama2-7b-910b-32 --fail-count 4 --seed 1 --policy replan",
@@ -83,9 +87,12 @@ def _epilog() -> str:
     return help_epilog(
         EXAMPLES, "policies (--policy NAME):",
         [(p, POLICY_HELP.get(p, "")) for p in get_args(PolicyChoice)],
-        ["When a stage loses every replica, the re-plan loads those layers from the checkpoint:",
-         'the transfers table shows "checkpoint" as their source, and the failure\'s summary',
-         "names them. Stages that recompute their activations in the backward (the job's",
+        ["When a stage loses every replica, the re-plan takes those layers from the in-memory",
+         "snapshot a live partner keeps (\"snapshot\" after the source in the transfers table;",
+         "the steps since the last snapshot are priced as trained again), else from the",
+         'checkpoint ("checkpoint" as the source); the failure\'s summary names them. The',
+         "snapshots line gives the interval, who keeps whose copy and the host memory per",
+         "node (cluster.devices_per_node, cluster.host_memory_bytes). Stages that recompute their activations in the backward (the job's",
          "planner.recompute) are listed per pipeline in the layout's recompute column, and as",
          "per-stage flags in the JSON's pipelines[].recompute. Tables are as wide as their",
          "cells when the output is not a terminal.",
@@ -169,6 +176,10 @@ def build_parser() -> CliParser:
                    help="how processes switch to a re-plan, overriding the job's "
                         "cluster.recovery: inplace (regroup, cluster.regroup_s) or relaunch "
                         "(restart, cluster.restart_s)")
+    p.add_argument("--snapshot-every", metavar="K", type=int, default=None,
+                   help="in-memory snapshots every K steps, overriding the job's [recovery] "
+                        "snapshot_every (0: none; default: the job's, else the least K that "
+                        "costs at most 2%% of the step time), as chameleon-run takes them")
     p.add_argument("--json", action="store_true",
                    help="print the final plan as JSON, with a 'decisions' list, instead of tables")
     return p
@@ -246,6 +257,7 @@ def _decision_record(failed: list[int], d: Decision, cards: list[int] | None = N
         "step_time_s": {k: p.estimate.step_time_s for k, p in d.candidates.items()},
         "transition_time_s": {k: p.estimate.transition_time_s for k, p in d.candidates.items()},
         "checkpoint_layers": list(d.chosen.checkpoint_layers),
+        "snapshot_layers": list(d.chosen.snapshot_layers),
         "rejected": d.rejected,
     }
 
@@ -256,6 +268,10 @@ def run(args: argparse.Namespace) -> tuple[ExecutionPlan, JobSpec, list[dict]]:
     ``tp = 1``). Raises SpecError / RequestError for a wrong request, PlanningError when there
     is no plan."""
     job = load_job(args.job, args.preset).with_recovery(args.recovery)
+    if args.snapshot_every is not None and args.snapshot_every < 0:
+        raise RequestError(f"--snapshot-every {args.snapshot_every} is invalid; pass an "
+                           "integer >= 0 (0: no snapshots).")
+    job = resolve_snapshots(job.with_snapshot_every(args.snapshot_every))
     spec = unit_spec(job)
     tp = job.training.tp
     plan = initial_plan(spec)
@@ -340,8 +356,8 @@ def _transfer_table(plan: ExecutionPlan, names: _Names) -> Table:
     for col in ("source", "receiver", "layers", "size per card" if names.units else "size"):
         table.add_column(col)
     for t in plan.transfers[:MAX_TRANSFER_ROWS]:
-        table.add_row(names.short(t.src), names.short(t.dst), compact_ids(t.layers),
-                      _gb(t.bytes))
+        src = names.short(t.src) + (" (snapshot)" if t.snapshot else "")
+        table.add_row(src, names.short(t.dst), compact_ids(t.layers), _gb(t.bytes))
     hidden = len(plan.transfers) - MAX_TRANSFER_ROWS
     if hidden > 0:
         table.caption = f"{hidden} more (--json lists them all)"
@@ -394,6 +410,7 @@ def _render(plan: ExecutionPlan, job: JobSpec, records: list[dict]) -> None:
                       f"(pipeline {r.pipeline}, stage {r.stage}): {shares}")
     if plan.transfers:
         console.print(_transfer_table(plan, names))
+    console.print(_snapshot_line(plan, job))
     console.print(f"gradient all-reduce: {len(plan.allreduce_rounds)} round(s), "
                   f"{sum(len(r) for r in plan.allreduce_rounds)} group(s)")
     peak = max(est.peak_memory_bytes.values())
@@ -414,12 +431,32 @@ def _render(plan: ExecutionPlan, job: JobSpec, records: list[dict]) -> None:
             line += (f"; {rec['chosen']} step {rec['step_time_s'][rec['chosen']]:.4f} s + "
                      f"{rec['transition_time_s'][rec['chosen']]:.2f} s transition vs {k} step "
                      f"{rec['step_time_s'][k]:.4f} s + {rec['transition_time_s'][k]:.2f} s")
+        if rec["snapshot_layers"]:
+            line += (f"; every replica of layers {compact_ids(rec['snapshot_layers'])} was "
+                     "lost: they come from in-memory snapshots (the steps since the last one "
+                     "are trained again)")
         if rec["checkpoint_layers"]:
             line += (f"; every replica of layers {compact_ids(rec['checkpoint_layers'])} was "
                      "lost: they come from the checkpoint")
         for k, why in rec["rejected"].items():
             line += f"; {k} impossible: {why}"
         console.print(line)
+
+
+def _snapshot_line(plan: ExecutionPlan, job: JobSpec) -> str:
+    """``snapshots: every 4 steps, kept by 0->2 1->3 2->0 3->1; host memory per node: ...``"""
+    every = snapshots.every(job)
+    if not every:
+        why = snapshots.why_none(job) or "snapshot_every = 0"
+        return f"snapshots: none ({why})"
+    spec = unit_spec(job)
+    pairs = snapshots.partners(plan, spec.cluster.devices_per_node)
+    kept = " ".join(f"{d}->{p}" for d, p in sorted(pairs.items())) or "nobody (replicas only)"
+    limit = job.cluster.host_memory_bytes
+    per_node = ", ".join(f"node {n} {_gb(b)}" for n, b in
+                         sorted(snapshots.host_bytes(spec, plan).items()))
+    return (f"snapshots: every {every} steps, copies kept by {kept}; host memory per node: "
+            f"{per_node}" + ("" if limit is None else f" of {_gb(limit)}"))
 
 
 def _failed_label(record: dict, names: _Names) -> str:
@@ -439,6 +476,16 @@ def _to_json(plan: ExecutionPlan, job: JobSpec, records: list[dict]) -> dict:
     if tp > 1:
         out["tp"] = tp
         out["units"] = {str(u): list(cards_of(u, tp)) for u in range(job.cluster.devices // tp)}
+    every = snapshots.every(job)
+    spec = unit_spec(job)
+    out["snapshots"] = {
+        "every": every,
+        "partners": {str(d): p for d, p in sorted(
+            (snapshots.partners(plan, spec.cluster.devices_per_node) if every else {}).items())},
+        "host_bytes_per_node": {str(n): b for n, b in sorted(
+            snapshots.host_bytes(spec, plan).items())},
+        "host_memory_bytes": job.cluster.host_memory_bytes,
+    }
     out["decisions"] = records
     return out
 

@@ -52,7 +52,9 @@ switching, ``cluster.switch_s``: rebuilding the process groups in the live proce
 (``regroup_s``) under in-place recovery, a process restart (``restart_s``) under relaunch.
 Layers loaded from the checkpoint (every replica died) are priced like any transfer, at the
 receiver's link; the checkpoint store is not a device and has no send side to be busiest. That
-ignores the steps redone since the checkpoint, which the planner cannot know. The plan search
+ignores the steps redone since the checkpoint, which the planner cannot know. Layers taken from
+an in-memory snapshot (``planning.snapshots``) are priced as a transfer from the device that
+keeps it, plus the steps trained again: half a snapshot interval on average. The plan search
 itself is ~0 because plans are cached ahead of failures.
 
 Score (the paper's objective): ``throughput * t_run / (t_transition + t_run)`` with ``t_run``
@@ -75,6 +77,7 @@ from functools import lru_cache
 
 from ..plan import AllReduceGroup, Estimate, ExecutionPlan, Pipeline, Transfer
 from ..spec import ELEMENT_BYTES, JobSpec, ModelProfile
+from . import snapshots
 from .schedule import (
     Lane,
     Stream,
@@ -448,12 +451,17 @@ def fits_in_memory(spec: JobSpec, plan: ExecutionPlan) -> bool:
     return all(m <= limit for m in peak_memory(spec, plan).values())
 
 
-def transition_time(spec: JobSpec, plan: ExecutionPlan) -> float:
+def transition_time(spec: JobSpec, plan: ExecutionPlan, step_s: float = 0.0) -> float:
     """Seconds to switch to ``plan``: 0 for initial and reroute; for a re-plan, its transfers
-    plus ``cluster.switch_s`` (regroup in place, or restart under relaunch)."""
-    if plan.policy == "replan":
-        return transfer_time(spec, plan.transfers) + spec.cluster.switch_s
-    return 0.0
+    plus ``cluster.switch_s`` (regroup in place, or restart under relaunch), plus, when it
+    takes layers from in-memory snapshots, the steps trained again since the last one at
+    ``step_s`` each (``snapshots.redone_s``)."""
+    if plan.policy != "replan":
+        return 0.0
+    seconds = transfer_time(spec, plan.transfers) + spec.cluster.switch_s
+    if plan.snapshot_layers:
+        seconds += snapshots.redone_s(spec, step_s)
+    return seconds
 
 
 def evaluate(spec: JobSpec, plan: ExecutionPlan,
@@ -467,7 +475,7 @@ def evaluate(spec: JobSpec, plan: ExecutionPlan,
             "pipelines quotas summing to the global batch."
         )
     throughput = plan.global_micro_batches * spec.training.micro_batch_size / step
-    transition = transition_time(spec, plan)
+    transition = transition_time(spec, plan, step)
     run = spec.cluster.expected_run_s(len(plan.live_devices))
     return Estimate(
         step_time_s=step,

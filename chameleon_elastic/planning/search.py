@@ -56,7 +56,7 @@ from typing import Literal
 
 from ..plan import ExecutionPlan, PeerShare, Pipeline, Reroute
 from ..spec import PER_LAYER_KEYS, JobSpec, ModelProfile
-from . import estimator
+from . import estimator, snapshots
 from .restorer import allreduce_rounds, class_round_sizes, place
 
 __all__ = [
@@ -479,6 +479,7 @@ def _recompute_note(spec: JobSpec) -> str:
 
 
 def _memory_ok(spec: JobSpec, plan: ExecutionPlan) -> tuple[bool, str]:
+    """Device memory (the estimate's peaks), then the host memory the plan's snapshots take."""
     peaks = plan.estimate.peak_memory_bytes
     limit = spec.cluster.device_memory_bytes
     device = max(peaks, key=peaks.__getitem__)  # the first busiest, as max() over items gives
@@ -486,7 +487,24 @@ def _memory_ok(spec: JobSpec, plan: ExecutionPlan) -> tuple[bool, str]:
     if peak > limit:
         return False, (f"device {device} would need {peak / 1e9:.2f} GB but "
                        f"cluster.device_memory_bytes is {limit / 1e9:.2f} GB")
-    return True, ""
+    problem = snapshots.host_memory_problem(spec, plan)
+    return (False, problem) if problem else (True, "")
+
+
+def _with_snapshots(spec: JobSpec, current: ExecutionPlan, failed: Collection[int],
+                    plan: ExecutionPlan) -> ExecutionPlan:
+    """A re-plan that loads lost layers from the checkpoint takes them from a live
+    partner's in-memory snapshot where one keeps them, priced with the steps trained again
+    (``planning.snapshots``); its step time and memory do not change."""
+    taken = snapshots.from_snapshots(spec, current, failed, plan)
+    if taken is plan or plan.estimate is None:
+        return plan
+    was = plan.estimate
+    transition = estimator.transition_time(spec, taken, was.step_time_s)
+    run = spec.cluster.expected_run_s(len(taken.live_devices))
+    return replace(taken, estimate=replace(
+        was, transition_time_s=transition,
+        score=estimator.score(was.throughput, transition, run))).validate()
 
 
 # --------------------------------------------------------------------------- plans
@@ -509,7 +527,26 @@ def initial_plan(spec: JobSpec) -> ExecutionPlan:
         for i, p in enumerate(layout.pipelines)
     )
     spare = tuple(range(dp * pp, spec.cluster.devices))
-    return _finish(spec, ExecutionPlan("initial", 0, pipelines, spare_devices=spare))
+    plan = _finish(spec, ExecutionPlan("initial", 0, pipelines, spare_devices=spare))
+    problem = snapshots.host_memory_problem(spec, plan)
+    if problem:
+        raise PlanningError(
+            f"the initial layout's in-memory snapshots do not fit: {problem}; raise "
+            "cluster.host_memory_bytes, spread the devices over more nodes "
+            "(cluster.devices_per_node), or take no snapshots ([recovery] snapshot_every = 0).")
+    return plan
+
+
+def resolve_snapshots(spec: JobSpec) -> JobSpec:
+    """``spec`` with its snapshot interval decided: the job's (``[recovery] snapshot_every``,
+    ``--snapshot-every``), else the default for its initial layout
+    (``snapshots.default_every``); none where a recovery restarts every process (their memory
+    goes with them) or under tensor parallelism (not yet supported)."""
+    if spec.recovery.snapshot_every is not None:
+        return spec
+    if snapshots.why_none(spec):
+        return spec.with_snapshot_every(0)
+    return spec.with_snapshot_every(snapshots.default_every(spec, initial_plan(spec)))
 
 
 def reroute_plan(spec: JobSpec, current: ExecutionPlan, failed: Collection[int],
@@ -718,7 +755,11 @@ def _placed(spec: JobSpec, current: ExecutionPlan, layout: _Layout,
         raise PlanningError(f"cannot re-plan: {exc}") from exc
     plan = ExecutionPlan("replan", current.generation + 1, placed.pipelines,
                          spare_devices=placed.spare_devices, transfers=placed.transfers)
-    return _finish(spec, plan)
+    plan = _finish(spec, plan)
+    problem = snapshots.host_memory_problem(spec, plan)
+    if problem:
+        raise PlanningError(f"cannot re-plan: {problem}.")
+    return plan
 
 
 def check_event(spec: JobSpec, current: ExecutionPlan, failed: Collection[int],
@@ -763,9 +804,10 @@ def decide(spec: JobSpec, current: ExecutionPlan, failed: Collection[int] = (),
             rejected["reroute"] = str(exc)
     if policy in ("auto", "replan"):
         try:
-            candidates["replan"] = replanned if replanned is not None else _replan_to_beat(
-                spec, current, failed, joined,
-                None if price_all else candidates.get("reroute"))
+            candidates["replan"] = _with_snapshots(spec, current, failed, (
+                replanned if replanned is not None else _replan_to_beat(
+                    spec, current, failed, joined,
+                    None if price_all else candidates.get("reroute"))))
         except PlanningError as exc:
             rejected["replan"] = str(exc)
     if not candidates:

@@ -71,7 +71,9 @@ def _unit_spec(spec: JobSpec) -> JobSpec:
         spec,
         model=_unit_model(spec),
         cluster=replace(cluster, devices=cluster.devices // tp,
-                        failure_rate_per_hour=cluster.failure_rate_per_hour * tp),
+                        failure_rate_per_hour=cluster.failure_rate_per_hour * tp,
+                        devices_per_node=(None if cluster.devices_per_node is None
+                                          else cluster.devices_per_node // tp)),
         training=replace(spec.training, tp=1, tp_efficiency=1.0),
     )
 

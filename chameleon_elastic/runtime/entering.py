@@ -70,6 +70,7 @@ def enter(t: TrainerState, plan: ExecutionPlan, reported: int | None) -> Entry:
     t.phases(-1 if t.committed is None else t.committed, "enter")
     if t.saving is not None:   # ended (committed or not) before rows say which one is latest
         t.saving.settle(t.timeouts.collective_s)
+    t.snapshots.settle(t.timeouts.collective_s)   # ended before anything changes the state
     plan.validate()
     if plan.num_layers != t.model.num_layers:
         raise PipelineRuntimeError(
@@ -140,7 +141,7 @@ def _settle_reporting(t: TrainerState, source: str, agreement: Agreement,
     assert t.committed is not None
     start = t.committed
     known = max(agreement.reported, t.reported, -1 if reported is None else reported)
-    if source in ("checkpoint", "init"):
+    if source in ("snapshot", "checkpoint", "init"):
         # a fresh world or a rollback: steps reported already are trained (and said) again
         t.reported = start - 1
         if start <= known:

@@ -29,9 +29,12 @@ from torch import nn
 from .errors import PipelineRuntimeError
 from .tensor_parallel import full, is_dtensor, local, local_piece
 
-__all__ = ["LayerState", "export_layer", "import_layer", "recv_layer", "send_layer"]
+__all__ = ["LayerState", "Packed", "export_layer", "import_layer", "pack_layer", "packed_bytes",
+           "recv_layer", "recv_packed", "send_layer", "send_packed", "unpack"]
 
 OptimizerState = list[dict[str, Any]]
+#: a layer's state as it travels: a JSON-able header and one flat buffer per dtype
+Packed = tuple[dict[str, Any], list[torch.Tensor]]
 _TAGS = 16  # tags per layer: header length, header, then one per dtype buffer
 
 
@@ -63,21 +66,26 @@ class LayerState:
 
 
 def export_layer(layer: int, module: nn.Module, optimizer: torch.optim.Optimizer | None,
-                 whole: bool = False, extras: Mapping[str, Any] | None = None) -> LayerState:
+                 whole: bool = False, extras: Mapping[str, Any] | None = None,
+                 copy: bool = True) -> LayerState:
     """Detached copies of the layer's state (and of its registered objects' ``extras``). A
     tensor-parallel layer gives this card's shards, or, with ``whole``, the whole tensors (a
     collective over its unit: every card of the unit must export the same layers in the same
-    order)."""
+    order). ``copy=False``: detached views of the live tensors, for a caller that copies them
+    at once (:func:`pack_layer`)."""
     take = full if whole else local
 
-    def copy(v: Any) -> Any:
-        return take(v).detach().clone() if isinstance(v, torch.Tensor) else v
+    def dup(v: Any) -> Any:
+        if not isinstance(v, torch.Tensor):
+            return v
+        v = take(v).detach()
+        return v.clone() if copy else v
 
     opt_state = [] if optimizer is None else [
-        {k: copy(v) for k, v in optimizer.state.get(p, {}).items()} for p in module.parameters()]
-    extra = {name: {k: copy(v) for k, v in obj.state_dict().items()}
+        {k: dup(v) for k, v in optimizer.state.get(p, {}).items()} for p in module.parameters()]
+    extra = {name: {k: dup(v) for k, v in obj.state_dict().items()}
              for name, obj in (extras or {}).items()}
-    return LayerState(layer, {k: copy(v) for k, v in module.state_dict().items()}, opt_state,
+    return LayerState(layer, {k: dup(v) for k, v in module.state_dict().items()}, opt_state,
                       extra)
 
 
@@ -167,10 +175,35 @@ def _unflatten(header: dict[str, Any], buffers: list[torch.Tensor],
     return LayerState(int(header["layer"]), params, optimizer, extra)
 
 
+def pack_layer(layer: int, module: nn.Module, optimizer: torch.optim.Optimizer | None,
+               extras: Mapping[str, Any] | None = None, device: torch.device | None = None
+               ) -> Packed:
+    """One copy of the layer's state, packed for the wire, on ``device`` (host memory by
+    default): one buffer per dtype is the only copy made, and it is what a send sends and
+    what :func:`unpack` reads back."""
+    return _flatten(export_layer(layer, module, optimizer, extras=extras, copy=False),
+                    device or torch.device("cpu"))
+
+
+def packed_bytes(packed: Packed) -> int:
+    return sum(b.numel() * b.element_size() for b in packed[1])
+
+
+def unpack(packed: Packed, device: torch.device) -> LayerState:
+    """The state a packed layer holds (copies: the packed buffers stay as they were)."""
+    return _unflatten(*packed, device)
+
+
 def send_layer(state: LayerState, dst: int, tag: int, device: torch.device,
                isend: Callable[..., Any]) -> list[tuple[Any, torch.Tensor]]:
     """Post the three messages of one layer; returns (work, tensor) pairs to wait on."""
-    header, buffers = _flatten(state, device)
+    return send_packed(_flatten(state, device), dst, tag, device, isend)
+
+
+def send_packed(packed: Packed, dst: int, tag: int, device: torch.device,
+                isend: Callable[..., Any]) -> list[tuple[Any, torch.Tensor]]:
+    """:func:`send_layer` for a layer packed already (on ``device``)."""
+    header, buffers = packed
     raw = torch.frombuffer(bytearray(json.dumps(header).encode()), dtype=torch.uint8).to(device)
     length = torch.tensor([raw.numel()], dtype=torch.int64, device=device)
     pending = []
@@ -181,6 +214,11 @@ def send_layer(state: LayerState, dst: int, tag: int, device: torch.device,
 
 def recv_layer(src: int, tag: int, device: torch.device,
                recv: Callable[..., Any]) -> LayerState:
+    return _unflatten(*recv_packed(src, tag, device, recv), device)
+
+
+def recv_packed(src: int, tag: int, device: torch.device, recv: Callable[..., Any]) -> Packed:
+    """The messages of one layer, left packed."""
     length = torch.zeros(1, dtype=torch.int64, device=device)
     recv(length, src=src, tag=tag * _TAGS)
     raw = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
@@ -191,4 +229,4 @@ def recv_layer(src: int, tag: int, device: torch.device,
         buf = torch.empty(numel, dtype=getattr(torch, key), device=device)
         recv(buf, src=src, tag=tag * _TAGS + part)
         buffers.append(buf)
-    return _unflatten(header, buffers, device)
+    return header, buffers

@@ -16,7 +16,7 @@ raises :class:`~.errors.PeerLost`, so a failure during recovery starts the next 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +31,7 @@ from .errors import PeerLost
 from .layer_state import LayerState, export_layer, recv_layer, send_layer
 from .topology import RankMap
 
-__all__ = ["Move", "move_layers", "needs", "plan_moves", "stage_layers"]
+__all__ = ["Move", "move_layers", "move_states", "needs", "plan_moves", "stage_layers"]
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ def plan_moves(plan: ExecutionPlan, agreement: Agreement,
     """(moves, whether they are the plan's own transfers). ``held``: device -> range it holds
     at the agreed step, for the processes that hold state."""
     wanted = needs(plan, held)
-    planned = [t for t in plan.transfers if not t.from_checkpoint]
+    planned = [t for t in plan.transfers if t.from_peer]
     covered = sorted((t.dst, x) for t in planned for x in t.layers)
     expected = sorted((d, x) for d, layers in wanted.items() for x in layers)
     if covered == expected and all(
@@ -87,15 +87,22 @@ def move_layers(moves: Sequence[Move], device: int, ranks: RankMap,
     their registered objects, ``extras``: layer -> name -> object),
     receive what it must receive; returns layer -> state. Under tensor parallelism every card
     moves its own shards, to and from the cards of the same tensor-parallel rank."""
+    return move_states(moves, device, ranks, lambda layer: export_layer(
+        layer, layers[layer], optimizer, extras=(extras or {}).get(layer)), torch_device, tp_rank)
+
+
+def move_states(moves: Sequence[Move], device: int, ranks: RankMap,
+                state_of: Callable[[int], LayerState], torch_device: torch.device,
+                tp_rank: int = 0) -> dict[int, LayerState]:
+    """:func:`move_layers` for states at hand: what ``device`` sends comes from
+    ``state_of(layer)`` (its live layers, or an in-memory snapshot of them)."""
     pending = []
     try:
         for m in moves:
             if m.src == device:
                 for layer in m.layers:
-                    state = export_layer(layer, layers[layer], optimizer,
-                                         extras=(extras or {}).get(layer))
-                    pending += send_layer(state, ranks.rank(m.dst, tp_rank), layer, torch_device,
-                                          dist.isend)
+                    pending += send_layer(state_of(layer), ranks.rank(m.dst, tp_rank), layer,
+                                          torch_device, dist.isend)
         received = {}
         for m in sorted(moves, key=lambda m: (m.src, m.layers)):
             if m.dst == device:

@@ -1,15 +1,20 @@
-"""Where a device's layers come from when it enters a plan: peers, the checkpoint, or the seed.
+"""Where a device's layers come from when it enters a plan: peers, a snapshot, the checkpoint,
+or the seed.
 
 Every rank sees the same agreement (:mod:`.commit`), so every rank takes the same branch:
 
 - **peers** (the normal case): the layers every rank holds at the agreed step; what a device
   lacks is moved point to point from a live holder (:mod:`.migrate`), with its optimizer state;
-- **checkpoint**: some layer has no live holder, or nobody holds state (a fresh world), and a
-  checkpoint exists: every rank loads the last committed one under the new plan;
+- **snapshot**: some layer has no live holder, and an in-memory snapshot of every layer
+  survives (:mod:`.snapshots`; all-gathered inventories): every rank goes back to the newest
+  one every layer shares, unless a newer checkpoint exists; the steps since are trained again;
+- **checkpoint**: some layer has no live holder and no snapshot (then one sentence says so),
+  or nobody holds state (a fresh world), and a checkpoint exists: every rank loads the last
+  committed one under the new plan;
 - **init**: nobody holds state past step 0, or a checkpointing job lost some layer before its
   first checkpoint: layers are built from their seeds, step 0.
 
-A layer held nowhere with no checkpoint to restore it from ends training
+A layer held nowhere with no snapshot or checkpoint to restore it from ends training
 (:class:`~.commit.StateLost`); a plan that counted on a holder that died while it was being
 made raises :class:`~.errors.PeerLost`, and the next generation knows better. Why a module of
 its own: the choice of source is the one decision of entering a plan that can lose work, and it
@@ -21,6 +26,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from chameleon_elastic.plan import ExecutionPlan
 
@@ -31,6 +37,7 @@ from .errors import PeerLost, PipelineRuntimeError
 from .layer_state import LayerState
 from .migrate import move_layers, plan_moves, stage_layers
 from .precision import LossScale
+from .snapshots import Found, gather_inventories, newest_common, restore_snapshot
 from .topology import RankMap
 from .user_state import load_states, share_job_state
 
@@ -44,12 +51,24 @@ def restore(t: TrainerState, plan: ExecutionPlan, rows: list[Row], agreement: Ag
             ranks: RankMap) -> tuple[str, int, float]:
     """Hold this device's layers of ``plan`` at one step every rank agrees on, and set
     ``t.committed`` to it. Returns the source (``peers``, ``none``: nothing to move,
-    ``checkpoint`` or ``init``), the layers moved in the job and the bytes received here."""
+    ``snapshot``, ``checkpoint`` or ``init``), the layers moved in the job and the bytes
+    received here."""
     wanted = stage_layers(plan, t.device)
     resume = agreement.resume
     orphans = [] if resume is None else agreement.orphans(plan.num_layers)
     if resume is not None and not orphans:
         return _from_peers(t, plan, rows, agreement, ranks, wanted)
+    if resume is not None:   # some layers have no live holder: a snapshot may keep them
+        found = newest_common(gather_inventories(t.snapshots, t.device, plan.num_layers,
+                                                 ranks), plan.num_layers)
+        if found is not None and (agreement.checkpoint is None
+                                  or found.step >= agreement.checkpoint):
+            return _from_snapshot(t, plan, ranks, found, wanted)
+        if found is None and agreement.checkpoint is not None and t.snapshots.every \
+                and dist.get_rank() == 0:
+            print(f"chameleon: layers {_ranges(tuple(orphans))} were lost with every device "
+                  "that held them and no in-memory snapshot of them survived: restoring the "
+                  f"checkpoint of step {agreement.checkpoint} from disk.", flush=True)
     if agreement.checkpoint is not None:
         return _from_checkpoint(t, agreement.checkpoint, wanted)
     if not resume:   # nobody holds state, or only step 0's: the seeded start
@@ -66,11 +85,12 @@ def restore(t: TrainerState, plan: ExecutionPlan, rows: list[Row], agreement: Ag
     # so all take the same branch.
     if t.checkpoint_dir is not None:   # a checkpointing job before its first one
         return _afresh(t, wanted)
+    snapshots = ", no in-memory snapshot of them survived" if t.snapshots.every else ""
     raise StateLost(
-        f"layers {_ranges(tuple(orphans))} were lost with every device that held them and "
-        f"the job has no checkpoint to restore them from (step {resume} was committed); "
-        "training cannot go on. Give the script a checkpoint directory to survive such a "
-        "loss."
+        f"layers {_ranges(tuple(orphans))} were lost with every device that held them"
+        f"{snapshots} and the job has no checkpoint to restore them from (step {resume} was "
+        "committed); training cannot go on. Give the script a checkpoint directory to survive "
+        "such a loss."
     )
 
 
@@ -88,6 +108,24 @@ def _from_peers(t: TrainerState, plan: ExecutionPlan, rows: list[Row], agreement
     t.loss_scale = LossScale(*agreement.scale, fixed=t.loss_scale.fixed)
     return ("peers" if moves else "none", sum(len(m.layers) for m in moves),
             float(sum(s.nbytes for s in received.values())))
+
+
+def _from_snapshot(t: TrainerState, plan: ExecutionPlan, ranks: RankMap, found: Found,
+                   wanted: tuple[int, ...]) -> tuple[str, int, float]:
+    """Every layer back to snapshot ``found.step``: this device's own copies, the others
+    moved from the devices that keep them; the job's state from whoever holds it."""
+    device = t.torch_device or torch.device("cpu")
+    states, moved_layers, moved_bytes = restore_snapshot(t.snapshots, found, plan, t.device,
+                                                         ranks, device)
+    _hold(t, wanted, states, fresh=True, step=found.step)
+    job = t.snapshots.job_state(found.step)
+    if job is not None:
+        load_states(t.job_state, job, f"the snapshot of step {found.step}")
+    share_job_state(t.job_state, ranks, [d in found.job for d in ranks.device_of_rank],
+                    tag=plan.num_layers, device=device)
+    t.committed = found.step
+    t.loss_scale = LossScale(*found.scale, fixed=t.loss_scale.fixed)
+    return "snapshot", moved_layers, moved_bytes
 
 
 def _from_checkpoint(t: TrainerState, step: int,

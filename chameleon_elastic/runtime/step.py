@@ -148,6 +148,7 @@ def train_step(t: TrainerState, step: int, record: bool = False) -> StepResult:
     if t.executor is not None:
         loss_sum, square, timings, issued, compute_done = _compute_and_sync(t, step, record)
     t.synced = step
+    t.snapshots.fence(step)   # a snapshot under way is complete here before the commit point
     synced = time.perf_counter()
     t.phases(step, "vote")
     loss, norm = _vote(t, step, loss_sum, square)

@@ -12,6 +12,7 @@ called downward only:
 - :mod:`.step`: one training step (1F1B, gradient sync, vote, apply);
 - :mod:`.feed`: this device's micro-batches, read one step ahead;
 - :mod:`.evaluation`: the held-out loss under the plan, forward only;
+- :mod:`.snapshots`: in-memory copies of the state, taken in the background every K steps;
 - :mod:`.recovery`: the in-place recovery chain after a lost peer;
 - :mod:`.phases`: progress for the agent and the fault-injection hook at each phase.
 
@@ -56,6 +57,7 @@ from .precision import LossScale, Precision, check_precision
 from .preemption import Preemption, stop_here
 from .recording import record_step
 from .recovery import Recovery
+from .snapshots import Snapshots, snapshots_from_env
 from .step import StepResult, train_step
 from .tensor_parallel import full
 from .topology import RankMap, device_from_env, plan_from_env, tp_from_env
@@ -112,7 +114,11 @@ class PipelineTrainer:
     the script's own state (an EMA of the weights, a counter), objects with ``state_dict`` /
     ``load_state_dict`` and optionally ``after_step(step)``, carried through plan changes,
     recoveries and checkpoints (:mod:`.user_state`); a layer's objects are
-    ``trainer.extras[layer]``.
+    ``trainer.extras[layer]``. ``snapshot_every``: every that many committed steps, copy this
+    device's state into host memory, its own and its partner's (:mod:`.snapshots`), so that
+    layers whose every holder is lost come back from memory (0: none; chameleon-run sets it
+    through ``CHAMELEON_SNAPSHOT_EVERY``); ``devices_per_node``: the plan's devices per node,
+    for the choice of partners (None: one node).
     """
 
     def __init__(self, model: PipelineModel, plan: ExecutionPlan, device: int, *,
@@ -124,7 +130,8 @@ class PipelineTrainer:
                  tp_size: int = 1, prefetch: bool = True, data_workers: int = 1,
                  data_processes: bool = False,
                  layer_state: Mapping[str, LayerStateFactory] | None = None,
-                 job_state: Mapping[str, Stateful] | None = None) -> None:
+                 job_state: Mapping[str, Stateful] | None = None, snapshot_every: int = 0,
+                 devices_per_node: int | None = None) -> None:
         if not dist.is_initialized():
             raise PipelineRuntimeError(
                 "torch.distributed is not initialised; call "
@@ -183,6 +190,9 @@ class PipelineTrainer:
         self.superseded: threading.Event | None = None
         self.save_group = None                      # background saves' own group, per plan
         self.saving: BackgroundSave | None = None   # the checkpoint being written
+        # in-memory snapshots, here and on a partner (runtime/snapshots.py; not yet under
+        # tensor parallelism)
+        self.snapshots = Snapshots(snapshot_every if tp_size == 1 else 0, devices_per_node)
         self.preemption = Preemption(link)   # a stop at a step boundary (runtime/preemption)
         if link is not None:
             from chameleon_elastic.plugins import get_backend
@@ -231,6 +241,9 @@ class PipelineTrainer:
         tp_rank, tp_size = tp_from_env()
         kwargs.setdefault("tp_rank", tp_rank)
         kwargs.setdefault("tp_size", tp_size)
+        every, per_node = snapshots_from_env(kwargs["tp_size"])
+        kwargs.setdefault("snapshot_every", every)
+        kwargs.setdefault("devices_per_node", per_node)
         device = device_from_env(plan)
         if kwargs["link"] is not None:   # under chameleon-run: its agent handles lost peers
             say_peer_loss_in_one_line(device)
@@ -343,6 +356,7 @@ class PipelineTrainer:
     def _train_one(self, steps: int, checkpoint_every: int, on_step: Report | None) -> None:
         """The next step, then its checkpoint when one is due."""
         busy = self.executor.busy_s if self.executor is not None else 0.0
+        self.snapshots.before_step(self)   # in the background, when one is due
         result = self.step(self.committed)
         if self.recovery is not None:
             self.recovery.step_committed(result.step_s)
@@ -404,4 +418,5 @@ class PipelineTrainer:
         self.feed.close()
         if self.saving is not None:
             self.saving.settle(self.timeouts.collective_s)
+        self.snapshots.settle(self.timeouts.collective_s)
         self.release_groups()

@@ -77,7 +77,9 @@ def test_spares_with_a_live_worker_stay_in_an_inplace_world():
     assert coordination.world_of(plan, {0, 1, 2}, inplace=True) == (0, 1, 2)
 
 
-def test_lost_layers_without_a_checkpoint_end_the_job_in_one_sentence(session):
+def test_lost_layers_without_a_checkpoint_end_the_job_in_one_sentence(tmp_path):
+    session = JobSession(JobSpec.preset("tiny-cpu").with_snapshot_every(0), "auto",
+                         tmp_path / "plans", warm_cache=False)   # no in-memory snapshots
     session.apply(lost={1, 3})   # both replicas of layers 4-7
     plan = session.plan
     assert plan.checkpoint_layers == (4, 5, 6, 7)
@@ -93,6 +95,15 @@ def test_lost_layers_without_a_checkpoint_end_the_job_in_one_sentence(session):
     before_first = [NodeReport(0, (1, 3), (0, 2), True, checkpoint=None, checkpoints=True)]
     over = coordination.decide(plan, {1, 3}, before_first, True)
     assert over.error is None and not over.inplace
+
+
+def test_lost_layers_a_live_partner_keeps_a_snapshot_of_go_on_in_place(session):
+    session.apply(lost={1, 3})   # both replicas of layers 4-7; 1's snapshot is on device 2
+    plan = session.plan
+    assert plan.checkpoint_layers == () and plan.snapshot_layers == (4, 5, 6, 7)
+    no_ckpt = [NodeReport(0, (1, 3), (0, 2), True, checkpoint=None)]
+    decision = coordination.decide(plan, {1, 3}, no_ckpt, True)
+    assert decision.error is None and decision.inplace
 
 
 def test_decisions_round_trip_as_json(session):

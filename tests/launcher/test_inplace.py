@@ -33,6 +33,9 @@ from .conftest import (
 )
 
 STEPS = 6
+# the tests of the paths without in-memory snapshots (tests/launcher/test_snapshots.py has
+# theirs): a restore from disk, a start over, and the end of a job that has neither
+NO_SNAPSHOTS = ("--snapshot-every", "0")
 
 # DEVICE:STEP:PHASE:ACTION; tiny-cpu runs pipelines (0 1) and (2 3), layers 0-3 and 4-7
 CASES = {
@@ -124,7 +127,8 @@ def test_every_replica_lost_restores_the_checkpoint_in_place_and_says_what_is_re
         tmp_path, launch):
     ckpt = tmp_path / "ckpt"
     run, out, state = _launch_mlp(launch, tmp_path, 7, "1:5:forward:kill-saved",
-                                  "3:5:forward:kill-saved", "--checkpoint-dir", str(ckpt))
+                                  "3:5:forward:kill-saved", "--checkpoint-dir", str(ckpt),
+                                  flags=NO_SNAPSHOTS)
     assert run.wait(80) == 0, run.log.read_text()[-3000:]
     reported = _reported(out)
     # steps 0-4 committed, checkpoint after step 4 (every 2 steps: 2, 4; the kills wait until
@@ -148,7 +152,8 @@ def test_every_replica_lost_restores_the_checkpoint_in_place_and_says_what_is_re
 @pytest.mark.timeout(90)
 def test_every_replica_lost_without_a_checkpoint_ends_the_job_in_one_sentence(tmp_path, launch):
     """Exit 93, do not requeue: a requeue would start over from step 0 (issue 39)."""
-    run, out, state = _launch_mlp(launch, tmp_path, 7, "1:3:forward:kill", "3:3:forward:kill")
+    run, out, state = _launch_mlp(launch, tmp_path, 7, "1:3:forward:kill", "3:3:forward:kill",
+                                  flags=NO_SNAPSHOTS)
     assert run.wait(80) == 93, run.log.read_text()[-3000:]
     log = run.log.read_text()
     assert "layers 4-7 were lost with every device that held them" in log
@@ -164,7 +169,7 @@ def test_every_replica_lost_without_a_checkpoint_ends_the_job_in_one_sentence(tm
 def test_every_replica_lost_before_the_first_checkpoint_starts_over_from_step_0(tmp_path,
                                                                                  launch):
     run, out, state = _launch_mlp(launch, tmp_path, 5, "1:1:forward:kill", "3:1:forward:kill",
-                                  "--checkpoint-dir", str(tmp_path / "ckpt"))
+                                  "--checkpoint-dir", str(tmp_path / "ckpt"), flags=NO_SNAPSHOTS)
     assert run.wait(80) == 0, run.log.read_text()[-3000:]
     steps = [r["step"] for r in _reported(out)]
     assert steps[-5:] == [0, 1, 2, 3, 4] and steps.count(0) == 2   # step 0 said twice
@@ -182,7 +187,7 @@ def test_a_second_loss_during_the_first_ones_transition_starts_over_in_place(tmp
     a layout that never came to be, so it believes layers 4-7 (held by 1 and 3 only) still
     exist. The workers find out from the rows they agree on and start over from step 0."""
     run, out, state = _launch_mlp(launch, tmp_path, 5, "3:1:forward:kill", "1:1:enter:kill",
-                                  "--checkpoint-dir", str(tmp_path / "ckpt"))
+                                  "--checkpoint-dir", str(tmp_path / "ckpt"), flags=NO_SNAPSHOTS)
     assert run.wait(80) == 0, run.log.read_text()[-3000:]
     steps = [r["step"] for r in _reported(out)]
     assert steps[-5:] == [0, 1, 2, 3, 4] and steps.count(0) == 2   # step 0 said twice
@@ -196,7 +201,8 @@ def test_a_second_loss_during_the_first_ones_transition_without_a_checkpoint_end
         tmp_path, launch):
     """As above, without a checkpoint: the workers find that layers 4-7 exist nowhere (the plan
     did not know), and the job ends with their sentence, not a crashed worker's."""
-    run, _, state = _launch_mlp(launch, tmp_path, 5, "3:1:forward:kill", "1:1:enter:kill")
+    run, _, state = _launch_mlp(launch, tmp_path, 5, "3:1:forward:kill", "1:1:enter:kill",
+                                flags=NO_SNAPSHOTS)
     assert run.wait(80) == 93, run.log.read_text()[-3000:]
     lines = run.log.read_text().strip().splitlines()
     assert "layers 4-7 were lost with every device that held them" in lines[-2], lines

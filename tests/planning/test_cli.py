@@ -4,6 +4,7 @@ request, exit 1 when a sound request has no plan."""
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -115,8 +116,8 @@ def test_help_documents_every_flag():
 
 
 def test_losing_every_replica_replans_from_the_checkpoint(capsys):
-    # tiny-cpu: dp = 2 x pp = 2, devices 1 and 3 hold layers [4, 8).
-    assert main(["--preset", "tiny-cpu", "--fail", "1,3"]) == 0
+    # tiny-cpu: dp = 2 x pp = 2, devices 1 and 3 hold layers [4, 8); no snapshots.
+    assert main(["--preset", "tiny-cpu", "--fail", "1,3", "--snapshot-every", "0"]) == 0
     out = capsys.readouterr().out
     rows = [line.split("│")[1:-1] for line in out.splitlines()
             if line.startswith("│ checkpoint")]
@@ -124,13 +125,51 @@ def test_losing_every_replica_replans_from_the_checkpoint(capsys):
     text = " ".join(out.split())  # the console wraps long lines
     assert "chose replan" in text
     assert "layers 4-7 was lost: they come from the checkpoint" in text
-    assert main(["--preset", "tiny-cpu", "--fail", "1,3", "--json"]) == 0
+    assert main(["--preset", "tiny-cpu", "--fail", "1,3", "--json", "--snapshot-every", "0"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["policy"] == "replan"
     lost = [t for t in out["transfers"] if t["src"] == "checkpoint"]
     assert lost and all(t["layers"] == [4, 5, 6, 7] for t in lost)
     assert {t["dst"] for t in lost} == {0, 2}
     assert out["decisions"][0]["checkpoint_layers"] == [4, 5, 6, 7]
+    assert out["snapshots"]["every"] == 0
+
+
+def test_losing_every_replica_replans_from_the_snapshots_a_partner_keeps(capsys, tmp_path):
+    # one pipeline of four stages on two nodes of two: each device's partner sits on the
+    # other node (0->2, 1->3, 2->1, 3->0), so node 1's layers 4-7 survive on node 0
+    text = (Path(__file__).parents[2] / "chameleon_elastic/presets/tiny-cpu.toml").read_text()
+    job = tmp_path / "pp4.toml"
+    job.write_text(text.replace("dp = 2", "dp = 1").replace("pp = 2", "pp = 4").replace(
+        "devices = 4", "devices = 4\ndevices_per_node = 2\nhost_memory_bytes = 1e8"))
+    assert main(["--job", str(job), "--fail", "2,3", "--snapshot-every", "4", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    snap = out["snapshots"]
+    assert snap["every"] == 4 and snap["host_memory_bytes"] == 1e8
+    assert snap["partners"] == {}   # the final plan: two replicas of every layer
+    taken = [t for t in out["transfers"] if t.get("snapshot")]
+    assert sorted(x for t in taken for x in t["layers"]) == [4, 4, 5, 5, 6, 6, 7, 7]
+    assert {t["src"] for t in taken} == {0, 1}   # 2's copy on 1, 3's on 0
+    assert not [t for t in out["transfers"] if t["src"] == "checkpoint"]
+    decision = out["decisions"][0]
+    assert (decision["snapshot_layers"], decision["checkpoint_layers"]) == ([4, 5, 6, 7], [])
+    assert main(["--job", str(job), "--snapshot-every", "4"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    line = " ".join(x for x in lines if x.startswith("snapshots"))
+    assert line == ("snapshots: every 4 steps, copies kept by 0->2 1->3 2->1 3->0; host memory "
+                    "per node: node 0 0.05 GB, node 1 0.05 GB of 0.10 GB")
+
+
+def test_snapshots_that_overflow_host_memory_leave_no_initial_plan(capsys, tmp_path):
+    text = (Path(__file__).parents[2] / "chameleon_elastic/presets/tiny-cpu.toml").read_text()
+    job = tmp_path / "small.toml"
+    job.write_text(text.replace("devices = 4", "devices = 4\nhost_memory_bytes = 1e7"))
+    assert main(["--job", str(job), "--snapshot-every", "1"]) == 1
+    err = capsys.readouterr().err
+    # 4 devices, each its own 12 MB and a partner's, two snapshots deep
+    assert "node 0 would keep 0.19 GB of snapshots in host memory but " \
+           "cluster.host_memory_bytes is 0.01 GB" in err
+    assert main(["--job", str(job), "--snapshot-every", "0"]) == 0
 
 
 def test_recovery_flag_overrides_the_jobs_switch_cost(capsys):
@@ -139,7 +178,7 @@ def test_recovery_flag_overrides_the_jobs_switch_cost(capsys):
     transition = {}
     for mode in ("inplace", "relaunch"):
         assert main(["--preset", "tiny-cpu", "--fail", "1,3", "--recovery", mode,
-                     "--json"]) == 0
+                     "--json", "--snapshot-every", "0"]) == 0   # no steps trained again
         out = json.loads(capsys.readouterr().out)
         received: dict[int, float] = {}
         for t in out["transfers"]:
