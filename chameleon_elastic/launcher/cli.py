@@ -107,16 +107,28 @@ def build_parser() -> argparse.ArgumentParser:
         "when a device is lost, reroutes or re-plans instead of restarting everything."
     )
     group = parser.add_argument_group("chameleon (failure-aware elasticity)")
+    _job_flags(group, env, CLI_POLICIES)
+    _recovery_flags(group, env, RECOVERY_MODES)
+    _output_flags(group, env, check_env)
+    return parser
+
+
+def _job_flags(group: Any, env: Any, policies: tuple[str, ...]) -> None:
+    """The job and how it is planned."""
     group.add_argument("--job", action=env, type=str, default=None,
                        help="Job file (TOML: model profile, cluster, training). Enables plan "
                             "injection and failure-aware recovery.")
     group.add_argument("--preset", action=env, type=str, default=None,
                        help="A built-in job instead of --job (e.g. tiny-cpu).")
-    group.add_argument("--policy", action=env, type=str, default="auto", choices=CLI_POLICIES,
+    group.add_argument("--policy", action=env, type=str, default="auto", choices=policies,
                        help="Recovery policy on a lost device: auto (best estimated score), "
                             "reroute, replan, or restart (torchrun's: same plan, restart all). "
                             "Default: auto.")
-    group.add_argument("--recovery", action=env, type=str, default=None, choices=RECOVERY_MODES,
+
+
+def _recovery_flags(group: Any, env: Any, modes: tuple[str, ...]) -> None:
+    """How a lost device is recovered from, and what bounds it."""
+    group.add_argument("--recovery", action=env, type=str, default=None, choices=modes,
                        help="How workers that run on chameleon_elastic.runtime survive a lost "
                             "device: inplace (default; survivors keep their processes, regroup "
                             "and take state from peers) or relaunch (stop and restart every "
@@ -146,7 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "and the worker killed; 0 turns it off. Scripts that never report "
                             "progress are never killed. Default: auto, derived for each worker "
                             "from its measured phase times, at most 60 s or half the collective "
-                            "timeout (CHAMELEON_HANG_TIMEOUT_S overrides).")
+                            "timeout (CHAMELEON_HANG_TIMEOUT_S overrides). In a recovery each "
+                            "phase has its own deadline from measured figures, whatever this "
+                            "says.")
     group.add_argument("--max-failed-generations", "--max_failed_generations", action=env,
                        type=int, default=None,
                        help="Plan generations in a row that may fail before committing a step "
@@ -156,6 +170,10 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--plan-cache", "--plan_cache", action=env, type=int, default=None,
                        help="Precompute plans for up to K simultaneous losses in the background "
                             "(default: the job's planner.cache_failures; 0 disables).")
+
+
+def _output_flags(group: Any, env: Any, check_env: Any) -> None:
+    """Where state, events, profiles and metrics go; what the console shows."""
     group.add_argument("--state-dir", "--state_dir", action=env, type=str, default=None,
                        help="Directory for plan files (plan-gen<N>.json), the event log, "
                             "profiles and (with --job) the workers' stderr logs; kept. "
@@ -195,7 +213,6 @@ def build_parser() -> argparse.ArgumentParser:
                             "allocation, for flags left at their defaults (one line says what "
                             "was taken). auto (default): inside an srun step; on (--slurm): "
                             "whenever SLURM_JOB_ID is set; off: never.")
-    return parser
 
 
 def _prepare_rendezvous(args: argparse.Namespace) -> None:

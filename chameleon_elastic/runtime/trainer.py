@@ -173,7 +173,20 @@ class PipelineTrainer:
         self.results: dict[int, StepResult] = {}
         self.reported = -1                  # last step handed to a report callback (job-wide)
         self.redo_below = 0                 # steps below this are trained again (rollback)
-        # plan-dependent: rebuilt by entering.enter
+        self._no_plan_yet(plan)
+        self.recovery: Recovery | None = None
+        #: the watchdog's: set when the agents publish a newer generation (runtime/abort.py)
+        self.superseded: threading.Event | None = None
+        self.save_group = None                      # background saves' own group, per plan
+        self.saving: BackgroundSave | None = None   # the checkpoint being written
+        # in-memory snapshots, here and on a partner (runtime/snapshots.py; not yet under
+        # tensor parallelism)
+        self.snapshots = Snapshots(snapshot_every if tp_size == 1 else 0, devices_per_node)
+        self.preemption = Preemption(link)   # a stop at a step boundary (runtime/preemption)
+        self._start(plan, link)
+
+    def _no_plan_yet(self, plan: ExecutionPlan) -> None:
+        """What one plan needs, empty until :func:`.entering.enter` builds it for ``plan``."""
         self.plan = plan
         self.ranks: RankMap = RankMap(())
         self.groups: GroupTable | None = None
@@ -185,15 +198,10 @@ class PipelineTrainer:
         self.holders: dict[int, tuple[int, ...]] = {}
         self.ties: tuple[TiedCopies, ...] = ()
         self.sums: GradientSums | None = None    # this device's gradient sums, per plan
-        self.recovery: Recovery | None = None
-        #: the watchdog's: set when the agents publish a newer generation (runtime/abort.py)
-        self.superseded: threading.Event | None = None
-        self.save_group = None                      # background saves' own group, per plan
-        self.saving: BackgroundSave | None = None   # the checkpoint being written
-        # in-memory snapshots, here and on a partner (runtime/snapshots.py; not yet under
-        # tensor parallelism)
-        self.snapshots = Snapshots(snapshot_every if tp_size == 1 else 0, devices_per_node)
-        self.preemption = Preemption(link)   # a stop at a step boundary (runtime/preemption)
+
+    def _start(self, plan: ExecutionPlan, link: WorkerLink | None) -> None:
+        """Enter the first plan; under chameleon-run, linked to the agent, recovering in place
+        when a peer is lost meanwhile."""
         if link is not None:
             from chameleon_elastic.plugins import get_backend
 
