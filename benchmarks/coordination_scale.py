@@ -19,14 +19,16 @@ measured (etcd's requests, watchers and bytes are those of production):
 - one keep-alive process per host refreshes every lease of its agents at ttl / 3, the requests
   production makes, instead of a thread per agent (behind hundreds of agent threads on one GIL
   a refresh outlived the TTL); the self-fencing expiry check is not on the measured path;
-- one process parses the decision and adopts the plan once for its agents; that per-agent CPU
-  (parallel on real nodes) is measured and reported beside the adoption;
+- one process replays each planning step once for its agents (every agent reads the agreement
+  and checks its own digest); that per-agent CPU (parallel on real nodes) is measured and
+  reported beside the adoption;
 - ``rpc_timeout`` is 60 s and the quick round's limit 120 s: requests queue behind a thousand
   agents' on two cores.
 
 Reported: kill -> every agent adopted, split into detection (the lease's deletion seen by the
 agents' watches), reports (the last agent seeing the loss -> the decider holding every report),
-decision (the planner), publication (fenced record + ``decision`` and ``decided`` keys; both
+decision (the planning step), publication (fenced record, the whole decision offered in the
+decider's worker store, the agreement under ``decision`` and the ``decided`` key; both
 also as the deciding thread's own CPU time, so that wall less CPU is the wait on the run queue
 and on etcd) and adoption (published -> the last agent adopted); etcd's load over the steady state and the
 round (requests per second, bytes sent, summed over the members' ``/metrics``, and the
@@ -116,45 +118,60 @@ class Clock:
 
 
 def _share_local_work(local: dict[str, float]) -> None:
-    """Within one host process, parse each decision once and adopt each plan once.
+    """Within one host process, take each planning step once and adopt each plan once.
 
-    On real nodes every agent parses the decision (``Decision.from_json``) and adopts the plan
-    (``JobSession.adopt``: the plan file) on its own cores, in parallel; here a thousand of
-    them would queue on two cores (0.3 s of CPU each at 8192 devices: five minutes in all),
-    which measures this machine, not the protocol. So the first agent of a process does the
-    real work, its thread's CPU time is kept in ``local`` (the per-agent cost reported
-    beside the adoption), and the others get the same result. Every agent still reads the
-    bytes from etcd, which is what etcd's load and the adoption's wire time are made of."""
-    from chameleon_elastic.launcher import coordination
+    On real nodes every agent replays the decider's step (``JobSession.step``: the planner,
+    or a lookup in its plan cache, and the plan file) on its own cores, in parallel; here a
+    thousand of them would queue on two cores (the benchmark's sessions have no plan cache:
+    a cold planner run each, 0.1-0.4 s of CPU at 8192 devices), which measures this machine,
+    not the protocol. So the first agent of a process to take a step from a digest does the
+    real work, its thread's CPU time is kept in ``local`` (the per-agent cost reported beside
+    the adoption), and the others of the process get the same state. Every agent still reads
+    the agreement from etcd and checks its own digest, which is what etcd's load and the
+    adoption's wire time are made of."""
     from chameleon_elastic.launcher.session import JobSession
 
-    parsed: dict[Any, Any] = {}
+    stepped: dict[Any, Any] = {}
     adopted: dict[Any, Any] = {}
-    real_parse, real_adopt = coordination.Decision.from_json, JobSession.adopt
+    real_step, real_adopt = JobSession.step, JobSession.adopt
     lock = threading.Lock()
 
-    def from_json(text: str | bytes) -> Any:
-        key = bytes(text) if not isinstance(text, str) else text
+    def keep(self: Any) -> tuple[Any, ...]:
+        return (self.plan, set(self.excluded), dict(self.speeds), self._plan_hash,
+                self.plan_file)
+
+    def restore(self: Any, state: tuple[Any, ...]) -> None:
+        plan, excluded, speeds, plan_hash, plan_file = state
+        self.plan, self.excluded, self.speeds = plan, set(excluded), dict(speeds)
+        self._plan_hash, self.plan_file = plan_hash, plan_file
+
+    def step(self: Any, lost: Any, joined: Any, speeds: Any, renew: bool) -> Any:
+        key = (self.digest, tuple(sorted(lost)), tuple(sorted(joined)),
+               tuple(sorted(speeds.items())), renew)
         with lock:
-            if key not in parsed:
+            if key not in stepped:
                 start = time.thread_time()
-                parsed[key] = real_parse(text)
-                local["parse_cpu_s"] = max(local.get("parse_cpu_s", 0.0),
-                                           time.thread_time() - start)
-            return parsed[key]
+                change = real_step(self, lost, joined, speeds, renew)
+                local["step_cpu_s"] = max(local.get("step_cpu_s", 0.0),
+                                          time.thread_time() - start)
+                stepped[key] = (change, keep(self))
+                return change
+            change, state = stepped[key]
+        restore(self, state)
+        return change
 
     def adopt(self: Any, plan: Any, excluded: Any, speeds: Any = None) -> Any:
         key = (plan.generation, tuple(sorted(excluded)))
         with lock:
             if key not in adopted:
                 start = time.thread_time()
-                adopted[key] = real_adopt(self, plan, excluded, speeds)
+                adopted[key] = (real_adopt(self, plan, excluded, speeds), keep(self))
                 local["adopt_cpu_s"] = time.thread_time() - start
-                return adopted[key]
-        self.plan, self.excluded = plan, set(excluded)   # what the real one leaves behind
-        return adopted[key]
+                return adopted[key][0]
+        restore(self, adopted[key][1])
+        return adopted[key][0]
 
-    coordination.Decision.from_json = staticmethod(from_json)   # type: ignore[method-assign]
+    JobSession.step = step   # type: ignore[method-assign]
     JobSession.adopt = adopt   # type: ignore[method-assign]
 
 
@@ -178,11 +195,13 @@ class Agent:
     its three threads are replaced by the host's shared keep-alive and watch dispatch), its
     own watch on the run's nodes, its store, and on another node's loss the quick round."""
 
-    def __init__(self, node: int, nodes: int, client: Any, params: Any, session: Any) -> None:
+    def __init__(self, node: int, nodes: int, client: Any, params: Any, session: Any,
+                 desk: Any = None) -> None:
         from chameleon_elastic.launcher.rounds import Rounds
         from chameleon_elastic.rendezvous.liveness import NodeLiveness
 
         self.node, self.nodes, self.client, self.session = node, nodes, client, session
+        self.desk = desk
         self.out: dict[str, Any] = {}
         self.thread: threading.Thread | None = None
         self.closing = False
@@ -241,12 +260,14 @@ class Agent:
             devices = tuple(range(self.node * DEVICES_PER_NODE,
                                   (self.node + 1) * DEVICES_PER_NODE))
             mine = coordination.NodeReport(self.node, (), devices, True)
-            decision, _, _ = coordination.agree(self.store, self.rounds.scope(), members, mine,
-                                             self.session, True, DEVICES_PER_NODE, 120.0,
-                                             quick=True)
+            decision, change, _ = coordination.agree(self.store, self.rounds.scope(), members,
+                                                  mine, self.session, True, DEVICES_PER_NODE,
+                                                  120.0, quick=True, desk=self.desk)
             self.out["adopted"] = time.monotonic()
             self.out["generation"] = decision.plan.generation if decision.plan else None
             self.out["excluded"] = len(decision.excluded)
+            self.out["digest"] = self.session.digest
+            self.out["agreed"] = None if change is None else change.agreed
         except Exception as exc:  # noqa: BLE001 - reported to the parent, which fails the run
             self.out["error"] = f"{type(exc).__name__}: {exc}"
 
@@ -313,8 +334,8 @@ def _host(first: int, last: int, nodes: int, victim: int, endpoints: str, ttl: i
         clock.wrap(coordination, name)
     reported = _note_reports()
     session = JobSession(spec_for(nodes), "auto", Path(plan_dir) / "decider", cache_depth=0)
-    clock.wrap(session, "apply")
     _share_local_work(local)
+    desk = _desk()
     params = _params(endpoints, nodes, ttl)
     settings = EtcdSettings.from_config(params.endpoint, dict(params.config))
     clients = [EtcdClient(settings) for _ in range(channels)]
@@ -324,12 +345,14 @@ def _host(first: int, last: int, nodes: int, victim: int, endpoints: str, ttl: i
     for n in range(first, last):
         own = session if n == 0 else copy.copy(session)   # followers: own plan dir
         if n != 0:
-            own.plan_dir, own.excluded = Path(plan_dir) / f"node{n}", set()
-        agent = Agent(n, nodes, clients[n % channels], params, own)
+            own.plan_dir, own.excluded, own.speeds = Path(plan_dir) / f"node{n}", set(), {}
+        agent = Agent(n, nodes, clients[n % channels], params, own, desk)
         agent.decider_nice = decider_nice
         agent.live._register()   # the real lease grant and node key
         agents.append(agent)
         ready.put(("registered", n))
+    if first == 0:   # the decider's planning step, timed (the followers' are copies before)
+        clock.wrap(session, "step")
     inbox.put([(a.node, a.live.lease_id) for a in agents])
     orders.get()   # every agent of every host has registered: list once, watch each
     listing, revision = list_nodes(clients[0], settings.run_prefix(RUN_ID))
@@ -370,6 +393,26 @@ def _host(first: int, last: int, nodes: int, victim: int, endpoints: str, ttl: i
     results.close()
     results.join_thread()
     os._exit(0)   # gRPC's and the agents' daemon threads need no orderly exit
+
+
+def _desk() -> Any:
+    """The host's desk (launcher/rounds.py's): the worker store the deciding agent hosts,
+    opened when it first offers its decision, from which an agent whose replay differs
+    fetches it (none should: every agent starts from the same digest)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from chameleon_elastic.launcher.rounds import WorkerStoreDesk
+
+    opened: list[Any] = []
+
+    def serve() -> tuple[str, Any]:
+        if not opened:
+            opened.append(dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False))
+        return "127.0.0.1", opened[0]
+
+    return WorkerStoreDesk(serve, timedelta(seconds=60))
 
 
 def etcd_metrics(cluster: Any) -> dict[str, float]:
@@ -567,7 +610,7 @@ def _cpu_windows(sampler: Any, got: list[dict[str, Any]],
     thread, the other agents' threads, the hosts' other Python threads (the watches' dispatch,
     gRPC's Python side), gRPC's C threads by name, the keep-alive processes, and everything
     else on the machine (other sessions); ``wait:`` keys are run-queue waits of threads."""
-    marks = next(g["marks"] for g in got if "apply_start" in g["marks"])
+    marks = next(g["marks"] for g in got if "step_start" in g["marks"])
     outs = {n: o for g in got for n, o in g["outs"].items()}
     decider = outs[0].get("tid")
     followers = {o.get("tid") for n, o in outs.items() if n not in (0, victim)}
@@ -588,9 +631,9 @@ def _cpu_windows(sampler: Any, got: list[dict[str, Any]],
 
     detected = max(o["detected"] for n, o in outs.items() if n != victim)
     spans = {"reports": (detected, marks["collect_end"]),
-             "decision": (marks["apply_start"], marks["apply_end"]),
-             "publication": (marks["apply_end"], marks["publish_end"]),
-             "decision + publication": (marks["apply_start"], marks["publish_end"]),
+             "decision": (marks["step_start"], marks["step_end"]),
+             "publication": (marks["step_end"], marks["publish_end"]),
+             "decision + publication": (marks["step_start"], marks["publish_end"]),
              "adoption": (marks["publish_end"],
                           max(o["adopted"] for n, o in outs.items() if n != victim))}
     out = {}
@@ -618,8 +661,8 @@ def _summary(got: list[dict[str, Any]], windows: list[Any], victim: int) -> dict
         print(f"decider: {outs[0]}; reported after the kill: first {late[0]:.2f} s, median "
               f"{late[len(late) // 2]:.2f} s, last {late[-1]:.2f} s", file=sys.stderr)
         raise RuntimeError(f"{len(errors)} agents failed, e.g. {next(iter(errors.items()))}")
-    marks = next(g["marks"] for g in got if "apply_start" in g["marks"])
-    local = {k: max(g["local"].get(k, 0.0) for g in got) for k in ("parse_cpu_s", "adopt_cpu_s")}
+    marks = next(g["marks"] for g in got if "step_start" in g["marks"])
+    local = {k: max(g["local"].get(k, 0.0) for g in got) for k in ("step_cpu_s", "adopt_cpu_s")}
     killed = outs[victim]["killed"]
     alive = [o for n, o in outs.items() if n != victim]
     early = [n for n, o in outs.items() if o.get("detected", killed) < killed]
@@ -636,16 +679,20 @@ def _summary(got: list[dict[str, Any]], windows: list[Any], victim: int) -> dict
         "detect_first_s": detected[0] - killed, "detect_last_s": detected[-1] - killed,
         "detect_median_s": statistics.median(detected) - killed,
         "reports_s": marks["collect_end"] - detected[-1],
-        "decision_s": marks["apply_end"] - marks["apply_start"],
-        "publication_s": marks["publish_end"] - marks["apply_end"],
-        "decision_cpu_s": marks["apply_cpu"],   # the decider thread's own CPU
+        "decision_s": marks["step_end"] - marks["step_start"],
+        "publication_s": marks["publish_end"] - marks["step_end"],
+        "decision_cpu_s": marks["step_cpu"],   # the decider thread's own CPU
         "publication_cpu_s": marks["commit_record_cpu"] + marks["publish_cpu"],
         "adoption_s": adopted - marks["publish_end"],
-        "adoption_local_cpu_s": local["parse_cpu_s"] * 2 + local["adopt_cpu_s"],
+        # each follower's own replay of the step (a cold planner here: no plan cache), or
+        # the adoption of a fetched plan: parallel on real nodes, once per host here
+        "adoption_local_cpu_s": local["step_cpu_s"] + local["adopt_cpu_s"],
+        "replayed_agents": sum(o.get("agreed") == "replayed" for o in alive),
+        "fetched_agents": sum(o.get("agreed") == "fetched" for o in alive),
         "total_s": adopted - killed,
-        "decision_plus_publication_s": marks["publish_end"] - marks["apply_start"],
+        "decision_plus_publication_s": marks["publish_end"] - marks["step_start"],
         "generation": {o["generation"] for o in alive}.pop(),
-        "agreed": len({(o["generation"], o["excluded"]) for o in alive}) == 1,
+        "agreed": len({(o["generation"], o["excluded"], o["digest"]) for o in alive}) == 1,
         "excluded_devices": max(o["excluded"] for o in alive),
         "steady_requests_per_s": steady["requests"],
         "round_requests": extra["requests"],
@@ -711,7 +758,8 @@ def main(argv: list[str] | None = None) -> int:
             ("(CPU)", "decision_cpu_s", "{:.3f} s"),
             ("publication", "publication_s", "{:.3f} s"), ("(CPU)", "publication_cpu_s", "{:.3f} s"),
             ("adoption", "adoption_s", "{:.3f} s"),
-            ("+ per-agent parse/adopt CPU", "adoption_local_cpu_s", "{:.3f} s"),
+            ("+ per-agent replay CPU", "adoption_local_cpu_s", "{:.3f} s"),
+            ("fetched", "fetched_agents", "{}"),
             ("kill -> all adopted", "total_s", "{:.2f} s"),
             ("etcd req/s steady", "steady_requests_per_s", "{:.0f}"),
             ("etcd req/s round", "round_requests_per_s", "{:.0f}"),
