@@ -272,41 +272,70 @@ class Agent:
             self.out["error"] = f"{type(exc).__name__}: {exc}"
 
 
+_KEEP_TICK_S = 0.5   # the keep-alive process refreshes the leases due in each tick at once
+
+
 def _keeper(endpoints: str, ttl: int, connected: Any, inbox: Any, victim: int, killed: Any,
             stop: Any, spoiled: Any, ready: Any) -> None:
     """Refresh each lease every ttl / 3, spread evenly over that interval: the production
-    keep-alive's requests (one ``LeaseKeepAlive`` call per lease per ttl / 3), from one
-    process per host instead of a thread per agent. Its own process: in the host, behind a
-    few hundred agent threads taking turns on the GIL during the round, a refresh could wait
+    keep-alive's requests (one ``LeaseKeepAliveRequest`` per lease per ttl / 3), from one
+    process per host instead of a thread per agent. The leases due in one tick go as the
+    messages of one ``LeaseKeepAlive`` stream (one stream per refresh, as pyetcd opens it,
+    fell behind the TTL at 1024 leases a process on the loaded 2-core machine: etcd's
+    messages are the same, its streams fewer). Its own process: in the host, behind a few
+    hundred agent threads taking turns on the GIL during the round, a refresh could wait
     longer than the TTL. A lease found expired (the victim's after ``killed`` aside) spoils the
     run: say so to the parent and stop. It sets ``connected`` once it can reach etcd (the host
-    grants no lease before), then receives the host's (node, lease) pairs on ``inbox``."""
+    grants no lease before), then receives the host's (node, lease) pairs on ``inbox`` as the
+    host grants them (at 4096 nodes a host's registrations outlast a 30 s TTL)."""
     from chameleon_elastic.rendezvous.client import ETCD_FAILURES, EtcdClient
     from chameleon_elastic.rendezvous.config import EtcdSettings
 
     params = _params(endpoints, 2, ttl)
     client = EtcdClient(EtcdSettings.from_config(params.endpoint, dict(params.config)))
     connected.set()
-    leases: list[tuple[int, int]] = inbox.get()
+    leases: list[tuple[int, int]] = []
     interval = ttl / 3.0
+    ticks = max(1, int(interval / _KEEP_TICK_S))
     while not stop.is_set():
         start = time.monotonic()
-        for i, (node, lease) in enumerate(leases):
-            if stop.wait(max(0.0, start + i * interval / len(leases) - time.monotonic())):
+        for tick in range(ticks):
+            if stop.wait(max(0.0, start + tick * interval / ticks - time.monotonic())):
                 return
-            if node == victim and killed.is_set():
-                continue
-            try:
-                answers = client.call("lease keep-alive",
-                                      lambda c, lid=lease: list(c.refresh_lease(lid)), timeout=ttl)
-                why = "" if answers and all(a.TTL > 0 for a in answers) else "lease expired"
-            except ETCD_FAILURES as exc:
-                why = f"keep-alive failed ({exc})"
-            if why and not stop.is_set() and not (node == victim and killed.is_set()):
+            while not inbox.empty():   # a lease keeps its tick: the list only grows
+                leases.append(inbox.get())
+            due = [(n, lid) for n, lid in leases[tick::ticks]
+                   if not (n == victim and killed.is_set())]
+            why = _refresh(client, due, ttl, ETCD_FAILURES)
+            if why and not stop.is_set() and not (why[0] == victim and killed.is_set()):
                 spoiled.set()
-                ready.put(("spoiled", f"node {node}'s {why} before every agent adopted"))
+                ready.put(("spoiled", f"node {why[0]}'s {why[1]} before every agent adopted"))
                 return
         stop.wait(max(0.0, start + interval - time.monotonic()))
+
+
+def _refresh(client: Any, due: list[tuple[int, int]], ttl: int,
+             failures: Any) -> tuple[int, str] | None:
+    """Refresh ``due``'s leases on one stream; (node, what went wrong) for the first that
+    did not refresh, else None."""
+    from pyetcd import etcdrpc
+
+    if not due:
+        return None
+
+    def batch(c: Any) -> dict[int, int]:
+        requests = [etcdrpc.LeaseKeepAliveRequest(ID=lid) for _, lid in due]
+        return {int(r.ID): int(r.TTL) for r in c.leasestub.LeaseKeepAlive(
+            iter(requests), ttl, credentials=c.call_credentials, metadata=c.metadata)}
+
+    try:
+        answers = client.call("lease keep-alive", batch, timeout=ttl)
+    except failures as exc:
+        return due[0][0], f"keep-alive failed ({exc})"
+    for node, lid in due:
+        if answers.get(lid, 0) <= 0:
+            return node, "lease expired"
+    return None
 
 
 def _host(first: int, last: int, nodes: int, victim: int, endpoints: str, ttl: int,
@@ -315,6 +344,9 @@ def _host(first: int, last: int, nodes: int, victim: int, endpoints: str, ttl: i
     """One process hosting agents ``first..last-1`` on ``channels`` shared etcd clients,
     one keep-alive thread per client and each client's one watch-dispatch thread."""
     import copy
+    import faulthandler
+
+    faulthandler.enable(all_threads=False)   # a host that crashes says where
 
     from chameleon_elastic.launcher import coordination
     from chameleon_elastic.launcher.session import JobSession
@@ -349,11 +381,11 @@ def _host(first: int, last: int, nodes: int, victim: int, endpoints: str, ttl: i
         agent = Agent(n, nodes, clients[n % channels], params, own, desk)
         agent.decider_nice = decider_nice
         agent.live._register()   # the real lease grant and node key
+        inbox.put((n, agent.live.lease_id))
         agents.append(agent)
         ready.put(("registered", n))
     if first == 0:   # the decider's planning step, timed (the followers' are copies before)
         clock.wrap(session, "step")
-    inbox.put([(a.node, a.live.lease_id) for a in agents])
     orders.get()   # every agent of every host has registered: list once, watch each
     listing, revision = list_nodes(clients[0], settings.run_prefix(RUN_ID))
     for agent in agents:

@@ -44,7 +44,11 @@ from chameleon_elastic.rendezvous.errors import (
     EtcdConnectionError,
     EtcdRendezvousError,
 )
-from chameleon_elastic.rendezvous.pyetcd_compat import drop_cached_stubs, is_failed_node_error
+from chameleon_elastic.rendezvous.pyetcd_compat import (
+    LockedStubsClient,
+    drop_cached_stubs,
+    is_failed_node_error,
+)
 
 __all__ = ["ETCD_FAILURES", "EtcdClient", "is_transient"]
 
@@ -242,7 +246,7 @@ class EtcdClient:
             for host, port in s.endpoints
         ]
         try:
-            client = pyetcd.MultiEndpointEtcd3Client(
+            client = LockedStubsClient(
                 endpoints=endpoints,
                 timeout=s.rpc_timeout,
                 user=s.user,
