@@ -684,8 +684,10 @@ def _summary(got: list[dict[str, Any]], windows: list[Any], victim: int) -> dict
     """The phases and etcd's load, from the hosts' timestamps and the metrics' windows."""
     outs = {n: o for g in got for n, o in g["outs"].items()}
     if any(g["spoiled"] for g in got):
-        raise RuntimeError("a lease expired before every agent adopted: the machine was "
-                           "overloaded; run again with a longer --ttl")
+        adopted = sum("adopted" in o for o in outs.values())
+        raise RuntimeError(f"a lease expired before every agent adopted ({adopted} of "
+                           f"{len(outs) - 1} had): the machine was overloaded; run again with "
+                           "a longer --ttl")
     errors = {n: (o["error"], o.get("trigger")) for n, o in outs.items() if "error" in o}
     if errors:
         killed = outs[victim].get("killed", 0.0)

@@ -31,6 +31,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 from datetime import timedelta
 from typing import Any
 
@@ -78,14 +79,15 @@ class Rounds:
         return self._last_info is not None
 
     def open(self, spec: Any, node: int | None, quick: bool,
-             alive: Callable[[], set[int]] | None) -> tuple[Any, Members]:
+             alive: Callable[[], AbstractSet[int]] | None) -> tuple[Any, Members]:
         """This transition's round: quick (the last round's store, the nodes left) or full."""
         if quick and node is not None:
             return self.quick(node, alive)
         info = self.next(spec, first=node is None)
         return info, Members(info.rank, tuple(range(info.world_size)))
 
-    def quick(self, node: int, alive: Callable[[], set[int]] | None) -> tuple[Any, Members]:
+    def quick(self, node: int,
+              alive: Callable[[], AbstractSet[int]] | None) -> tuple[Any, Members]:
         """Open the next quick round: (the last round's info, this round's members)."""
         self.attempt += 1
         self.epoch += 1
