@@ -44,11 +44,7 @@ from chameleon_elastic.rendezvous.errors import (
     EtcdConnectionError,
     EtcdRendezvousError,
 )
-from chameleon_elastic.rendezvous.pyetcd_compat import (
-    LockedStubsClient,
-    drop_cached_stubs,
-    is_failed_node_error,
-)
+from chameleon_elastic.rendezvous.pyetcd_compat import drop_cached_stubs, is_failed_node_error
 
 __all__ = ["ETCD_FAILURES", "EtcdClient", "is_transient"]
 
@@ -246,7 +242,7 @@ class EtcdClient:
             for host, port in s.endpoints
         ]
         try:
-            client = LockedStubsClient(
+            client = pyetcd.MultiEndpointEtcd3Client(
                 endpoints=endpoints,
                 timeout=s.rpc_timeout,
                 user=s.user,

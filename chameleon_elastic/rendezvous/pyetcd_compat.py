@@ -18,13 +18,6 @@ What is used, and why:
   Clearing the cache makes the next stub access evaluate ``client.channel``, which skips
   failed endpoints. There is no public way to do this short of rebuilding the client (which
   would also re-authenticate).
-- the stub properties (``kvstub``, ``leasestub``, ``watcher`` ...: public names, but what
-  they do is pyetcd's): each creates its gRPC stub on first use and again after pyetcd clears
-  its cache (on any failed request, or ours above). gRPC's stub creation
-  (``Channel._get_registered_call_handle``) is documented as not thread-safe, and when one
-  process's thousand threads recreated them at once after a failed request (4096 simulated
-  agents, benchmarks/coordination_scale.py) the process died of a segmentation fault in it.
-  :class:`LockedStubsClient` creates them under a lock.
 - the text of ``Endpoint.use()``'s ``ValueError`` ("Trying to use a failed node"): pyetcd
   raises a bare ``ValueError`` when every attempt lands on an endpoint still marked failed;
   the text is the only way to tell it (transient: retry) from a genuine ``ValueError``.
@@ -32,16 +25,11 @@ What is used, and why:
 
 from __future__ import annotations
 
-import threading
 from typing import Any
-
-import pyetcd
 
 __all__ = [
     "CHECKED_VERSION",
     "FAILED_NODE_TEXT",
-    "LockedStubsClient",
-    "STUB_PROPERTIES",
     "PRIVATE_CLIENT_METHODS",
     "drop_cached_stubs",
     "is_failed_node_error",
@@ -66,29 +54,3 @@ def drop_cached_stubs(client: Any) -> None:
 def is_failed_node_error(exc: BaseException) -> bool:
     """True for pyetcd's "Trying to use a failed node" (every tried endpoint marked failed)."""
     return isinstance(exc, ValueError) and FAILED_NODE_TEXT in str(exc)
-
-
-#: pyetcd's client properties that create and cache a gRPC stub (or the watch stream)
-STUB_PROPERTIES: tuple[str, ...] = ("authstub", "kvstub", "clusterstub", "leasestub",
-                                    "maintenancestub", "watcher")
-
-
-class LockedStubsClient(pyetcd.MultiEndpointEtcd3Client):
-    """pyetcd's client, its stubs created one thread at a time (see the module docstring). A
-    cached stub costs one uncontended lock per request."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self._stub_lock = threading.RLock()   # before the base class touches any stub
-        super().__init__(*args, **kwargs)
-
-
-def _locked(prop: property) -> property:
-    def get(self: LockedStubsClient) -> Any:
-        with self._stub_lock:
-            return prop.fget(self)
-
-    return property(get, prop.fset)
-
-
-for _name in STUB_PROPERTIES:
-    setattr(LockedStubsClient, _name, _locked(getattr(pyetcd.MultiEndpointEtcd3Client, _name)))

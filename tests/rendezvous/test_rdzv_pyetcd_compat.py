@@ -16,7 +16,6 @@ import pytest
 from chameleon_elastic.rendezvous import pyetcd_compat
 from chameleon_elastic.rendezvous.pyetcd_compat import (
     PRIVATE_CLIENT_METHODS,
-    STUB_PROPERTIES,
     drop_cached_stubs,
     is_failed_node_error,
 )
@@ -43,60 +42,6 @@ def test_dropping_cached_stubs_rebuilds_them(etcd_client) -> None:
     assert client.kvstub is not before
     client.put("/compat-probe", b"ok")
     assert client.get("/compat-probe")[0] == b"ok"
-
-
-@pytest.mark.parametrize("name", STUB_PROPERTIES)
-def test_stub_properties_exist(name: str) -> None:
-    assert isinstance(getattr(pyetcd.MultiEndpointEtcd3Client, name, None), property), (
-        f"pyetcd.MultiEndpointEtcd3Client.{name} is no longer a property")
-
-
-def test_stubs_are_created_one_thread_at_a_time_and_still_answer(etcd_client) -> None:
-    """Many threads ask for stubs while the cache is being cleared (what pyetcd does after a
-    failed request): each stub is created under the client's lock (gRPC's stub creation is
-    not thread-safe; a process of a thousand agents died in it), and requests still work."""
-    import threading
-    import time
-
-    client = etcd_client.client()
-    inside, most, lock = [0], [0], threading.Lock()
-    real = client.channel
-
-    class Counting:   # notes how many threads build a stub on the channel at once
-        def __getattr__(self, name):
-            return getattr(real, name)
-
-        def unary_unary(self, *args, **kwargs):
-            with lock:
-                inside[0] += 1
-                most[0] = max(most[0], inside[0])
-            time.sleep(0.001)   # gives another thread the GIL: would it build one too?
-            try:
-                return real.unary_unary(*args, **kwargs)
-            finally:
-                with lock:
-                    inside[0] -= 1
-
-    type(client).channel = property(lambda self: Counting())
-    try:
-        barrier = threading.Barrier(16)
-
-        def churn() -> None:
-            barrier.wait()
-            for _ in range(50):
-                drop_cached_stubs(client)
-                client.kvstub
-
-        threads = [threading.Thread(target=churn) for _ in range(16)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(20)
-    finally:
-        del type(client).channel
-    assert most[0] == 1, f"{most[0]} threads created stubs at once"
-    client.put("/compat-locked", b"ok")
-    assert client.get("/compat-locked")[0] == b"ok"
 
 
 def test_failed_endpoint_error_is_recognised() -> None:
