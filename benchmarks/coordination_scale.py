@@ -370,8 +370,9 @@ def _host(first: int, last: int, nodes: int, victim: int, endpoints: str, ttl: i
     except OSError:   # not root: run as is
         pass
     clock, local = Clock(), {}
-    for name in ("collect", "commit_record", "publish"):
+    for name in ("collect", "decide", "commit_record", "publish"):
         clock.wrap(coordination, name)
+    clock.wrap(coordination.Decision, "encode")   # the record's bytes: the decider's only
     reported = _note_reports()
     session = JobSession(spec_for(nodes), "auto", Path(plan_dir) / "decider", cache_depth=0)
     _share_local_work(local)
@@ -738,7 +739,8 @@ def _summary(got: list[dict[str, Any]], windows: list[Any], victim: int) -> dict
         "decision_s": marks["step_end"] - marks["step_start"],
         "publication_s": marks["publish_end"] - marks["step_end"],
         "decision_cpu_s": marks["step_cpu"],   # the decider thread's own CPU
-        "publication_cpu_s": marks["commit_record_cpu"] + marks["publish_cpu"],
+        "publication_cpu_s": sum(marks[f"{name}_cpu"] for name in (
+            "decide", "encode", "commit_record", "publish")),
         "adoption_s": adopted - marks["publish_end"],
         # each follower's own replay of the step (a cold planner here: no plan cache), or
         # the adoption of a fetched plan: parallel on real nodes, once per host here
