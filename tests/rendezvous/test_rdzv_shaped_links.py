@@ -74,3 +74,26 @@ def test_a_delayed_link_delays():
                              capture_output=True, text=True, timeout=30).stdout
     rtt_min = float(out.rsplit("=", 1)[1].split("/")[0])
     assert rtt_min >= 4 * 20.0 * 0.95, out   # each way crosses two links of 20 ms
+
+
+@pytest.mark.timeout(120)   # 43 s at load 12 on 2 cores: three processes import torch
+def test_the_transfer_ablation_runs_on_shaped_links(tmp_path):
+    """benchmarks/shaped_transfer.py at its smallest (DP=2 x PP=2 losing device 0, 4 layers,
+    one trial, small layers), so that it cannot rot: three survivors in their namespaces form the new world,
+    move the layers of both assignments with the runtime's migration (each checks it received
+    what the moves say) and the restorer's moves fewer layers than the naive one."""
+    why = unavailable(shaped=True)
+    if why:
+        pytest.skip(why)
+    import json
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "shaped_transfer.py"
+    run = subprocess.run([sys.executable, str(script), "--layers", "4", "--trials", "1",
+                          "--hidden", "64", "--rate-mbit", "100", "--dp", "2", "--lost", "0",
+                          "--json"],
+                         capture_output=True, text=True, timeout=110, cwd=tmp_path, check=False)
+    assert run.returncode == 0, run.stderr[-3000:]
+    (summary,) = json.loads(run.stdout)["summary"]
+    assert summary["restorer_layers_moved"] < summary["naive_layers_moved"], summary
+    assert summary["restorer_recovery_s"] > 0 and summary["naive_recovery_s"] > 0
