@@ -350,14 +350,13 @@ def _host(first: int, last: int, nodes: int, victim: int, endpoints: str, ttl: i
     import copy
     import faulthandler
 
-    faulthandler.enable(all_threads=False)   # a host that crashes says where
-
     from chameleon_elastic.launcher import coordination
     from chameleon_elastic.launcher.session import JobSession
     from chameleon_elastic.rendezvous.client import EtcdClient
     from chameleon_elastic.rendezvous.config import EtcdSettings
     from chameleon_elastic.rendezvous.liveness import list_nodes
 
+    faulthandler.enable(all_threads=False)   # a host that crashes says where
     ctx = mp.get_context("fork")   # before this process opens any gRPC channel: no new start
     stop, killed, spoiled, connected = (ctx.Event() for _ in range(4))
     inbox = ctx.Queue()
@@ -365,10 +364,7 @@ def _host(first: int, last: int, nodes: int, victim: int, endpoints: str, ttl: i
                          args=(endpoints, ttl, connected, inbox, victim, killed, stop, spoiled,
                                ready))
     keeper.start()
-    try:   # as the members (_favour): a node's keep-alive runs on that node's own CPU
-        os.setpriority(os.PRIO_PROCESS, keeper.pid, -10)
-    except OSError:   # not root: run as is
-        pass
+    _favour_pid(keeper.pid)   # as the members: a node's keep-alive has its node's CPU
     clock, local = Clock(), {}
     for name in ("collect", "decide", "commit_record", "publish"):
         clock.wrap(coordination, name)
@@ -413,41 +409,53 @@ def _host(first: int, last: int, nodes: int, victim: int, endpoints: str, ttl: i
         killed.set()
         if order:
             victim_agent.live.stop(revoke=True)
-    start = time.monotonic()
-    deadline, said = start + 240, start
-    for agent in agents:   # a lease expired before the kill spoils the run: report at once
-        while agent.node != victim and "adopted" not in agent.out and not spoiled.is_set() \
-                and "error" not in agent.out and time.monotonic() < deadline:
-            time.sleep(0.05)
-            if time.monotonic() - said > 10:   # a slow round says how far it got
-                said = time.monotonic()
-                print(f"  host of nodes {first}-{last - 1}, {said - start:.0f} s after the kill: "
-                      f"{sum('detected' in a.out for a in agents)} saw the loss, "
-                      f"{sum(a.node in reported for a in agents)} reported, "
-                      f"{sum('adopted' in a.out for a in agents)} adopted, "
-                      f"{sum('error' in a.out for a in agents)} failed", file=sys.stderr,
-                      flush=True)
+    _await(agents, victim, spoiled, reported)
     cpu = time.process_time() - cpu
     stop.set()
     keeper.join(timeout=ttl + 1)
+    _close(agents, clients, victim, reported)
+    results.put(copy.deepcopy({"outs": {a.node: a.out for a in agents}, "marks": clock.marks,
+                               "local": local, "spoiled": spoiled.is_set(), "cpu_s": cpu}))
+    results.close()
+    results.join_thread()
+    os._exit(0)   # gRPC's and the agents' daemon threads need no orderly exit
+
+
+def _close(agents: list[Agent], clients: list[Any], victim: int,
+           reported: dict[int, float]) -> None:
+    """The host's clients closed (only once its agents are done: gRPC crashes an agent still
+    running on a closed channel), and each agent's outcome completed."""
     for agent in agents:
         agent.closing = True
     if all(a.node == victim or "adopted" in a.out or "error" in a.out for a in agents):
-        for c in clients:   # never under a running agent: gRPC crashes on a closed channel
+        for c in clients:
             c.close()
     for agent in agents:
         if agent.node != victim and not agent.out:
             agent.out["error"] = "never saw the lost node"
         elif agent.node != victim and "adopted" not in agent.out:
             agent.out.setdefault("error", "no decision adopted within 240 s")
-    for agent in agents:
         if agent.node in reported:
             agent.out["reported"] = reported[agent.node]
-    results.put(copy.deepcopy({"outs": {a.node: a.out for a in agents}, "marks": clock.marks,
-                               "local": local, "spoiled": spoiled.is_set(), "cpu_s": cpu}))
-    results.close()
-    results.join_thread()
-    os._exit(0)   # gRPC's and the agents' daemon threads need no orderly exit
+
+
+def _await(agents: list[Agent], victim: int, spoiled: Any, reported: dict[int, float]) -> None:
+    """Until every agent of the host adopted or failed (240 s at most), saying every 10 s how
+    far a slow round got; a lease expired before the kill spoils the run: return at once."""
+    start = time.monotonic()
+    deadline, said = start + 240, start
+    for agent in agents:
+        while agent.node != victim and "adopted" not in agent.out and not spoiled.is_set() \
+                and "error" not in agent.out and time.monotonic() < deadline:
+            time.sleep(0.05)
+            if time.monotonic() - said > 10:
+                said = time.monotonic()
+                print(f"  host of nodes {agents[0].node}-{agents[-1].node}, {said - start:.0f} s "
+                      f"after the kill: {sum('detected' in a.out for a in agents)} saw the "
+                      f"loss, {sum(a.node in reported for a in agents)} reported, "
+                      f"{sum('adopted' in a.out for a in agents)} adopted, "
+                      f"{sum('error' in a.out for a in agents)} failed", file=sys.stderr,
+                      flush=True)
 
 
 def _desk() -> Any:
@@ -494,10 +502,14 @@ def _favour(cluster: Any) -> None:
     leader misses its heartbeats, elections follow and every lease expires at once, which a
     production etcd on its own cores does not do."""
     for member in cluster.members:
-        try:
-            os.setpriority(os.PRIO_PROCESS, member.pid, -10)
-        except (OSError, TypeError):   # not root: run as is
-            return
+        _favour_pid(member.pid)
+
+
+def _favour_pid(pid: int) -> None:
+    try:
+        os.setpriority(os.PRIO_PROCESS, pid, -10)
+    except (OSError, TypeError):   # not root: run as is
+        pass
 
 
 def _rate(a: dict[str, float], b: dict[str, float], seconds: float,

@@ -11,6 +11,13 @@ one) and client count: the time for every client to connect, then for every clie
 operations, and the operations per second the server answered; a run that fails (refused
 connections, timeouts) says how.
 
+torch looks up the name of every client socket's address when it connects (a warning, "The
+hostname of the client socket cannot be retrieved", where that fails). Where no DNS server
+answers (this machine's sandbox), each lookup waits out the resolver's timeout, 5 s by default,
+and the connections come in waves 5-10 s apart; the benchmark sets ``RES_OPTIONS`` to a 1 s
+timeout and one attempt (glibc's resolver reads it) unless it is set already, so its connect
+times are still an upper bound there.
+
     python benchmarks/worker_store_scale.py [--clients 1024,4096,16384] [--backends libuv,legacy]
         [--procs 8] [--threads 32] [--json]
 """
@@ -20,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import resource
 import sys
 import threading
@@ -135,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="threads per client process (default 32)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
+    os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")   # see the docstring
     try:
         counts = [int(c) for c in args.clients.split(",")]
     except ValueError:
