@@ -143,7 +143,7 @@ def measure(layer_counts: list[int], rate_mbit: float, hidden: int, trials: int,
             say: Any, dp: int = 4, lost: int = 3) -> list[dict[str, Any]]:
     import torch.distributed as dist
 
-    from chameleon_elastic.rendezvous.local_hosts import LocalHosts, Link
+    from chameleon_elastic.rendezvous.local_hosts import Link, LocalHosts
 
     cases = {n: scenarios(n, hidden, dp, lost) for n in layer_counts}
     runs = [{"layers": n, "mode": mode, "trial": t, "case": cases[n][mode]}
@@ -259,7 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     summary = table(rows)
     if args.json:
         json.dump({"benchmark": "shaped_transfer", "rate_mbit": args.rate_mbit,
-                   "hidden": args.hidden, "dp": args.dp, "lost": args.lost, "rows": rows, "summary": summary}, sys.stdout,
+                   "hidden": args.hidden, "dp": args.dp, "lost": args.lost, "rows": rows,
+                   "summary": summary}, sys.stdout,
                   indent=2)
         print()
         return 0

@@ -17,12 +17,13 @@ One round per transition (launch or recovery). Three things make them differ fro
   left (:meth:`Rounds.admit_survivors`).
 
 Every generation gets a FRESH worker store: the deciding agent opens a new TCPStore on an
-OS-chosen port. It opens it before it publishes its decision, and serves the whole decision
-there to any agent whose own replay of it differs (:class:`WorkerStoreDesk`): the plan never
-goes through etcd to every agent (coordination.py). torch keeps one shared store and one MASTER_PORT for the whole job, so a
+OS-chosen port. torch keeps one shared store and one MASTER_PORT for the whole job, so a
 restarted worker can read the previous attempt's gloo addresses and hang or fail with
 "connectFullMesh ... Connection refused"; a new store cannot hold them. The store lives in the
-agent, never in a worker, so a crashing rank 0 takes no store with it.
+agent, never in a worker, so a crashing rank 0 takes no store with it. The decider opens it
+before it publishes its decision and serves the whole decision there to any agent whose own
+replay of it differs (:class:`WorkerStoreDesk`): the plan never goes through etcd to every
+agent (coordination.py).
 """
 
 from __future__ import annotations

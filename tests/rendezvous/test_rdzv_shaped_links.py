@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-from chameleon_elastic.rendezvous.local_hosts import LocalHosts, Link, unavailable
+from chameleon_elastic.rendezvous.local_hosts import Link, LocalHosts, unavailable
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -71,7 +71,7 @@ def test_a_delayed_link_delays():
     with LocalHosts(2, link=Link(1000.0, delay_ms=20.0)) as hosts:
         a, b = hosts.hosts
         out = subprocess.run([*a.wrap(), "ping", "-c", "3", "-i", "0.2", b.ip],
-                             capture_output=True, text=True, timeout=30).stdout
+                             capture_output=True, text=True, timeout=30, check=True).stdout
     rtt_min = float(out.rsplit("=", 1)[1].split("/")[0])
     assert rtt_min >= 4 * 20.0 * 0.95, out   # each way crosses two links of 20 ms
 
