@@ -75,7 +75,7 @@ class NodeWatch:
             elif event.kind == "left" and not event.info.get("finished"):
                 lost.append({"node_id": event.node_id, **event.info})
 
-    def alive(self) -> set[int]:
+    def alive(self) -> frozenset[int]:
         """Nodes holding their lease, as the watch last saw them (no etcd call). Not this one
         once its lease was lost, until a full round has readmitted it: the others counted it
         gone, so a quick round of its own would decide from a stale view."""

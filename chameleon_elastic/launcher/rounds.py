@@ -20,7 +20,10 @@ Every generation gets a FRESH worker store: the deciding agent opens a new TCPSt
 OS-chosen port. torch keeps one shared store and one MASTER_PORT for the whole job, so a
 restarted worker can read the previous attempt's gloo addresses and hang or fail with
 "connectFullMesh ... Connection refused"; a new store cannot hold them. The store lives in the
-agent, never in a worker, so a crashing rank 0 takes no store with it.
+agent, never in a worker, so a crashing rank 0 takes no store with it. The decider opens it
+before it publishes its decision and serves the whole decision there to any agent whose own
+replay of it differs (:class:`WorkerStoreDesk`): the plan never goes through etcd to every
+agent (coordination.py).
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ import json
 import logging
 import time
 from collections.abc import Callable
+from collections.abc import Set as AbstractSet
+from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
@@ -42,7 +47,7 @@ from .coordination import Members
 from .observe import Event, StatusLine
 from .waiting import RendezvousWait
 
-__all__ = ["CLOSED", "STORE_LOST", "Rounds"]
+__all__ = ["CLOSED", "STORE_LOST", "Rounds", "WorkerStoreDesk"]
 
 log = logging.getLogger("chameleon_elastic.launcher.rounds")
 
@@ -71,20 +76,22 @@ class Rounds:
         self._emit = emit
         self._last_info: Any = None
         self._worker_store: Any = None  # this generation's TCPStore (the decider's only)
+        self._served = -1               # the round (attempt) that opened it
 
     @property
     def can_quick(self) -> bool:
         return self._last_info is not None
 
     def open(self, spec: Any, node: int | None, quick: bool,
-             alive: Callable[[], set[int]] | None) -> tuple[Any, Members]:
+             alive: Callable[[], AbstractSet[int]] | None) -> tuple[Any, Members]:
         """This transition's round: quick (the last round's store, the nodes left) or full."""
         if quick and node is not None:
             return self.quick(node, alive)
         info = self.next(spec, first=node is None)
         return info, Members(info.rank, tuple(range(info.world_size)))
 
-    def quick(self, node: int, alive: Callable[[], set[int]] | None) -> tuple[Any, Members]:
+    def quick(self, node: int,
+              alive: Callable[[], AbstractSet[int]] | None) -> tuple[Any, Members]:
         """Open the next quick round: (the last round's info, this round's members)."""
         self.attempt += 1
         self.epoch += 1
@@ -169,21 +176,56 @@ class Rounds:
         return full + (f"q{epoch}/" if epoch else "")
 
     def open_worker_store(self, spec: Any, info: Any, host: bool) -> tuple[str, int]:
-        """A fresh TCPStore per generation, hosted by the deciding agent (``host``), at its own
-        address: ``--local-addr`` when given, since in a quick round the decider need not be
-        the node that hosted the last full round's store (whose address the round's info
-        holds; a lost node's, when that node is the one that was lost)."""
+        """This round's worker store: the deciding agent (``host``) opens it (or found it
+        opened by its desk) and says where in the round's store; the others read that."""
         key = self.scope() + "worker_store"
-        self._worker_store = None  # drop the previous generation's server first
         if host:
-            addr = spec.master_addr or spec.local_addr or info.bootstrap_store_info.master_addr
-            server = dist.TCPStore(host_name=addr, port=0, is_master=True,
-                                   wait_for_workers=False, multi_tenant=False,
-                                   timeout=self._timeouts.delta("store_s"))
-            self._worker_store = server
+            addr, server = self._serve(spec, info)
             info.store.set(key, json.dumps([addr, server.port]))
+        elif self._served != self.attempt:
+            self._worker_store = None   # one this agent hosted for an earlier generation
         addr, port = json.loads(info.store.get(key))
         return str(addr), int(port)
 
+    def desk(self, spec: Any, info: Any) -> WorkerStoreDesk:
+        """Where this round's decider serves its decision: the worker store it opens."""
+        return WorkerStoreDesk(lambda: self._serve(spec, info), self._timeouts.delta("store_s"))
+
+    def _serve(self, spec: Any, info: Any) -> tuple[str, Any]:
+        """(address, server) of this round's worker store, opened on first use: a fresh
+        TCPStore per generation, at this agent's own address: ``--local-addr`` when given,
+        since in a quick round the decider need not be the node that hosted the last full
+        round's store (whose address the round's info holds; a lost node's, when that node is
+        the one that was lost)."""
+        addr = spec.master_addr or spec.local_addr or info.bootstrap_store_info.master_addr
+        if self._served != self.attempt or self._worker_store is None:
+            self._worker_store = None  # drop the previous generation's server first
+            self._worker_store = dist.TCPStore(host_name=addr, port=0, is_master=True,
+                                               wait_for_workers=False, multi_tenant=False,
+                                               timeout=self._timeouts.delta("store_s"))
+            self._served = self.attempt
+        return addr, self._worker_store
+
     def close(self) -> None:
         self._worker_store = None
+
+
+class WorkerStoreDesk:
+    """The deciding agent's desk (coordination.PlanDesk): its whole decision, in the
+    generation's worker store that it hosts, for the agents whose own replay of the decision
+    reached another digest. ``serve`` opens (once) and returns (address, server)."""
+
+    KEY = "chameleon/decision"
+
+    def __init__(self, serve: Callable[[], tuple[str, Any]], timeout: timedelta) -> None:
+        self._serve, self._timeout = serve, timeout
+
+    def offer(self, blob: bytes) -> str:
+        addr, server = self._serve()
+        server.set(self.KEY, blob)
+        return json.dumps([addr, server.port])
+
+    def fetch(self, source: str) -> bytes:
+        addr, port = json.loads(source)
+        client = dist.TCPStore(str(addr), int(port), is_master=False, timeout=self._timeout)
+        return bytes(client.get(self.KEY))

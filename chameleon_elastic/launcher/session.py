@@ -6,8 +6,10 @@ plan change, so that at the next failure the decision is a lookup. The decision 
 planner's (``chameleon_elastic.planning``); this module only feeds it the lost / returning
 devices, keeps the plan-file per generation and summarises the decision for the event log.
 
-In a multi-node job the lowest member of the round decides (``apply``) and publishes the plan; the
-other agents ``adopt`` it, so their sessions follow the same plans even when they joined late.
+In a multi-node job the lowest member of the round decides (``step``) and publishes its inputs and
+the :attr:`JobSession.digest` before and after; the other agents replay the same ``step`` (the
+planner is deterministic, and the plan cache makes it a lookup) and compare digests, or ``adopt``
+the decider's plan when theirs differs (a late joiner), so their sessions follow the same plans.
 
 ``policy = "restart"`` is torchrun's behaviour: the plan never changes, the whole group restarts.
 
@@ -17,8 +19,10 @@ the session's devices, plans and excluded sets are units; the agent maps cards t
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -58,11 +62,14 @@ class PlanChange:
     slow: dict[int, float] | None = None    # a straggler decision: the factors it was made for
     was_slow: dict[int, float] = field(default_factory=dict)   # and those before it
     same_layout: bool = False   # a new generation of the layout in force (a crash, regrouped)
+    #: how this agent holds it: "decided" here, "replayed" from the published inputs (its digest
+    #: matched), or "fetched" from the deciding agent (it did not: a late joiner)
+    agreed: str = "decided"
 
     def event_fields(self) -> dict[str, Any]:
         """The ``plan_chosen`` event's own fields (docs/launcher.md)."""
         return {"policy": self.plan.policy, "lost": list(self.lost), "joined": list(self.joined),
-                "via_cache": self.cached, "decide_s": self.decide_s,
+                "via_cache": self.cached, "decide_s": self.decide_s, "agreed": self.agreed,
                 "candidates": self.candidates, "rejected": self.rejected,
                 "live_devices": list(self.plan.live_devices),
                 "spare_devices": list(self.plan.spare_devices),
@@ -85,6 +92,10 @@ def _planning_api() -> SimpleNamespace:
     return SimpleNamespace(PlanCache=PlanCache, PlanningError=PlanningError, decide=decide,
                            initial_plan=initial_plan, unit_spec=unit_spec,
                            decide_speeds=decide_speeds, resolve_snapshots=resolve_snapshots)
+
+
+def _hash(data: bytes) -> str:
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
 
 
 def _summary(plan: ExecutionPlan) -> dict[str, Any]:
@@ -123,7 +134,11 @@ class JobSession:
             self.plan: ExecutionPlan = planning.initial_plan(self.planned)
         except planning.PlanningError as exc:
             raise NoPlanError(f"no initial plan for job {spec.name!r}: {exc}") from exc
-        self.plan_file = write_plan_file(self.plan, self.plan_dir)
+        #: what every agent's planner is given besides the plan: the spec (its profiled
+        #: figures included, in units) and the policy; part of :attr:`digest`
+        self.inputs = _hash(json.dumps({"spec": self.planned.to_dict(), "policy": policy},
+                                       sort_keys=True).encode())
+        self._set_plan(self.plan)
         self._cache = None
         self._refresh_cache()
         self.warm()
@@ -136,6 +151,39 @@ class JobSession:
     @property
     def tp(self) -> int:
         return self.spec.training.tp
+
+    @property
+    def digest(self) -> str:
+        """The state a decision is made from and leads to: the planner's inputs, the plan, the
+        excluded devices and the speed factors. Two agents with the same digest hold the same
+        plan, so agents agree by comparing digests instead of shipping the plan (0.6 MB at
+        8192 devices) to each of them."""
+        state = json.dumps([self.inputs, self._plan_hash, sorted(self.excluded),
+                            sorted(self.speeds.items())])
+        return _hash(state.encode())
+
+    def _set_plan(self, plan: ExecutionPlan) -> None:
+        """Make ``plan`` the current one: its file, and its hash for :attr:`digest`, from one
+        serialisation (the JSON of a plan at 8192 devices takes tens of milliseconds)."""
+        text = plan.to_json(indent=None)
+        self.plan = plan
+        self.plan_file = write_plan_file(plan, self.plan_dir, text)
+        self._plan_hash = _hash(text.encode())
+
+    def step(self, lost: Collection[int], joined: Collection[int],
+             speeds: Mapping[int, float], renew: bool) -> PlanChange | None:
+        """One decision from its inputs, as every agent takes it: the devices lost and back,
+        or else every node's slow devices (``speeds``; excluded ones left out), or else, when
+        ``renew`` (the workers regroup in place), the same layout as a new generation. A pure
+        function of the inputs and the session's :attr:`digest`, so agents that replay it
+        from the same digest reach the same plan."""
+        change = self.apply(lost=lost, joined=joined)
+        if change is None:   # no device lost or back: maybe one is slow, or fast again
+            change = self.apply_speeds({d: f for d, f in speeds.items()
+                                        if d not in self.excluded})
+        if change is None and renew:
+            change = self.renew()
+        return change
 
     def _refresh_cache(self) -> None:
         """A cache for the plan in force, filled later (:meth:`warm`)."""
@@ -175,8 +223,7 @@ class JobSession:
         joined = tuple(sorted(self.excluded - excluded))
         same = plan == replace(self.plan, generation=plan.generation, transfers=plan.transfers)
         self.excluded = excluded
-        self.plan = plan
-        self.plan_file = write_plan_file(plan, self.plan_dir)
+        self._set_plan(plan)
         self._refresh_cache()
         return PlanChange(plan=plan, lost=lost, joined=joined, cached=False, decide_s=0.0,
                           candidates={plan.policy: _summary(plan)}, rejected={},
@@ -186,8 +233,7 @@ class JobSession:
         """The same layout as a new generation (nothing moves): what live workers regroup on
         when their world must be formed again although no device changed (a worker crashed
         and is replaced, a peer's sockets broke)."""
-        self.plan = replace(self.plan, generation=self.plan.generation + 1, transfers=())
-        self.plan_file = write_plan_file(self.plan, self.plan_dir)
+        self._set_plan(replace(self.plan, generation=self.plan.generation + 1, transfers=()))
         return PlanChange(plan=self.plan, lost=(), joined=(), cached=False, decide_s=0.0,
                           candidates={self.plan.policy: _summary(self.plan)}, rejected={},
                           same_layout=True)
@@ -219,8 +265,7 @@ class JobSession:
                 f"(excluded now: {sorted(self.excluded)}): {exc}"
             ) from exc
         elapsed = time.perf_counter() - start
-        self.plan = decision.chosen
-        self.plan_file = write_plan_file(self.plan, self.plan_dir)
+        self._set_plan(decision.chosen)
         self._refresh_cache()
         return PlanChange(
             plan=self.plan, lost=lost, joined=joined, cached=cached, decide_s=elapsed,
@@ -244,8 +289,7 @@ class JobSession:
             raise LauncherPlanningError(f"cannot plan for slow devices {speeds}: {exc}") from exc
         if decision.chosen.generation == self.plan.generation:
             return None   # kept: the same plan, now known to run at these speeds
-        self.plan = decision.chosen
-        self.plan_file = write_plan_file(self.plan, self.plan_dir)
+        self._set_plan(decision.chosen)
         self._refresh_cache()
         return PlanChange(
             plan=self.plan, lost=(), joined=(), cached=False,

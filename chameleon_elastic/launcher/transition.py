@@ -150,7 +150,8 @@ class Transition:
         try:
             decision, change, decided = coordination.agree(
                 info.store, c.rounds.scope(), members, mine, session, inplace_wanted,
-                here.units_per_node, c.timeouts.store_s, quick=quick)
+                here.units_per_node, c.timeouts.store_s, quick=quick,
+                desk=c.rounds.desk(spec, info))
         except LauncherPlanningError as exc:
             c.emit(Event.PLANNING_FAILED, error=str(exc))
             raise

@@ -18,7 +18,9 @@ Keys live under ``<key_prefix>/<run_id>/store/``; values are raw bytes. The oper
   the same key (a quick round's followers, checking a lease between slices) then costs etcd
   nothing per slice, where a read, a watch created and one cancelled per slice made 3000
   requests a second at 1024 agents. No event on the kept watch means the key is still
-  missing, so the next slice skips the read; a wait for anything else cancels it;
+  missing, so the next slice skips the read; a wait for anything else cancels it. A watch
+  whose last event put the one key waited for ends the wait without a read (the event says
+  the key is there);
 - ``check``, ``delete_key``, ``num_keys`` (keys of this store), ``append``.
 
 etcd refuses a transaction of more than ``--max-txn-ops`` operations (128 by default), so reads
@@ -52,6 +54,7 @@ from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
+from pyetcd import events as etcd_events
 from pyetcd import transactions
 
 from chameleon_elastic.rendezvous.client import EtcdClient, is_transient
@@ -292,6 +295,11 @@ class EtcdStore(dist.Store):
     def _wait_full(self, full: list[str], deadline: float) -> None:
         while True:
             watch = self._take_kept(full)
+            if watch is not None and watch.fired.is_set():   # written between two slices
+                watch.cancel()
+                if watch.written:
+                    return
+                watch = None
             if watch is not None:
                 missing = [watch.key]
             else:
@@ -305,8 +313,10 @@ class EtcdStore(dist.Store):
                     time.sleep(min(0.1, remaining))
                     continue
             if remaining > 0 and watch.fired.wait(remaining):
-                watch.cancel()   # the key was written (or the watch broke): read again
-                continue
+                watch.cancel()
+                if watch.written and full == [watch.key]:   # the one key waited for is there
+                    return
+                continue   # another key may still be missing, or the watch broke: read again
             if watch is not None:
                 self._keep(watch)
             raise EtcdStoreTimeoutError(
@@ -317,11 +327,11 @@ class EtcdStore(dist.Store):
             )
 
     def _take_kept(self, full: list[str]) -> _Watch | None:
-        """The kept watch when it watches the one key waited for and saw nothing since (so
-        the key is still missing), else None (cancelling a kept watch of another key)."""
+        """The kept watch when it watches the one key waited for (not fired: the key is still
+        missing), else None (cancelling a kept watch of another key)."""
         with self._kept_lock:
             watch, self._kept = self._kept, None
-        if watch is not None and (full != [watch.key] or watch.fired.is_set()):
+        if watch is not None and full != [watch.key]:
             watch.cancel()
             return None
         return watch
@@ -336,9 +346,13 @@ class EtcdStore(dist.Store):
         """A watch on ``key`` from ``start_revision``; None when etcd refused it for a reason
         a new read settles (a compacted revision)."""
         fired = threading.Event()
+        seen = {"written": False}
 
-        def on_event(_response: object) -> None:
-            fired.set()  # an event or an error: either way, read again
+        def on_event(response: object) -> None:
+            events = getattr(response, "events", None)
+            if events:   # the key's last event: a put (it is there) or a delete
+                seen["written"] = isinstance(events[-1], etcd_events.PutEvent)
+            fired.set()  # an event or an error: either way, the wait is over or reads again
 
         def create(client: Any) -> tuple[Any, int]:
             return client, client.add_watch_callback(
@@ -353,14 +367,22 @@ class EtcdStore(dist.Store):
             if not is_transient(exc):
                 return None
             raise
-        return _Watch(key, fired, client, watch_id)
+        return _Watch(key, fired, client, watch_id, seen)
 
 
 class _Watch:
-    """One etcd watch of a store wait: ``fired`` once anything came on it."""
+    """One etcd watch of a store wait: ``fired`` once anything came on it; ``written`` when
+    the last event on it was a put of the key (so the key exists: no read needed, which
+    spared a transaction per waiting agent, 4096 per quick round at 4096 nodes)."""
 
-    def __init__(self, key: str, fired: threading.Event, client: Any, watch_id: int) -> None:
+    def __init__(self, key: str, fired: threading.Event, client: Any, watch_id: int,
+                 seen: dict[str, bool]) -> None:
         self.key, self.fired, self._client, self._id = key, fired, client, watch_id
+        self._seen = seen
+
+    @property
+    def written(self) -> bool:
+        return self._seen["written"]
 
     def cancel(self) -> None:
         try:

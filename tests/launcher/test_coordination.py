@@ -3,11 +3,13 @@ report, decide and publish, adopt, with no process launched."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch.distributed as dist
 
 from chameleon_elastic.launcher import coordination
-from chameleon_elastic.launcher.coordination import Decision, NodeReport
+from chameleon_elastic.launcher.coordination import Agreement, Decision, NodeReport
 from chameleon_elastic.launcher.session import JobSession, LauncherPlanningError
 from chameleon_elastic.plan import ExecutionPlan, Pipeline
 from chameleon_elastic.spec import JobSpec
@@ -16,6 +18,17 @@ from chameleon_elastic.spec import JobSpec
 @pytest.fixture
 def session(tmp_path):
     return JobSession(JobSpec.preset("tiny-cpu"), "auto", tmp_path / "plans", warm_cache=False)
+
+
+def _published(session, reports, lost, joined=(), renew=True):
+    """What a decider publishes after taking the step from the reports (``agree``'s part)."""
+    base = session.digest
+    session.step(lost, joined, {}, renew)
+    decision = coordination.decide(session.plan, session.excluded, reports, inplace_wanted=True,
+                                   why=coordination.reasons(reports, lost, 2))
+    return decision, Agreement.of(decision, base=base, digest=session.digest,
+                                  lost=tuple(sorted(lost)), joined=tuple(sorted(joined)),
+                                  renew=renew)
 
 
 def test_two_agents_agree_on_one_plan_through_a_store(session, tmp_path):
@@ -27,16 +40,16 @@ def test_two_agents_agree_on_one_plan_through_a_store(session, tmp_path):
     reports = coordination.collect(store, "r1/", range(2))
     lost, joined = coordination.losses(reports, session.excluded, session.devices, 2)
     assert (lost, joined) == ({3}, set())
-    change = session.apply(lost=lost, joined=joined)
-    assert change is not None
-    decision = coordination.decide(session.plan, session.excluded, reports, inplace_wanted=True)
-    coordination.publish(store, "r1/", decision)
+    decision, agreement = _published(session, reports, lost, joined)
+    coordination.publish(store, "r1/", agreement)
 
     other = JobSession(JobSpec.preset("tiny-cpu"), "auto", tmp_path / "other", warm_cache=False)
-    adopted = coordination.adopt(store, "r1/", timeout_s=5)
+    adopted, change = coordination.adopt(coordination.read_agreement(store, "r1/", timeout_s=5),
+                                         other, desk=None)   # replayed: nothing to fetch
     assert adopted == decision
-    assert other.adopt(adopted.plan, adopted.excluded) is not None
+    assert change is not None and change.lost == (3,) and change.agreed == "replayed"
     assert other.plan == session.plan and other.excluded == {3}
+    assert other.digest == session.digest
     assert decision.inplace and decision.reported == 7 and decision.error is None
     assert decision.world == tuple(session.plan.working_devices)
 
@@ -148,10 +161,10 @@ def test_every_agent_learns_how_each_device_was_lost_from_the_node_that_saw_it(s
     lost, _ = coordination.losses(reports, session.excluded, session.devices, 2)
     why = coordination.reasons(reports, lost, 2)
     assert why == ((1, "SIGKILL"), (2, "node gone"), (3, "node gone"))
-    session.apply(lost=lost, joined=set())
-    decision = coordination.decide(session.plan, session.excluded, reports, True, why)
-    coordination.publish(store, "r1/", decision)
-    assert coordination.adopt(store, "r1/", timeout_s=5).why == why
+    decision, agreement = _published(session, reports, lost)
+    assert decision.why == why
+    coordination.publish(store, "r1/", agreement)
+    assert coordination.read_agreement(store, "r1/", timeout_s=5).decision.why == why
 
 
 def test_a_quick_round_decides_without_a_node_whose_lease_is_gone(session, tmp_path):
@@ -245,14 +258,12 @@ def test_a_replacing_decider_decides_from_what_the_lost_one_committed(session, t
 def test_a_decision_is_published_once_so_a_frozen_decider_cannot_overwrite_its_replacement(
         session):
     store = dist.HashStore()
-    session.apply(lost={0, 1})
-    replacement = coordination.decide(session.plan, session.excluded,
-                                      [NodeReport(1, (), (2, 3), True)], True)
+    _, replacement = _published(session, [NodeReport(1, (), (2, 3), True)], {0, 1})
     coordination.publish(store, "q1/", replacement)
-    stale = Decision(None, (), (), False, None, "made before the freeze")
+    stale = Agreement(Decision(None, (), (), False, None, "made before the freeze"))
     with pytest.raises(coordination.QuickRoundFailed, match="first"):
         coordination.publish(store, "q1/", stale)
-    assert coordination.adopt(store, "q1/", timeout_s=5) == replacement
+    assert coordination.read_agreement(store, "q1/", timeout_s=5) == replacement
 
 
 class _Reads:
@@ -281,7 +292,8 @@ def test_only_the_decider_of_a_quick_round_reads_the_plan_record(session, tmp_pa
     """The record holds the whole plan (0.6 MB at 8192 devices). Every member reading it at
     the start of a quick round made etcd send 0.6 GB before the first report at 1024 nodes
     (benchmarks/coordination_scale.py), and the decision the others adopt was made from it
-    anyway. The follower still ends on the decider's plan."""
+    anyway. The follower still ends on the decider's plan, replayed from the same digest:
+    it reads no plan at all, only the agreement."""
     import threading
 
     fence = _Reads(dist.HashStore())
@@ -317,15 +329,13 @@ def test_the_others_wait_on_a_one_byte_marker_written_after_the_decision(session
     1024 nodes in benchmarks/coordination_scale.py). A decision written but not yet announced
     is not adopted; once published it is."""
     store = dist.HashStore()
-    session.apply(lost={1})
-    decision = coordination.decide(session.plan, session.excluded,
-                                   [NodeReport(0, (1,), (0, 2, 3), True)], True)
-    store.set("r1/decision", decision.encode())   # written, not announced
+    _, agreement = _published(session, [NodeReport(0, (1,), (0, 2, 3), True)], {1})
+    store.set("r1/decision", agreement.encode())   # written, not announced
     with pytest.raises(dist.DistStoreError):
-        coordination.adopt(store, "r1/", timeout_s=0.2)
-    coordination.publish(store, "r1/", decision)
+        coordination.read_agreement(store, "r1/", timeout_s=0.2)
+    coordination.publish(store, "r1/", agreement)
     assert store.get("r1/decided") == b"1"
-    assert coordination.adopt(store, "r1/", timeout_s=5) == decision
+    assert coordination.read_agreement(store, "r1/", timeout_s=5) == agreement
 
 
 def test_a_node_without_the_reporter_knows_the_reported_steps_from_its_workers_commits():
@@ -379,3 +389,128 @@ def test_a_stored_decision_is_compressed_checked_and_an_older_plain_record_still
     damaged[len(damaged) // 2] ^= 0xFF
     with pytest.raises(LauncherPlanningError, match="damaged"):
         Decision.decode(bytes(damaged))
+
+
+class _CountingDesk:
+    """The launcher's desk (a worker store on loopback, as the deciding agent hosts it), with
+    the fetches noted."""
+
+    def __init__(self):
+        from datetime import timedelta
+
+        from chameleon_elastic.launcher.rounds import WorkerStoreDesk
+
+        self.server = None
+        self.fetched: list[str] = []
+
+        def serve():
+            if self.server is None:
+                self.server = dist.TCPStore("127.0.0.1", 0, is_master=True,
+                                            wait_for_workers=False)
+            return "127.0.0.1", self.server
+
+        self._inner = WorkerStoreDesk(serve, timedelta(seconds=5))
+
+    def offer(self, blob):
+        return self._inner.offer(blob)
+
+    def fetch(self, source):
+        self.fetched.append(source)
+        return self._inner.fetch(source)
+
+
+def test_a_late_joiner_fetches_the_plan_from_the_decider_never_from_the_store(session, tmp_path):
+    """A full round after a node came back: the decider catches up from the record
+    (generation 1) and decides; the returning node still holds generation 0, so replaying the
+    step from its own digest cannot work. It fetches the whole decision from the deciding
+    agent's desk (the worker store it hosts): from neither the round's store nor the record."""
+    import threading
+
+    previous = JobSession(JobSpec.preset("tiny-cpu"), "auto", tmp_path / "p", warm_cache=False)
+    fence = _Reads(dist.HashStore())
+    first, _ = _published(previous, [NodeReport(0, (1,), (0,), True)], {1})
+    coordination.commit_record(fence, "", first)
+    store = _Reads(dist.HashStore(), fence)
+    desk = _CountingDesk()
+    joiner = JobSession(JobSpec.preset("tiny-cpu"), "auto", tmp_path / "j", warm_cache=False)
+    result: dict = {}
+
+    def follow() -> None:
+        result["follower"] = coordination.agree(
+            store, "r2/", coordination.Members(1, (0, 1)), NodeReport(1, (), (2, 3), True),
+            joiner, True, 2, timeout_s=30, desk=desk)
+
+    thread = threading.Thread(target=follow, name="joiner")
+    thread.start()
+    decision, _, decided = coordination.agree(
+        store, "r2/", coordination.Members(0, (0, 1)), NodeReport(0, (1,), (0,), True),
+        session, True, 2, timeout_s=30, desk=desk)
+    thread.join(30)
+    assert not thread.is_alive(), "the returning node never adopted the decision"
+    assert decided and decision.plan.generation == first.plan.generation + 1
+    adopted, change, follower_decided = result["follower"]
+    assert not follower_decided and adopted == decision
+    assert joiner.plan == session.plan and joiner.excluded == {1}
+    assert joiner.digest == session.digest
+    assert change is not None and change.lost == (1,)   # what the joiner learns was lost
+    assert change.agreed == "fetched"
+    assert len(desk.fetched) == 1
+    joiner_reads = [keys for who, _, keys in store.reads + fence.reads if who == "joiner"]
+    assert all("decision" in str(k) or "decided" in str(k) for k in joiner_reads), joiner_reads
+
+
+def test_a_replay_whose_decider_is_gone_fails_the_round_not_the_agent(session, tmp_path):
+    """The decider died after publishing, and this agent's replay differs: it cannot fetch the
+    plan, and the round fails (the agent then runs a full round, whose decider starts from
+    the record) instead of the agent ending or guessing."""
+    desk = _CountingDesk()
+    decision, agreement = _published(session, [NodeReport(0, (1,), (0, 2, 3), True)], {1})
+    agreement = replace(agreement, source=desk.offer(decision.encode()))
+    stale = JobSession(JobSpec.preset("tiny-cpu"), "auto", tmp_path / "s", warm_cache=False)
+    stale.apply(lost={2})   # another history: its digest is not the agreement's base
+    desk.server = None      # the deciding agent is gone, its store with it
+    import gc
+
+    gc.collect()
+    with pytest.raises(coordination.PlanUnreachable, match="full rendezvous round"):
+        coordination.adopt(agreement, stale, desk)
+    assert isinstance(coordination.PlanUnreachable("x"), coordination.QuickRoundFailed)
+
+
+def test_the_agreement_stays_small_as_the_job_grows(tmp_path):
+    """What every agent reads per recovery is the agreement: its size must not follow the
+    plan's (which grows with the devices), so that etcd's traffic per recovery is the nodes
+    times a report's size."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from planner_latency import spec_for
+
+    sizes = {}
+    for devices in (64, 1024):
+        s = JobSession(spec_for(devices), "auto", tmp_path / str(devices), cache_depth=0)
+        reports = [NodeReport(n, (), tuple(range(8 * n, 8 * n + 8)), True)
+                   for n in range(devices // 8) if n != 3]   # node 3 is gone
+        lost, _ = coordination.losses(reports, (), devices, 8)
+        decision, agreement = _published(s, reports, lost)
+        sizes[devices] = (len(decision.encode()), len(agreement.encode()))
+        assert Agreement.decode(agreement.encode()) == agreement
+    assert sizes[1024][0] > 8 * sizes[64][0], sizes            # the plan grows with the job
+    assert sizes[1024][1] < 1.5 * sizes[64][1] < 3000, sizes   # the agreement does not
+
+
+def test_a_follower_with_a_warm_plan_cache_replays_a_cold_deciders_plan(tmp_path):
+    """Agents decide with or without their plan cache (warmed in the background): the cache
+    must lead to the very plan the planner builds, or every follower would fetch it."""
+    cold = JobSession(JobSpec.preset("tiny-cpu"), "auto", tmp_path / "c", cache_depth=0)
+    warm = JobSession(JobSpec.preset("tiny-cpu"), "auto", tmp_path / "w", warm_cache=False)
+    assert warm._cache is not None and warm._cache.warm() > 0
+    for lost in ({1}, {1, 2}):
+        base = cold.digest
+        assert warm.digest == base
+        cold.step(lost, (), {}, True)
+        change = warm.step(lost, (), {}, True)
+        assert change is not None and change.cached
+        assert warm.digest == cold.digest, f"the cached plan differs after losing {lost}"
+        warm.warm()

@@ -1,6 +1,6 @@
-"""The plan record and a round's decision on a real etcd, as the agents store them:
-compressed, fenced by compare-and-set on the compressed bytes, adopted through torch's
-PrefixStore (launcher/coordination.py)."""
+"""The plan record and a round's agreement on a real etcd, as the agents store them: the
+record compressed, fenced by compare-and-set on the compressed bytes; the agreement published
+and read through torch's PrefixStore (launcher/coordination.py)."""
 
 from __future__ import annotations
 
@@ -40,5 +40,6 @@ def test_a_compressed_decision_is_fenced_published_and_adopted_on_etcd(
     with pytest.raises(coordination.Fenced, match="published meanwhile"):
         coordination.commit_record(fence, seen, plain)   # a stale view cannot publish
     assert coordination.read_record(fence)[1] == second
-    coordination.publish(store, "q1/", second)
-    assert coordination.adopt(store, "q1/", timeout_s=5) == second
+    agreement = coordination.Agreement.of(second, base="b", digest="d", lost=(1, 3))
+    coordination.publish(store, "q1/", agreement)
+    assert coordination.read_agreement(store, "q1/", timeout_s=5) == agreement

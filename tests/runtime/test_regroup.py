@@ -1,0 +1,94 @@
+"""A gloo world formed with lazy pairs (runtime/regroup.py): four real processes on a real
+TCPStore. Forming it connects no pair; the pairs a rank names are open (and recorded for the
+watchdog) when ``connect_peers`` returns, the others are not; and the recorded sockets still
+unblock a survivor waiting on a peer frozen by SIGSTOP, as the full mesh's do."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+pytestmark = pytest.mark.timeout(60)
+
+_RANK = textwrap.dedent("""
+    import json, os, socket, sys, threading, time
+    from datetime import timedelta
+    import torch, torch.distributed as dist
+    from chameleon_elastic.runtime import regroup
+    from chameleon_elastic.runtime.abort import new_sockets, shut_down
+
+    rank, port, world = int(sys.argv[1]), int(sys.argv[2]), 4
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+    with regroup.lazy_pairs("gloo"), new_sockets() as formed:
+        dist.init_process_group("gloo", store=dist.PrefixStore("gen/1/", store), rank=rank,
+                                world_size=world, timeout=timedelta(seconds=30))
+    with new_sockets() as connected:
+        regroup.connect_peers(regroup.ring_peers(rank, world))
+
+    def peers(sockets):   # connected TCP sockets (not listening), by their remote ports
+        out = 0
+        for fd, _ in sockets:
+            s = socket.socket(fileno=fd)
+            try:
+                out += not s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+            finally:
+                s.detach()
+        return out
+
+    print(json.dumps({"formed": peers(formed), "connected": peers(connected)}), flush=True)
+    if rank == 0:   # wait on rank 1, which the test freezes; then cut the recorded sockets
+        store.wait(["frozen"])
+        threading.Timer(0.5, shut_down, args=(frozenset(connected),)).start()
+        start = time.monotonic()
+        try:
+            dist.recv(torch.zeros(1), 1)
+            print(json.dumps({"recv": "returned"}), flush=True)
+        except RuntimeError as exc:
+            print(json.dumps({"recv": "failed", "after_s": time.monotonic() - start}),
+                  flush=True)
+        os._exit(0)
+    store.wait(["done"])
+    os._exit(0)
+""")
+
+
+def test_lazy_pairs_connect_only_the_named_peers_and_stay_unblockable(tmp_path):
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                           timeout=timedelta(seconds=30))
+    script = tmp_path / "rank.py"
+    script.write_text(_RANK)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    env.pop("TORCH_GLOO_LAZY_INIT", None)
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(server.port)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=env) for r in range(4)]
+    try:
+        said = [json.loads(p.stdout.readline() or "{}") for p in procs]
+        assert all(s.get("formed") == 0 for s in said), said   # no pair at formation
+        # the ring of four: two peers each (a full mesh would have opened three)
+        assert [s["connected"] for s in said] == [2, 2, 2, 2], said
+        os.kill(procs[1].pid, signal.SIGSTOP)   # frozen: its sockets stay open, silent
+        server.set("frozen", "1")
+        line = procs[0].stdout.readline()
+        assert line, f"rank 0 said nothing: {procs[0].stderr.read()[-2000:]}"
+        result = json.loads(line)
+        assert result["recv"] == "failed" and result["after_s"] < 10, result
+    finally:
+        os.kill(procs[1].pid, signal.SIGCONT)
+        server.set("done", "1")
+        deadline = time.monotonic() + 20
+        for p in procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
