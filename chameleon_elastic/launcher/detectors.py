@@ -450,6 +450,13 @@ class Watchers:
         if self.lease is not None:
             self.lease.rejoined()
 
+    def nodes_lost(self) -> list[str]:
+        """Other nodes whose lease expired (not ended on purpose) since the last look; none
+        without leases."""
+        if self.lease is None:
+            return []
+        return [str(info["node_id"]) for info in self.lease.changes()[0]]
+
     def leave(self, finished: bool) -> None:
         """Give our lease up: as finished (no loss for the others), or as gone."""
         if self.lease is not None:
