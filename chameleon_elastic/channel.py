@@ -204,6 +204,8 @@ class Generation:
     (sorted), then spare devices that keep a live worker; each device is a unit of ``tp``
     cards on consecutive ranks. ``reported`` is the last step the job reported as far as the
     agents know (None: unknown), so a new reporter neither skips nor repeats a step.
+    ``starting``: devices of ``world`` whose processes start for this generation (a crashed
+    worker restarted, a node's first), so the survivors' regroup waits for a process start.
     """
 
     generation: int
@@ -213,6 +215,7 @@ class Generation:
     world: tuple[int, ...]
     reported: int | None = None
     tp: int = 1
+    starting: tuple[int, ...] = ()
 
     @property
     def prefix(self) -> str:
@@ -233,7 +236,8 @@ class Generation:
         return cls(int(d["generation"]), str(d["plan_file"]), str(d["master_addr"]),
                    int(d["master_port"]), tuple(int(x) for x in d["world"]),
                    None if d.get("reported") is None else int(d["reported"]),
-                   tp=int(d.get("tp", 1)))
+                   tp=int(d.get("tp", 1)),
+                   starting=tuple(int(x) for x in d.get("starting", ())))
 
 
 @dataclass(frozen=True)

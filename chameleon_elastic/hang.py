@@ -150,20 +150,24 @@ class RecoveryDeadlines:
 
 def recovery_deadlines(regroups_s: Iterable[float], entries_s: Iterable[float],
                        steps_s: Iterable[float], transfer_bytes: float,
-                       bandwidth: float | None, world_size: int) -> RecoveryDeadlines:
+                       bandwidth: float | None, world_size: int,
+                       start_s: float = 0.0) -> RecoveryDeadlines:
     """Each phase's deadline: ``FACTOR`` x the ``QUANTILE`` of what this process measured for it
     (its regroups, ``REGROUP_PRIOR_PER_RANK_S`` x ``world_size`` before the first; its plan
     entries less their transfers; its committed steps), at least ``FLOOR_S``; the transfer adds
     ``FACTOR`` x its bytes over the measured bandwidth (``PRIOR_BANDWIDTH`` before one was
-    measured). No ceiling: every figure is measured, and a large transfer legitimately takes
-    long."""
+    measured). ``start_s``: when processes start for the generation (a crashed worker
+    restarted), this process's own start-up as measured (imports and joining its first world):
+    the regroup waits for theirs, ``FACTOR`` x that longer. No ceiling: every figure is
+    measured, and a large transfer legitimately takes long."""
 
     def bound(measured: Iterable[float], prior_s: float = 0.0, extra_s: float = 0.0) -> float:
         p = quantile(measured)
         return max(FLOOR_S, FACTOR * (prior_s if p is None else p)) + extra_s
 
     moving_s = transfer_bytes / (bandwidth or PRIOR_BANDWIDTH)
-    return RecoveryDeadlines(bound(regroups_s, REGROUP_PRIOR_PER_RANK_S * world_size),
+    return RecoveryDeadlines(bound(regroups_s, REGROUP_PRIOR_PER_RANK_S * world_size,
+                                   FACTOR * start_s),
                              bound(entries_s, extra_s=FACTOR * moving_s), bound(steps_s))
 
 

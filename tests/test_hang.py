@@ -132,6 +132,9 @@ def test_a_recoverys_deadlines_are_factor_times_what_was_measured_and_the_transf
     measured = recovery_deadlines([], [], [], 2e9, 1e9, 1024)
     assert measured.enter_s == FLOOR_S + FACTOR * 2.0
     assert measured.regroup_s == FACTOR * REGROUP_PRIOR_PER_RANK_S * 1024   # a large world
+    restart = recovery_deadlines([0.01], [], [], 0.0, None, 4, start_s=3.0)
+    assert restart.regroup_s == FLOOR_S + FACTOR * 3.0   # a restarted peer's start-up waited
+    assert restart.enter_s == few.enter_s                # and nothing else
 
 
 def test_a_recovery_phase_announces_its_own_deadline_until_the_stretch_ends():

@@ -178,6 +178,7 @@ class Decision:
     nodes: tuple[int, ...] = ()             # the nodes that reported: the next quick round's
     speeds: tuple[tuple[int, float], ...] = ()   # the slow devices the plan was made for
     no_plan: bool = False                   # the error is the planner's: no layout fits
+    starting: tuple[int, ...] = ()          # working devices without a live worker: restarts
 
     def to_json(self) -> str:
         # shallow: asdict would first copy the whole plan, field by field, only to have it
@@ -195,7 +196,8 @@ class Decision:
                    tuple((int(k), str(v)) for k, v in d.get("why", ())),
                    tuple(int(n) for n in d.get("nodes", ())),
                    tuple((int(k), float(v)) for k, v in d.get("speeds", ())),
-                   no_plan=bool(d.get("no_plan", False)))
+                   no_plan=bool(d.get("no_plan", False)),
+                   starting=tuple(int(x) for x in d.get("starting", ())))
 
     def encode(self) -> bytes:
         """What goes into the record and onto the decider's desk: the JSON, compressed (7x at
@@ -261,7 +263,8 @@ class Agreement:
             "source": self.source, "generation": self.generation, "idle": _runs(self.idle),
             "excluded": _runs(d.excluded), "inplace": d.inplace, "reported": d.reported,
             "error": d.error, "why": d.why, "nodes": _runs(d.nodes),
-            "decision_speeds": d.speeds, "no_plan": d.no_plan}).encode()
+            "decision_speeds": d.speeds, "no_plan": d.no_plan,
+            "starting": _runs(d.starting)}).encode()
 
     @classmethod
     def decode(cls, raw: str | bytes) -> Agreement:
@@ -270,7 +273,7 @@ class Agreement:
                             d["error"], tuple((int(k), str(v)) for k, v in d["why"]),
                             _unruns(d["nodes"]),
                             tuple((int(k), float(v)) for k, v in d["decision_speeds"]),
-                            bool(d["no_plan"]))
+                            bool(d["no_plan"]), _unruns(d.get("starting", [])))
         return cls(decision, d["base"], d["digest"], _unruns(d["lost"]), _unruns(d["joined"]),
                    tuple((int(k), float(v)) for k, v in d["speeds"]), bool(d["renew"]),
                    d["source"], d["generation"], _unruns(d["idle"]))
@@ -454,8 +457,10 @@ def decide(plan: ExecutionPlan, excluded: Collection[int], reports: Sequence[Nod
                  f"{sorted(excluded)} are gone) and the job has no checkpoint to restore them "
                  "from; training cannot go on. Give the script a checkpoint directory (for "
                  "examples/train_gpt.py: --checkpoint-dir) to survive such a loss.")
+    starting = tuple(d for d in plan.working_devices if d not in live) if inplace else ()
     return Decision(plan, tuple(sorted(excluded)), world_of(plan, live, inplace), inplace,
-                    reported, error, why, tuple(sorted(r.node for r in reports)), speeds)
+                    reported, error, why, tuple(sorted(r.node for r in reports)), speeds,
+                    starting=starting)
 
 
 def publish(store: Any, scope: str, agreement: Agreement) -> None:

@@ -56,18 +56,21 @@ class WorkerStarter:
         """Publish the generation; renumber the kept workers; the local devices of its world
         that have no live worker."""
         plan = session.plan
+        assigned = [a for a in local_assignments(plan, here.node, here.nproc, decision.world,
+                                                 here.tp) if a.device not in self._procs.devices]
+        # processes that start for this generation: the decision's (restarts anywhere), and
+        # here those without a live worker
+        starting = tuple(sorted(set(decision.starting) | {a.device for a in assigned}))
         channel.write(self._channel, channel.generation_key(plan.generation), Generation(
             plan.generation, session.plan_file, str(wg.master_addr), int(wg.master_port),
-            decision.world, decision.reported, tp=here.tp))
+            decision.world, decision.reported, tp=here.tp, starting=starting))
         channel.write(self._channel, channel.NEWEST, plan.generation)
         for card in self._procs.devices:   # wake the kept workers' watchdogs (runtime/abort.py)
             channel.write(self._channel, channel.wake_key(card), True)
-        assigned = local_assignments(plan, here.node, here.nproc, decision.world, here.tp)
         self._procs.renumber(lambda card: here.ranks(card, decision.world))
         return [(Worker(local_rank=a.local_rank, global_rank=a.global_rank,
                         role_rank=a.global_rank, world_size=a.world_size,
-                        role_world_size=a.world_size), a)
-                for a in assigned if a.device not in self._procs.devices]
+                        role_world_size=a.world_size), a) for a in assigned]
 
     def launch(self, todo: Todo, wg: Any, restarts_used: int, session: Any,
                here: NodeCards) -> tuple[int, ...]:

@@ -74,6 +74,7 @@ class RecoveryClock:
         self._entries: collections.deque[float] = collections.deque(maxlen=_KEPT)
         self._steps: collections.deque[float] = collections.deque(maxlen=_KEPT)
         self._bandwidth: float | None = None
+        self._start_s = 0.0   # this process's start-up: imports, its first world
         self._lock = threading.Lock()
         self._timer: threading.Timer | None = None
         self._before: Sockets = frozenset()       # open as the current phase began
@@ -97,12 +98,20 @@ class RecoveryClock:
     def stepped(self, seconds: float) -> None:
         self._steps.append(seconds)
 
+    def started_up(self, seconds: float) -> None:
+        """This process took ``seconds`` from its creation to its first plan: what a process
+        started for a later generation (a restarted peer's) takes too, about."""
+        self._start_s = seconds
+
     # ------------------------------------------------------------------ one recovery
 
-    def begin(self, plan_bytes: float, world_size: int) -> RecoveryDeadlines:
-        """A recovery starts (the decision is known): its deadlines, from what was measured."""
+    def begin(self, plan_bytes: float, world_size: int,
+              starting: bool = False) -> RecoveryDeadlines:
+        """A recovery starts (the decision is known): its deadlines, from what was measured;
+        ``starting``: processes start for the generation, and the regroup waits for them."""
         self.deadlines = recovery_deadlines(self._regroups, self._entries, self._steps,
-                                            plan_bytes, self._bandwidth, world_size)
+                                            plan_bytes, self._bandwidth, world_size,
+                                            self._start_s if starting else 0.0)
         self.missed = None
         self._recovering = open_sockets()
         return self.deadlines

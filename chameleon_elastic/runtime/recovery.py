@@ -173,7 +173,8 @@ class Recovery:
         """Regroup into ``gen`` and enter its plan, each phase against its deadline
         (runtime/deadlines.py); returns the entry and the regroup's seconds."""
         plan = read_plan(gen.plan_file)
-        self.clock.begin(transfer_bytes(plan, self.link.device), gen.world_size)
+        self.clock.begin(transfer_bytes(plan, self.link.device), gen.world_size,
+                         starting=bool(gen.starting))
         self.clock.enter_phase("regroup")   # its deadline first: the stretch announces it
         self.trainer.phases(self.trainer.committed, "regroup")
         self.arm(gen.generation)   # a generation published meanwhile ends this one at once
@@ -198,8 +199,9 @@ class Recovery:
         """The plan this process entered as it started: it learned of the generation when it
         started, and its start-up (imports, joining the world) is its regroup."""
         created = psutil.Process().create_time()
-        self.started(entry, max(0.0, self._entering - created), noticed_at=None,
-                     woke_at=created)
+        start_s = max(0.0, self._entering - created)
+        self.clock.started_up(start_s)
+        self.started(entry, start_s, noticed_at=None, woke_at=created)
 
     def started(self, entry: Entry, regroup_s: float, noticed_at: float | None,
                 woke_at: float) -> None:

@@ -119,9 +119,22 @@ def test_lost_layers_a_live_partner_keeps_a_snapshot_of_go_on_in_place(session):
     assert decision.error is None and decision.inplace
 
 
+def test_a_working_device_without_a_live_worker_starts_one_and_every_agent_knows():
+    """A crashed worker restarted in place: the survivors' regroup waits for a process start,
+    on every node (runtime/deadlines.py), so the decision says which devices start."""
+    plan = ExecutionPlan("replan", 1, (Pipeline((0, 1), ((0, 4), (4, 8)), 4),
+                                       Pipeline((2, 3), ((0, 4), (4, 8)), 4))).validate()
+    crashed = [NodeReport(0, (), (0, 1), True), NodeReport(1, (), (3,), True)]
+    decision = coordination.decide(plan, set(), crashed, True)
+    assert decision.starting == (2,)
+    agreement = coordination.Agreement.of(decision)
+    assert coordination.Agreement.decode(agreement.encode()).resolve(plan).starting == (2,)
+    assert coordination.decide(plan, set(), crashed, False).starting == ()   # all start anyway
+
+
 def test_decisions_round_trip_as_json(session):
     session.apply(lost={2})
-    d = Decision(session.plan, (2,), (0, 1, 3), True, 4, None)
+    d = Decision(session.plan, (2,), (0, 1, 3), True, 4, None, starting=(3,))
     assert Decision.from_json(d.to_json()) == d
     failed = Decision(None, (), (), False, None, "no plan")
     assert Decision.from_json(failed.to_json()) == failed
