@@ -24,10 +24,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .abort import new_sockets
 from .checkpoint import checkpoint_state, commit, step_dir
-from .errors import PeerLost
-from .groups import gloo_world_group
+from .groups import side_group
 
 __all__ = ["BackgroundSave", "ensure_save_group"]
 
@@ -40,14 +38,7 @@ def ensure_save_group(trainer: Any) -> Any:
     job without checkpoints, never pays for it. Its sockets join those the watchdog may shut
     (:mod:`.abort`)."""
     if trainer.save_group is None:
-        with new_sockets() as sockets:
-            try:
-                trainer.save_group = gloo_world_group(trainer.timeouts.delta("collective_s"))
-            except RuntimeError as exc:
-                raise PeerLost(f"cannot create the checkpoint group: {exc}") from exc
-        trainer.group_sockets = trainer.group_sockets | frozenset(sockets)
-        if trainer.recovery is not None:
-            trainer.recovery.arm()
+        trainer.save_group = side_group(trainer, "checkpoint")
     return trainer.save_group
 
 

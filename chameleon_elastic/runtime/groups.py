@@ -16,8 +16,8 @@ One home, because how depends on the backend and the torch release (docs/runtime
   groups in one collective; so on nccl2 every subgroup is split from the world, one call per
   *round* of disjoint rank sets (:func:`disjoint_rounds`): the tensor-parallel units of a plan
   are one split, not one collective per unit. :func:`subgroup_method` decides.
-- **The checkpoint group** (:func:`gloo_world_group`): a gloo group over the whole world, which
-  no backend refuses (every rank is a member).
+- **Side groups** (:func:`side_group`): a gloo group over the whole world for work beside the
+  steps (background checkpoints, snapshots), which no backend refuses (every rank is a member).
 
 Nothing is global: a table belongs to one plan and is destroyed and rebuilt in the same live
 process when the plan changes (in-place recovery). Sets of one rank need no group and get none.
@@ -28,7 +28,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Sequence
 from datetime import timedelta
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -36,10 +36,11 @@ import torch.distributed as dist
 from chameleon_elastic import torch_compat
 from chameleon_elastic.plugins import device_backends, get_backend
 
+from .abort import new_sockets
 from .errors import PeerLost, PipelineRuntimeError
 
 __all__ = ["REFUSE_NEW_GROUP", "GroupTable", "SubgroupMethod", "disjoint_rounds",
-           "gloo_world_group", "init_world", "subgroup_method", "world_device"]
+           "init_world", "side_group", "subgroup_method", "world_device"]
 
 SubgroupMethod = Literal["new_group", "split_group"]
 
@@ -93,11 +94,24 @@ def disjoint_rounds(rank_sets: Iterable[Sequence[int]]) -> list[list[tuple[int, 
     return rounds
 
 
-def gloo_world_group(timeout: timedelta) -> object:
-    """A gloo group over the whole world (background checkpoints: runtime/background_save.py).
-    ``new_group`` on every backend: every rank is a member, so nccl2's trouble with ranks
-    outside a group cannot arise, and a split of an nccl world could not change its backend."""
-    return dist.new_group(list(range(dist.get_world_size())), timeout=timeout, backend="gloo")
+def side_group(trainer: Any, purpose: str) -> object:
+    """A gloo group over the whole world for ``purpose`` (background checkpoints, snapshots),
+    made where first needed (collective: every rank needs it at the same step), so entering a
+    plan never pays for it. ``new_group`` on every backend: every rank is a member, so nccl2's
+    trouble with ranks outside a group cannot arise, and a split of an nccl world could not
+    change its backend. Its sockets join the trainer's, which the watchdog and an abort shut
+    (:mod:`.abort`)."""
+    with new_sockets() as sockets:
+        try:
+            group = dist.new_group(list(range(dist.get_world_size())),
+                                   timeout=trainer.timeouts.delta("collective_s"),
+                                   backend="gloo")
+        except RuntimeError as exc:
+            raise PeerLost(f"cannot create the {purpose} group: {exc}") from exc
+    trainer.group_sockets = trainer.group_sockets | frozenset(sockets)
+    if trainer.recovery is not None:
+        trainer.recovery.arm()
+    return group
 
 
 class GroupTable:

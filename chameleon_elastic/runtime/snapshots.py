@@ -51,8 +51,9 @@ import torch.distributed as dist
 from chameleon_elastic.plan import ExecutionPlan
 from chameleon_elastic.planning.snapshots import partners
 
-from .abort import free_later, new_sockets
+from .abort import free_later
 from .errors import PeerLost, PipelineRuntimeError
+from .groups import side_group
 from .layer_state import Packed, pack_layer, packed_bytes, recv_packed, send_packed, unpack
 from .migrate import Move, move_states, stage_layers
 from .topology import RankMap
@@ -299,16 +300,7 @@ class Snapshots:
         """The plan's gloo group for snapshots, over the whole world (collective: every rank
         takes the same snapshots); its sockets join those the watchdog and an abort shut."""
         if self._group is None:
-            with new_sockets() as sockets:
-                try:
-                    self._group = dist.new_group(
-                        list(range(dist.get_world_size())),
-                        timeout=t.timeouts.delta("collective_s"), backend="gloo")
-                except RuntimeError as exc:
-                    raise PeerLost(f"cannot create the snapshot group: {exc}") from exc
-            t.group_sockets = t.group_sockets | frozenset(sockets)
-            if t.recovery is not None:
-                t.recovery.arm()
+            self._group = side_group(t, "snapshot")
         return self._group
 
     def _take(self, slot: Slot, work: list, optimizer: Any, job_state: Mapping[str, Any],
