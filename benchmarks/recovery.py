@@ -48,6 +48,7 @@ time (the slowest process's) and total recovery time (entering the plan plus the
     python benchmarks/recovery.py --ablation --repeats 5
     python benchmarks/recovery.py --trials 10 --ablation --json > recovery.json
     python benchmarks/recovery.py --trials 30 --paths inplace --load 2   # the tail, loaded
+    python benchmarks/recovery.py --trials 30 --load 2 --keep-slow /tmp/slow   # and explain it
 
 ``--load N`` runs N busy loops beside the job; the table then gives p99 and max of kill -> next
 step as well as the median (a recovery is judged by its worst case).
@@ -61,6 +62,7 @@ import itertools
 import json
 import os
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -85,6 +87,8 @@ PATHS = ("inplace", "relaunch", "torchrun", "torchrun-fresh",
 #: their total, and the parts of some of them
 PHASES = (*(f"{p}_s" for p in RECOVERY_PHASES), "total_s")
 PARTS = ("rendezvous_s", "plan_s", "stop_s", "launch_s")
+#: a recovery slower than this is kept for a look (``--keep-slow``)
+KEEP_ABOVE_S = 2.0
 #: torch's switch away from the store it shares across restarts (whose stale keys make the
 #: relaunched workers fail with "connectFullMesh ... Connection refused" or hang)
 FRESH_STORE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
@@ -153,9 +157,14 @@ class StepWatch:
         for t in self._threads:
             t.join(10)
 
-    def result(self, path: str, code: int | None, steps: int) -> dict:
+    def result(self, path: str, code: int | None, steps: int,
+               resumed: int | None = None) -> dict:
+        """``resumed``: the first step of the recovery (its ``recovered`` event), when known: a
+        step committed before the kill may be read after it (another launcher's line, under
+        load), and is not the recovery's."""
         kill_t, committed = self.kill_t, self.committed
-        new = [t for t, s, _ in self.lines if kill_t is not None and t >= kill_t and s > committed]
+        first = max(committed + 1, resumed or 0)
+        new = [t for t, s, _ in self.lines if kill_t is not None and t >= kill_t and s >= first]
         finished = sorted({s for _, s, _ in self.lines}) == list(range(steps))
         before = [(t, s) for t, s, _ in self.lines if kill_t is None or t < kill_t]
         gaps = [t - t0 for (t0, s0), (t, s) in itertools.pairwise(before)
@@ -175,7 +184,8 @@ def _popen(cmd: list[str], **env: str) -> subprocess.Popen:
                             cwd=ROOT, start_new_session=True)
 
 
-def trial(path: str, steps: int, precision: str, kill_at: int, deadline: float) -> dict:
+def trial(path: str, steps: int, precision: str, kill_at: int, deadline: float,
+          keep: Path | None = None) -> dict:
     """One run on one node; every process it started is killed at the end, orphans included
     (torchrun's workers outlive a killed torchrun and would hold the output pipe open)."""
     with tempfile.TemporaryDirectory(prefix="recovery-bench-") as tmp:
@@ -191,9 +201,22 @@ def trial(path: str, steps: int, precision: str, kill_at: int, deadline: float) 
         watch = StepWatch([proc], kill_at, kill)
         code = supervise(proc, deadline)
         watch.join()
-        result = watch.result(path, code, steps)
-        result["phases"] = _phases(Path(tmp, "state", "events.jsonl"))
+        phases = _phases(Path(tmp, "state", "events.jsonl"))
+        result = watch.result(path, code, steps, (phases or {}).get("resumed_step"))
+        result["phases"] = phases
+        _keep_if_slow(result, tmp, keep)
     return result
+
+
+def _keep_if_slow(result: dict, tmp: str, keep: Path | None) -> None:
+    """Copy a trial's state directories (events, plans, workers' logs) under ``keep`` when it
+    did not finish or its recovery took over ``KEEP_ABOVE_S``: the tail is what to explain."""
+    t = result["kill_to_next_step_s"]
+    if keep is None or (result["finished"] and t is not None and t <= KEEP_ABOVE_S):
+        return
+    where = keep / f"{result['path']}-{Path(tmp).name}"
+    shutil.copytree(tmp, where, dirs_exist_ok=True)
+    result["kept"] = str(where)
 
 
 def _phases(events: Path) -> dict | None:
@@ -204,11 +227,11 @@ def _phases(events: Path) -> dict | None:
                  if e.get("event") == "recovered"]
     if not recovered:
         return None
-    return {k: recovered[-1].get(k) for k in (*PHASES, *PARTS)}
+    return {k: recovered[-1].get(k) for k in (*PHASES, *PARTS, "resumed_step")}
 
 
 def two_node_trial(path: str, steps: int, precision: str, kill_at: int, deadline: float,
-                   endpoint: str, run_id: str) -> dict:
+                   endpoint: str, run_id: str, keep: Path | None = None) -> dict:
     """Two agents x two workers on etcd-v3 (lease TTL 2 s), the tiny GPT. ``2n-worker``:
     kill -9 of device 3's worker; ``2n-node-kill`` / ``2n-node-stop``: SIGKILL / SIGSTOP of
     the agent and workers of the node that runs device 3; ``2n-decider-*``: of device 0's
@@ -254,9 +277,11 @@ def two_node_trial(path: str, steps: int, precision: str, kill_at: int, deadline
         watch.join()
         code = codes[survivor[0]] if survivor else (
             None if None in codes.values() else max(codes.values()))
-        result = watch.result(path, code, steps)
         watched = survivor[0] if survivor else "a"
-        result["phases"] = _phases(Path(tmp, watched, "events.jsonl"))
+        phases = _phases(Path(tmp, watched, "events.jsonl"))
+        result = watch.result(path, code, steps, (phases or {}).get("resumed_step"))
+        result["phases"] = phases
+        _keep_if_slow(result, tmp, keep)
     return result
 
 
@@ -435,7 +460,7 @@ def print_tables(report: dict) -> None:
 
 
 def run_trials(paths: list[str], trials: int, steps: int, precision: str, kill_at: int,
-               deadline: float) -> list[dict]:
+               deadline: float, keep: Path | None = None) -> list[dict]:
     """Every path ``trials`` times, alternating the order; two-node paths share one etcd."""
     results = []
     with contextlib.ExitStack() as stack:
@@ -445,9 +470,9 @@ def run_trials(paths: list[str], trials: int, steps: int, precision: str, kill_a
             for path in (paths if i % 2 == 0 else paths[::-1]):
                 if etcd is not None and path.startswith("2n-"):
                     r = two_node_trial(path, steps, precision, kill_at, deadline,
-                                       etcd.endpoint, f"bench-{i}-{path}")
+                                       etcd.endpoint, f"bench-{i}-{path}", keep)
                 else:
-                    r = trial(path, steps, precision, kill_at, deadline)
+                    r = trial(path, steps, precision, kill_at, deadline, keep)
                 results.append(r)
                 t = r["kill_to_next_step_s"]
                 print(f"  trial {i + 1:2d} {path:14s} finished={r['finished']!s:5s} kill->next="
@@ -475,6 +500,10 @@ def main() -> None:
     parser.add_argument("--load", type=int, default=0, metavar="N",
                         help="N CPU-bound busy loops beside the job for the whole run (a "
                              "shared, loaded machine: the tail of the recovery time)")
+    parser.add_argument("--keep-slow", metavar="DIR", type=Path,
+                        help=f"copy the state directories of every trial that did not finish "
+                             f"or took over {KEEP_ABOVE_S:g} s from the kill to the next step "
+                             "into DIR (to explain the tail)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     parser.add_argument("--table-from", metavar="FILE",
                         help="print the tables of a saved --json report and exit")
@@ -490,7 +519,7 @@ def main() -> None:
     if args.trials:
         with busy_loops(args.load):
             results = run_trials(paths, args.trials, args.steps, args.precision, args.kill_at,
-                                 args.deadline)
+                                 args.deadline, args.keep_slow)
         report.update(trials=args.trials, kill_at=args.kill_at, steps=args.steps,
                       precision=args.precision, load=args.load,
                       summary=summarise(results), results=results)
