@@ -237,6 +237,7 @@ class ChameleonAgent(LocalElasticAgent):
             if result.state == WorkerState.SUCCEEDED:
                 wg.state = result.state
                 self._update_status("succeeded")
+                self._rounds.finish()                  # for the standby nodes
                 self._watchers.leave(finished=True)   # no loss for the others
                 self._exit_barrier()
                 self._emit(Event.JOB_FINISHED, state="SUCCEEDED",
@@ -281,8 +282,8 @@ class ChameleonAgent(LocalElasticAgent):
         return self._watchers.tick(
             result.state, [e for _, e in sorted(self._exits.items())], self._procs.pids(),
             self._here, self._session, self._channel, lambda: self._rounds.nodes_waiting(spec),
-            self._rounds.quick_called,
-            max(1.0, 4 * spec.monitor_interval), planned=self._planned,
+            self._rounds.quick_called, max(1.0, 4 * spec.monitor_interval),
+            finished=self._rounds.finished_elsewhere, planned=self._planned,
             inplace_wanted=self._planned and self._recovery == "inplace",
             runtime=self._transition.runtime(),
             some_succeeded=bool(self._procs.succeeded), restarts_left=self._budget.left)

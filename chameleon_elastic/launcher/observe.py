@@ -228,6 +228,10 @@ def recovery_line(what: str, plan: Any, *, inplace: bool, started: int, moved_la
     elif plan.policy == "reroute":
         peers = sorted({s.device for r in plan.reroute for s in r.peers})
         parts.append(f"rerouted to data-parallel peers: {name_devices(peers, tp)}")
+    elif plan.policy == "swap":   # the standbys are the receivers: they held nothing
+        standbys = sorted({t.dst for t in plan.transfers})
+        parts.append(f"swapped in standby {name_devices(standbys, tp)}, the layout kept "
+                     f"({layout(plan, tp)})")
     else:
         parts.append(f"re-planned to {layout(plan, tp)}")
     if not inplace:
