@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 
 import psutil
-from launched import supervise, worker_of
+from launched import busy_loops, supervise, worker_of
 
 ROOT = Path(__file__).resolve().parent.parent
 STEP = re.compile(r"^(?:\S+ )?step\s+(\d+)\s")
@@ -152,17 +152,6 @@ class Run:
 def _signal(pid: int, sig: signal.Signals) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, sig)
-
-
-@contextlib.contextmanager
-def busy_loops(n: int):
-    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
-    try:
-        yield
-    finally:
-        for p in spinners:
-            p.kill()
-            p.wait()
 
 
 def quantile(values: list[float], q: float) -> float | None:

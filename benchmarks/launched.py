@@ -3,14 +3,16 @@ with a deadline while remembering every process it started, so that none outlive
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import psutil
 
-__all__ = ["supervise", "worker_of"]
+__all__ = ["busy_loops", "supervise", "worker_of"]
 
 
 def worker_of(launcher: int, device: int, script: str = "train_gpt") -> int | None:
@@ -53,3 +55,16 @@ def supervise(proc: subprocess.Popen, deadline_s: float) -> int | None:
             pass
     proc.wait()
     return code
+
+
+@contextlib.contextmanager
+def busy_loops(n: int):
+    """``n`` processes spinning on a core each for as long as the block runs: a shared, loaded
+    machine, on which the tail of a recovery shows."""
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        yield
+    finally:
+        for p in spinners:
+            p.kill()
+            p.wait()

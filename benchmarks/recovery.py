@@ -71,7 +71,7 @@ import time
 from pathlib import Path
 
 import psutil
-from launched import supervise, worker_of
+from launched import busy_loops, supervise, worker_of
 
 from chameleon_elastic.hang import quantile
 from chameleon_elastic.launcher.reporter import RECOVERY_PHASES
@@ -432,19 +432,6 @@ def print_tables(report: dict) -> None:
         print(f"planner vs naive: transfer {100 * (p['transfer_s'] / n['transfer_s'] - 1):+.1f}%, "
               f"recovery {100 * (p['total_s'] / n['total_s'] - 1):+.1f}% "
               "(paper: -32.35% and -26.79%)")
-
-
-@contextlib.contextmanager
-def busy_loops(n: int):
-    """``n`` processes spinning on a core each, for as long as the block runs."""
-    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
-                for _ in range(n)]
-    try:
-        yield
-    finally:
-        for p in spinners:
-            p.kill()
-            p.wait()
 
 
 def run_trials(paths: list[str], trials: int, steps: int, precision: str, kill_at: int,

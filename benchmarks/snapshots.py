@@ -42,33 +42,13 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+from importlib import resources
+
 import torch
 import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET = 1.05   # the issue's bound on the fault-free step at the default interval
-JOB = """
-name = "pp4"
-[model]
-layers = 8
-forward_s = 0.002
-backward_s = 0.004
-param_bytes = 1.0e6
-optimizer_bytes = 2.0e6
-activation_bytes = 2.0e5
-[cluster]
-devices = 4
-device_memory_bytes = 2e9
-bandwidth_bytes_per_s = 1e9
-restart_s = 2.0
-failure_rate_per_hour = 0.1
-regroup_s = 0.3
-[training]
-dp = 1
-pp = 4
-global_micro_batches = 8
-precision = "fp32"
-"""
 
 
 def default_every(job: Path, per_node: int = 4) -> int:
@@ -272,8 +252,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print JSON instead of tables")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="snapshot-job-") as tmp:
-        job = Path(tmp) / "pp4.toml"
-        job.write_text(JOB)
+        job = Path(tmp) / "pp4.toml"   # one pipeline of four stages: single replicas
+        job.write_text(resources.files("chameleon_elastic.presets").joinpath(
+            "tiny-cpu-pp4.toml").read_text())
         every = default_every(job)
         report: dict = {"load_average": os.getloadavg(), "default_every": every}
         if not args.skip_faultfree:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import time
@@ -247,10 +248,48 @@ def test_a_worker_that_has_exited_is_never_hung_while_a_stopped_one_is():
         watch.check(store, pids)                       # the beats seen now ...
         long_ago = time.monotonic() - 100
         watch._beats = {d: (1, long_ago) for d in pids}   # ... and not again for 100 s,
-        watch._awake = {d: (long_ago, 0.0) for d in pids}  # awake all along
+        watch._awake = {d: (long_ago, _cpu(p)) for d, p in pids.items()}  # awake all along
         hung, _ = watch.check(store, pids)
         assert [h.device for h in hung] == [1]
     finally:
         stopped.kill()
         stopped.wait()
         exited.wait()
+
+
+def _cpu(pid: int) -> float:
+    """The CPU seconds ``pid`` used so far (0 for a process that has exited)."""
+    try:
+        return sum(psutil.Process(pid).cpu_times()[:2])
+    except psutil.Error:
+        return 0.0
+
+
+def test_a_device_stopped_part_of_the_time_is_slow_not_frozen():
+    """A throttled device, stopped and continued from outside (chaos.py's slow device), is
+    seen stopped at some looks: it has run between them, so it is not convicted; one that
+    stays stopped is."""
+    throttled = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        deadline = time.monotonic() + 30
+        while _cpu(throttled.pid) < 0.05:   # it has run
+            assert time.monotonic() < deadline, "the spinner never ran"
+            time.sleep(0.01)
+        store, pids = dist.HashStore(), {0: throttled.pid}
+        store.add(channel.beat_key(0), 1)
+        watch = HangWatch(3, nproc=1)
+        watch.check(store, pids)
+        long_ago = time.monotonic() - 100
+        watch._beats = {0: (1, long_ago)}
+        watch._awake = {0: (long_ago, 0.0)}    # first seen awake 100 s ago, with no CPU used
+        throttled.send_signal(signal.SIGSTOP)   # stopped now, at this look
+        while psutil.Process(throttled.pid).status() != psutil.STATUS_STOPPED:
+            assert time.monotonic() < deadline, "the spinner never stopped"
+            time.sleep(0.01)
+        assert watch.check(store, pids)[0] == []   # it ran in between: throttled
+        watch._awake = {0: (long_ago, _cpu(throttled.pid))}   # ... and now no more
+        hung, _ = watch.check(store, pids)
+        assert [h.device for h in hung] == [0]
+    finally:
+        throttled.kill()
+        throttled.wait()

@@ -46,10 +46,11 @@ from chameleon_elastic.exit_status import ExitStatus
 from chameleon_elastic.timeouts import Timeouts
 
 from .detectors import Watchers
+from .exit_barrier import cut_short, wait_for_the_others
 from .failures import FailureEvent, RestartBudget, Trigger
 from .generations import AbandonedGenerations
 from .health import AlwaysHealthy, HealthCheck
-from .observe import Event, EventLog, StatusLine
+from .observe import Event, EventLog, StatusLine, agent_started
 from .plan_env import NodeCards
 from .preemption import PEER_PREEMPTED, PREEMPTION_SIGNALS, Preempted, preempt
 from .profiler import Profiler
@@ -132,8 +133,6 @@ class ChameleonAgent(LocalElasticAgent):
             self._profiler.track if self._profiler is not None else lambda pids: None),
             planned=self._planned)
 
-    # ------------------------------------------------------------------ helpers
-
     def _emit(self, event: Event, **fields: Any) -> None:
         gen = self._session.plan.generation if self._session is not None else 0
         self._events.emit(event, attempt=max(self._rounds.attempt, 0), generation=gen, **fields)
@@ -207,13 +206,8 @@ class ChameleonAgent(LocalElasticAgent):
                     self._timeouts.shutdown_s, self._emit)
 
     def _run_loop(self) -> RunResult:
-        spec = self._worker_group.spec
         wg = self._worker_group
-        job = self._session
-        self._emit(Event.AGENT_STARTED, entrypoint=spec.get_entrypoint_name(),
-                   nproc_per_node=spec.local_world_size, max_restarts=spec.max_restarts,
-                   **({} if job is None else {"policy": job.policy, "recovery": self._recovery,
-                                              "plan_file": job.plan_file}))
+        self._emit(Event.AGENT_STARTED, **agent_started(wg.spec, self._session, self._recovery))
         try:
             self._initialize_workers(wg)
         except LauncherPlanningError as exc:
@@ -235,14 +229,7 @@ class ChameleonAgent(LocalElasticAgent):
                 preempt(self._channel, self._procs, PEER_PREEMPTED, signal.SIGTERM,
                         self._timeouts.shutdown_s, self._emit, runtime=True)
             if result.state == WorkerState.SUCCEEDED:
-                wg.state = result.state
-                self._update_status("succeeded")
-                self._rounds.finish()                  # for the standby nodes
-                self._watchers.leave(finished=True)   # no loss for the others
-                self._exit_barrier()
-                self._emit(Event.JOB_FINISHED, state="SUCCEEDED",
-                           restarts_used=self._budget.used)
-                return result
+                return self._finished(result)
             try:
                 if self._session is not None:
                     self._report(self._reporter.poll(self._channel, self._session.plan,
@@ -322,6 +309,21 @@ class ChameleonAgent(LocalElasticAgent):
         finally:
             self._budget.charged = False
         return None
+
+    def _finished(self, result: RunResult) -> RunResult:
+        """No local worker left: wait for the other agents, not for a node that is gone
+        (exit_barrier.py); then end as the job did, or as it cannot go on."""
+        self._worker_group.state = result.state
+        self._update_status("succeeded" if self._procs.succeeded else "no device left here")
+        self._rounds.finish()                  # the standby nodes retire
+        sentence = cut_short(wait_for_the_others(
+            self._store, self._worker_group.group_world_size, self._exit_barrier_timeout,
+            self._watchers.nodes_lost), bool(self._procs.succeeded))
+        self._watchers.leave(finished=True)   # no loss for the others
+        if sentence is not None:
+            return self._end(sentence, ExitStatus.DO_NOT_REQUEUE)
+        self._emit(Event.JOB_FINISHED, state="SUCCEEDED", restarts_used=self._budget.used)
+        return result
 
     def _end(self, sentence: str, status: ExitStatus = ExitStatus.FAILED, *, say: bool = True,
              result: RunResult | None = None) -> RunResult:

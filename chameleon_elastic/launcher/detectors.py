@@ -85,10 +85,11 @@ def stall_shown_after(hang_s: float) -> float:
 class HangWatch:
     """Runtime workers whose progress count has not moved for ``hang_s`` and that are not
     asleep. A worker blocked on a hung peer sleeps in its transfer; the hung one is stopped,
-    stuck in the kernel, or spinning. Only "stopped" is conclusive at one look: a peer of a
-    dead worker runs briefly while it reacts, so the other states must last
-    ``_HANG_CONFIRM_S`` of consecutive looks, and "running" must have used at least half a
-    core meanwhile (a process starved of a core by other load is runnable, not spinning).
+    stuck in the kernel, or spinning. Every state must last ``_HANG_CONFIRM_S`` of
+    consecutive looks (a peer of a dead worker runs briefly while it reacts); "stopped" must
+    have used no CPU meanwhile (a device throttled by stopping and continuing it from outside
+    runs between its stops: slow, not frozen), and "running" at least half a core (a process
+    starved of a core by other load is runnable, not spinning).
     Scripts that never report progress are never hung. While one waits to be convicted, the
     status line says so (a minute of silence looked like a frozen launcher).
 
@@ -240,7 +241,12 @@ class HangWatch:
                    over: float) -> bool:
         """``over``: its time without progress over its timeout (at least 1)."""
         since, cpu_then = self._awake.setdefault(device, (now, cpu))
-        if state != psutil.STATUS_STOPPED and now - since < _HANG_CONFIRM_S:
+        if now - since < _HANG_CONFIRM_S:
+            return False
+        if state == psutil.STATUS_STOPPED and cpu > cpu_then:
+            # it ran since the first look: stopped part of the time (a throttled device,
+            # stopped and continued from outside), not frozen
+            self._awake[device] = (now, cpu)
             return False
         if state == psutil.STATUS_DISK_SLEEP and over < 2:
             # in the kernel, waiting for IO: a worker reading a file (a lazy import) can sit
@@ -450,6 +456,13 @@ class Watchers:
         """A full round readmitted this node: its lease counts again (node_watch.py)."""
         if self.lease is not None:
             self.lease.rejoined()
+
+    def nodes_lost(self) -> list[str]:
+        """Other nodes whose lease expired (not ended on purpose) since the last look; none
+        without leases."""
+        if self.lease is None:
+            return []
+        return [str(info["node_id"]) for info in self.lease.changes()[0]]
 
     def leave(self, finished: bool) -> None:
         """Give our lease up: as finished (no loss for the others), or as gone."""

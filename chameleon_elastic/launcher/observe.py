@@ -27,7 +27,8 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-__all__ = ["Event", "EventLog", "StatusLine", "layout", "name_devices", "recovery_line"]
+__all__ = ["Event", "EventLog", "StatusLine", "agent_started", "layout", "name_devices",
+           "recovery_line"]
 
 
 class Event(str, enum.Enum):
@@ -260,3 +261,13 @@ def recovery_line(what: str, plan: Any, *, inplace: bool, started: int, moved_la
     if logs:
         parts.append(f"workers' stderr in {logs}")
     return "; ".join(parts)
+
+
+def agent_started(spec: Any, session: Any, recovery: str) -> dict[str, Any]:
+    """The ``agent_started`` event's fields: the entry point and sizes, and with a job its
+    policy, recovery mode and plan file."""
+    fields = {"entrypoint": spec.get_entrypoint_name(), "nproc_per_node": spec.local_world_size,
+              "max_restarts": spec.max_restarts}
+    if session is not None:
+        fields.update(policy=session.policy, recovery=recovery, plan_file=session.plan_file)
+    return fields

@@ -55,6 +55,7 @@ def test_kill9_worker_under_job_excludes_device_and_replans(tmp_path, launch):
         assert mine.pop("CHAMELEON_AGENT_STORE").startswith("127.0.0.1:")  # the node's channel
         assert mine.pop("CHAMELEON_PRECISION") == "bf16"   # the job's (tiny-cpu)
         assert mine.pop("CHAMELEON_MICRO_BATCH_SIZE") == "1"
+        assert int(mine.pop("CHAMELEON_SNAPSHOT_EVERY")) >= 1   # on by default, K from figures
         assert mine == expected[int(r["env"]["CHAMELEON_DEVICE"])]
     assert {r["env"]["MASTER_PORT"] for r in second}.isdisjoint(
         {r["env"]["MASTER_PORT"] for r in first})

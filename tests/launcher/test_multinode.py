@@ -206,6 +206,50 @@ def test_lost_node_on_etcd_v3_recovers_in_place(tmp_path, launch, fault, victim_
 
 
 @pytest.mark.timeout(90)
+def test_a_node_whose_devices_are_all_lost_ends_when_the_other_node_is_gone_too(tmp_path,
+                                                                                 launch):
+    """Both of node b's workers are killed; a's train on (a node with no device left waits for
+    the job's end). Then a freezes (its lease just stops). b waited in the end-of-run barrier
+    for a, which will never come: it used to wait out torch's 300 s barrier timeout (chaos:
+    "hung"). Now it ends once a's lease is gone, in one sentence, with "do not requeue": no
+    device is left."""
+    local_etcd = pytest.importorskip("chameleon_elastic.rendezvous.local_etcd")
+    out = tmp_path / "out"
+    out.mkdir()
+    frozen: list[psutil.Process] = []
+    with local_etcd.LocalEtcd(data_dir=tmp_path / "etcd") as etcd:
+        common = ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "etcd-v3",
+                  "--rdzv-endpoint", etcd.endpoint, "--rdzv-id", "all-lost",
+                  "--rdzv-conf", "last_call_timeout=5,lease_ttl=2", "--local-addr", "127.0.0.1",
+                  "--monitor-interval", "0.1", "--preset", "tiny-cpu", "--snapshot-every", "0"]
+        agents = {name: launch("chameleon", [*common, "--state-dir", str(tmp_path / name),
+                                             MLP_FAULTS, str(out), "200", "--pace", "0.2",
+                                             "--min-world", "4"], name=name)
+                  for name in ("a", "b")}   # with the status line: b says when it is left out
+        wait_for(lambda: (out / "steps.jsonl").exists()
+                 and len((out / "steps.jsonl").read_text().splitlines()) >= 3, 60,
+                 "both nodes training")
+        b_devices = {2 * _group_rank(tmp_path / "b"), 2 * _group_rank(tmp_path / "b") + 1}
+        for device in sorted(b_devices):
+            os.kill(int((out / f"pid-{device}").read_text().split()[0]), signal.SIGKILL)
+        wait_for(lambda: "no device left here" in agents["b"].log.read_text(), 60,
+                 "node b to have no device left, and to wait for the job's end")
+        try:
+            root = psutil.Process(agents["a"].proc.pid)
+            frozen = [root, *root.children(recursive=True)]
+            for proc in frozen:
+                proc.send_signal(signal.SIGSTOP)
+            assert agents["b"].wait(45) == 93, agents["b"].log.read_text()[-3000:]
+        finally:
+            for proc in frozen:
+                with contextlib.suppress(psutil.Error):
+                    proc.kill()
+    log = agents["b"].log.read_text()
+    assert "every device of this node was lost, and node-" in log
+    assert "left the job before it finished" in log and "Traceback" not in log
+
+
+@pytest.mark.timeout(90)
 def test_a_node_waiting_for_the_others_says_what_it_waits_for(tmp_path, launch):
     """torch's first rendezvous blocks silently until --nnodes nodes are there; a node alone
     names the endpoint, the run id and how many nodes are missing, and goes on once they come."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+from importlib import resources
 from pathlib import Path
 
 import numpy as np
@@ -17,31 +18,6 @@ import torch
 
 from .conftest import MLP_FAULTS, mlp_reference, read_events, wait_for
 
-# one pipeline of four stages (dp = 1): every stage has a single replica
-PIPELINE_OF_FOUR = """
-name = "pp4"
-[model]
-layers = 8
-forward_s = 0.002
-backward_s = 0.004
-param_bytes = 1.0e6
-optimizer_bytes = 2.0e6
-activation_bytes = 2.0e5
-[cluster]
-devices = 4
-device_memory_bytes = 2e9
-bandwidth_bytes_per_s = 1e9
-restart_s = 2.0
-failure_rate_per_hour = 0.1
-regroup_s = 0.3
-[training]
-dp = 1
-pp = 4
-global_micro_batches = 8
-precision = "fp32"
-"""
-
-
 # a loaded host makes devices look slow, and a straggler's re-plan starts a plan generation,
 # which takes a snapshot at its first step: the snapshot a loss goes back to would then depend
 # on the load
@@ -49,8 +25,11 @@ CALM = ("--stragglers", "off")
 
 
 def _job(directory: Path) -> Path:
+    """The tiny-cpu-pp4 preset (one pipeline of four stages: every stage has a single
+    replica) as a job file."""
     job = directory / "pp4.toml"
-    job.write_text(PIPELINE_OF_FOUR)
+    job.write_text(resources.files("chameleon_elastic.presets").joinpath(
+        "tiny-cpu-pp4.toml").read_text())
     return job
 
 
