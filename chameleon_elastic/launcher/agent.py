@@ -315,7 +315,7 @@ class ChameleonAgent(LocalElasticAgent):
         (exit_barrier.py); then end as the job did, or as it cannot go on."""
         self._worker_group.state = result.state
         self._update_status("succeeded" if self._procs.succeeded else "no device left here")
-        self._rounds.finish()                  # the standby nodes retire
+        self._rounds.finish(bool(self._procs.succeeded))   # the standby nodes retire
         sentence = cut_short(wait_for_the_others(
             self._store, self._worker_group.group_world_size, self._exit_barrier_timeout,
             self._watchers.nodes_lost), bool(self._procs.succeeded))

@@ -112,11 +112,12 @@ class Rounds:
         except STORE_LOST:
             return False   # nodes_waiting() fails over
 
-    def finish(self) -> None:
-        """This node's workers all succeeded: the job is over, and the last round's store says
-        so to the nodes whose workers wait for a place (standbys, runtime/standby.py), which
-        never finish by themselves."""
-        if self._last_info is not None:
+    def finish(self, succeeded: bool) -> None:
+        """No local worker is left. When they finished the script (``succeeded``), the job is
+        over, and the last round's store says so to the nodes whose workers wait for a place
+        (standbys, runtime/standby.py), which never finish by themselves. A node whose every
+        device was lost says nothing: the job goes on elsewhere, perhaps on those standbys."""
+        if succeeded and self._last_info is not None:
             with contextlib.suppress(*STORE_LOST, RuntimeError):
                 self._last_info.store.set(FINISHED, "1")
 

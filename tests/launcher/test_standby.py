@@ -10,8 +10,12 @@ from __future__ import annotations
 import json
 import os
 import signal
+from pathlib import Path
 
 import pytest
+import torch.distributed as dist
+
+from chameleon_elastic.launcher.rounds import Rounds
 
 from .conftest import MLP_FAULTS, assert_single_process_results, read_events, wait_for
 
@@ -39,6 +43,19 @@ dp = 2
 pp = 2
 global_micro_batches = 8
 """
+
+
+@pytest.mark.parametrize("succeeded", [True, False])
+def test_only_a_node_whose_workers_finished_tells_the_standbys_the_job_is_over(succeeded):
+    """A node left without workers because every device was lost must not retire the
+    standbys: they are the job's way on. The store is a real (in-process) torch store."""
+    store = dist.HashStore()
+    ended, asking = Rounds(None, None, None, lambda *a, **k: None), Rounds(
+        None, None, None, lambda *a, **k: None)
+    ended._last_info = asking._last_info = type("Info", (), {"store": store})()
+    assert not asking.finished_elsewhere()
+    ended.finish(succeeded)
+    assert asking.finished_elsewhere() is succeeded
 
 
 def _node_of(state) -> int | None:
@@ -104,7 +121,7 @@ def test_a_standby_node_takes_the_place_of_a_lost_device(tmp_path, launch, fault
     assert set(chosen[-1]["candidates"]) == {"reroute", "swap", "replan"}
     scores = {k: v["score"] for k, v in chosen[-1]["candidates"].items()}
     assert scores["swap"] >= max(scores.values())
-    plan = json.loads(open(chosen[-1]["plan_file"]).read())
+    plan = json.loads(Path(chosen[-1]["plan_file"]).read_text())
     assert [p["devices"] for p in plan["pipelines"]] == (
         [[0, 1], [2, 4]] if fault == "worker" else [[0, 1], [4, 5]])
     recovered = [e for e in events if e["event"] == "recovered"]
