@@ -31,7 +31,7 @@ from . import coordination
 from .coordination import Decision, Members, NodeReport, QuickRoundFailed
 from .detectors import Watchers
 from .failures import FailureEvent, RestartBudget
-from .observe import Event
+from .observe import Event, running_state
 from .plan_env import NodeCards
 from .reporter import Pending, RecoveryReporter
 from .rounds import Rounds
@@ -187,5 +187,6 @@ class Transition:
             c.track(c.procs.pids())
         wg.workers = c.procs.workers()
         launch_s = time.perf_counter() - t
-        c.status("running")
+        c.status(running_state(c.procs.devices, here.cards_of(decision.world), here.tp)
+                 if decision is not None else "running")
         return started, published_at, launch_s

@@ -1,6 +1,7 @@
-"""A standby node: a third node beyond a two-node job's size (cluster.devices = 6 for
-training.dp x training.pp = 4) starts its workers warm and idle, outside every process group,
-and is swapped in when a device of the layout is lost, so the job keeps its layout.
+"""A standby node: a third node beyond a two-node job's size (the tiny-cpu-standby preset:
+cluster.devices = 6 for training.dp x training.pp = 4) starts its workers warm and idle,
+outside every process group, and is swapped in when a device of the layout is lost, so the
+job keeps its layout.
 
 Real processes: three chameleon-run agents x two gloo workers on loopback, a real etcd (lease
 TTL 2 s), float64 training compared with a single process."""
@@ -15,34 +16,10 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+from chameleon_elastic.launcher.observe import ended_state, running_state
 from chameleon_elastic.launcher.rounds import Rounds
 
 from .conftest import MLP_FAULTS, assert_single_process_results, read_events, wait_for
-
-#: tiny-cpu's model, two nodes' worth of layout ((PP, DP) = (2, 2)) on three nodes' devices;
-#: half the model per device at most, so the layout is the best one on four devices
-STANDBY_JOB = """
-name = "standby"
-[model]
-layers = 8
-forward_s = 0.002
-backward_s = 0.004
-param_bytes = 1.0e6
-optimizer_bytes = 2.0e6
-activation_bytes = 2.0e5
-[cluster]
-devices = 6
-devices_per_node = 2
-device_memory_bytes = 2.5e7
-bandwidth_bytes_per_s = 1e9
-restart_s = 2.0
-failure_rate_per_hour = 0.1
-regroup_s = 0.3
-[training]
-dp = 2
-pp = 2
-global_micro_batches = 8
-"""
 
 
 @pytest.mark.parametrize("succeeded", [True, False])
@@ -56,6 +33,20 @@ def test_only_a_node_whose_workers_finished_tells_the_standbys_the_job_is_over(s
     assert not asking.finished_elsewhere()
     ended.finish(succeeded)
     assert asking.finished_elsewhere() is succeeded
+
+
+def test_the_status_line_names_standbys_and_how_a_node_of_standbys_ended():
+    """A node of standbys alone never prints a step: its status line says why, and at the end
+    that the job finished without it rather than that its devices were lost."""
+    assert running_state({4, 5}, set()) == "standby: devices 4, 5 wait warm for a lost " \
+                                           "device's place"
+    assert running_state({4, 5}, {4}) == "running, device 5 standby"
+    assert running_state({0, 1}, {0, 1}) == "running"
+    assert running_state({8, 9}, set(), tp=2) == ("standby: unit 4 (cards 8-9) waits warm for "
+                                                  "a lost device's place")
+    assert ended_state({4}, lambda: False) == "succeeded"
+    assert ended_state(set(), lambda: True) == "succeeded on the other nodes (standby not needed)"
+    assert ended_state(set(), lambda: False) == "no device left here"
 
 
 def _node_of(state) -> int | None:
@@ -73,22 +64,21 @@ def _steps(out) -> int:
 def test_a_standby_node_takes_the_place_of_a_lost_device(tmp_path, launch, fault):
     """SIGKILL of device 3's worker (``worker``), or of the whole node holding devices 2-3,
     agent included (``node``), after step 5: the planner swaps the standby's devices in
-    (policy ``swap``, next to the reroute and the re-plan it outscored), the standby's warm
+    (policy ``swap``: it outscores the reroute and at least ties the re-plan), the standby's warm
     processes take the lost stages from their replicas in place, no process is started, and
     the job finishes with single-process losses and layers. Until then the standby held no
     layers and never ran the script."""
     local_etcd = pytest.importorskip("chameleon_elastic.rendezvous.local_etcd")
     out = tmp_path / "out"
     out.mkdir()
-    job = tmp_path / "standby.toml"
-    job.write_text(STANDBY_JOB)
     steps = 14
     names = ("a", "b", "c")
     with local_etcd.LocalEtcd(data_dir=tmp_path / "etcd") as etcd:
         common = ["--nnodes", "3", "--nproc-per-node", "2", "--rdzv-backend", "etcd-v3",
                   "--rdzv-endpoint", etcd.endpoint, "--rdzv-id", f"standby-{fault}",
                   "--rdzv-conf", "last_call_timeout=5,lease_ttl=2", "--local-addr",
-                  "127.0.0.1", "--monitor-interval", "0.1", "--no-status", "--job", str(job)]
+                  "127.0.0.1", "--monitor-interval", "0.1", "--no-status", "--preset",
+                  "tiny-cpu-standby"]
         agents = {name: launch("chameleon", [*common, "--state-dir", str(tmp_path / name),
                                              MLP_FAULTS, str(out), str(steps), "--pace",
                                              "0.2"], name=name) for name in names}
