@@ -81,6 +81,7 @@ __all__ = [
     "recent_steps",
     "resumed_key",
     "slow_key",
+    "spare_env",
     "steps_key",
     "wake_key",
     "worker_key",
@@ -148,6 +149,23 @@ def chameleon_env(plan: ExecutionPlan, role: DeviceRole, plan_file: str,
         "CHAMELEON_DEVICE": str(role.device),
         "CHAMELEON_TP_RANK": str(tp_rank),
         "CHAMELEON_TP_SIZE": str(len(unit_ranks)),
+        "CHAMELEON_TP_GROUP_RANKS": ",".join(map(str, unit_ranks)),
+    }
+
+
+def spare_env(plan: ExecutionPlan, device: int, plan_file: str, unit_ranks: tuple[int, ...],
+              tp_rank: int = 0, tp: int = 1) -> dict[str, str]:
+    """The ``CHAMELEON_*`` variables of a worker whose device has no role in ``plan``: a spare
+    in the generation's world (``unit_ranks``: its cards' global ranks), or a standby waiting
+    outside it for a role (no ranks). The role's variables are absent."""
+    return {
+        "CHAMELEON_PLAN_GENERATION": str(plan.generation),
+        "CHAMELEON_POLICY": plan.policy,
+        "CHAMELEON_GLOBAL_MICRO_BATCHES": str(plan.global_micro_batches),
+        "CHAMELEON_PLAN_FILE": plan_file,
+        "CHAMELEON_DEVICE": str(device),
+        "CHAMELEON_TP_RANK": str(tp_rank),
+        "CHAMELEON_TP_SIZE": str(tp),
         "CHAMELEON_TP_GROUP_RANKS": ",".join(map(str, unit_ranks)),
     }
 

@@ -9,7 +9,9 @@ Device ids are global integers ``0 .. cluster.devices - 1``. Pipelines list thei
 stage order with the half-open layer range ``[start, end)`` each stage holds. Under the
 ``reroute`` policy the layout is unchanged, the dead devices stay in their pipelines and are
 listed in ``failed_devices``, and each dead device's micro-batches are served by the live
-devices that hold exactly the same layers in other pipelines (its data-parallel peers).
+devices that hold exactly the same layers in other pipelines (its data-parallel peers). Under
+``swap`` the layout is kept too, but each dead device's place is taken by a standby (a live spare
+device), which receives that stage's layers.
 
 Each stage carries a recomputation flag (``Pipeline.recompute``): a recomputing device keeps
 only its stage's input per micro-batch in flight and runs the forward again before each
@@ -47,8 +49,8 @@ __all__ = [
     "Transfer",
 ]
 
-Policy = Literal["initial", "reroute", "replan"]
-POLICIES: tuple[str, ...] = ("initial", "reroute", "replan")
+Policy = Literal["initial", "reroute", "replan", "swap"]
+POLICIES: tuple[str, ...] = ("initial", "reroute", "replan", "swap")
 #: The source of a transfer whose layers no live device holds: the last checkpoint.
 CHECKPOINT = "checkpoint"
 

@@ -216,6 +216,14 @@ class TrainingSpec:
     tp: int = 1
     tp_efficiency: float = 1.0
 
+    @property
+    def size(self) -> int:
+        """The devices (units) the job trains on at most: its initial layout's ``dp x pp``.
+        The cluster's devices beyond it are standbys: they stay spare until a device of the
+        layout is lost and the planner swaps one in (``planning.search.swap_plan``), so a
+        re-plan never spreads the job over them."""
+        return self.dp * self.pp
+
 
 @dataclass(frozen=True)
 class PlannerSpec:

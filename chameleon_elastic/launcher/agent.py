@@ -50,7 +50,7 @@ from .exit_barrier import cut_short, wait_for_the_others
 from .failures import FailureEvent, RestartBudget, Trigger
 from .generations import AbandonedGenerations
 from .health import AlwaysHealthy, HealthCheck
-from .observe import Event, EventLog, StatusLine, agent_started
+from .observe import Event, EventLog, StatusLine, agent_started, ended_state
 from .plan_env import NodeCards
 from .preemption import PEER_PREEMPTED, PREEMPTION_SIGNALS, Preempted, preempt
 from .profiler import Profiler
@@ -269,8 +269,8 @@ class ChameleonAgent(LocalElasticAgent):
         return self._watchers.tick(
             result.state, [e for _, e in sorted(self._exits.items())], self._procs.pids(),
             self._here, self._session, self._channel, lambda: self._rounds.nodes_waiting(spec),
-            self._rounds.quick_called,
-            max(1.0, 4 * spec.monitor_interval), planned=self._planned,
+            self._rounds.quick_called, max(1.0, 4 * spec.monitor_interval),
+            finished=self._rounds.finished_elsewhere, planned=self._planned,
             inplace_wanted=self._planned and self._recovery == "inplace",
             runtime=self._transition.runtime(),
             some_succeeded=bool(self._procs.succeeded), restarts_left=self._budget.left)
@@ -314,7 +314,8 @@ class ChameleonAgent(LocalElasticAgent):
         """No local worker left: wait for the other agents, not for a node that is gone
         (exit_barrier.py); then end as the job did, or as it cannot go on."""
         self._worker_group.state = result.state
-        self._update_status("succeeded" if self._procs.succeeded else "no device left here")
+        self._update_status(ended_state(self._procs.succeeded, self._rounds.finished_elsewhere))
+        self._rounds.finish(bool(self._procs.succeeded))   # the standby nodes retire
         sentence = cut_short(wait_for_the_others(
             self._store, self._worker_group.group_world_size, self._exit_barrier_timeout,
             self._watchers.nodes_lost), bool(self._procs.succeeded))

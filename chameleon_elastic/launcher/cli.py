@@ -121,9 +121,10 @@ def _job_flags(group: Any, env: Any, policies: tuple[str, ...]) -> None:
     group.add_argument("--preset", action=env, type=str, default=None,
                        help="A built-in job instead of --job (e.g. tiny-cpu).")
     group.add_argument("--policy", action=env, type=str, default="auto", choices=policies,
-                       help="Recovery policy on a lost device: auto (best estimated score), "
-                            "reroute, replan, or restart (torchrun's: same plan, restart all). "
-                            "Default: auto.")
+                       help="Recovery policy on a lost device: auto (best estimated score of "
+                            "reroute, replan and, with standby devices beyond training.dp x "
+                            "training.pp, swap), reroute, replan, or restart (torchrun's: same "
+                            "plan, restart all). Default: auto.")
 
 
 def _recovery_flags(group: Any, env: Any, modes: tuple[str, ...]) -> None:

@@ -375,10 +375,13 @@ class Watchers:
 
     def tick(self, state: WorkerState, exits: list[Any], pids: dict[int, int], here: NodeCards,
              session: Any, store: Any, nodes_waiting: Callable[[], tuple[int, bool]],
-             quick_called: Callable[[], bool], grace_s: float, **facts: Any) -> Tick:
-        """``exits``: the workers that failed since the last tick; ``facts``: the agent's own
-        (``planned``, ``inplace_wanted``, ``runtime``, ``some_succeeded``, ``restarts_left``).
-        The detectors are read in the table's order, each only when it can still matter."""
+             quick_called: Callable[[], bool], grace_s: float,
+             finished: Callable[[], bool] = lambda: False, **facts: Any) -> Tick:
+        """``exits``: the workers that failed since the last tick; ``finished``: whether the
+        job finished on another node (asked only when every local worker is a standby);
+        ``facts``: the agent's own (``planned``, ``inplace_wanted``, ``runtime``,
+        ``some_succeeded``, ``restarts_left``). The detectors are read in the table's order,
+        each only when it can still matter."""
         healthy = state == WorkerState.HEALTHY
         hung, stall = self.hangs.check(store, pids) if healthy else ([], None)
         in_force = (self.hangs.in_force(), self.hangs.recovering())
@@ -416,10 +419,14 @@ class Watchers:
             self.stragglers.read(store, {c: c // here.tp for c in pids}, session.plan.generation)
             found = self.stragglers.check(session.planned, session.plan)
             slow = None if found is None else tuple(sorted(found.items()))
+        retire = frozenset(pids) if (
+            state == WorkerState.HEALTHY and session is not None and pids
+            and here.units(pids) <= set(session.plan.spare_devices) and finished()) else None
         return Tick(state=state, failures=failures, hung=frozenset(f.device for f in hung),
                     bad=frozenset(bad), lease=lease, ended=ended, ended_status=ended_status,
                     rejoining=frozenset(self.book.rejoining), waiting=waiting, trouble=trouble,
-                    store_lost=store_lost, quick_called=called, tp=here.tp, slow=slow, **facts)
+                    store_lost=store_lost, quick_called=called, tp=here.tp, slow=slow,
+                    retire=retire or frozenset(), **facts)
 
     def watch_leases(self, params: Any, node: int,
                      stop_workers: Callable[[signal.Signals], None]) -> None:

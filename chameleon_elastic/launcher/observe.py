@@ -23,12 +23,12 @@ import re
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-__all__ = ["Event", "EventLog", "StatusLine", "agent_started", "layout", "name_devices",
-           "recovery_line"]
+__all__ = ["Event", "EventLog", "StatusLine", "agent_started", "ended_state", "layout",
+           "name_devices", "recovery_line", "running_state"]
 
 
 class Event(str, enum.Enum):
@@ -208,6 +208,31 @@ def layout(plan: Any, tp: int = 1) -> str:
     return f"{n} pipeline{'s' if n != 1 else ''}: {pipes}"
 
 
+def running_state(live: set[int], world: set[int], tp: int = 1) -> str:
+    """The status line's state once a generation's workers run: ``live`` local cards with a
+    worker, ``world`` the local cards in the generation's world. A card outside the world is a
+    standby (runtime/standby.py): a node of standbys alone says so, or its user sees a node
+    that seems to run and never prints a step."""
+    waiting = sorted({c // tp for c in live - world})
+    if not waiting:
+        return "running"
+    if not live & world:
+        verb = "wait" if len(waiting) > 1 else "waits"
+        return f"standby: {name_devices(waiting, tp)} {verb} warm for a lost device's place"
+    return f"running, {name_devices(waiting, tp)} standby"
+
+
+def ended_state(succeeded: Collection[int], finished_elsewhere: Callable[[], bool]) -> str:
+    """The status line's last state of a node with no worker left: its workers (``succeeded``:
+    their cards) finished the script, or the job finished on the other nodes while this node's
+    standbys waited (they were not needed), or every device of this node was lost."""
+    if succeeded:
+        return "succeeded"
+    if finished_elsewhere():
+        return "succeeded on the other nodes (standby not needed)"
+    return "no device left here"
+
+
 def _megabytes(n: float) -> str:
     return f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n / 1e3:.0f} kB"
 
@@ -229,6 +254,10 @@ def recovery_line(what: str, plan: Any, *, inplace: bool, started: int, moved_la
     elif plan.policy == "reroute":
         peers = sorted({s.device for r in plan.reroute for s in r.peers})
         parts.append(f"rerouted to data-parallel peers: {name_devices(peers, tp)}")
+    elif plan.policy == "swap":   # the standbys are the receivers: they held nothing
+        standbys = sorted({t.dst for t in plan.transfers})
+        parts.append(f"swapped in standby {name_devices(standbys, tp)}, the layout kept "
+                     f"({layout(plan, tp)})")
     else:
         parts.append(f"re-planned to {layout(plan, tp)}")
     if not inplace:

@@ -35,13 +35,15 @@ __all__ = [
 @dataclass(frozen=True)
 class LocalAssignment:
     """One worker this node starts: its card (process slot), its dense global rank, and its
-    plan device's role (``role.device``: the unit; ``tp_rank``: its place in it)."""
+    plan device's role (``role.device``: the unit; ``tp_rank``: its place in it). No role: a
+    standby, which waits outside the world for one (runtime/standby.py; its rank is only a
+    label beyond the world's)."""
 
     local_rank: int
     device: int                     # the card
     global_rank: int
     world_size: int
-    role: DeviceRole
+    role: DeviceRole | None
     tp_rank: int = 0
     unit_ranks: tuple[int, ...] = ()   # global ranks of the unit's cards
 

@@ -15,6 +15,9 @@ group, and each tick moves it by one :class:`Reaction`:
                                        whether a peer node died, which
                                        costs nothing)
     FAILED/UNHEALTHY, no restart     fail                                  FAILED (exit 1)
+    HEALTHY, every local worker a    stop them (nothing is lost: no event) HEALTHY, then
+      standby, and the job finished                                          SUCCEEDED
+      on another node
     HEALTHY, a node lost, a device   recover (new round)                   HEALTHY
       back, a node waiting, a peer
       lost on another node, the
@@ -71,6 +74,7 @@ class Tick:
     quick_called: bool = False                 # another agent opened a quick round
     tp: int = 1
     slow: tuple[tuple[int, float], ...] | None = None   # a straggler event: factors to plan for
+    retire: frozenset[int] = frozenset()       # standbys' cards: the job ended on other nodes
 
 
 @dataclass(frozen=True)
@@ -102,6 +106,8 @@ def react(t: Tick) -> Reaction:
         return _failed(t)
     if t.state is not WorkerState.HEALTHY:
         raise RuntimeError(f"worker group in unexpected state {t.state.name}")
+    if t.retire:   # they wait for a place that will never come; then SUCCEEDED
+        return Reaction("monitor", kill=t.retire)
     inplace = t.inplace_wanted and t.runtime
     if t.lease is Trigger.NODE_LOST:
         return Reaction("recover", Trigger.NODE_LOST, inplace)

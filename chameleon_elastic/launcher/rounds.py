@@ -28,6 +28,7 @@ agent (coordination.py).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -52,6 +53,8 @@ __all__ = ["CLOSED", "STORE_LOST", "Rounds", "WorkerStoreDesk"]
 log = logging.getLogger("chameleon_elastic.launcher.rounds")
 
 _FAILOVER_ATTEMPTS = 3
+#: set in the last round's store by a node whose workers all succeeded (``Rounds.finish``)
+FINISHED = "chameleon/finished"
 # What an unreachable rendezvous store raises: torch's wrapped error, or the raw TCPStore one
 # when the store dies between two of the handler's own calls.
 STORE_LOST = (RendezvousConnectionError, dist.DistNetworkError)
@@ -108,6 +111,24 @@ class Rounds:
             return self._last_info.store.check([self._scope(self.epoch + 1) + "open"])
         except STORE_LOST:
             return False   # nodes_waiting() fails over
+
+    def finish(self, succeeded: bool) -> None:
+        """No local worker is left. When they finished the script (``succeeded``), the job is
+        over, and the last round's store says so to the nodes whose workers wait for a place
+        (standbys, runtime/standby.py), which never finish by themselves. A node whose every
+        device was lost says nothing: the job goes on elsewhere, perhaps on those standbys."""
+        if succeeded and self._last_info is not None:
+            with contextlib.suppress(*STORE_LOST, RuntimeError):
+                self._last_info.store.set(FINISHED, "1")
+
+    def finished_elsewhere(self) -> bool:
+        """Another node's workers all succeeded (one store read)."""
+        if self._last_info is None:
+            return False
+        try:
+            return bool(self._last_info.store.check([FINISHED]))
+        except (*STORE_LOST, RuntimeError):
+            return False
 
     def next(self, spec: Any, first: bool) -> Any:
         self.attempt += 1

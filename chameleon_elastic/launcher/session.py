@@ -232,8 +232,11 @@ class JobSession:
     def renew(self) -> PlanChange:
         """The same layout as a new generation (nothing moves): what live workers regroup on
         when their world must be formed again although no device changed (a worker crashed
-        and is replaced, a peer's sockets broke)."""
+        and is replaced, a peer's sockets broke). The plan cache starts again from it: its
+        decisions are the next generation of the plan it holds, and a stale one would take the
+        workers back to a generation they left."""
         self._set_plan(replace(self.plan, generation=self.plan.generation + 1, transfers=()))
+        self._refresh_cache()
         return PlanChange(plan=self.plan, lost=(), joined=(), cached=False, decide_s=0.0,
                           candidates={self.plan.policy: _summary(self.plan)}, rejected={},
                           same_layout=True)

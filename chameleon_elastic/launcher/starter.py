@@ -3,7 +3,8 @@
 With a plan, the generation is published on the node's channel first (its record names the
 world and the worker store, so the kept workers regroup from it), the kept workers are
 renumbered into the new world, and a process starts only for a local device of that world that
-has none (every device after a relaunch, where none was kept). Without a plan, torch's own rank
+has none (every device after a relaunch, where none was kept), and for a local spare device
+without one: a standby, which waits warm outside the world for a place (runtime/standby.py). Without a plan, torch's own rank
 assignment gives every local worker, as torchrun does. The processes themselves are
 ``workers.WorkerProcesses``'; their environment is ``worker_env``'s.
 """
@@ -22,7 +23,7 @@ from chameleon_elastic.channel import Generation
 
 from .observe import Event
 from .plan_env import LocalAssignment, NodeCards, device_id, local_assignments
-from .worker_env import launch_inputs
+from .worker_env import launch_inputs, standby_args
 from .workers import WorkerProcesses
 
 __all__ = ["TorchHooks", "WorkerStarter"]
@@ -67,10 +68,27 @@ class WorkerStarter:
         channel.write(self._channel, channel.NEWEST, plan.generation)
         for card in self._procs.devices:   # wake the kept workers' watchdogs (runtime/abort.py)
             channel.write(self._channel, channel.wake_key(card), True)
-        self._procs.renumber(lambda card: here.ranks(card, decision.world))
+        self._procs.renumber(lambda card: here.ranks(card, decision.world)
+                             if card // here.tp in decision.world else None)
         return [(Worker(local_rank=a.local_rank, global_rank=a.global_rank,
                         role_rank=a.global_rank, world_size=a.world_size,
-                        role_world_size=a.world_size), a) for a in assigned]
+                        role_world_size=a.world_size), a)
+                for a in assigned + self._standbys(session, wg.spec, len(decision.world), here)]
+
+    def _standbys(self, session: Any, spec: Any, world: int,
+                  here: NodeCards) -> list[LocalAssignment]:
+        """A standby (runtime/standby.py) for each local card of a spare device without a live
+        worker, when the job recovers in place and runs a Python script: warm and idle
+        outside the world until a generation gives its device a place. Its rank is a label
+        past the world's (``world`` devices), unique on the node."""
+        if (session.policy == "restart" or session.spec.cluster.recovery != "inplace"
+                or standby_args(spec) is None):
+            return []
+        spare = set(session.plan.spare_devices)
+        cards = [c for c in here.cards if c // here.tp in spare and c not in self._procs.devices]
+        size = world * here.tp
+        return [LocalAssignment(c - here.node * here.nproc, c, size + i, size, None, c % here.tp)
+                for i, c in enumerate(cards)]
 
     def launch(self, todo: Todo, wg: Any, restarts_used: int, session: Any,
                here: NodeCards) -> tuple[int, ...]:

@@ -31,7 +31,7 @@ from . import coordination
 from .coordination import Decision, Members, NodeReport, QuickRoundFailed
 from .detectors import Watchers
 from .failures import FailureEvent, RestartBudget
-from .observe import Event
+from .observe import Event, running_state
 from .plan_env import NodeCards
 from .reporter import Pending, RecoveryReporter
 from .rounds import Rounds
@@ -67,6 +67,7 @@ class Transition:
         self._c = crew
         self._planned = planned          # a job, with a policy other than restart
         self.node: int | None = None     # node id in the initial world (device ids)
+        self.world: tuple[int, ...] = ()  # the last decision's world (units in rank order)
 
     def here(self, spec: Any) -> NodeCards:
         tp = self._c.session.tp if self._c.session is not None else 1
@@ -126,7 +127,9 @@ class Transition:
         wg.state = WorkerState.HEALTHY
         if event is not None and decision is not None:
             kept = tuple(sorted(c.procs.devices - set(started)))
-            waiting = frozenset(c.procs.devices if expect_reports else ())
+            # a standby outside the world (runtime/standby.py) has nothing to resume
+            world = self.here(spec).cards_of(decision.world)
+            waiting = frozenset(c.procs.devices & world if expect_reports else ())
             c.reporter.pending = Pending(
                 event, decision, change, kept, started, waiting, decided_at, published_at,
                 {"rendezvous_s": rdzv_s, "plan_s": plan_s, "stop_s": stop_s,
@@ -141,7 +144,9 @@ class Transition:
         returns the decision, the plan change and whether this agent decided."""
         c, session, here = self._c, self._c.session, self.here(spec)
         assert session is not None and self.node is not None
-        book, live = c.watchers.book, c.procs.devices
+        # live in the world: a standby started outside it (runtime/standby.py) waits there
+        # until a plan gives its device a role, so it is no spare of the world meanwhile
+        book, live = c.watchers.book, c.procs.devices & here.cards_of(self.world)
         before = set(session.excluded)
         watch = c.watchers.stragglers
         mine = NodeReport.gather(self.node, book.lost - book.rejoining, here.units(live),
@@ -155,7 +160,7 @@ class Transition:
         except LauncherPlanningError as exc:
             c.emit(Event.PLANNING_FAILED, error=str(exc))
             raise
-        c.rounds.nodes = decision.nodes
+        c.rounds.nodes, self.world = decision.nodes, decision.world
         if watch is not None:
             watch.adopt(dict(decision.speeds))
         c.budget.settle(peer_node_lost=bool(session.excluded - before - here.units(here.cards)))
@@ -182,5 +187,6 @@ class Transition:
             c.track(c.procs.pids())
         wg.workers = c.procs.workers()
         launch_s = time.perf_counter() - t
-        c.status("running")
+        c.status(running_state(c.procs.devices, here.cards_of(decision.world), here.tp)
+                 if decision is not None else "running")
         return started, published_at, launch_s

@@ -9,6 +9,7 @@ so it builds the block itself, variable for variable as torch 2.13 does
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable
 from string import Template
 from typing import Any
@@ -17,7 +18,7 @@ from torch.distributed.elastic.utils import macros
 
 from chameleon_elastic import channel
 
-__all__ = ["chameleon_vars", "launch_inputs", "torchrun_vars"]
+__all__ = ["chameleon_vars", "launch_inputs", "standby_args", "torchrun_vars"]
 
 
 def torchrun_vars(spec: Any, wg: Any, worker: Any, restarts_used: int) -> dict[str, str]:
@@ -45,10 +46,26 @@ def torchrun_vars(spec: Any, wg: Any, worker: Any, restarts_used: int) -> dict[s
     return env
 
 
+def standby_args(spec: Any) -> tuple[str, ...] | None:
+    """The arguments that start the worker's script as a standby (runtime/standby.py: it
+    waits, warm, for a place in a generation), or None when the entry point is not a Python
+    script or module that the standby can run (``--no-python``, ``--run-path``)."""
+    args = tuple(spec.args)
+    python = os.getenv("PYTHON_EXEC", sys.executable)
+    if spec.entrypoint != python or args[:1] != ("-u",) or len(args) < 2:
+        return None
+    return ("-u", "-m", "chameleon_elastic.runtime.standby", *args[1:])
+
+
 def chameleon_vars(session: Any, assignment: Any, channel_address: str) -> dict[str, str]:
-    """The plan (``CHAMELEON_*``), the job's training settings and the agent's channel."""
-    env = channel.chameleon_env(session.plan, assignment.role, session.plan_file,
-                                assignment.unit_ranks, assignment.tp_rank)
+    """The plan (``CHAMELEON_*``), the job's training settings and the agent's channel; a
+    standby (no role) gets the plan's generation-wide variables and its device."""
+    if assignment.role is None:
+        env = channel.spare_env(session.plan, assignment.device // session.tp,
+                                session.plan_file, (), assignment.tp_rank, session.tp)
+    else:
+        env = channel.chameleon_env(session.plan, assignment.role, session.plan_file,
+                                    assignment.unit_ranks, assignment.tp_rank)
     env.update(channel.job_env(session.spec))
     env[channel.AGENT_STORE_ENV] = channel_address
     return env
@@ -75,5 +92,7 @@ def launch_inputs(todo: list[tuple[Any, Any]], spec: Any, wg: Any, restarts_used
             prefixes[index] = Template(prefix_template).safe_substitute(
                 role_name=spec.role, rank=worker.global_rank, local_rank=worker.local_rank)
         envs[index] = env
-        args[index] = tuple(macros.substitute(list(spec.args), str(worker.local_rank)))
+        standby = assignment is not None and assignment.role is None
+        args[index] = tuple(macros.substitute(list(standby_args(spec) if standby else spec.args),
+                                              str(worker.local_rank)))
     return envs, args, prefixes

@@ -151,11 +151,15 @@ class WorkerProcesses:
                 return False
         return True
 
-    def renumber(self, ranks: Callable[[int], tuple[int, int, int]]) -> None:
+    def renumber(self, ranks: Callable[[int], tuple[int, int, int] | None]) -> None:
         """Kept workers' places in a new generation: ``ranks(card)`` gives (local rank,
-        global rank, world size)."""
+        global rank, world size), or None for a worker outside it (a standby keeps its
+        label)."""
         for device, live in self._live.items():
-            local, rank, size = ranks(device)
+            place = ranks(device)
+            if place is None:
+                continue
+            local, rank, size = place
             worker = Worker(local_rank=local, global_rank=rank, role_rank=rank,
                             world_size=size, role_world_size=size)
             worker.id = self.pid(device)

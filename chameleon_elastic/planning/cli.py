@@ -50,7 +50,8 @@ __all__ = ["POLICY_HELP", "RequestError", "build_parser", "main", "parse_ids"]
 #: One line per ``--policy`` value for --help; keyed by the planner's own ``PolicyChoice``
 #: (a test checks that both name the same policies).
 POLICY_HELP: dict[str, str] = {
-    "auto": "keep whichever of reroute and re-plan scores higher (default)",
+    "auto": "keep whichever of reroute, re-plan and (with standby devices, beyond dp x pp) "
+            "swap scores higher (default)",
     "reroute": "keep the layout; the peers of a lost device take over its micro-batches",
     "replan": "search a new pp x dp layout for the live devices and move the layers it needs",
 }

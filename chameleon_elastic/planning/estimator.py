@@ -452,11 +452,11 @@ def fits_in_memory(spec: JobSpec, plan: ExecutionPlan) -> bool:
 
 
 def transition_time(spec: JobSpec, plan: ExecutionPlan, step_s: float = 0.0) -> float:
-    """Seconds to switch to ``plan``: 0 for initial and reroute; for a re-plan, its transfers
-    plus ``cluster.switch_s`` (regroup in place, or restart under relaunch), plus, when it
+    """Seconds to switch to ``plan``: 0 for initial and reroute; for a re-plan or a swap, its
+    transfers plus ``cluster.switch_s`` (regroup in place, or restart under relaunch), plus, when it
     takes layers from in-memory snapshots, the steps trained again since the last one at
     ``step_s`` each (``snapshots.redone_s``)."""
-    if plan.policy != "replan":
+    if plan.policy not in ("replan", "swap"):
         return 0.0
     seconds = transfer_time(spec, plan.transfers) + spec.cluster.switch_s
     if plan.snapshot_layers:

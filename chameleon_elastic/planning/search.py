@@ -1,9 +1,11 @@
 """Plan search and policy choice: the decision centre's pure core.
 
-At every failure the job may either *reroute* (keep the layout; each lost device's micro-batches
-go round-robin to the live devices holding the same layers) or *re-plan* (a new layout over the
-live devices, possibly asymmetric). ``decide`` builds both, prices each with the estimator, and
-keeps the one with the best
+At every failure the job may *reroute* (keep the layout; each lost device's micro-batches go
+round-robin to the live devices holding the same layers), *swap* (keep the layout; a standby, a
+live device beyond the job's size ``training.dp x training.pp``, takes each lost device's place
+and receives its stage: ``swap_plan``; priced only when a standby is live) or *re-plan* (a new
+layout over the live devices, possibly asymmetric, never on more devices than the job's size).
+``decide`` builds each, prices it with the estimator, and keeps the one with the best
 
     score = throughput x t_run / (t_transition + t_run)
 
@@ -57,7 +59,7 @@ from typing import Literal
 from ..plan import ExecutionPlan, PeerShare, Pipeline, Reroute
 from ..spec import PER_LAYER_KEYS, JobSpec, ModelProfile
 from . import estimator, snapshots
-from .restorer import allreduce_rounds, class_round_sizes, place
+from .restorer import allreduce_rounds, choose_sources, class_round_sizes, holdings, place
 
 __all__ = [
     "Decision",
@@ -75,6 +77,7 @@ __all__ = [
     "split_counts",
     "split_layers",
     "stage_recompute",
+    "swap_plan",
 ]
 
 PolicyChoice = Literal["auto", "reroute", "replan"]
@@ -549,6 +552,54 @@ def resolve_snapshots(spec: JobSpec) -> JobSpec:
     return spec.with_snapshot_every(snapshots.default_every(spec, initial_plan(spec)))
 
 
+#: how a rejection names its rival
+_NAMES = {"reroute": "rerouting", "swap": "swapping standbys in", "replan": "re-planning"}
+
+
+def _swappable(current: ExecutionPlan, failed: Collection[int], joined: Collection[int]) -> bool:
+    """A device of the layout is dead (lost now, or left dead by a reroute) and a standby (a
+    live spare, or a device back) is there to take its place."""
+    standby = (set(current.spare_devices) - set(failed)) | set(joined)
+    dead = bool(current.failed_devices) or not set(failed).isdisjoint(current.working_devices)
+    return dead and bool(standby)
+
+
+def swap_plan(spec: JobSpec, current: ExecutionPlan, failed: Collection[int],
+              joined: Collection[int] = ()) -> ExecutionPlan:
+    """Keep the layout and its throughput: every dead device of the layout (lost now, or left
+    dead by an earlier reroute) is replaced by a standby, a live spare device (one beyond the
+    job's size, ``TrainingSpec.size``, or a device back), lowest ids paired first. Each standby
+    receives its stage's layers with their optimizer state from live replicas (spread over
+    them as a re-plan's sources are, ``restorer.choose_sources``), else from the checkpoint,
+    which ``decide`` turns into a snapshot where a live partner keeps one. So a swap costs one
+    stage's transfer and a regroup, where a reroute costs throughput for as long as it runs and
+    a re-plan moves more layers to run on fewer devices."""
+    failed_set = set(failed)
+    dead = sorted(set(current.failed_devices) | (failed_set & set(current.working_devices)))
+    standbys = sorted((set(current.spare_devices) - failed_set) | set(joined))
+    if not dead:
+        raise PlanningError("cannot swap: no device of the layout was lost.")
+    if len(standbys) < len(dead):
+        raise PlanningError(
+            f"cannot swap: {len(dead)} device(s) of the layout are lost but only "
+            f"{len(standbys)} standby device(s) are live; start more standby nodes "
+            "(cluster.devices beyond training.dp x training.pp).")
+    into = dict(zip(dead, standbys))
+    where = _positions_of(current, into)
+    needs = {into[d]: list(range(*current.pipelines[p].layers[s])) for d, (p, s) in where.items()}
+    live = sorted((set(current.live_devices) - failed_set) | set(joined))
+    transfers = choose_sources(spec.model.transfer_bytes, holdings(current, live), needs)
+    pipelines = tuple(replace(p, devices=tuple(into.get(d, d) for d in p.devices))
+                      if not into.keys().isdisjoint(p.devices) else p for p in current.pipelines)
+    plan = _finish(spec, ExecutionPlan("swap", current.generation + 1, pipelines,
+                                       spare_devices=tuple(standbys[len(dead):]),
+                                       transfers=transfers))
+    ok, why = _memory_ok(spec, plan)
+    if not ok:
+        raise PlanningError(f"cannot swap: {why}.")
+    return plan
+
+
 def reroute_plan(spec: JobSpec, current: ExecutionPlan, failed: Collection[int],
                  joined: Collection[int] = ()) -> ExecutionPlan:
     """Keep the layout; every dead device's micro-batches go round-robin to its live peers
@@ -695,7 +746,8 @@ def _best_layout(spec: JobSpec, current: ExecutionPlan, failed: Collection[int],
     # first shape of one pipeline length goes first: its bound is close to its step time (one
     # class, one all-reduce round per stage), so the skipping starts from a good step at once;
     # the walk after it stays in bound order, which is all the stopping rule needs.
-    shapes = _candidate_shapes(spec, current, len(live))
+    # never more working devices than the job's size: the rest wait as standbys (spec.py)
+    shapes = _candidate_shapes(spec, current, min(len(live), spec.training.size))
     walk = sorted((_shape_floor(spec, shape), i, shape) for i, shape in enumerate(shapes))
     probe = next((k for k, (_, _, shape) in enumerate(walk) if len(shape) == 1), 0)
     walk.insert(0, walk.pop(probe)) if walk else None
@@ -802,17 +854,25 @@ def decide(spec: JobSpec, current: ExecutionPlan, failed: Collection[int] = (),
             candidates["reroute"] = reroute_plan(spec, current, failed, joined)
         except PlanningError as exc:
             rejected["reroute"] = str(exc)
+    if policy == "auto" and _swappable(current, failed, joined):
+        try:
+            candidates["swap"] = _with_snapshots(spec, current, failed,
+                                                 swap_plan(spec, current, failed, joined))
+        except PlanningError as exc:
+            rejected["swap"] = str(exc)
     if policy in ("auto", "replan"):
+        rival = max(candidates.values(), key=lambda p: p.estimate.score, default=None)
         try:
             candidates["replan"] = _with_snapshots(spec, current, failed, (
                 replanned if replanned is not None else _replan_to_beat(
-                    spec, current, failed, joined,
-                    None if price_all else candidates.get("reroute"))))
+                    spec, current, failed, joined, None if price_all else rival)))
         except PlanningError as exc:
             rejected["replan"] = str(exc)
     if not candidates:
         raise PlanningError(" ".join(rejected.values()))
-    chosen = max(candidates.values(), key=lambda p: (p.estimate.score, p.policy == "reroute"))
+    # ties: nothing to switch (reroute), then the layout kept (swap)
+    chosen = max(candidates.values(), key=lambda p: (p.estimate.score, p.policy == "reroute",
+                                                     p.policy == "swap"))
     return Decision(chosen=chosen, candidates=candidates, rejected=rejected)
 
 
@@ -827,8 +887,8 @@ def _replan_to_beat(spec: JobSpec, current: ExecutionPlan, failed: Collection[in
         if bound <= rival.estimate.score:
             raise PlanningError(
                 f"not placed: a re-plan scores at most {bound:.4g} (step {step:.4g} s plus a "
-                f"{spec.cluster.switch_s:g} s switch), not above rerouting's "
-                f"{rival.estimate.score:.4g}."
+                f"{spec.cluster.switch_s:g} s switch), not above "
+                f"{_NAMES[rival.policy]}'s {rival.estimate.score:.4g}."
             )
     return _placed(spec, current, layout, live)
 

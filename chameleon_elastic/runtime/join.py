@@ -30,7 +30,8 @@ from .groups import init_world
 from .link import WorkerLink
 from .topology import tp_from_env
 
-__all__ = ["init_distributed", "join_generation", "preload_before_groups", "read_plan"]
+__all__ = ["generation_env", "init_distributed", "join_generation", "preload_before_groups",
+           "read_plan"]
 
 #: how long one attempt to reach a generation's store lasts before checking for a newer one
 _CONNECT_SLICE_S = 1.0
@@ -51,7 +52,14 @@ def join_generation(gen: Generation, link: WorkerLink, backend: str, timeouts: T
         raise PeerLost(f"device {device} could not join generation {gen.generation}: "
                        f"{exc}") from exc
     GroupSockets[dist.group.WORLD] = frozenset(sockets)
-    plan = read_plan(gen.plan_file)
+    os.environ.update(generation_env(gen, link))
+
+
+def generation_env(gen: Generation, link: WorkerLink) -> dict[str, str]:
+    """The environment that describes ``gen`` to this worker: torchrun's world (RANK,
+    WORLD_SIZE, MASTER_*) and its ``CHAMELEON_*`` variables (a spare's: no role)."""
+    device, plan = link.device, read_plan(gen.plan_file)
+    rank = gen.rank(device, link.tp_rank)
     env = {"RANK": str(rank), "WORLD_SIZE": str(gen.world_size),
            "MASTER_ADDR": gen.master_addr, "MASTER_PORT": str(gen.master_port)}
     roles = {r.device: r for r in plan.roles()}
@@ -59,10 +67,9 @@ def join_generation(gen: Generation, link: WorkerLink, backend: str, timeouts: T
         env.update(channel.chameleon_env(plan, roles[device], gen.plan_file,
                                          gen.unit_ranks(device), link.tp_rank))
     else:  # a spare keeps its worker: only the generation-wide variables change
-        env.update(CHAMELEON_PLAN_GENERATION=str(plan.generation),
-                   CHAMELEON_POLICY=plan.policy, CHAMELEON_PLAN_FILE=gen.plan_file,
-                   CHAMELEON_TP_GROUP_RANKS=",".join(map(str, gen.unit_ranks(device))))
-    os.environ.update(env)
+        env.update(channel.spare_env(plan, device, gen.plan_file, gen.unit_ranks(device),
+                                     link.tp_rank, link.tp))
+    return env
 
 
 def _connect(gen: Generation, link: WorkerLink, timeouts: Timeouts) -> dist.TCPStore:

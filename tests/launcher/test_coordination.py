@@ -81,6 +81,19 @@ def test_nothing_changed_but_a_regroup_is_a_new_generation_of_the_same_layout(se
     assert session.plan_file.endswith(f"plan-gen{before.generation + 1}.json")
 
 
+def test_a_loss_after_regroups_of_the_same_layout_is_planned_from_the_newest_generation(session):
+    """The plan cache follows the renewed plan: a loss after two regroups of the same layout
+    (a worker's lost peer, a straggler's kept plan) gets the next generation, not one that the
+    workers already left (they would sleep in it until each is declared hung: trial under load,
+    every device lost)."""
+    session.renew()
+    session.renew()
+    renewed = session.plan.generation
+    change = session.apply(lost={3})
+    assert change is not None and change.cached
+    assert change.plan.generation == renewed + 1
+
+
 def test_spares_with_a_live_worker_stay_in_an_inplace_world():
     plan = ExecutionPlan("replan", 1, (Pipeline((0, 1), ((0, 4), (4, 8)), 4),
                                        Pipeline((2,), ((0, 8),), 4)),

@@ -137,3 +137,10 @@ def test_a_straggler_without_in_place_recovery_is_left_alone():
 def test_a_lost_device_comes_before_a_straggler():
     r = react(Tick(FAILED, failures=(_killed(1),), slow=((3, 0.5),), **PLANNED))
     assert (r.trigger, r.lost) == (Trigger.DEVICE_LOST, frozenset({1}))
+
+
+def test_standbys_retire_when_the_job_ended_elsewhere_and_nothing_else_counts_then():
+    """Their workers wait for a place that will never come: stopped without a recovery, so
+    the next tick finds no worker left and the node succeeds."""
+    r = react(Tick(HEALTHY, retire=frozenset({4, 5}), trouble=True, **PLANNED))
+    assert (r.action, r.kill, r.trigger) == ("monitor", {4, 5}, None)

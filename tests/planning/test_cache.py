@@ -75,7 +75,9 @@ def test_cache_decide_agrees_with_decide_when_a_stage_loses_every_replica():
     assert got.chosen.checkpoint_layers == want.chosen.checkpoint_layers == tuple(range(8, 16))
     same_quality(got.chosen, want.chosen)
     assert got.chosen.estimate.score == pytest.approx(want.chosen.estimate.score)
-    assert set(got.rejected) == set(want.rejected) == {"reroute"}
+    # two devices of the layout lost and one standby (8) live: no swap either
+    assert set(got.rejected) == set(want.rejected) == {"reroute", "swap"}
+    assert "only 1 standby" in got.rejected["swap"]
     live = set(got.chosen.live_devices)
     assert 8 in live and {1, 5, 9}.isdisjoint(live)
     for t in got.chosen.transfers:

@@ -95,7 +95,8 @@ def sweep(spec: JobSpec, current, failed):
     """The search without branch and bound: every candidate allocated and priced, then the
     first in (compute, -pipelines) order with the least step."""
     live = sorted(set(current.live_devices) - set(failed))
-    layouts = [lay for shape in _candidate_shapes(spec, current, len(live))
+    used = min(len(live), spec.training.size)   # the rest wait as standbys
+    layouts = [lay for shape in _candidate_shapes(spec, current, used)
                if (lay := _layout_for(spec, shape)) is not None]
     best, best_step = None, math.inf
     for lay in sorted(layouts, key=lambda lay: (lay.compute_s, -lay.num_pipelines)):

@@ -1,0 +1,123 @@
+"""A standby node: a third node beyond a two-node job's size (the tiny-cpu-standby preset:
+cluster.devices = 6 for training.dp x training.pp = 4) starts its workers warm and idle,
+outside every process group, and is swapped in when a device of the layout is lost, so the
+job keeps its layout.
+
+Real processes: three chameleon-run agents x two gloo workers on loopback, a real etcd (lease
+TTL 2 s), float64 training compared with a single process."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from chameleon_elastic.launcher.observe import ended_state, running_state
+from chameleon_elastic.launcher.rounds import Rounds
+
+from .conftest import MLP_FAULTS, assert_single_process_results, read_events, wait_for
+
+
+@pytest.mark.parametrize("succeeded", [True, False])
+def test_only_a_node_whose_workers_finished_tells_the_standbys_the_job_is_over(succeeded):
+    """A node left without workers because every device was lost must not retire the
+    standbys: they are the job's way on. The store is a real (in-process) torch store."""
+    store = dist.HashStore()
+    ended, asking = Rounds(None, None, None, lambda *a, **k: None), Rounds(
+        None, None, None, lambda *a, **k: None)
+    ended._last_info = asking._last_info = type("Info", (), {"store": store})()
+    assert not asking.finished_elsewhere()
+    ended.finish(succeeded)
+    assert asking.finished_elsewhere() is succeeded
+
+
+def test_the_status_line_names_standbys_and_how_a_node_of_standbys_ended():
+    """A node of standbys alone never prints a step: its status line says why, and at the end
+    that the job finished without it rather than that its devices were lost."""
+    assert running_state({4, 5}, set()) == "standby: devices 4, 5 wait warm for a lost " \
+                                           "device's place"
+    assert running_state({4, 5}, {4}) == "running, device 5 standby"
+    assert running_state({0, 1}, {0, 1}) == "running"
+    assert running_state({8, 9}, set(), tp=2) == ("standby: unit 4 (cards 8-9) waits warm for "
+                                                  "a lost device's place")
+    assert ended_state({4}, lambda: False) == "succeeded"
+    assert ended_state(set(), lambda: True) == "succeeded on the other nodes (standby not needed)"
+    assert ended_state(set(), lambda: False) == "no device left here"
+
+
+def _node_of(state) -> int | None:
+    first = [e for e in read_events(state / "events.jsonl") if e["event"] == "rendezvous"]
+    return first[0]["node"] if first else None
+
+
+def _steps(out) -> int:
+    path = out / "steps.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("fault", ["worker", "node"])
+def test_a_standby_node_takes_the_place_of_a_lost_device(tmp_path, launch, fault):
+    """SIGKILL of device 3's worker (``worker``), or of the whole node holding devices 2-3,
+    agent included (``node``), after step 5: the planner swaps the standby's devices in
+    (policy ``swap``: it outscores the reroute and at least ties the re-plan), the standby's warm
+    processes take the lost stages from their replicas in place, no process is started, and
+    the job finishes with single-process losses and layers. Until then the standby held no
+    layers and never ran the script."""
+    local_etcd = pytest.importorskip("chameleon_elastic.rendezvous.local_etcd")
+    out = tmp_path / "out"
+    out.mkdir()
+    steps = 14
+    names = ("a", "b", "c")
+    with local_etcd.LocalEtcd(data_dir=tmp_path / "etcd") as etcd:
+        common = ["--nnodes", "3", "--nproc-per-node", "2", "--rdzv-backend", "etcd-v3",
+                  "--rdzv-endpoint", etcd.endpoint, "--rdzv-id", f"standby-{fault}",
+                  "--rdzv-conf", "last_call_timeout=5,lease_ttl=2", "--local-addr",
+                  "127.0.0.1", "--monitor-interval", "0.1", "--no-status", "--preset",
+                  "tiny-cpu-standby"]
+        agents = {name: launch("chameleon", [*common, "--state-dir", str(tmp_path / name),
+                                             MLP_FAULTS, str(out), str(steps), "--pace",
+                                             "0.2"], name=name) for name in names}
+        wait_for(lambda: _steps(out) >= 5, 90, "the job training on two of the three nodes")
+        node = {name: _node_of(tmp_path / name) for name in names}
+        standby = next(n for n in names if node[n] == 2)
+        # warm and idle: its workers run (the standby wrapper), but never ran the script
+        assert not (out / "pid-4").exists() and not (out / "pid-5").exists()
+        started = [e for e in read_events(tmp_path / standby / "events.jsonl")
+                   if e["event"] == "workers_started"]
+        assert [sorted(e["devices"]) for e in started] == [[4, 5]]
+        if fault == "worker":
+            os.kill(int((out / "pid-3").read_text().split()[0]), signal.SIGKILL)
+            lost = [3]
+        else:
+            victim = next(n for n in names if node[n] == 1)
+            os.kill(agents[victim].proc.pid, signal.SIGKILL)   # its workers die with it
+            agents[victim].proc.wait(10)
+            lost = [2, 3]
+        for name in names:
+            if node[name] != 1 or fault == "worker":
+                assert agents[name].wait(90) == 0, agents[name].log.read_text()[-3000:]
+
+    survivors = {"worker": [0, 1, 2, 4], "node": [0, 1, 4, 5]}[fault]
+    assert_single_process_results(out, survivors, steps)
+    assert not (out / "pid-5").exists() or fault == "node"   # the other standby waited on
+    events = read_events(tmp_path / standby / "events.jsonl")
+    chosen = [e for e in events if e["event"] == "plan_chosen"]
+    assert chosen[-1]["policy"] == "swap" and chosen[-1]["lost"] == lost
+    assert set(chosen[-1]["candidates"]) == {"reroute", "swap", "replan"}
+    scores = {k: v["score"] for k, v in chosen[-1]["candidates"].items()}
+    assert scores["swap"] >= max(scores.values())
+    plan = json.loads(Path(chosen[-1]["plan_file"]).read_text())
+    assert [p["devices"] for p in plan["pipelines"]] == (
+        [[0, 1], [2, 4]] if fault == "worker" else [[0, 1], [4, 5]])
+    recovered = [e for e in events if e["event"] == "recovered"]
+    assert recovered[-1]["mode"] == "inplace" and recovered[-1]["started_devices"] == []
+    assert set(recovered[-1]["kept_devices"]) >= {4}
+    # the standby took its layers from the survivors, not from a checkpoint
+    assert (out / "started-4").read_text().split() == ["peers"]
+    swapped = "devices 4, 5" if fault == "node" else "device 4"
+    assert f"swapped in standby {swapped}, the layout kept" in agents[standby].log.read_text()
