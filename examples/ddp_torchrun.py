@@ -52,7 +52,7 @@ def main() -> None:
         opt.step()
         if rank == 0 and (step % 5 == 0 or step == args.steps - 1):
             print(f"step {step} loss {loss.item():.4f} world {world} "
-                  f"restart {os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}", flush=True)
+                  f"restart {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", flush=True)
     dist.barrier()   # nobody tears down while a peer may still use its connections
     dist.destroy_process_group()
 
