@@ -46,7 +46,7 @@ from chameleon_elastic.exit_status import ExitStatus
 from chameleon_elastic.timeouts import Timeouts
 
 from .detectors import Watchers
-from .exit_barrier import cut_short, wait_for_the_others
+from .exit_barrier import wait_for_the_others
 from .failures import FailureEvent, RestartBudget, Trigger
 from .generations import AbandonedGenerations
 from .health import AlwaysHealthy, HealthCheck
@@ -229,7 +229,11 @@ class ChameleonAgent(LocalElasticAgent):
                 preempt(self._channel, self._procs, PEER_PREEMPTED, signal.SIGTERM,
                         self._timeouts.shutdown_s, self._emit, runtime=True)
             if result.state == WorkerState.SUCCEEDED:
-                return self._finished(result)
+                if not self._rounds.stays_member(bool(self._procs.succeeded),
+                                                 self._planned and self._watchers.lease is not None):
+                    return self._finished(result)
+                self._update_status("no device left here")   # a member with none, till the end
+                result = RunResult(state=WorkerState.HEALTHY)
             try:
                 if self._session is not None:
                     self._report(self._reporter.poll(self._channel, self._session.plan,
@@ -311,17 +315,13 @@ class ChameleonAgent(LocalElasticAgent):
         return None
 
     def _finished(self, result: RunResult) -> RunResult:
-        """No local worker left: wait for the other agents, not for a node that is gone
-        (exit_barrier.py); then end as the job did, or as it cannot go on."""
+        """The job is over here: wait for the other agents, not for nodes gone (exit_barrier)."""
         self._worker_group.state = result.state
         self._update_status(ended_state(self._procs.succeeded, self._rounds.finished_elsewhere))
         self._rounds.finish(bool(self._procs.succeeded))   # the standby nodes retire
-        sentence = cut_short(wait_for_the_others(
-            self._store, self._worker_group.group_world_size, self._exit_barrier_timeout,
-            self._watchers.nodes_lost), bool(self._procs.succeeded))
+        wait_for_the_others(self._store, self._worker_group.group_world_size,
+                            self._exit_barrier_timeout, self._watchers.nodes_lost)
         self._watchers.leave(finished=True)   # no loss for the others
-        if sentence is not None:
-            return self._end(sentence, ExitStatus.DO_NOT_REQUEUE)
         self._emit(Event.JOB_FINISHED, state="SUCCEEDED", restarts_used=self._budget.used)
         return result
 

@@ -1,11 +1,10 @@
 """The end of one agent's run: wait for the other agents, but not for a node that is gone.
 
 Why: torch's exit barrier waits up to ``exit_barrier_timeout`` (300 s) for every node of the
-last round. A node lost meanwhile (killed, frozen, cut off from etcd) never arrives; and a node
-whose devices were all lost earlier, which has nothing left to run, waited there for minutes
-while the job died elsewhere (chaos: the other node cut off by a partition). With leases watched
-(etcd-v3), the wait ends as soon as another node's lease expires, and the agent says what that
-means for the job (agent.py). Without leases it is torch's barrier, in slices.
+last round. A node lost meanwhile (killed, frozen, cut off from etcd) never arrives. With leases
+watched (etcd-v3), the wait ends as soon as another node's lease expires. Without leases it is
+torch's barrier, in slices. (A node whose every device was lost does not wait here while the job
+goes on elsewhere: it stays a member with no device, agent.py.)
 
 The protocol is torch's (``torch.distributed.elastic.utils.store.barrier``) on the same keys:
 every agent adds one to a counter, the one that counts up to the world size sets a key, and all
@@ -23,7 +22,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["cut_short", "wait_for_the_others"]
+__all__ = ["wait_for_the_others"]
 
 log = logging.getLogger("chameleon_elastic.launcher.exit_barrier")
 
@@ -35,10 +34,9 @@ _SLICE_S = 1.0
 
 
 def wait_for_the_others(store: Any, world_size: int, timeout_s: float,
-                        lost: Callable[[], list[str]]) -> list[str]:
+                        lost: Callable[[], list[str]]) -> None:
     """Wait until every one of ``world_size`` agents arrived, ``timeout_s`` passed (torch's
-    behaviour: go on), or ``lost()`` names nodes gone since the run began their end; returns
-    those nodes (empty: everyone arrived, or the wait timed out)."""
+    behaviour: go on), or ``lost()`` names nodes gone since the run began its end."""
     try:
         if store.add(_COUNT, 1) >= world_size:
             store.set(_DONE, "1")
@@ -48,25 +46,14 @@ def wait_for_the_others(store: Any, world_size: int, timeout_s: float,
             if remaining <= 0:
                 log.warning("not every agent reached the end within %.0f s; ending anyway",
                             timeout_s)
-                return []
+                return
             try:
                 store.wait([_DONE], timedelta(seconds=min(_SLICE_S, remaining)))
-                return []
+                return
             except dist.DistStoreError:
                 gone = lost()
                 if gone:
-                    return gone
+                    log.info("%s left before the end; not waiting for them", ", ".join(gone))
+                    return
     except Exception as exc:  # noqa: BLE001 - torch's barrier logs and ends too
         log.warning("the end-of-run barrier failed (%s); ending anyway", exc)
-        return []
-
-
-def cut_short(lost: list[str], succeeded: bool) -> str | None:
-    """The sentence that ends a node whose every device was lost (none of its workers finished
-    the script) when the nodes it waited for at the end are gone too: the job cannot go on.
-    None when the wait ended as it should, or when this node's workers finished (the job
-    ended with them)."""
-    if not lost or succeeded:
-        return None
-    return (f"every device of this node was lost, and {', '.join(lost)} left the job before it "
-            "finished: no device is left to train on.")

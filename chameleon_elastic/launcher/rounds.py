@@ -121,6 +121,16 @@ class Rounds:
             with contextlib.suppress(*STORE_LOST, RuntimeError):
                 self._last_info.store.set(FINISHED, "1")
 
+    def stays_member(self, succeeded: bool, leases: bool) -> bool:
+        """No local worker is left: whether this node stays a member with no device (it answers
+        the quick rounds, which wait for every member's report) rather than wait for the end.
+        So it does while the job trains on elsewhere, when every device here was lost (none
+        ``succeeded``) and the other nodes' ``leases`` are watched (they tell when the job can
+        no longer go on). In the exit barrier it left a quick round one report short (chaos:
+        hung)."""
+        return (leases and not succeeded and len(self.nodes) > 1
+                and not self.finished_elsewhere())
+
     def finished_elsewhere(self) -> bool:
         """Another node's workers all succeeded (one store read)."""
         if self._last_info is None:

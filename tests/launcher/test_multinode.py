@@ -208,11 +208,10 @@ def test_lost_node_on_etcd_v3_recovers_in_place(tmp_path, launch, fault, victim_
 @pytest.mark.timeout(90)
 def test_a_node_whose_devices_are_all_lost_ends_when_the_other_node_is_gone_too(tmp_path,
                                                                                  launch):
-    """Both of node b's workers are killed; a's train on (a node with no device left waits for
-    the job's end). Then a freezes (its lease just stops). b waited in the end-of-run barrier
-    for a, which will never come: it used to wait out torch's 300 s barrier timeout (chaos:
-    "hung"). Now it ends once a's lease is gone, in one sentence, with "do not requeue": no
-    device is left."""
+    """Both of node b's workers are killed; a's train on (b, with no device left, stays a
+    member until the job ends). Then a freezes (its lease just stops). b used to wait out
+    torch's 300 s end-of-run barrier for a, which will never come (chaos: "hung"). Now it ends
+    once a's lease is gone, in one sentence, with "do not requeue": no device is left."""
     local_etcd = pytest.importorskip("chameleon_elastic.rendezvous.local_etcd")
     out = tmp_path / "out"
     out.mkdir()
@@ -233,7 +232,7 @@ def test_a_node_whose_devices_are_all_lost_ends_when_the_other_node_is_gone_too(
         for device in sorted(b_devices):
             os.kill(int((out / f"pid-{device}").read_text().split()[0]), signal.SIGKILL)
         wait_for(lambda: "no device left here" in agents["b"].log.read_text(), 60,
-                 "node b to have no device left, and to wait for the job's end")
+                 "node b to have no device left")
         try:
             root = psutil.Process(agents["a"].proc.pid)
             frozen = [root, *root.children(recursive=True)]
@@ -245,8 +244,47 @@ def test_a_node_whose_devices_are_all_lost_ends_when_the_other_node_is_gone_too(
                 with contextlib.suppress(psutil.Error):
                     proc.kill()
     log = agents["b"].log.read_text()
-    assert "every device of this node was lost, and node-" in log
-    assert "left the job before it finished" in log and "Traceback" not in log
+    assert "cannot continue after losing device(s)" in log
+    assert "at least one must survive to continue" in log and "Traceback" not in log
+
+
+@pytest.mark.timeout(90)
+def test_a_node_whose_devices_are_all_lost_still_answers_the_quick_rounds(tmp_path, launch):
+    """Both of node b's workers are killed, then one of a's. b has no device left, but it is
+    still a member: a's quick round waits for its report. b used to wait in the end-of-run
+    barrier instead, so a's round failed after 15 s and its full round never completed (chaos:
+    hung). Now a goes on with its last device in place, and both nodes end with the job."""
+    local_etcd = pytest.importorskip("chameleon_elastic.rendezvous.local_etcd")
+    out = tmp_path / "out"
+    out.mkdir()
+    steps = 40
+    with local_etcd.LocalEtcd(data_dir=tmp_path / "etcd") as etcd:
+        common = ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "etcd-v3",
+                  "--rdzv-endpoint", etcd.endpoint, "--rdzv-id", "member-without-devices",
+                  "--rdzv-conf", "last_call_timeout=5,lease_ttl=2", "--local-addr", "127.0.0.1",
+                  "--monitor-interval", "0.1", "--preset", "tiny-cpu", "--snapshot-every", "0"]
+        agents = {name: launch("chameleon", [*common, "--state-dir", str(tmp_path / name),
+                                             MLP_FAULTS, str(out), str(steps), "--pace", "0.2",
+                                             "--min-world", "4"], name=name)
+                  for name in ("a", "b")}
+        wait_for(lambda: (out / "steps.jsonl").exists()
+                 and len((out / "steps.jsonl").read_text().splitlines()) >= 3, 60,
+                 "both nodes training")
+        b = 2 * _group_rank(tmp_path / "b")
+        for device in (b, b + 1):
+            os.kill(int((out / f"pid-{device}").read_text().split()[0]), signal.SIGKILL)
+        wait_for(lambda: "no device left here" in agents["b"].log.read_text(), 60,
+                 "node b to have no device left")
+        a = 2 - b
+        os.kill(int((out / f"pid-{a}").read_text().split()[0]), signal.SIGKILL)
+        assert agents["a"].wait(60) == 0, agents["a"].log.read_text()[-3000:]
+        assert agents["b"].wait(30) == 0, agents["b"].log.read_text()[-3000:]
+    assert_single_process_results(out, [a + 1], steps)
+    events = read_events(tmp_path / "a" / "events.jsonl")
+    assert not [e for e in events if e.get("kind") == "quick_round_failed"]
+    assert [e["quick"] for e in events if e["event"] == "rendezvous"][-1]
+    for name in ("a", "b"):
+        assert "Traceback" not in agents[name].log.read_text()
 
 
 @pytest.mark.timeout(90)
