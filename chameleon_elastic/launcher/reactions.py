@@ -27,6 +27,9 @@ group, and each tick moves it by one :class:`Reaction`:
       changed for a window of steps    reduces or spares it (nobody killed;
       (stragglers.py)                  without in place, nothing is done)
     HEALTHY, nothing new             monitor                               HEALTHY
+    SUCCEEDED, every device here     (seen as HEALTHY: a member with no    HEALTHY
+      lost, the job going on           device answers the quick rounds;
+      elsewhere (leases watched)       rounds.Rounds.stays_member)
     SUCCEEDED                        (the loop ends: exit barrier)         SUCCEEDED
 
 A recovery's round is quick (no rendezvous round, rounds.py) unless a node may join: a node
