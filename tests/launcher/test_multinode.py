@@ -205,6 +205,34 @@ def test_lost_node_on_etcd_v3_recovers_in_place(tmp_path, launch, fault, victim_
     assert "Traceback" not in survivor.log.read_text()
 
 
+@contextlib.contextmanager
+def _node_b_without_devices(tmp_path: Path, launch, steps: int):
+    """Two nodes of two devices on a fresh etcd (tiny-cpu, leases of 2 s); yields (agents by
+    name, out, b's first device) once both of b's workers were killed and b says it has no
+    device left, while a's train on."""
+    local_etcd = pytest.importorskip("chameleon_elastic.rendezvous.local_etcd")
+    out = tmp_path / "out"
+    out.mkdir()
+    with local_etcd.LocalEtcd(data_dir=tmp_path / "etcd") as etcd:
+        common = ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "etcd-v3",
+                  "--rdzv-endpoint", etcd.endpoint, "--rdzv-id", "no-device-left",
+                  "--rdzv-conf", "last_call_timeout=5,lease_ttl=2", "--local-addr", "127.0.0.1",
+                  "--monitor-interval", "0.1", "--preset", "tiny-cpu", "--snapshot-every", "0"]
+        agents = {name: launch("chameleon", [*common, "--state-dir", str(tmp_path / name),
+                                             MLP_FAULTS, str(out), str(steps), "--pace", "0.2",
+                                             "--min-world", "4"], name=name)
+                  for name in ("a", "b")}   # with the status line: b says when it has no device
+        wait_for(lambda: (out / "steps.jsonl").exists()
+                 and len((out / "steps.jsonl").read_text().splitlines()) >= 3, 60,
+                 "both nodes training")
+        b = 2 * _group_rank(tmp_path / "b")
+        for device in (b, b + 1):
+            os.kill(int((out / f"pid-{device}").read_text().split()[0]), signal.SIGKILL)
+        wait_for(lambda: "no device left here" in agents["b"].log.read_text(), 60,
+                 "node b to have no device left")
+        yield agents, out, b
+
+
 @pytest.mark.timeout(90)
 def test_a_node_whose_devices_are_all_lost_ends_when_the_other_node_is_gone_too(tmp_path,
                                                                                  launch):
@@ -212,27 +240,8 @@ def test_a_node_whose_devices_are_all_lost_ends_when_the_other_node_is_gone_too(
     member until the job ends). Then a freezes (its lease just stops). b used to wait out
     torch's 300 s end-of-run barrier for a, which will never come (chaos: "hung"). Now it ends
     once a's lease is gone, in one sentence, with "do not requeue": no device is left."""
-    local_etcd = pytest.importorskip("chameleon_elastic.rendezvous.local_etcd")
-    out = tmp_path / "out"
-    out.mkdir()
     frozen: list[psutil.Process] = []
-    with local_etcd.LocalEtcd(data_dir=tmp_path / "etcd") as etcd:
-        common = ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "etcd-v3",
-                  "--rdzv-endpoint", etcd.endpoint, "--rdzv-id", "all-lost",
-                  "--rdzv-conf", "last_call_timeout=5,lease_ttl=2", "--local-addr", "127.0.0.1",
-                  "--monitor-interval", "0.1", "--preset", "tiny-cpu", "--snapshot-every", "0"]
-        agents = {name: launch("chameleon", [*common, "--state-dir", str(tmp_path / name),
-                                             MLP_FAULTS, str(out), "200", "--pace", "0.2",
-                                             "--min-world", "4"], name=name)
-                  for name in ("a", "b")}   # with the status line: b says when it is left out
-        wait_for(lambda: (out / "steps.jsonl").exists()
-                 and len((out / "steps.jsonl").read_text().splitlines()) >= 3, 60,
-                 "both nodes training")
-        b_devices = {2 * _group_rank(tmp_path / "b"), 2 * _group_rank(tmp_path / "b") + 1}
-        for device in sorted(b_devices):
-            os.kill(int((out / f"pid-{device}").read_text().split()[0]), signal.SIGKILL)
-        wait_for(lambda: "no device left here" in agents["b"].log.read_text(), 60,
-                 "node b to have no device left")
+    with _node_b_without_devices(tmp_path, launch, 200) as (agents, _, _):
         try:
             root = psutil.Process(agents["a"].proc.pid)
             frozen = [root, *root.children(recursive=True)]
@@ -254,27 +263,8 @@ def test_a_node_whose_devices_are_all_lost_still_answers_the_quick_rounds(tmp_pa
     still a member: a's quick round waits for its report. b used to wait in the end-of-run
     barrier instead, so a's round failed after 15 s and its full round never completed (chaos:
     hung). Now a goes on with its last device in place, and both nodes end with the job."""
-    local_etcd = pytest.importorskip("chameleon_elastic.rendezvous.local_etcd")
-    out = tmp_path / "out"
-    out.mkdir()
     steps = 40
-    with local_etcd.LocalEtcd(data_dir=tmp_path / "etcd") as etcd:
-        common = ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "etcd-v3",
-                  "--rdzv-endpoint", etcd.endpoint, "--rdzv-id", "member-without-devices",
-                  "--rdzv-conf", "last_call_timeout=5,lease_ttl=2", "--local-addr", "127.0.0.1",
-                  "--monitor-interval", "0.1", "--preset", "tiny-cpu", "--snapshot-every", "0"]
-        agents = {name: launch("chameleon", [*common, "--state-dir", str(tmp_path / name),
-                                             MLP_FAULTS, str(out), str(steps), "--pace", "0.2",
-                                             "--min-world", "4"], name=name)
-                  for name in ("a", "b")}
-        wait_for(lambda: (out / "steps.jsonl").exists()
-                 and len((out / "steps.jsonl").read_text().splitlines()) >= 3, 60,
-                 "both nodes training")
-        b = 2 * _group_rank(tmp_path / "b")
-        for device in (b, b + 1):
-            os.kill(int((out / f"pid-{device}").read_text().split()[0]), signal.SIGKILL)
-        wait_for(lambda: "no device left here" in agents["b"].log.read_text(), 60,
-                 "node b to have no device left")
+    with _node_b_without_devices(tmp_path, launch, steps) as (agents, out, b):
         a = 2 - b
         os.kill(int((out / f"pid-{a}").read_text().split()[0]), signal.SIGKILL)
         assert agents["a"].wait(60) == 0, agents["a"].log.read_text()[-3000:]
