@@ -426,7 +426,7 @@ class Watchers:
                     bad=frozenset(bad), lease=lease, ended=ended, ended_status=ended_status,
                     rejoining=frozenset(self.book.rejoining), waiting=waiting, trouble=trouble,
                     store_lost=store_lost, quick_called=called, tp=here.tp, slow=slow,
-                    retire=retire or frozenset(), **facts)
+                    retire=retire or frozenset(), live=frozenset(pids), **facts)
 
     def watch_leases(self, params: Any, node: int,
                      stop_workers: Callable[[signal.Signals], None]) -> None:

@@ -5,6 +5,8 @@ group, and each tick moves it by one :class:`Reaction`:
 
     state (what the tick saw)        reaction                              next state
     -------------------------------  ------------------------------------  -----------------
+    any, our lease lost, some local  stop the rest: the script had ended   SUCCEEDED (exit
+      worker finished the script       here (no restart, no round)           barrier)
     any, our lease lost              fence: kill every worker, new round   HEALTHY (adopted)
     FAILED/UNHEALTHY, a worker said  end with its sentence                 FAILED (exit 1)
       training cannot go on
@@ -78,6 +80,7 @@ class Tick:
     tp: int = 1
     slow: tuple[tuple[int, float], ...] | None = None   # a straggler event: factors to plan for
     retire: frozenset[int] = frozenset()       # standbys' cards: the job ended on other nodes
+    live: frozenset[int] = frozenset()         # the cards of the live local workers
 
 
 @dataclass(frozen=True)
@@ -104,6 +107,8 @@ _MONITOR = Reaction("monitor")
 
 def react(t: Tick) -> Reaction:
     if t.lease is Trigger.FENCED:   # our plan may be stale: nothing of ours may train on
+        if t.some_succeeded:   # the fence caught the script's last exits: nothing to rejoin for
+            return Reaction("monitor", kill=t.live)
         return Reaction("fence", Trigger.FENCED, inplace=t.inplace_wanted)
     if t.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
         return _failed(t)

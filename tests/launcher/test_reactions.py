@@ -32,6 +32,16 @@ def test_our_lost_lease_fences_before_anything_else():
     assert (r.action, r.trigger, r.inplace) == ("fence", Trigger.FENCED, True)
 
 
+def test_a_lost_lease_after_the_script_ended_here_restarts_nothing():
+    """Chaos: the lease lapsed (an etcd member restarted, load 12) just as the workers exited
+    after the last step. Fenced, they started again for a job that had ended, waiting for
+    peers that were gone. A worker that finished the script means the training is over here:
+    the rest are stopped, and the node ends with the job."""
+    r = react(Tick(FAILED, failures=(_killed(1),), lease=Trigger.FENCED, some_succeeded=True,
+                   live=frozenset({0}), **PLANNED))
+    assert (r.action, r.kill, r.trigger) == ("monitor", frozenset({0}), None)
+
+
 def test_a_workers_sentence_ends_the_job_with_the_status_it_calls_for():
     r = react(Tick(FAILED, failures=(_crashed(0),), ended="layers 4-7 were lost",
                    ended_status=93, **PLANNED))
