@@ -173,8 +173,8 @@ def _asleep() -> subprocess.Popen:
 def _as_if_waited(watch: HangWatch, seconds: float) -> None:
     """Move the watch's clocks back, as if ``seconds`` had passed since the publication and
     since each worker's progress was last seen."""
-    if watch._published is not None:
-        watch._published -= seconds
+    watch._unstarted = {d: (count, since - seconds)
+                        for d, (count, since) in watch._unstarted.items()}
     watch._beats = {d: (count, since - seconds) for d, (count, since) in watch._beats.items()}
 
 
@@ -198,6 +198,62 @@ def test_a_worker_asleep_that_never_takes_up_a_published_generation_is_hung():
         assert [f.device for f in hung] == [0]
         assert "asleep in the previous plan generation" in hung[0].reason
         assert hung[0].hang_s == FLOOR_S   # its hang timeout, from its pace
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+def test_a_worker_asleep_in_the_old_generation_is_hung_at_its_peers_regroup_deadline():
+    """Early in a job no pace is measured yet, so a worker's own hang timeout is the 60 s
+    ceiling; device 0 sleeps where no unblocking reaches (a unit's card left in a sharded
+    backward's wait) while device 1 waits for it in the new generation's regroup, which it
+    gives up at twice its 5 s deadline. Device 0 is convicted at 1x that deadline, as a frozen
+    peer is, not at the ceiling (the generations failed one after another until the job
+    ended: tests/launcher/test_inplace.py's tensor-parallel loss, 1 run in 10 under load)."""
+    sleeper = _asleep()
+    try:
+        store, pids = dist.HashStore(), {0: sleeper.pid, 1: sleeper.pid}
+        store.add(channel.beat_key(0), 7)
+        store.add(channel.beat_key(1), 3)
+        watch = HangWatch(60, nproc=2, auto=True)
+        watch.reset(store, pids)          # the next generation is published
+        store.add(channel.beat_key(1), 1)   # device 1 regroups, with its deadline
+        channel.write(store, channel.slow_key(1), {"deadline_s": 5.0, "give_up_s": 10.0})
+        watch._read_gaps(store, pids, now=1e12)
+        assert watch.check(store, pids)[0] == []
+        assert watch.check(store, pids)[0] == []   # device 0 is looked at: not yet
+        _as_if_waited(watch, 5.0)
+        hung, _ = watch.check(store, pids)
+        assert [f.device for f in hung] == [0]
+        assert "asleep in the previous plan generation" in hung[0].reason
+        assert hung[0].hang_s == 5.0   # its peers' regroup deadline, not the ceiling
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+def test_a_worker_that_takes_up_no_generation_keeps_its_clock_across_publications():
+    """With nothing to shorten it, the timeout is the ceiling; a worker that took up none of
+    several generations published seconds apart (each given up by its peers) is timed from
+    the first it missed, not afresh at each, which would never reach the ceiling."""
+    sleeper = _asleep()
+    try:
+        store, pids = dist.HashStore(), {0: sleeper.pid}
+        store.add(channel.beat_key(0), 7)
+        watch = HangWatch(60, nproc=1, auto=True)
+        watch.reset(store, pids)          # generation 1 is published
+        watch.check(store, pids)
+        _as_if_waited(watch, 40.0)
+        assert watch.check(store, pids)[0] == []
+        watch.reset(store, pids)          # generation 2, 40 s later: device 0 never moved
+        _as_if_waited(watch, 20.0)
+        hung, _ = watch.check(store, pids)
+        assert [f.device for f in hung] == [0] and hung[0].hang_s == 60
+        store.add(channel.beat_key(0), 1)   # a worker that moves is timed afresh
+        watch.reset(store, pids)
+        watch.check(store, pids)
+        _as_if_waited(watch, 59.0)
+        assert watch.check(store, pids)[0] == []
     finally:
         sleeper.kill()
         sleeper.wait()

@@ -110,22 +110,27 @@ class HangWatch:
         # device -> (first look awake without progress, its CPU seconds then)
         self._awake: dict[int, tuple[float, float]] = {}
         self._shown: dict[int, int] = {}   # device -> last stall step on the status line
-        # the last generation's publication, and the workers that have not made progress since
-        # (device -> its count then)
-        self._published: float | None = None
-        self._unstarted: dict[int, int] = {}
+        # the workers that have made no progress since a generation was published: device ->
+        # (its count then, the first such publication it missed)
+        self._unstarted: dict[int, tuple[int, float]] = {}
 
     def reset(self, store: Any = None, pids: dict[int, int] | None = None) -> None:
         """A recovery is no hang: progress is timed afresh. With the channel (``store``) and
         the workers kept (``pids``), as a generation is about to be published: each worker's
-        progress count now, so that one which never starts the new generation is seen."""
-        self._beats.clear()
-        self._awake.clear()
-        self._shown.clear()
-        self._published = time.monotonic()
+        progress count now, so that one which never starts the new generation is seen. One
+        that has not moved since an earlier publication keeps its clocks: it has held up every
+        generation since (each given up at its regroup's deadline, seconds apart), and timed
+        afresh at each one it would never be convicted."""
+        now = time.monotonic()
         counts = {d: channel.read_int(store, channel.beat_key(d))
                   for d in (pids or {} if store is not None else {})}
-        self._unstarted = {d: c for d, c in counts.items() if c is not None}
+        before = self._unstarted
+        held = {d for d, c in counts.items() if d in before and before[d][0] == c}
+        self._unstarted = {d: before[d] if d in held else (c, now)
+                           for d, c in counts.items() if c is not None}
+        self._beats = {d: v for d, v in self._beats.items() if d in held}
+        self._awake = {d: v for d, v in self._awake.items() if d in held}
+        self._shown.clear()
 
     def in_force(self) -> str:
         """The timeout in force, as the status line says it: ``5 s (auto)`` (the most lenient
@@ -176,7 +181,7 @@ class HangWatch:
             count = channel.read_int(store, channel.beat_key(device))
             if count is None:
                 continue
-            if self._unstarted.get(device, count) != count:
+            if self._unstarted.get(device, (count,))[0] != count:
                 del self._unstarted[device]   # it took up the new generation
             seen = self._beats.get(device)
             if seen is None or seen[0] != count:
@@ -184,7 +189,8 @@ class HangWatch:
                 self._awake.pop(device, None)
                 continue
             idle = now - seen[1]
-            if idle < stall_shown_after(self._limit(store, device, looked=False)):
+            if idle < stall_shown_after(self._limit(store, device, looked=False)) \
+                    and device not in self._unstarted:
                 continue
             try:
                 proc = psutil.Process(pid)
@@ -213,18 +219,31 @@ class HangWatch:
     def _asleep_hung(self, device: int, idle: float, now: float) -> tuple[str, float] | None:
         """Asleep is waiting for a peer, unless the wait outlasts what waiting can: past the
         time its recovery phase gives itself up, or, after a generation was published (and
-        the worker's watchdog unblocked every transfer of the old one), past its hang timeout
-        without having taken it up: then it is stuck where no unblocking reaches (how and the
-        timeout in force, else None)."""
+        the worker's watchdog unblocked every transfer of the old one), without having taken
+        it up for its hang timeout, or for the deadline of the recovery phase its peers here
+        wait for it in, if shorter (:meth:`_waited_for`): then it is stuck where no unblocking
+        reaches (how and the timeout in force, else None)."""
         slow = self._phase.get(device, False)
         if asleep_past_deadline(idle, slow):
             assert isinstance(slow, PhaseDeadline)
             return "asleep past its recovery phase's deadline", slow.give_up_s
-        if device in self._unstarted and self._published is not None:
-            limit = derive_hang_s(self._gap.get(device), self.hang_s)
-            if now - self._published >= limit:
+        if device in self._unstarted:
+            gap = self._gap.get(device)
+            limit = min(derive_hang_s(gap, self.hang_s),
+                        derive_hang_s(gap, self.hang_s, self._waited_for(device)))
+            if now - self._unstarted[device][1] >= limit:
                 return "asleep in the previous plan generation", limit
         return None
+
+    def _waited_for(self, device: int) -> bool | PhaseDeadline:
+        """The longest deadline of a recovery phase that this node's other workers announce
+        (False: none): after a publication, the regroup in which they wait for ``device``.
+        They give it up at twice that, and every generation after it too while ``device``
+        stays where it is, so it is convicted at once, as a frozen peer is; its own hang
+        timeout is the ceiling until its pace is measured (the first steps of a job)."""
+        deadlines = [v for d, v in self._phase.items()
+                     if d != device and isinstance(v, PhaseDeadline)]
+        return max(deadlines, key=lambda v: v.deadline_s, default=False)
 
     @staticmethod
     def _leaving(store: Any, device: int) -> bool:

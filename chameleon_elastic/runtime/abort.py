@@ -19,6 +19,18 @@ then (``socket:[inode]``): a descriptor closed with its group is soon handed to 
 (the next generation's store client, a new group's pair), and a shutdown by number alone would
 cut that one instead; it did, and the new generation's store connection hung. So
 :func:`shut_down` touches a descriptor only while it still names the recorded socket.
+
+What a shutdown cannot reach (torch 2.13's gloo, transport/tcp/pair.cc): a send of a
+collective written after its connection was cut (shut down here, or reset by the peer) but
+before gloo's event loop saw it fails with EPIPE or ECONNRESET, is queued on the pair without
+an error, and is never failed when the pair then closes (``signalException`` fails the queued
+sends of bound buffers only, not of the unbound ones collectives use): the collective waits for
+its own timeout (the collective timeout, 120 s), and the training thread with it (a sharded
+layer's ``wait_tensor`` has none). Seen under load, where the loop thread is late: a unit's
+card left in a sharded backward's all-reduce (py-spy: ``UnboundBuffer::waitSend`` inside
+gloo's ring, the pair's descriptor already closed) while its partner moved on. Such a worker
+never takes up the next generation; its agent convicts it (launcher/detectors.py,
+``HangWatch``: asleep in the previous plan generation).
 """
 
 from __future__ import annotations
