@@ -56,8 +56,8 @@ from .preemption import PEER_PREEMPTED, PREEMPTION_SIGNALS, Preempted, preempt
 from .profiler import Profiler
 from .reactions import Reaction, Tick, react
 from .reporter import RecoveryReporter
-from .rounds import CLOSED, Rounds
-from .session import JobSession, LauncherPlanningError, NoPlanError
+from .rounds import CLOSED, FINISHED_AWAY, Rounds
+from .session import JobSession, LauncherPlanningError
 from .starter import TorchHooks, WorkerStarter
 from .stragglers import StragglerWatch
 from .transition import Crew, Transition
@@ -119,7 +119,6 @@ class ChameleonAgent(LocalElasticAgent):
             logs_specs.root_log_dir if isinstance(logs_specs, WorkerLogs) else None, tp)
         self._budget = RestartBudget(spec.max_restarts, spec.max_restarts)
         self._exits: dict[int, Any] = {}        # global rank -> Exit, of the last poll
-        # this node's agent <-> worker store
         self._channel = channel.host(self._timeouts) if session is not None else None
         self._abandoned = AbandonedGenerations(max_failed_generations, self._channel)
         starter = WorkerStarter(
@@ -212,7 +211,7 @@ class ChameleonAgent(LocalElasticAgent):
             self._initialize_workers(wg)
         except LauncherPlanningError as exc:
             self._status.say(f"chameleon-run: {exc}")
-            self.exit_status = _status_of(exc)
+            self.exit_status = exc.status
             return RunResult(state=WorkerState.FAILED)
         if self._transition.node is not None:
             self._watchers.watch_leases(self._rounds.params, self._transition.node,
@@ -250,9 +249,9 @@ class ChameleonAgent(LocalElasticAgent):
                         tick, leases_asked=True, lease=Trigger.NODE_LOST if asked else None))
                 outcome = self._apply(reaction, tick, result)
             except LauncherPlanningError as exc:
-                return self._end(str(exc), _status_of(exc))
-            except RendezvousClosedError:
-                return self._end(CLOSED)
+                return self._end(str(exc), exc.status)
+            except RendezvousClosedError:   # cut off, or fenced as another node finished
+                return self._closed()
             if outcome is not None:
                 return outcome
 
@@ -308,8 +307,9 @@ class ChameleonAgent(LocalElasticAgent):
             return self._end(self._abandoned.sentence())
         if r.charge:
             self._budget.charge()
+        self._update_status(f"recovering {'in place' if r.inplace else 'relaunch'} ({event.reason})")
         try:
-            self._recover(event, r.inplace, r.quick)
+            self._transition_to(event, r.inplace, self._transition.runtime(), r.quick)
         finally:
             self._budget.charged = False
         return None
@@ -318,12 +318,20 @@ class ChameleonAgent(LocalElasticAgent):
         """The job is over here: wait for the other agents, not for nodes gone (exit_barrier)."""
         self._worker_group.state = result.state
         self._update_status(ended_state(self._procs.succeeded, self._rounds.finished_elsewhere))
-        self._rounds.finish(bool(self._procs.succeeded))   # the standby nodes retire
+        self._rounds.finish(bool(self._procs.succeeded), self._worker_group.spec.rdzv_handler)
         wait_for_the_others(self._store, self._worker_group.group_world_size,
                             self._exit_barrier_timeout, self._watchers.nodes_lost)
         self._watchers.leave(finished=True)   # no loss for the others
         self._emit(Event.JOB_FINISHED, state="SUCCEEDED", restarts_used=self._budget.used)
         return result
+
+    def _closed(self) -> RunResult:
+        """The rendezvous closed while this node was away: the job finished, or gave up."""
+        if not self._rounds.finished_elsewhere():
+            return self._end(CLOSED)
+        self._status.say(f"chameleon-run: {FINISHED_AWAY}")
+        self._procs.close(timeout=self._timeouts.shutdown_s)   # they waited for a round
+        return self._finished(self._monitor_workers(self._worker_group))
 
     def _end(self, sentence: str, status: ExitStatus = ExitStatus.FAILED, *, say: bool = True,
              result: RunResult | None = None) -> RunResult:
@@ -337,14 +345,3 @@ class ChameleonAgent(LocalElasticAgent):
         self._emit(Event.JOB_FINISHED, state="FAILED", reason=sentence,
                    restarts_used=self._budget.used)
         return result or RunResult(state=WorkerState.FAILED)
-
-    def _recover(self, event: FailureEvent, inplace: bool, quick: bool) -> None:
-        mode = "in place" if inplace else "relaunch"
-        self._update_status(f"recovering {mode} ({event.reason})")
-        self._transition_to(event, inplace, expect_reports=self._transition.runtime(),
-                            quick=quick)
-
-
-def _status_of(exc: LauncherPlanningError) -> ExitStatus:
-    """No plan for the devices left: do not requeue; any other end: retryable."""
-    return ExitStatus.DO_NOT_REQUEUE if isinstance(exc, NoPlanError) else ExitStatus.FAILED

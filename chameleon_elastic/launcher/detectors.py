@@ -397,7 +397,8 @@ class Watchers:
              quick_called: Callable[[], bool], grace_s: float,
              finished: Callable[[], bool] = lambda: False, **facts: Any) -> Tick:
         """``exits``: the workers that failed since the last tick; ``finished``: whether the
-        job finished on another node (asked only when every local worker is a standby);
+        job finished on another node (asked only when every local worker is a standby, or
+        when our lease is lost);
         ``facts``: the agent's own (``planned``, ``inplace_wanted``, ``runtime``,
         ``some_succeeded``, ``restarts_left``). The detectors are read in the table's order,
         each only when it can still matter."""
@@ -445,7 +446,8 @@ class Watchers:
                     bad=frozenset(bad), lease=lease, ended=ended, ended_status=ended_status,
                     rejoining=frozenset(self.book.rejoining), waiting=waiting, trouble=trouble,
                     store_lost=store_lost, quick_called=called, tp=here.tp, slow=slow,
-                    retire=retire or frozenset(), live=frozenset(pids), **facts)
+                    retire=retire or frozenset(), live=frozenset(pids),
+                    finished_elsewhere=lease is Trigger.FENCED and finished(), **facts)
 
     def watch_leases(self, params: Any, node: int,
                      stop_workers: Callable[[signal.Signals], None]) -> None:

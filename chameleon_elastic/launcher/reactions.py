@@ -6,7 +6,8 @@ group, and each tick moves it by one :class:`Reaction`:
     state (what the tick saw)        reaction                              next state
     -------------------------------  ------------------------------------  -----------------
     any, our lease lost, some local  stop the rest: the script had ended   SUCCEEDED (exit
-      worker finished the script       here (no restart, no round)           barrier)
+      worker or another node's         (no restart, no round)                barrier)
+      finished the script
     any, our lease lost              fence: kill every worker, new round   HEALTHY (adopted)
     FAILED/UNHEALTHY, a worker said  end with its sentence                 FAILED (exit 1)
       training cannot go on
@@ -81,6 +82,7 @@ class Tick:
     slow: tuple[tuple[int, float], ...] | None = None   # a straggler event: factors to plan for
     retire: frozenset[int] = frozenset()       # standbys' cards: the job ended on other nodes
     live: frozenset[int] = frozenset()         # the cards of the live local workers
+    finished_elsewhere: bool = False           # fenced: another node's workers all succeeded
 
 
 @dataclass(frozen=True)
@@ -107,7 +109,8 @@ _MONITOR = Reaction("monitor")
 
 def react(t: Tick) -> Reaction:
     if t.lease is Trigger.FENCED:   # our plan may be stale: nothing of ours may train on
-        if t.some_succeeded:   # the fence caught the script's last exits: nothing to rejoin for
+        if t.some_succeeded or t.finished_elsewhere:   # the fence caught the script's last
+            # exits, here or as another node's workers finished: nothing to rejoin for
             return Reaction("monitor", kill=t.live)
         return Reaction("fence", Trigger.FENCED, inplace=t.inplace_wanted)
     if t.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):

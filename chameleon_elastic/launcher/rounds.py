@@ -48,7 +48,7 @@ from .coordination import Members
 from .observe import Event, StatusLine
 from .waiting import RendezvousWait
 
-__all__ = ["CLOSED", "STORE_LOST", "Rounds", "WorkerStoreDesk"]
+__all__ = ["CLOSED", "FINISHED_AWAY", "STORE_LOST", "Rounds", "WorkerStoreDesk"]
 
 log = logging.getLogger("chameleon_elastic.launcher.rounds")
 
@@ -61,6 +61,9 @@ STORE_LOST = (RendezvousConnectionError, dist.DistNetworkError)
 #: the sentence of a rendezvous closed while this node was cut off (torch's RendezvousClosedError)
 CLOSED = ("the job's rendezvous is closed: the other nodes finished or gave up while this node "
           "was cut off, so there is nothing to rejoin.")
+#: the line of a node that finds the job finished on the other nodes when it rejoins (exit 0)
+FINISHED_AWAY = ("the job finished on the other nodes while this node was cut off (its "
+                 "workers were stopped): nothing to rejoin.")
 
 
 class Rounds:
@@ -112,14 +115,23 @@ class Rounds:
         except STORE_LOST:
             return False   # nodes_waiting() fails over
 
-    def finish(self, succeeded: bool) -> None:
+    def finish(self, succeeded: bool, handler: Any) -> None:
         """No local worker is left. When they finished the script (``succeeded``), the job is
         over, and the last round's store says so to the nodes whose workers wait for a place
-        (standbys, runtime/standby.py), which never finish by themselves. A node whose every
-        device was lost says nothing: the job goes on elsewhere, perhaps on those standbys."""
-        if succeeded and self._last_info is not None:
+        (standbys, runtime/standby.py), which never finish by themselves. The rendezvous is
+        closed as well (torch closes it after the end-of-run barrier): a node that starts a
+        round now (one fenced as its workers finished, chaos short) would wait there for this
+        one, which waits for it in the barrier; it ends with the job instead (agent.py). A node
+        whose every device was lost says nothing: the job goes on elsewhere."""
+        if not succeeded:
+            return
+        if self._last_info is not None:
             with contextlib.suppress(*STORE_LOST, RuntimeError):
                 self._last_info.store.set(FINISHED, "1")
+        try:
+            handler.set_closed()
+        except Exception as exc:  # noqa: BLE001 - torch closes it again at its shutdown
+            log.debug("closing the rendezvous at the end failed: %s", exc)
 
     def stays_member(self, succeeded: bool, leases: bool) -> bool:
         """No local worker is left: whether this node stays a member with no device (it answers

@@ -28,6 +28,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Literal
 
+from chameleon_elastic.exit_status import ExitStatus
 from chameleon_elastic.plan import ExecutionPlan
 from chameleon_elastic.spec import JobSpec
 
@@ -40,12 +41,16 @@ CliPolicy = Literal["auto", "reroute", "replan", "restart"]
 
 
 class LauncherPlanningError(RuntimeError):
-    """The job cannot go on (the sentence says why)."""
+    """The job cannot go on (the sentence says why); a rerun may succeed."""
+
+    status = ExitStatus.FAILED
 
 
 class NoPlanError(LauncherPlanningError):
     """No plan can run the job on the devices left (the planner's sentence is included): a
-    rerun on the same allocation fails the same way (``ExitStatus.DO_NOT_REQUEUE``)."""
+    rerun on the same allocation fails the same way."""
+
+    status = ExitStatus.DO_NOT_REQUEUE
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,8 @@ etcd through a bridge; one node's link is cut while a float64 model trains.
 - the other node notices through the cut node's lease, re-plans without it and recovers in place
   (its workers, blocked on the cut node's silent sockets, are unblocked by their watchdogs);
 - the cut node, unable to refresh its lease, fences itself: its workers are stopped (its plan
-  may be stale) and, the job having finished meanwhile, it ends with one sentence instead of
-  rejoining with an old plan.
+  may be stale) and, the job having finished meanwhile, it ends with one line and exit 0
+  instead of rejoining with an old plan.
 
 Needs root and ``ip netns`` (iproute2, ``rendezvous.local_hosts``); skipped otherwise, with the
 reason (the CI machine may not allow it; the development machine does).
@@ -56,15 +56,17 @@ def test_a_partitioned_node_is_planned_around_and_fences_itself(tmp_path, launch
         wait_for(lambda: all(not pid_alive(p) for p in cut_workers), 30,
                  "the cut node's workers to be stopped")
         bed.heal(hosts[cut])                                    # healed: nothing to rejoin
-        assert agents[cut].wait(60) == 1
+        assert agents[cut].wait(60) == 0   # the job finished
 
     assert_single_process_results(out, [0, 1], steps)
     kept_events = read_events(tmp_path / kept / "events.jsonl")
     assert any(e["event"] == "failure_seen" and e["kind"] == "node_lost" for e in kept_events)
     recovered = [e for e in kept_events if e["event"] == "recovered"]
-    assert recovered[-1]["mode"] == "inplace" and recovered[-1]["reason"] == "node_lost"
+    lost = [e for e in recovered if e["reason"] == "node_lost"]   # a straggler re-plan may follow
+    assert len(lost) == 1 and lost[0]["mode"] == "inplace"
     cut_events = read_events(tmp_path / cut / "events.jsonl")
     assert any(e["event"] == "failure_seen" and e["kind"] == "fenced" for e in cut_events)
-    assert cut_events[-1]["event"] == "job_finished" and cut_events[-1]["state"] == "FAILED"
-    assert "nothing to rejoin" in agents[cut].log.read_text()
+    assert cut_events[-1]["event"] == "job_finished" and cut_events[-1]["state"] == "SUCCEEDED"
+    assert "the job finished on the other nodes while this node was cut off" in \
+        agents[cut].log.read_text()
     assert "Traceback" not in agents[cut].log.read_text() + agents[kept].log.read_text()

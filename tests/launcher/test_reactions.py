@@ -40,6 +40,14 @@ def test_a_lost_lease_after_the_script_ended_here_restarts_nothing():
     r = react(Tick(FAILED, failures=(_killed(1),), lease=Trigger.FENCED, some_succeeded=True,
                    live=frozenset({0}), **PLANNED))
     assert (r.action, r.kill, r.trigger) == ("monitor", frozenset({0}), None)
+    # the same when the other node's workers finished the script as the fence came
+    r = react(Tick(FAILED, failures=(_killed(1),), lease=Trigger.FENCED, live=frozenset({0}),
+                   finished_elsewhere=True, **PLANNED))
+    assert (r.action, r.kill) == ("monitor", frozenset({0}))
+    # a fence in the middle of the job: rejoin
+    r = react(Tick(FAILED, failures=(_killed(1),), lease=Trigger.FENCED, live=frozenset({0}),
+                   **PLANNED))
+    assert r.action == "fence"
 
 
 def test_a_workers_sentence_ends_the_job_with_the_status_it_calls_for():
