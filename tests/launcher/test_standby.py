@@ -25,14 +25,23 @@ from .conftest import MLP_FAULTS, assert_single_process_results, read_events, wa
 @pytest.mark.parametrize("succeeded", [True, False])
 def test_only_a_node_whose_workers_finished_tells_the_standbys_the_job_is_over(succeeded):
     """A node left without workers because every device was lost must not retire the
-    standbys: they are the job's way on. The store is a real (in-process) torch store."""
+    standbys: they are the job's way on, and the rendezvous stays open for them. A node whose
+    workers finished closes it: a node fenced meanwhile must not wait there for a round. The
+    store and the rendezvous handler are real (in-process) torch ones."""
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+
     store = dist.HashStore()
+    handler = create_handler(store, C10dRendezvousBackend(store, "job"),
+                             RendezvousParameters("c10d", "localhost:0", "job", 1, 2))
     ended, asking = Rounds(None, None, None, lambda *a, **k: None), Rounds(
         None, None, None, lambda *a, **k: None)
     ended._last_info = asking._last_info = type("Info", (), {"store": store})()
     assert not asking.finished_elsewhere()
-    ended.finish(succeeded)
+    ended.finish(succeeded, handler)
     assert asking.finished_elsewhere() is succeeded
+    assert handler.is_closed() is succeeded
 
 
 def test_the_status_line_names_standbys_and_how_a_node_of_standbys_ended():
