@@ -343,7 +343,10 @@ def test_a_replacement_workers_start_is_not_a_hang(tmp_path, launch):
     assert run.wait(80) == 0, run.log.read_text()[-3000:]
     assert_single_process_results(out, [0, 1, 2, 3], 8, restarted=(2,))
     seen = [e for e in read_events(state / "events.jsonl") if e["event"] == "failure_seen"]
-    assert [(e["device"], e["kind"]) for e in seen] == [(2, "crash")]
+    # under load a survivor may report its lost peer ("peer_lost", no device) before the
+    # crashed process's exit is seen; no device but the crashed one is ever named
+    assert [(e["device"], e["kind"]) for e in seen if "device" in e] == [(2, "crash")]
+    assert not [e for e in seen if "hang_s" in e]
 
 
 @pytest.mark.timeout(90)
