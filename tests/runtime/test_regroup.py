@@ -31,13 +31,18 @@ _RANK = textwrap.dedent("""
     with regroup.lazy_pairs("gloo"), new_sockets() as formed:
         dist.init_process_group("gloo", store=dist.PrefixStore("gen/1/", store), rank=rank,
                                 world_size=world, timeout=timedelta(seconds=30))
-    # every rank's formation window closes before any pair connects: a pair a fast rank
-    # opened while a slow one was still forming would land in the slow one's first count
-    if store.add("formed", 1) == world:
-        store.set("all formed", "1")
-    store.wait(["all formed"])
+    # every rank's formation window closes before any pair connects (a pair a fast rank
+    # opened while a slow one was still forming would land in the slow one's first count), and
+    # its second window opens before then and closes once every rank connected its pairs: the
+    # side that accepts a pair gets its socket whenever the other side connects
     with new_sockets() as connected:
+        if store.add("formed", 1) == world:
+            store.set("all formed", "1")
+        store.wait(["all formed"])
         regroup.connect_peers(regroup.ring_peers(rank, world))
+        if store.add("connected", 1) == world:
+            store.set("all connected", "1")
+        store.wait(["all connected"])
 
     def peers(sockets):   # connected TCP sockets (not listening), by their remote ports
         out = 0
