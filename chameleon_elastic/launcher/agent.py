@@ -318,7 +318,7 @@ class ChameleonAgent(LocalElasticAgent):
         """The job is over here: wait for the other agents, not for nodes gone (exit_barrier)."""
         self._worker_group.state = result.state
         self._update_status(ended_state(self._procs.succeeded, self._rounds.finished_elsewhere))
-        self._rounds.finish(bool(self._procs.succeeded), self._worker_group.spec.rdzv_handler)
+        self._rounds.finish(bool(self._procs.succeeded), self._worker_group.spec)
         wait_for_the_others(self._store, self._worker_group.group_world_size,
                             self._exit_barrier_timeout, self._watchers.nodes_lost)
         self._watchers.leave(finished=True)   # no loss for the others

@@ -115,7 +115,7 @@ class Rounds:
         except STORE_LOST:
             return False   # nodes_waiting() fails over
 
-    def finish(self, succeeded: bool, handler: Any) -> None:
+    def finish(self, succeeded: bool, spec: Any) -> None:
         """No local worker is left. When they finished the script (``succeeded``), the job is
         over, and the last round's store says so to the nodes whose workers wait for a place
         (standbys, runtime/standby.py), which never finish by themselves. The rendezvous is
@@ -129,7 +129,7 @@ class Rounds:
             with contextlib.suppress(*STORE_LOST, RuntimeError):
                 self._last_info.store.set(FINISHED, "1")
         try:
-            handler.set_closed()
+            spec.rdzv_handler.set_closed()
         except Exception as exc:  # noqa: BLE001 - torch closes it again at its shutdown
             log.debug("closing the rendezvous at the end failed: %s", exc)
 

@@ -12,6 +12,7 @@ import json
 import os
 import signal
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch.distributed as dist
@@ -39,7 +40,7 @@ def test_only_a_node_whose_workers_finished_tells_the_standbys_the_job_is_over(s
         None, None, None, lambda *a, **k: None)
     ended._last_info = asking._last_info = type("Info", (), {"store": store})()
     assert not asking.finished_elsewhere()
-    ended.finish(succeeded, handler)
+    ended.finish(succeeded, SimpleNamespace(rdzv_handler=handler))
     assert asking.finished_elsewhere() is succeeded
     assert handler.is_closed() is succeeded
 
