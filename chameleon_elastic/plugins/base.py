@@ -84,8 +84,8 @@ class DeviceBackend(abc.ABC):
         """Make a transfer blocked in the training thread fail now; called from another thread
         when the agents have moved on to a newer plan generation, and by a survivor tearing its
         groups down (runtime/abort.py). Gloo has no abort, so its groups' connected sockets
-        (``sockets``, recorded when the groups were formed) are shut down: the blocked receive
-        returns "Connection closed by peer" as if the peer had died."""
+        (``sockets``, recorded when the groups were formed) are shut down for reading: the
+        blocked receive returns "Connection closed by peer" as if the peer had died."""
         from chameleon_elastic.runtime.abort import shut_down
 
         shut_down(sockets)
@@ -93,10 +93,11 @@ class DeviceBackend(abc.ABC):
     def abort_process_groups(self) -> None:
         """Tear down every process group of this process after a peer was lost; never raises.
 
-        Gloo cannot abort a collective, but destroying its groups closes their sockets, so a
-        peer blocked on this process fails at once instead of waiting for its timeout (that is
-        how a failure spreads to every survivor within milliseconds). Back-ends whose collectives
-        can block on a dead peer forever (NCCL, HCCL) abort their communicators first."""
+        Gloo cannot abort a collective; its groups' sockets were cut already (``unblock``), and
+        a peer blocked on this process is cut by its own watchdog when the agents publish the
+        next generation, which every survivor waits for anyway (runtime/abort.py). Back-ends
+        whose collectives can block on a dead peer forever (NCCL, HCCL) abort their
+        communicators first."""
         import torch.distributed as dist
 
         if dist.is_initialized():

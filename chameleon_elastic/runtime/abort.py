@@ -20,17 +20,29 @@ then (``socket:[inode]``): a descriptor closed with its group is soon handed to 
 cut that one instead; it did, and the new generation's store connection hung. So
 :func:`shut_down` touches a descriptor only while it still names the recorded socket.
 
-What a shutdown cannot reach (torch 2.13's gloo, transport/tcp/pair.cc): a send of a
-collective written after its connection was cut (shut down here, or reset by the peer) but
-before gloo's event loop saw it fails with EPIPE or ECONNRESET, is queued on the pair without
-an error, and is never failed when the pair then closes (``signalException`` fails the queued
-sends of bound buffers only, not of the unbound ones collectives use): the collective waits for
-its own timeout (the collective timeout, 120 s), and the training thread with it (a sharded
-layer's ``wait_tensor`` has none). Seen under load, where the loop thread is late: a unit's
-card left in a sharded backward's all-reduce (py-spy: ``UnboundBuffer::waitSend`` inside
-gloo's ring, the pair's descriptor already closed) while its partner moved on. Such a worker
-never takes up the next generation; its agent convicts it (launcher/detectors.py,
-``HangWatch``: asleep in the previous plan generation).
+How the cut is made matters, because of a gap in torch 2.13's gloo (transport/tcp/pair.cc):
+a collective's send that fails with EPIPE or ECONNRESET is queued on the pair without an
+error, and is never failed when the pair then closes (``signalException`` fails the queued
+sends of bound buffers only, not of the unbound ones collectives use). The collective then
+waits for its own timeout (120 s), and the training thread with it (a sharded layer's
+``wait_tensor`` has none). A send fails that way when it is written after our side stopped
+writing (``SHUT_WR``) or after the peer's socket was closed, but before gloo's event loop
+saw the cut: our side's ``SHUT_WR`` makes our next write fail at once, and a peer's ``close``
+(or, Linux, data arriving at a socket shut down both ways) resets the connection under its
+writes. Under load, where the loop thread is late, a ``SHUT_RDWR`` cut hit it: a sharded
+backward's all-reduce waited out the timeout (py-spy: ``UnboundBuffer::waitSend`` inside gloo's
+ring), and so did 12 of 60 simultaneous cuts of a busy all-reduce by two ranks (0 of 60 as
+below; tests/runtime/test_abort.py). So :func:`shut_down` cuts the reading half only, on a
+duplicate of each socket that it keeps for ``_LINGER_S``: gloo's loop reads end-of-file and
+fails the pair (every later send of ours raises, none is queued), our writes still succeed
+until then, and gloo's own ``close`` of its descriptor neither ends nor resets the connection
+under the peer, whose writes succeed until its own loop fails its pair (its agent published
+the same generation). A peer no longer learns of the cut from us, only from its own watchdog:
+that cost nothing, since every survivor waits for the published generation anyway.
+
+A peer that *dies* resets its sockets itself, and a send written in the moment before our
+loop sees that is still queued for good: only the agent's hang rules reach that worker
+(launcher/detectors.py, ``HangWatch``: asleep in the previous plan generation).
 """
 
 from __future__ import annotations
@@ -99,25 +111,42 @@ def world_sockets() -> Sockets:
     return frozenset() if world is None else GroupSockets.get(world, frozenset())
 
 
+#: how long a cut keeps its sockets: the peers' loops fail their pairs within milliseconds of
+#: their own watchdog's cut; closing ours before could reset a send of theirs
+_LINGER_S = 30.0
+
+
 def shut_down(sockets: Sockets) -> None:
-    """``shutdown`` each connected socket of ``sockets`` that its descriptor still names, so a
-    transfer blocked on it returns "Connection closed by peer" now, as if the peer had died.
-    The descriptors stay open for gloo to close; a listening socket is left alone (gloo's event
+    """Fail every connected socket of ``sockets`` that its descriptor still names, so a
+    transfer blocked on it returns "Connection closed by peer" now, as if the peer had died:
+    ``SHUT_RD`` on a duplicate kept ``_LINGER_S`` (the module's docstring says why). The
+    descriptors stay open for gloo to close; a listening socket is left alone (gloo's event
     loop aborts the process if it is shut down under it)."""
+    kept = []
     for fd, recorded in sockets:
         try:
             if os.readlink(f"/proc/self/fd/{fd}") != recorded:
                 continue   # closed, and the number given to another socket since
-            sock = socket.socket(fileno=fd)
+            sock = socket.socket(fileno=os.dup(fd))
         except OSError:
             continue
         try:
             if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-                sock.shutdown(socket.SHUT_RDWR)
+                sock.shutdown(socket.SHUT_RD)
+                kept.append(sock)
+                continue
         except OSError:
             pass
-        finally:
-            sock.detach()
+        sock.close()
+    if kept:
+        closer = threading.Timer(_LINGER_S, _close_all, args=(kept,))
+        closer.daemon = True
+        closer.start()
+
+
+def _close_all(sockets: list[socket.socket]) -> None:
+    for sock in sockets:
+        sock.close()
 
 
 def free_later(groups: list[object]) -> threading.Thread:

@@ -113,11 +113,11 @@ class Recovery:
         return self.link.has(self.trainer.plan.generation + 1)
 
     def abort(self) -> None:
-        """Tear every group down. Their sockets are shut down first (``DeviceBackend.unblock``),
-        so a peer blocked on this process fails now whatever still holds a group: a group
-        closes its sockets only when it is freed, and one held by a reference cycle would
-        wait for a garbage collection (a full one costs 0.2-0.3 s with torch loaded, on the
-        path of every recovery). Callers hold no exception of the broken step any more. The
+        """Tear every group down. Their sockets are cut first (``DeviceBackend.unblock``), so
+        whatever of this process still uses a group fails now, whatever still holds it: a
+        group closes its sockets only when it is freed, and one held by a reference cycle
+        would wait for a garbage collection (a full one costs 0.2-0.3 s with torch loaded, on
+        the path of every recovery). Callers hold no exception of the broken step any more. The
         groups are then only taken out of torch's books; they are freed on a thread
         (:func:`.abort.free_later`: a gloo group's destructor waits 20-30 ms), and a
         checkpoint still being written is settled when the next plan is entered."""
