@@ -31,7 +31,7 @@ saw the cut: our side's ``SHUT_WR`` makes our next write fail at once, and a pee
 (or, Linux, data arriving at a socket shut down both ways) resets the connection under its
 writes. Under load, where the loop thread is late, a ``SHUT_RDWR`` cut hit it: a sharded
 backward's all-reduce waited out the timeout (py-spy: ``UnboundBuffer::waitSend`` inside gloo's
-ring), and so did 12 of 60 simultaneous cuts of a busy all-reduce by two ranks (0 of 60 as
+ring), and so did 17 of 84 simultaneous cuts of a busy all-reduce by two ranks (0 of 152 as
 below; tests/runtime/test_abort.py). So :func:`shut_down` cuts the reading half only, on a
 duplicate of each socket that it keeps for ``_LINGER_S``: gloo's loop reads end-of-file and
 fails the pair (every later send of ours raises, none is queued), our writes still succeed
