@@ -125,11 +125,13 @@ def shut_down(sockets: Sockets) -> None:
     kept = []
     for fd, recorded in sockets:
         try:
-            if os.readlink(f"/proc/self/fd/{fd}") != recorded:
-                continue   # closed, and the number given to another socket since
-            sock = socket.socket(fileno=os.dup(fd))
+            copy = os.dup(fd)
+            if os.readlink(f"/proc/self/fd/{copy}") != recorded:
+                os.close(copy)   # closed, and the number given to another socket since
+                continue
         except OSError:
             continue
+        sock = socket.socket(fileno=copy)
         try:
             if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
                 sock.shutdown(socket.SHUT_RD)
