@@ -319,8 +319,9 @@ class ChameleonAgent(LocalElasticAgent):
         self._worker_group.state = result.state
         self._update_status(ended_state(self._procs.succeeded, self._rounds.finished_elsewhere))
         self._rounds.finish(bool(self._procs.succeeded), self._worker_group.spec)
-        wait_for_the_others(self._store, self._worker_group.group_world_size,
-                            self._exit_barrier_timeout, self._watchers.nodes_lost)
+        members = self._worker_group.group_world_size
+        wait_for_the_others(self._store, members, self._exit_barrier_timeout,
+                            lambda: self._watchers.nodes_lost(members))
         self._watchers.leave(finished=True)   # no loss for the others
         self._emit(Event.JOB_FINISHED, state="SUCCEEDED", restarts_used=self._budget.used)
         return result

@@ -478,12 +478,17 @@ class Watchers:
         if self.lease is not None:
             self.lease.rejoined()
 
-    def nodes_lost(self) -> list[str]:
-        """Other nodes whose lease expired (not ended on purpose) since the last look; none
-        without leases."""
+    def nodes_lost(self, members: int) -> list[str]:
+        """Other nodes whose lease expired (not ended on purpose) since the last look, or, when
+        fewer than ``members`` nodes (the last round's) hold a lease, the missing ones as a
+        count: a member lost earlier, whose loss cost no device (it had none left), never
+        reaches the end either, and no look after its loss names it. None without leases.
+        (A member that reached the end keeps its lease until every member did.)"""
         if self.lease is None:
             return []
-        return [str(info["node_id"]) for info in self.lease.changes()[0]]
+        gone = [str(info["node_id"]) for info in self.lease.changes()[0]]
+        missing = members - len(self.lease.alive())
+        return gone or ([f"{missing} node(s) of the last round"] if missing > 0 else [])
 
     def leave(self, finished: bool) -> None:
         """Give our lease up: as finished (no loss for the others), or as gone."""

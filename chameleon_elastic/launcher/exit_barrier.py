@@ -2,8 +2,9 @@
 
 Why: torch's exit barrier waits up to ``exit_barrier_timeout`` (300 s) for every node of the
 last round. A node lost meanwhile (killed, frozen, cut off from etcd) never arrives. With leases
-watched (etcd-v3), the wait ends as soon as another node's lease expires. Without leases it is
-torch's barrier, in slices. (A node whose every device was lost does not wait here while the job
+watched (etcd-v3), the wait ends as soon as another node's lease expires, or once fewer nodes
+hold a lease than the round had (a member lost earlier with no device left: its loss started
+no recovery, so nothing else remembers it). Without leases it is torch's barrier, in slices. (A node whose every device was lost does not wait here while the job
 goes on elsewhere: it stays a member with no device, agent.py.)
 
 The protocol is torch's (``torch.distributed.elastic.utils.store.barrier``) on the same keys:

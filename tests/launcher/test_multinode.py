@@ -258,6 +258,31 @@ def test_a_node_whose_devices_are_all_lost_ends_when_the_other_node_is_gone_too(
 
 
 @pytest.mark.timeout(90)
+def test_the_end_waits_for_no_member_that_was_lost_with_no_device(tmp_path, launch):
+    """Both of node b's workers are killed, then b freezes: its lease expires, which costs a
+    no device (b had none left), so no recovery follows. a trains to the end; it used to wait
+    there for b, a member of the last round that never comes, for torch's 300 s end-of-run
+    barrier (chaos part 5, trial 28: hung). Now a ends with the job once it sees that fewer
+    nodes hold a lease than the round had."""
+    steps = 40
+    frozen: list[psutil.Process] = []
+    with _node_b_without_devices(tmp_path, launch, steps) as (agents, out, b):
+        try:
+            root = psutil.Process(agents["b"].proc.pid)
+            frozen = [root, *root.children(recursive=True)]
+            for proc in frozen:
+                proc.send_signal(signal.SIGSTOP)
+            assert agents["a"].wait(60) == 0, agents["a"].log.read_text()[-3000:]
+        finally:
+            for proc in frozen:
+                with contextlib.suppress(psutil.Error):
+                    proc.kill()
+    a = 2 - b
+    assert_single_process_results(out, [a, a + 1], steps)
+    assert "Traceback" not in agents["a"].log.read_text()
+
+
+@pytest.mark.timeout(90)
 def test_a_node_whose_devices_are_all_lost_still_answers_the_quick_rounds(tmp_path, launch):
     """Both of node b's workers are killed, then one of a's. b has no device left, but it is
     still a member: a's quick round waits for its report. b used to wait in the end-of-run
