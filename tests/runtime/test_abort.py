@@ -8,14 +8,9 @@ cut in five per rank; each rank's collective must fail at once, every time."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
-from datetime import timedelta
 
 import pytest
-import torch.distributed as dist
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -57,30 +52,15 @@ _RANK = textwrap.dedent("""
 """)
 
 
-def test_a_cut_fails_both_sides_collectives_at_once(tmp_path):
-    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                           timeout=timedelta(seconds=30))
-    script = tmp_path / "rank.py"
-    script.write_text(_RANK)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(server.port),
-                               str(TRIALS), str(GROUP_TIMEOUT_S)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env=env) for r in range(2)]
-    try:
-        for rank, proc in enumerate(procs):
-            for trial in range(TRIALS):
-                line = proc.stdout.readline()
-                assert line, (f"rank {rank} stopped before trial {trial}'s cut ended: "
-                              f"{proc.stderr.read()[-2000:]}")
-                said = json.loads(line)
-                # a stuck send ends only with the group timeout ("Timed out waiting")
-                assert said["after_s"] < GROUP_TIMEOUT_S / 2, (rank, said)
-                assert "Timed out" not in said["error"], (rank, said)
-    finally:
-        for p in procs:
-            try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+def test_a_cut_fails_both_sides_collectives_at_once(ranks):
+    _, start = ranks
+    procs = start(_RANK, 2, str(TRIALS), str(GROUP_TIMEOUT_S))
+    for rank, proc in enumerate(procs):
+        for trial in range(TRIALS):
+            line = proc.stdout.readline()
+            assert line, (f"rank {rank} stopped before trial {trial}'s cut ended: "
+                          f"{proc.stderr.read()[-2000:]}")
+            said = json.loads(line)
+            # a stuck send ends only with the group timeout ("Timed out waiting")
+            assert said["after_s"] < GROUP_TIMEOUT_S / 2, (rank, said)
+            assert "Timed out" not in said["error"], (rank, said)

@@ -8,14 +8,9 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import textwrap
-import time
-from datetime import timedelta
 
 import pytest
-import torch.distributed as dist
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -71,16 +66,9 @@ _RANK = textwrap.dedent("""
 """)
 
 
-def test_lazy_pairs_connect_only_the_named_peers_and_stay_unblockable(tmp_path):
-    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                           timeout=timedelta(seconds=30))
-    script = tmp_path / "rank.py"
-    script.write_text(_RANK)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    env.pop("TORCH_GLOO_LAZY_INIT", None)
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(server.port)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env=env) for r in range(4)]
+def test_lazy_pairs_connect_only_the_named_peers_and_stay_unblockable(ranks):
+    server, start = ranks
+    procs = start(_RANK, 4, drop_env=("TORCH_GLOO_LAZY_INIT",))
     try:
         said = [json.loads(p.stdout.readline() or "{}") for p in procs]
         assert all(s.get("formed") == 0 for s in said), said   # no pair at formation
@@ -95,10 +83,3 @@ def test_lazy_pairs_connect_only_the_named_peers_and_stay_unblockable(tmp_path):
     finally:
         os.kill(procs[1].pid, signal.SIGCONT)
         server.set("done", "1")
-        deadline = time.monotonic() + 20
-        for p in procs:
-            try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
