@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import signal
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -233,6 +234,21 @@ def _node_b_without_devices(tmp_path: Path, launch, steps: int):
         yield agents, out, b
 
 
+@contextlib.contextmanager
+def _frozen(pid: int) -> Iterator[None]:
+    """A launcher and every process under it SIGSTOPped (a frozen node); SIGKILLed after."""
+    root = psutil.Process(pid)
+    frozen = [root, *root.children(recursive=True)]
+    try:
+        for proc in frozen:
+            proc.send_signal(signal.SIGSTOP)
+        yield
+    finally:
+        for proc in frozen:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+
+
 @pytest.mark.timeout(90)
 def test_a_node_whose_devices_are_all_lost_ends_when_the_other_node_is_gone_too(tmp_path,
                                                                                  launch):
@@ -240,18 +256,9 @@ def test_a_node_whose_devices_are_all_lost_ends_when_the_other_node_is_gone_too(
     member until the job ends). Then a freezes (its lease just stops). b used to wait out
     torch's 300 s end-of-run barrier for a, which will never come (chaos: "hung"). Now it ends
     once a's lease is gone, in one sentence, with "do not requeue": no device is left."""
-    frozen: list[psutil.Process] = []
-    with _node_b_without_devices(tmp_path, launch, 200) as (agents, _, _):
-        try:
-            root = psutil.Process(agents["a"].proc.pid)
-            frozen = [root, *root.children(recursive=True)]
-            for proc in frozen:
-                proc.send_signal(signal.SIGSTOP)
-            assert agents["b"].wait(45) == 93, agents["b"].log.read_text()[-3000:]
-        finally:
-            for proc in frozen:
-                with contextlib.suppress(psutil.Error):
-                    proc.kill()
+    with _node_b_without_devices(tmp_path, launch, 200) as (agents, _, _), \
+            _frozen(agents["a"].proc.pid):
+        assert agents["b"].wait(45) == 93, agents["b"].log.read_text()[-3000:]
     log = agents["b"].log.read_text()
     assert "cannot continue after losing device(s)" in log
     assert "at least one must survive to continue" in log and "Traceback" not in log
@@ -265,18 +272,9 @@ def test_the_end_waits_for_no_member_that_was_lost_with_no_device(tmp_path, laun
     barrier (chaos part 5, trial 28: hung). Now a ends with the job once it sees that fewer
     nodes hold a lease than the round had."""
     steps = 40
-    frozen: list[psutil.Process] = []
-    with _node_b_without_devices(tmp_path, launch, steps) as (agents, out, b):
-        try:
-            root = psutil.Process(agents["b"].proc.pid)
-            frozen = [root, *root.children(recursive=True)]
-            for proc in frozen:
-                proc.send_signal(signal.SIGSTOP)
-            assert agents["a"].wait(60) == 0, agents["a"].log.read_text()[-3000:]
-        finally:
-            for proc in frozen:
-                with contextlib.suppress(psutil.Error):
-                    proc.kill()
+    with _node_b_without_devices(tmp_path, launch, steps) as (agents, out, b), \
+            _frozen(agents["b"].proc.pid):
+        assert agents["a"].wait(60) == 0, agents["a"].log.read_text()[-3000:]
     a = 2 - b
     assert_single_process_results(out, [a, a + 1], steps)
     assert "Traceback" not in agents["a"].log.read_text()
