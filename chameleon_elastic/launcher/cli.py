@@ -609,7 +609,7 @@ def console() -> None:
     and torchrun's exit status instead of a traceback."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
-    from torch.distributed.elastic.rendezvous.api import RendezvousError
+    from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, RendezvousError
 
     from chameleon_elastic.exit_status import ExitStatus
     from chameleon_elastic.rendezvous.errors import rendezvous_message
@@ -644,6 +644,12 @@ def console() -> None:
         raise SystemExit(1) from None
     except ChildFailedError as exc:
         sys.stderr.write(f"chameleon-run: {_failure_sentence(exc)}\n")
+        raise SystemExit(1) from None
+    except RendezvousClosedError:   # before this node joined: the agent handles it after
+        sys.stderr.write(
+            f"chameleon-run: the rendezvous {args.rdzv_id!r} at {args.rdzv_endpoint} is closed: "
+            "a job with this --rdzv-id already ended there (a job closes its rendezvous when "
+            "it ends, as torchrun's does); start the job with a new --rdzv-id\n")
         raise SystemExit(1) from None
     except RendezvousError as exc:
         message = rendezvous_message(exc) or (

@@ -127,3 +127,23 @@ def test_main_with_arguments_raises_like_torchrun(tmp_path, monkeypatch) -> None
     endpoint = f"127.0.0.1:{free_port()}"
     with pytest.raises(EtcdConnectionError, match=f"no etcd answered at {endpoint} within 1 s"):
         main(launch(tmp_path, endpoint, "connect_timeout=1"))
+
+
+def test_a_finished_jobs_rdzv_id_is_refused_with_the_fix(tmp_path, etcd_server) -> None:
+    """A job closes its rendezvous when it ends (torchrun's does too); starting another job
+    with the same --rdzv-id on the same etcd names that and the fix, in one sentence, exit 1."""
+    script = tmp_path / "ok.py"
+    script.write_text("print('worker ran')\n")
+    argv = [*console("chameleon-run", chameleon_run()), "--rdzv-backend", "etcd-v3",
+            "--rdzv-endpoint", etcd_server.endpoint, "--rdzv-id", "once", "--nnodes", "1",
+            "--nproc-per-node", "1", "--no-status", "--state-dir", str(tmp_path / "state"),
+            str(script)]
+    code, output, _ = run(argv)
+    assert code == 0 and "worker ran" in output, output
+    code, output, _ = run(argv)
+    lines = [x for x in output.strip().splitlines() if x.startswith("chameleon-run:")]
+    assert code == 1 and "worker ran" not in output and "Traceback" not in output, output
+    assert lines[-1] == (f"chameleon-run: the rendezvous 'once' at {etcd_server.endpoint} is "
+                         "closed: a job with this --rdzv-id already ended there (a job closes "
+                         "its rendezvous when it ends, as torchrun's does); start the job with "
+                         "a new --rdzv-id"), output
