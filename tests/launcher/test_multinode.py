@@ -209,8 +209,8 @@ def test_lost_node_on_etcd_v3_recovers_in_place(tmp_path, launch, fault, victim_
 @contextlib.contextmanager
 def _node_b_without_devices(tmp_path: Path, launch, steps: int):
     """Two nodes of two devices on a fresh etcd (tiny-cpu, leases of 2 s); yields (agents by
-    name, out, b's first device) once both of b's workers were killed and b says it has no
-    device left, while a's train on."""
+    name, out, b's first device) once both of b's workers were killed, b says it has no
+    device left, and a's train on under the plan without them."""
     local_etcd = pytest.importorskip("chameleon_elastic.rendezvous.local_etcd")
     out = tmp_path / "out"
     out.mkdir()
@@ -231,6 +231,10 @@ def _node_b_without_devices(tmp_path: Path, launch, steps: int):
             os.kill(int((out / f"pid-{device}").read_text().split()[0]), signal.SIGKILL)
         wait_for(lambda: "no device left here" in agents["b"].log.read_text(), 60,
                  "node b to have no device left")
+        # a's first step under the new plan: until then its devices may still be taking b's
+        # layers from each other, and a kill there loses layers that exist nowhere else
+        wait_for(lambda: "resumed at step" in agents["a"].log.read_text(), 60,
+                 "node a to resume without b's devices")
         yield agents, out, b
 
 
