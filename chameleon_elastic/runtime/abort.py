@@ -126,10 +126,10 @@ def shut_down(sockets: Sockets) -> None:
     for fd, recorded in sockets:
         try:
             copy = os.dup(fd)
-            if os.readlink(f"/proc/self/fd/{copy}") != recorded:
-                os.close(copy)   # closed, and the number given to another socket since
-                continue
         except OSError:
+            continue   # closed since
+        if _names(copy) != recorded:   # closed, and the number given to another file since
+            os.close(copy)
             continue
         sock = socket.socket(fileno=copy)
         try:
@@ -146,6 +146,14 @@ def shut_down(sockets: Sockets) -> None:
         closer.start()
 
 
+def _names(fd: int) -> str | None:
+    """What descriptor ``fd`` names now (``socket:[inode]``), None when it cannot be read."""
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return None
+
+
 def _close_all(sockets: list[socket.socket]) -> None:
     for sock in sockets:
         sock.close()
@@ -156,7 +164,7 @@ def free_later(groups: list[object]) -> threading.Thread:
     their last references (take them out of torch's books first). A gloo group's destructor
     waits for its device loop, which wakes every 10 ms, twice: 20-30 ms per group with the
     GIL released, measured, and a survivor's recovery (bucket groups, the world) need not
-    wait for it. Their sockets are shut down already, so no peer waits for it either."""
+    wait for it. Their sockets are cut already, so nothing of ours waits for it either."""
     thread = threading.Thread(target=groups.clear, name="chameleon-free-groups", daemon=True)
     thread.start()
     return thread
