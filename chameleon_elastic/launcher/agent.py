@@ -39,7 +39,7 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.multiprocessing import LogsSpecs
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.rendezvous import RendezvousParameters
-from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
+from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, RendezvousError
 
 from chameleon_elastic import channel, retries
 from chameleon_elastic.exit_status import ExitStatus
@@ -210,9 +210,10 @@ class ChameleonAgent(LocalElasticAgent):
         try:
             self._initialize_workers(wg)
         except LauncherPlanningError as exc:
-            self._status.say(f"chameleon-run: {exc}")
-            self.exit_status = exc.status
-            return RunResult(state=WorkerState.FAILED)
+            return self._end(str(exc), exc.status)
+        except RendezvousError as exc:   # chameleon-run's last line says why; the log, that it ended
+            self._end(f"the rendezvous failed ({type(exc).__name__})", say=False)
+            raise
         if self._transition.node is not None:
             self._watchers.watch_leases(self._rounds.params, self._transition.node,
                                         self._procs.signal_all)

@@ -9,6 +9,7 @@ which ends with the same sentence and no longer carries gRPC's.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -147,3 +148,7 @@ def test_a_finished_jobs_rdzv_id_is_refused_with_the_fix(tmp_path, etcd_server) 
                          "closed: a job with this --rdzv-id already ended there (a job closes "
                          "its rendezvous when it ends, as torchrun's does); start the job with "
                          "a new --rdzv-id"), output
+    # the refused run's record in the state dir ends too, with the reason
+    events = [json.loads(x) for x in (tmp_path / "state" / "events.jsonl").read_text().splitlines()]
+    assert [e["event"] for e in events][-2:] == ["agent_started", "job_finished"], events
+    assert events[-1]["state"] == "FAILED" and "RendezvousClosedError" in events[-1]["reason"]
