@@ -45,6 +45,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -340,13 +341,29 @@ class Trial:
             outcome = "failed"
         declared = sum(1 for e in events(tmp) if e["event"] == "failure_seen"
                        and str(e.get("reason", "")).startswith("hung"))
+        stacks = {f"{n.name}-stacks": _stacks(n.proc.pid) for n in alive_nodes
+                  if hung and n.proc.poll() is None}
         return {"launcher": self.launcher, "faults": self.injected, "outcome": outcome,
                 "exit_codes": codes, "losses": printed, "hung_declared": declared,
-                "output": {n.name: n.text() for n in nodes} | {
+                "output": stacks | {n.name: n.text() for n in nodes} | {
                     f"{p.parent.name}-events": p.read_text()
                     for p in tmp.glob("state*/events.jsonl")} | {
                     f"{p.parent.parent.name}-{p.name.removesuffix('.log')}": p.read_text()
                     for p in tmp.glob("state*/logs/*.stderr.log")}}
+
+
+def _stacks(pid: int) -> str:
+    """Where a hung launcher waits: every thread's Python stack (py-spy, when installed), for
+    the logs; a hang that cannot be reproduced at will is otherwise a mystery."""
+    if shutil.which("py-spy") is None:
+        return "py-spy is not installed: no stacks (pip install py-spy)\n"
+    try:
+        done = subprocess.run(["py-spy", "dump", "--pid", str(pid)], check=False,
+                              capture_output=True,
+                              text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        return "py-spy dump timed out\n"
+    return done.stdout + done.stderr
 
 
 def _world(nodes: list[Node]) -> set[int]:
