@@ -245,7 +245,8 @@ class ChameleonAgent(LocalElasticAgent):
                 wg.state = tick.state
                 reaction = react(tick)
                 if reaction.action == "ask_leases":
-                    asked = self._watchers.verdict(self._session, self._here)
+                    asked = self._watchers.verdict(self._session, self._here,
+                                                   self._rounds.nodes)
                     reaction = react(dataclasses.replace(
                         tick, leases_asked=True, lease=Trigger.NODE_LOST if asked else None))
                 outcome = self._apply(reaction, tick, result)
@@ -274,7 +275,8 @@ class ChameleonAgent(LocalElasticAgent):
             result.state, [e for _, e in sorted(self._exits.items())], self._procs.pids(),
             self._here, self._session, self._channel, lambda: self._rounds.nodes_waiting(spec),
             self._rounds.quick_called, max(1.0, 4 * spec.monitor_interval),
-            finished=self._rounds.finished_elsewhere, planned=self._planned,
+            finished=self._rounds.finished_elsewhere, members=self._rounds.nodes,
+            planned=self._planned,
             inplace_wanted=self._planned and self._recovery == "inplace",
             runtime=self._transition.runtime(),
             some_succeeded=bool(self._procs.succeeded), restarts_left=self._budget.left)

@@ -17,7 +17,7 @@ import logging
 import math
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -326,15 +326,18 @@ def unhealthy_units(health: Any, book: DeviceBook, live_cards: set[int], local_c
 
 
 def lease_news(watch: Any, excluded: set[int], units_per_node: int,
-               emit: Callable[..., None]) -> Trigger | None:
+               emit: Callable[..., None], members: Collection[int] = ()) -> Trigger | None:
     """``FENCED`` when our own lease was lost, ``NODE_LOST`` when another node's expired and
-    its devices are not out already, else None."""
+    its devices are not out already, or it is one of the last round's ``members``: a member
+    with no device left may host the round's worker store, which the workers still use (a
+    group formed later, a checkpoint's; chaos: they waited on a frozen one for good), and the
+    quick rounds wait for its report; else None."""
     if watch is None:
         return None
     lost, fenced = watch.changes()
     if fenced:   # the lease thread has stopped the workers and logged it
         return Trigger.FENCED
-    news = [info for info in lost if info.get("node") is None or not {
+    news = [info for info in lost if info.get("node") is None or info["node"] in members or not {
         device_id(int(info["node"]), u, units_per_node) for u in range(units_per_node)}
         <= excluded]
     for info in news:
@@ -344,14 +347,14 @@ def lease_news(watch: Any, excluded: set[int], units_per_node: int,
 
 
 def lease_verdict(watch: Any, excluded: set[int], units_per_node: int,
-                  emit: Callable[..., None]) -> bool:
+                  emit: Callable[..., None], members: Collection[int] = ()) -> bool:
     """Before ending a job for a crash with no restart left: did a peer node die? Its lease
     says so within its ttl (+ 1 s for etcd's expiry sweep)."""
     if watch is None:
         return False
     deadline = time.monotonic() + watch.ttl + 1.0
     while True:
-        if lease_news(watch, excluded, units_per_node, emit) is Trigger.NODE_LOST:
+        if lease_news(watch, excluded, units_per_node, emit, members) is Trigger.NODE_LOST:
             return True
         if time.monotonic() > deadline:
             return False
@@ -395,10 +398,11 @@ class Watchers:
     def tick(self, state: WorkerState, exits: list[Any], pids: dict[int, int], here: NodeCards,
              session: Any, store: Any, nodes_waiting: Callable[[], tuple[int, bool]],
              quick_called: Callable[[], bool], grace_s: float,
-             finished: Callable[[], bool] = lambda: False, **facts: Any) -> Tick:
-        """``exits``: the workers that failed since the last tick; ``finished``: whether the
-        job finished on another node (asked only when every local worker is a standby, or
-        when our lease is lost);
+             finished: Callable[[], bool] = lambda: False, members: Collection[int] = (),
+             **facts: Any) -> Tick:
+        """``exits``: the workers that failed since the last tick; ``members``: the nodes of
+        the last round (lease_news); ``finished``: whether the job finished on another node
+        (asked only when every local worker is a standby, or when our lease is lost);
         ``facts``: the agent's own (``planned``, ``inplace_wanted``, ``runtime``,
         ``some_succeeded``, ``restarts_left``). The detectors are read in the table's order,
         each only when it can still matter."""
@@ -415,7 +419,7 @@ class Watchers:
             bad = unhealthy_units(self._health, self.book, set(pids), set(here.cards),
                                   here.units)
         excluded = set(session.excluded) if session is not None else set()
-        lease = lease_news(self.lease, excluded, here.units_per_node, self._emit)
+        lease = lease_news(self.lease, excluded, here.units_per_node, self._emit, members)
         state = WorkerState.UNHEALTHY if healthy and (bad or hung) else state
         failures = tuple(classify_exit(e.exitcode, e.device, e.local_rank)
                          for e in exits) + tuple(hung)
@@ -496,6 +500,6 @@ class Watchers:
             self.lease.finish() if finished else self.lease.close()
             self.lease = None
 
-    def verdict(self, session: Any, here: NodeCards) -> bool:
+    def verdict(self, session: Any, here: NodeCards, members: Collection[int] = ()) -> bool:
         excluded = set(session.excluded) if session is not None else set()
-        return lease_verdict(self.lease, excluded, here.units_per_node, self._emit)
+        return lease_verdict(self.lease, excluded, here.units_per_node, self._emit, members)

@@ -22,7 +22,7 @@ from chameleon_elastic import channel
 from chameleon_elastic.channel import Resumed
 
 from .coordination import Decision
-from .failures import FailureEvent
+from .failures import FailureEvent, Trigger
 from .observe import Event, StatusLine, name_devices, recovery_line
 from .session import PlanChange
 
@@ -94,6 +94,8 @@ def describe(p: Pending, tp: int) -> str:
     if not parts and event.failures:
         card = "device" if tp == 1 else "card"
         parts.append("; ".join(f"{card} {f.device}: {f.reason}" for f in event.failures))
+    if not parts and event.trigger is Trigger.NODE_LOST:   # a member with no device left
+        parts.append("a node with no device left lost (its lease expired)")
     return " and ".join(parts) or f"{event.reason}: no device changed"
 
 

@@ -42,15 +42,17 @@ def join_generation(gen: Generation, link: WorkerLink, backend: str, timeouts: T
     this process's environment describe it (RANK, WORLD_SIZE, MASTER_*, CHAMELEON_*)."""
     preload_before_groups()
     device, rank = link.device, gen.rank(link.device, link.tp_rank)
-    store = _connect(gen, link, timeouts)
-    try:
-        torch_compat.forget_failed_group_names()
-        with new_sockets() as sockets:
+    # the store client's socket is the world's too: groups formed later (a checkpoint's)
+    # wait on the store, and a superseded generation's store may be frozen with its host
+    with new_sockets() as sockets:
+        store = _connect(gen, link, timeouts)
+        try:
+            torch_compat.forget_failed_group_names()
             init_world(backend, timeouts.delta("collective_s"),
                        dist.PrefixStore(gen.prefix, store), rank, gen.world_size)
-    except RuntimeError as exc:
-        raise PeerLost(f"device {device} could not join generation {gen.generation}: "
-                       f"{exc}") from exc
+        except RuntimeError as exc:
+            raise PeerLost(f"device {device} could not join generation {gen.generation}: "
+                           f"{exc}") from exc
     GroupSockets[dist.group.WORLD] = frozenset(sockets)
     os.environ.update(generation_env(gen, link))
 

@@ -207,10 +207,13 @@ def test_lost_node_on_etcd_v3_recovers_in_place(tmp_path, launch, fault, victim_
 
 
 @contextlib.contextmanager
-def _node_b_without_devices(tmp_path: Path, launch, steps: int):
+def _node_b_without_devices(tmp_path: Path, launch, steps: int,
+                            script: tuple[str, ...] = ("--min-world", "4"), host: bool = False):
     """Two nodes of two devices on a fresh etcd (tiny-cpu, leases of 2 s); yields (agents by
     name, out, b's first device) once both of b's workers were killed, b says it has no
-    device left, and a's train on under the plan without them."""
+    device left, and a's train on under the plan without them. ``script``: more arguments
+    of the worker script; ``host``: b is the node of group rank 0, the quick rounds' decider,
+    whose agent hosts every round's worker store."""
     local_etcd = pytest.importorskip("chameleon_elastic.rendezvous.local_etcd")
     out = tmp_path / "out"
     out.mkdir()
@@ -221,12 +224,14 @@ def _node_b_without_devices(tmp_path: Path, launch, steps: int):
                   "--monitor-interval", "0.1", "--preset", "tiny-cpu", "--snapshot-every", "0"]
         agents = {name: launch("chameleon", [*common, "--state-dir", str(tmp_path / name),
                                              MLP_FAULTS, str(out), str(steps), "--pace", "0.2",
-                                             "--min-world", "4"], name=name)
+                                             *script], name=name)
                   for name in ("a", "b")}   # with the status line: b says when it has no device
         wait_for(lambda: (out / "steps.jsonl").exists()
                  and len((out / "steps.jsonl").read_text().splitlines()) >= 3, 60,
                  "both nodes training")
-        b = 2 * _group_rank(tmp_path / "b")
+        if host and _group_rank(tmp_path / "b") != 0:
+            agents = {"a": agents["b"], "b": agents["a"]}   # (their state dirs keep the names)
+        b = 0 if host else 2 * _group_rank(tmp_path / "b")
         for device in (b, b + 1):
             os.kill(int((out / f"pid-{device}").read_text().split()[0]), signal.SIGKILL)
         wait_for(lambda: "no device left here" in agents["b"].log.read_text(), 60,
@@ -270,11 +275,11 @@ def test_a_node_whose_devices_are_all_lost_ends_when_the_other_node_is_gone_too(
 
 @pytest.mark.timeout(90)
 def test_the_end_waits_for_no_member_that_was_lost_with_no_device(tmp_path, launch):
-    """Both of node b's workers are killed, then b freezes: its lease expires, which costs a
-    no device (b had none left), so no recovery follows. a trains to the end; it used to wait
-    there for b, a member of the last round that never comes, for torch's 300 s end-of-run
-    barrier (chaos part 5, trial 28: hung). Now a ends with the job once it sees that fewer
-    nodes hold a lease than the round had."""
+    """Both of node b's workers are killed, then b freezes: its lease expires, which costs
+    no device (b had none left). a trains to the end; it used to wait there for b, a member of
+    the last round that never comes, for torch's 300 s end-of-run barrier (chaos part 5,
+    trial 28: hung). Now a ends with the job: a member's loss starts a round without it, and
+    the barrier also ends once fewer nodes hold a lease than the round had."""
     steps = 40
     with _node_b_without_devices(tmp_path, launch, steps) as (agents, out, b), \
             _frozen(agents["b"].proc.pid):
@@ -282,6 +287,28 @@ def test_the_end_waits_for_no_member_that_was_lost_with_no_device(tmp_path, laun
     a = 2 - b
     assert_single_process_results(out, [a, a + 1], steps)
     assert "Traceback" not in agents["a"].log.read_text()
+
+
+@pytest.mark.timeout(90)
+def test_a_member_with_no_device_that_hosts_the_worker_store_is_recovered_from(tmp_path,
+                                                                                launch):
+    """Both devices of node b, the quick rounds' decider, are lost; a's workers are relaunched
+    from a checkpoint on the worker store that b's agent hosts. Then b freezes. a's workers
+    used to wait on that store for good, in the group of their next checkpoint (chaos part 8,
+    trial 45: hung): b's loss cost no device, so it was no news. Now the loss of a member is
+    news: a's agent opens the next generation on a store of its own, a's workers give the
+    frozen one up (its socket is cut with the world's), and the job ends as it should."""
+    steps = 40
+    with _node_b_without_devices(tmp_path, launch, steps,
+                                 ("--checkpoint-dir", str(tmp_path / "ckpt")), host=True) as (
+            agents, out, _), _frozen(agents["b"].proc.pid):
+        assert agents["a"].wait(60) == 0, agents["a"].log.read_text()[-3000:]
+    log = agents["a"].log.read_text()
+    assert "a node with no device left lost (its lease expired)" in log, log[-3000:]
+    assert "Traceback" not in log
+    # (the relaunch from the checkpoint trains its last steps again, and says so)
+    reported = [json.loads(x)["step"] for x in (out / "steps.jsonl").read_text().splitlines()]
+    assert sorted(set(reported)) == list(range(steps)), reported
 
 
 @pytest.mark.timeout(90)
