@@ -245,8 +245,7 @@ class ChameleonAgent(LocalElasticAgent):
                 wg.state = tick.state
                 reaction = react(tick)
                 if reaction.action == "ask_leases":
-                    asked = self._watchers.verdict(self._session, self._here,
-                                                   self._rounds.nodes)
+                    asked = self._watchers.verdict(self._session, self._here, self._rounds.nodes)
                     reaction = react(dataclasses.replace(
                         tick, leases_asked=True, lease=Trigger.NODE_LOST if asked else None))
                 outcome = self._apply(reaction, tick, result)
@@ -276,8 +275,7 @@ class ChameleonAgent(LocalElasticAgent):
             self._here, self._session, self._channel, lambda: self._rounds.nodes_waiting(spec),
             self._rounds.quick_called, max(1.0, 4 * spec.monitor_interval),
             finished=self._rounds.finished_elsewhere, members=self._rounds.nodes,
-            planned=self._planned,
-            inplace_wanted=self._planned and self._recovery == "inplace",
+            planned=self._planned, inplace_wanted=self._planned and self._recovery == "inplace",
             runtime=self._transition.runtime(),
             some_succeeded=bool(self._procs.succeeded), restarts_left=self._budget.left)
 
