@@ -337,9 +337,12 @@ def lease_news(watch: Any, excluded: set[int], units_per_node: int,
     lost, fenced = watch.changes()
     if fenced:   # the lease thread has stopped the workers and logged it
         return Trigger.FENCED
-    news = [info for info in lost if info.get("node") is None or info["node"] in members or not {
-        device_id(int(info["node"]), u, units_per_node) for u in range(units_per_node)}
-        <= excluded]
+
+    def is_news(node: int | None) -> bool:
+        return node is None or node in members or not {
+            device_id(int(node), u, units_per_node) for u in range(units_per_node)} <= excluded
+
+    news = [info for info in lost if is_news(info.get("node"))]
     for info in news:
         emit(Event.FAILURE_SEEN, kind="node_lost", node=info.get("node"),
              reason=f"lease of {info['node_id']} expired")
