@@ -440,8 +440,8 @@ def decide(plan: ExecutionPlan, excluded: Collection[int], reports: Sequence[Nod
     on in place: a job that checkpoints (but lost them before its first checkpoint) is
     relaunched, so every worker starts again from step 0 and says so; a job that never
     checkpoints ends with a sentence, since starting over would redo everything."""
-    inplace = inplace_possible(reports, inplace_wanted)
     live = {d for r in reports for d in r.live}
+    inplace = inplace_possible(reports, inplace_wanted) and bool(live)   # someone to keep
     reported = max((r.reported for r in reports if r.reported is not None), default=None)
     runtime = bool(live) and all(r.ready for r in reports)
     lost_layers = plan.checkpoint_layers

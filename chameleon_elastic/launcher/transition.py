@@ -74,8 +74,12 @@ class Transition:
         return NodeCards(self.node or 0, spec.local_world_size, tp)
 
     def runtime(self) -> bool:
-        """Every live worker runs on the runtime (it registered on the channel)."""
-        return self._c.procs.registered(self._c.channel)
+        """Every live worker runs on the runtime (it registered on the channel). With none
+        left here (every device of this node lost) nothing here stands in the way of an
+        in-place recovery: the other nodes' reports decide (coordination.decide). It used
+        to veto it, and the node that had lost its last device was often the decider: every
+        worker was relaunched, from a checkpoint or from step 0 (chaos parts 8 and 9)."""
+        return not self._c.procs.devices or self._c.procs.registered(self._c.channel)
 
     def run(self, wg: Any, event: FailureEvent | None, inplace_wanted: bool,
             expect_reports: bool, quick: bool = False) -> Any:

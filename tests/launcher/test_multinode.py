@@ -290,14 +290,27 @@ def test_the_end_waits_for_no_member_that_was_lost_with_no_device(tmp_path, laun
 
 
 @pytest.mark.timeout(90)
+def test_the_decider_losing_its_last_device_leaves_the_others_in_place(tmp_path, launch):
+    """Both devices of node b, the quick rounds' decider, are killed. b, with no worker left,
+    used to veto an in-place recovery, so a's workers were relaunched from a checkpoint, or
+    from step 0 without one (chaos parts 8 and 9). Now a's workers keep their processes and
+    state: every step once, single-process results, and both nodes end with the job."""
+    steps = 30
+    with _node_b_without_devices(tmp_path, launch, steps, (), host=True) as (agents, out, _):
+        assert agents["a"].wait(60) == 0, agents["a"].log.read_text()[-3000:]
+        assert agents["b"].wait(30) == 0, agents["b"].log.read_text()[-3000:]
+    assert_single_process_results(out, [2, 3], steps)
+
+
+@pytest.mark.timeout(90)
 def test_a_member_with_no_device_that_hosts_the_worker_store_is_recovered_from(tmp_path,
                                                                                 launch):
-    """Both devices of node b, the quick rounds' decider, are lost; a's workers are relaunched
-    from a checkpoint on the worker store that b's agent hosts. Then b freezes. a's workers
-    used to wait on that store for good, in the group of their next checkpoint (chaos part 8,
-    trial 45: hung): b's loss cost no device, so it was no news. Now the loss of a member is
-    news: a's agent opens the next generation on a store of its own, a's workers give the
-    frozen one up (its socket is cut with the world's), and the job ends as it should."""
+    """Both devices of node b, the quick rounds' decider, are lost; a's workers train on, on
+    the worker store that b's agent hosts. Then b freezes. a's workers used to wait on that
+    store for good, in the group of their next checkpoint (chaos part 8, trial 45: hung):
+    b's loss cost no device, so it was no news. Now the loss of a member is news: a's agent
+    opens the next generation on a store of its own, a's workers give the frozen one up (its
+    socket is cut with the world's), and the job ends as it should."""
     steps = 40
     with _node_b_without_devices(tmp_path, launch, steps,
                                  ("--checkpoint-dir", str(tmp_path / "ckpt")), host=True) as (
@@ -306,7 +319,7 @@ def test_a_member_with_no_device_that_hosts_the_worker_store_is_recovered_from(t
     log = agents["a"].log.read_text()
     assert "a node with no device left lost (its lease expired)" in log, log[-3000:]
     assert "Traceback" not in log
-    # (the relaunch from the checkpoint trains its last steps again, and says so)
+    # (a recovery that restores a checkpoint trains its last steps again, and says so)
     reported = [json.loads(x)["step"] for x in (out / "steps.jsonl").read_text().splitlines()]
     assert sorted(set(reported)) == list(range(steps)), reported
 
