@@ -45,7 +45,6 @@ import json
 import os
 import random
 import re
-import shutil
 import signal
 import statistics
 import subprocess
@@ -58,6 +57,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
+from demo_kills import dump  # benchmarks/, the script's own directory
 
 from chameleon_elastic.exit_status import ExitStatus
 
@@ -341,7 +341,7 @@ class Trial:
             outcome = "failed"
         declared = sum(1 for e in events(tmp) if e["event"] == "failure_seen"
                        and str(e.get("reason", "")).startswith("hung"))
-        stacks = {f"{n.name}-stacks": _stacks(n.proc.pid) for n in alive_nodes
+        stacks = {f"{n.name}-stacks": _stacks(n.proc.pid, tmp) for n in alive_nodes
                   if hung and n.proc.poll() is None}
         return {"launcher": self.launcher, "faults": self.injected, "outcome": outcome,
                 "exit_codes": codes, "losses": printed, "hung_declared": declared,
@@ -352,18 +352,12 @@ class Trial:
                     for p in tmp.glob("state*/logs/*.stderr.log")}}
 
 
-def _stacks(pid: int) -> str:
-    """Where a hung launcher waits: every thread's Python stack (py-spy, when installed), for
-    the logs; a hang that cannot be reproduced at will is otherwise a mystery."""
-    if shutil.which("py-spy") is None:
-        return "py-spy is not installed: no stacks (pip install py-spy)\n"
-    try:
-        done = subprocess.run(["py-spy", "dump", "--pid", str(pid)], check=False,
-                              capture_output=True,
-                              text=True, timeout=60)
-    except subprocess.TimeoutExpired:
-        return "py-spy dump timed out\n"
-    return done.stdout + done.stderr
+def _stacks(launcher: int, tmp: Path) -> str:
+    """Where a hung launcher and its workers wait (demo_kills.dump: py-spy, when installed):
+    a hang that cannot be reproduced at will is otherwise a mystery."""
+    path = tmp / f"stacks-{launcher}.txt"
+    dump(launcher, path)
+    return path.read_text() if path.exists() else "py-spy is not installed: no stacks\n"
 
 
 def _world(nodes: list[Node]) -> set[int]:

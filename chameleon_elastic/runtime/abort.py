@@ -73,19 +73,12 @@ GroupSockets: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def _sockets() -> dict[int, str]:
     """This process's open socket descriptors -> their sockets (``socket:[inode]``; Linux
     /proc, empty elsewhere)."""
-    out = {}
     try:
         entries = os.listdir("/proc/self/fd")
     except OSError:
         return {}
-    for entry in entries:
-        try:
-            target = os.readlink(f"/proc/self/fd/{entry}")
-        except OSError:
-            continue
-        if target.startswith("socket:"):
-            out[int(entry)] = target
-    return out
+    named = {int(entry): _names(int(entry)) for entry in entries}
+    return {fd: target for fd, target in named.items() if target and target.startswith("socket:")}
 
 
 def open_sockets() -> Sockets:
