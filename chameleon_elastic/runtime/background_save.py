@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ import torch.distributed as dist
 
 from .checkpoint import checkpoint_state, commit, step_dir
 from .groups import side_group
+from .snapshots import SLOW_SETTLE_S
 
 __all__ = ["BackgroundSave", "ensure_save_group"]
 
@@ -88,9 +90,13 @@ class BackgroundSave:
         """Wait until the save ended (at most ``timeout_s``); whether it was committed (on rank
         0) or written (on the others). A save still running after the timeout counts as
         failed: it is never committed by a later call."""
+        began = time.perf_counter()
         if not self._settled.wait(timeout_s):
             log.warning("checkpoint %d: still writing after %s s; not waiting longer",
                         self.step, timeout_s)
             self.coordinator = False
             return False
+        if time.perf_counter() - began > SLOW_SETTLE_S:
+            log.warning("checkpoint %d: took %.1f s to end after the failure (%s)", self.step,
+                        time.perf_counter() - began, "written" if self.ok else "not committed")
         return self.ok

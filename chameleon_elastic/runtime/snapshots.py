@@ -80,6 +80,11 @@ def snapshots_from_env(tp_size: int = 1) -> tuple[int, int | None]:
     return every, (int(cards) // tp_size if cards else None)
 
 
+#: a settle longer than this is reported on the worker's stderr: the recovery's cut fails an
+#: exchange with a lost peer at once, so a long one names a wait the cut did not reach
+SLOW_SETTLE_S = 1.0
+
+
 @dataclass
 class Slot:
     """One snapshot on this rank: copies of the state after ``step`` steps."""
@@ -239,11 +244,16 @@ class Snapshots:
         has ended (a copy always ends; an exchange with a lost peer fails once the abort
         shut its sockets), and the plan's group is let go."""
         if self._thread is not None:
+            began = time.perf_counter()
             self._thread.join(timeout_s)
             if self._thread.is_alive():
                 log.warning("snapshot %s still running after %s s; not waiting longer",
                             self._running, timeout_s)
                 self.slots.pop(self._running, None)   # never counted
+            elif time.perf_counter() - began > SLOW_SETTLE_S:   # a cut should end it at once
+                log.warning("snapshot %s: its exchange took %.1f s to end after the failure "
+                            "(%s)", self._running, time.perf_counter() - began,
+                            str(self._error).splitlines()[0] if self._error else "completed")
             self._thread = None
         self._error, self._fenced = None, None
         if self._group is not None:

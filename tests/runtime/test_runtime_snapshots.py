@@ -8,6 +8,10 @@ single-process training (rtol 1e-9).
 
 from __future__ import annotations
 
+import logging
+import re
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -132,6 +136,29 @@ def test_a_negative_interval_is_refused_in_one_sentence():
 
     with pytest.raises(PipelineRuntimeError, match=r"snapshot_every = -1; pass an interval"):
         Snapshots(-1)
+
+
+def test_an_exchange_that_outlives_the_failure_is_named_on_stderr(caplog):
+    """Entering a plan waits for the snapshot thread; the recovery's cut should end its
+    exchange at once, so a long wait is reported with what the exchange ended on (chaos part
+    12 lost 13.75 s in entering a plan, and nothing said where)."""
+    snapshots = Snapshots(4)
+    quick = threading.Thread(target=lambda: None)
+    quick.start()
+    snapshots._thread, snapshots._running = quick, 8
+    snapshots.settle(5)
+    assert "snapshot 8" not in caplog.text
+
+    released = threading.Event()
+    threading.Timer(1.2, released.set).start()   # ends the "exchange" after 1.2 s at least
+    slow = threading.Thread(target=released.wait)
+    slow.start()
+    snapshots._thread, snapshots._running = slow, 12
+    snapshots._error = RuntimeError("Timed out waiting 30000ms for recv operation to complete")
+    with caplog.at_level(logging.WARNING, logger="chameleon_elastic.runtime.snapshots"):
+        snapshots.settle(30)
+    assert re.search(r"snapshot 12: its exchange took \d+\.\d s to end after the failure "
+                     r"\(Timed out waiting 30000ms", caplog.text)
 
 
 def test_a_packed_copy_lives_in_host_memory_and_unpacks_to_the_state():
