@@ -324,7 +324,8 @@ class Snapshots:
         self._run = _Run(step)
         self._thread = threading.Thread(
             target=self._take, name=f"chameleon-snapshot-{step}", daemon=True,
-            args=(self._run, slot, work, t.optimizer, t.job_state, t.ranks, send_to, incoming, group))
+            args=(self._run, slot, work, t.optimizer, t.job_state, t.ranks, send_to, incoming,
+                  group))
         self._thread.start()
 
     def _ensure_group(self, t: Any) -> Any:
@@ -335,7 +336,8 @@ class Snapshots:
         return self._group
 
     def _take(self, run: _Run, slot: Slot, work: list, optimizer: Any,
-              job_state: Mapping[str, Any], ranks: RankMap, send_to: int | None, incoming: list, group: Any) -> None:
+              job_state: Mapping[str, Any], ranks: RankMap, send_to: int | None,
+              incoming: list, group: Any) -> None:
         """The background thread: copy, then exchange, at the lowest CPU priority (on Linux a
         thread has its own nice value, as DCP's save thread has: runtime/dcp_parts.py), so it
         takes the cores training leaves idle rather than slowing its steps."""
