@@ -326,7 +326,7 @@ def unhealthy_units(health: Any, book: DeviceBook, live_cards: set[int], local_c
 
 
 def lease_news(watch: Any, excluded: set[int], units_per_node: int,
-               emit: Callable[..., None], members: Collection[int] = ()) -> Trigger | None:
+               emit: Callable[..., None], members: Collection[int]) -> Trigger | None:
     """``FENCED`` when our own lease was lost, ``NODE_LOST`` when another node's expired and
     its devices are not out already, or it is one of the last round's ``members``: a member
     with no device left may host the round's worker store, which the workers still use (a
@@ -350,7 +350,7 @@ def lease_news(watch: Any, excluded: set[int], units_per_node: int,
 
 
 def lease_verdict(watch: Any, excluded: set[int], units_per_node: int,
-                  emit: Callable[..., None], members: Collection[int] = ()) -> bool:
+                  emit: Callable[..., None], members: Collection[int]) -> bool:
     """Before ending a job for a crash with no restart left: did a peer node die? Its lease
     says so within its ttl (+ 1 s for etcd's expiry sweep)."""
     if watch is None:
@@ -401,7 +401,7 @@ class Watchers:
     def tick(self, state: WorkerState, exits: list[Any], pids: dict[int, int], here: NodeCards,
              session: Any, store: Any, nodes_waiting: Callable[[], tuple[int, bool]],
              quick_called: Callable[[], bool], grace_s: float,
-             finished: Callable[[], bool] = lambda: False, members: Collection[int] = (),
+             finished: Callable[[], bool] = lambda: False, *, members: Collection[int],
              **facts: Any) -> Tick:
         """``exits``: the workers that failed since the last tick; ``members``: the nodes of
         the last round (lease_news); ``finished``: whether the job finished on another node
@@ -503,6 +503,6 @@ class Watchers:
             self.lease.finish() if finished else self.lease.close()
             self.lease = None
 
-    def verdict(self, session: Any, here: NodeCards, members: Collection[int] = ()) -> bool:
+    def verdict(self, session: Any, here: NodeCards, members: Collection[int]) -> bool:
         excluded = set(session.excluded) if session is not None else set()
         return lease_verdict(self.lease, excluded, here.units_per_node, self._emit, members)

@@ -96,7 +96,8 @@ class BackgroundSave:
                         self.step, timeout_s)
             self.coordinator = False
             return False
-        if time.perf_counter() - began > SLOW_SETTLE_S:
+        waited = time.perf_counter() - began
+        if waited > SLOW_SETTLE_S:
             log.warning("checkpoint %d: took %.1f s to end after the failure (%s)", self.step,
-                        time.perf_counter() - began, "written" if self.ok else "not committed")
+                        waited, "written" if self.ok else "not committed")
         return self.ok
