@@ -95,9 +95,10 @@ def test_stop_reaps_every_member(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(60)
-def test_members_die_with_the_process_that_started_them() -> None:
+def test_members_die_with_the_process_that_started_them(tmp_path: Path) -> None:
+    # the parent is killed, so it cannot remove a directory of its own: give it tmp_path's
     code = ("from chameleon_elastic.rendezvous.local_cluster import LocalEtcdCluster; "
-            "import time; c = LocalEtcdCluster(3).start(); "
+            f"import time; c = LocalEtcdCluster(3, work_dir={str(tmp_path / 'c')!r}).start(); "
             "print(*(m.pid for m in c.members), flush=True); time.sleep(60)")
     parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
                               stderr=subprocess.DEVNULL)

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -53,9 +54,11 @@ def test_port_in_use_is_a_clear_error(etcd_server, tmp_path) -> None:
     assert not clash.is_running()
 
 
-def test_server_dies_with_the_process_that_started_it() -> None:
+def test_server_dies_with_the_process_that_started_it(tmp_path: Path) -> None:
+    # the parent is killed, so it cannot remove a directory of its own: give it tmp_path's
     code = ("from chameleon_elastic.rendezvous.local_etcd import LocalEtcd; import time; "
-            "e = LocalEtcd().start(); print(e.pid, flush=True); time.sleep(60)")
+            f"e = LocalEtcd(data_dir={str(tmp_path / 'd')!r}).start(); print(e.pid, flush=True); "
+            "time.sleep(60)")
     parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
                               stderr=subprocess.DEVNULL)
     try:
