@@ -8,6 +8,7 @@ import functools
 import itertools
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -219,7 +220,7 @@ class Launcher:
         try:
             return self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            where = self.where_workers_are()
+            where = self.where_workers_are() + self.where_launcher_is()
             self.kill()
             raise AssertionError(f"launcher did not finish in {timeout:.0f} s; {where}log:\n"
                                  + self.log.read_text()[-3000:]) from None
@@ -270,6 +271,15 @@ class Launcher:
             lines.append(f"  unreaped (zombie) children of the agent: {zombies}")
         return ("workers, innermost frame first:\n" + "\n".join(lines) + "\n"
                 + (f"agent's last events: {', '.join(events)}\n" if events else ""))
+
+    def where_launcher_is(self) -> str:
+        """The launcher's own threads (py-spy, where installed: it is no dependency of ours),
+        so that a launcher stuck outside Python's reach (a blocking C++ call) names the call."""
+        if shutil.which("py-spy") is None:
+            return ""
+        dump = subprocess.run(["py-spy", "dump", "--pid", str(self.proc.pid)],
+                              capture_output=True, text=True, timeout=20, check=False)
+        return f"launcher's threads (py-spy):\n{dump.stdout[-4000:]}{dump.stderr[-500:]}\n"
 
     def _state_dir(self) -> Path | None:
         args = self.args
