@@ -341,23 +341,24 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
         what = ("plans, events, profiles and workers' stderr" if isinstance(
             config.logs_specs, WorkerLogs) else "plans, events and profiles")
         sys.stderr.write(f"chameleon-run: {what} in {state_dir}\n")
-    spec, params = _worker_spec(launch)
-    agent = ChameleonAgent(
-        spec, config.logs_specs, rdzv_parameters=params, session=session, events=events,
-        status=StatusLine(enabled=not args.no_status),
-        health=FileHealthCheck(args.health_file) if args.health_file else AlwaysHealthy(),
-        profiler=profiler, timeouts=launch.timeouts,
-        max_failed_generations=launch.max_failed_generations,
-        metrics=None if served is None else served.metrics,
-        recovery="relaunch" if session is None else session.spec.cluster.recovery,
-        stragglers=args.stragglers == "auto",
-        start_method=config.start_method,
-        log_line_prefix_template=config.log_line_prefix_template,
-    )
-    if served is not None:
-        served.ready = agent.ready
+    status = StatusLine(enabled=not args.no_status)
     succeeded = False
-    try:
+    try:   # from the store's connection on: a failure or Ctrl-C there leaves nothing either
+        spec, params = _worker_spec(launch, status)
+        agent = ChameleonAgent(
+            spec, config.logs_specs, rdzv_parameters=params, session=session, events=events,
+            status=status,
+            health=FileHealthCheck(args.health_file) if args.health_file else AlwaysHealthy(),
+            profiler=profiler, timeouts=launch.timeouts,
+            max_failed_generations=launch.max_failed_generations,
+            metrics=None if served is None else served.metrics,
+            recovery="relaunch" if session is None else session.spec.cluster.recovery,
+            stragglers=args.stragglers == "auto",
+            start_method=config.start_method,
+            log_line_prefix_template=config.log_line_prefix_template,
+        )
+        if served is not None:
+            served.ready = agent.ready
         result = _run_agent(agent, spec, config,
                             torch_compat.entrypoint_name(launch.cmd, list(launch.cmd_args)))
         succeeded = True
@@ -501,13 +502,15 @@ def _check_endpoint(config: Any, parser: argparse.ArgumentParser) -> None:
                          "host:port of the node that hosts the rendezvous (c10d: node 0)")
 
 
-def _worker_spec(launch: _Launch) -> tuple[Any, Any]:
+def _worker_spec(launch: _Launch, status: Any) -> tuple[Any, Any]:
     """torch's ``WorkerSpec`` and ``RendezvousParameters``, as torchrun builds them."""
     from torch.distributed.elastic.agent.server.api import WorkerSpec
     from torch.distributed.elastic.rendezvous import RendezvousParameters
 
     from chameleon_elastic import torch_compat
     from chameleon_elastic.rendezvous.handler import handler_for
+
+    from .waiting import connect_interruptibly
 
     config = launch.config
     if not config.run_id:
@@ -518,10 +521,14 @@ def _worker_spec(launch: _Launch) -> tuple[Any, Any]:
         **config.rdzv_configs,
     )
     master_addr, master_port = torch_compat.addr_and_port(params)
+    # c10d's store connects in C++, deaf to Ctrl-C for minutes (waiting.py); our etcd-v3 client
+    # answers Ctrl-C and says its own sentence after connect_timeout
+    handler = (connect_interruptibly(lambda: handler_for(params), params.endpoint, status)
+               if params.backend == "c10d" else handler_for(params))
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
     spec = WorkerSpec(
         role=config.role, local_world_size=config.nproc_per_node, entrypoint=launch.cmd,
-        args=tuple(launch.cmd_args), rdzv_handler=handler_for(params),
+        args=tuple(launch.cmd_args), rdzv_handler=handler,
         max_restarts=config.max_restarts, monitor_interval=config.monitor_interval,
         master_addr=master_addr, master_port=master_port, local_addr=config.local_addr,
         event_log_handler=config.event_log_handler, numa_options=config.numa_options,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 from pathlib import Path
 
 import pytest
@@ -253,6 +254,32 @@ def test_ctrl_c_before_any_worker_started_says_so_and_leaves_nothing(tmp_path, l
     assert run.wait(30) == 1
     lines = run.log.read_text().strip().splitlines()
     assert lines[-1] == "chameleon-run: interrupted (SIGINT) before any worker started", lines
+    state = Path(next(x for x in lines if "workers' stderr in" in x).split(" in ")[-1])
+    assert not state.exists() and not read_envs(out)
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_while_the_store_host_is_not_up_yet_ends_at_once_and_leaves_nothing(
+        tmp_path, launch):
+    """A node started before the node that hosts its c10d store waits inside torch's C++
+    TCPStore (two minutes by default), where Python's Ctrl-C handler cannot run: it says what
+    it waits for, and Ctrl-C ends it, with the sentence of any interruption before workers."""
+    out = tmp_path / "out"
+    out.mkdir()
+    with socket.socket() as held:   # bound, never listening: refused, and no one else takes it
+        held.bind(("127.0.0.1", 0))
+        endpoint = f"127.0.0.1:{held.getsockname()[1]}"
+        run = launch("chameleon", ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend",
+                                   "c10d", "--rdzv-endpoint", endpoint, "--rdzv-conf",
+                                   "is_host=false", "--rdzv-id", "early", "--preset", "tiny-cpu",
+                                   "--no-status", PROBE, str(out), "ok"])
+        wait_for(lambda: f"connecting to the rendezvous store at {endpoint}" in
+                 run.log.read_text(), 45, "the line saying what the node connects to")
+        os.kill(run.proc.pid, signal.SIGINT)
+        assert run.wait(30) == 1
+    lines = run.log.read_text().strip().splitlines()
+    assert lines[-1] == "chameleon-run: interrupted (SIGINT) before any worker started", lines
+    assert not any("Traceback" in x for x in lines), lines
     state = Path(next(x for x in lines if "workers' stderr in" in x).split(" in ")[-1])
     assert not state.exists() and not read_envs(out)
 
