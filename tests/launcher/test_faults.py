@@ -246,7 +246,7 @@ def test_ctrl_c_before_any_worker_started_says_so_and_leaves_nothing(tmp_path, l
     out = tmp_path / "out"
     out.mkdir()
     run = launch("chameleon", ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend",
-                               "c10d", "--rdzv-endpoint", "127.0.0.1:0",   # the store binds port 0: no race
+                               "c10d", "--rdzv-endpoint", "127.0.0.1:0",   # bound: no race
                                "--rdzv-id", "alone", "--preset", "tiny-cpu", "--no-status",
                                PROBE, str(out), "ok"])
     wait_for(lambda: "waiting for 1 more node" in run.log.read_text(), 45, "the waiting line")
