@@ -47,6 +47,7 @@ __all__ = ["LocalEtcd", "LocalEtcdTls", "find_etcd_binary", "free_port"]
 _HEALTH_POLL_S = 0.05
 _PR_SET_PDEATHSIG = 1
 _STOP_GRACE_S = 10.0
+_PORT_RETRIES = 3   # ports picked here, taken by another process before etcd bound them
 
 
 def find_etcd_binary() -> str:
@@ -153,14 +154,20 @@ class LocalEtcd:
         base = Path(tempfile.mkdtemp(prefix="chameleon-etcd-")) if data_dir is None else None
         self.data_dir = Path(data_dir) if data_dir is not None else base / "data"  # type: ignore
         self._work_dir = base if base is not None else self.data_dir.parent
-        self.client_port = client_port or free_port()
-        self.peer_port = peer_port or free_port()
         self.startup_timeout = startup_timeout
         self.binary = binary or find_etcd_binary()
+        self._proc: subprocess.Popen[bytes] | None = None
+        # a lone member whose ports are picked here may pick again until it first starts
+        self._repick = (client_port is None and peer_port is None and name is None
+                        and initial_cluster is None and not self.data_dir.exists())
+        self._ports(client_port or free_port(), peer_port or free_port(), name, initial_cluster)
+
+    def _ports(self, client: int, peer: int, name: str | None = None,
+               initial_cluster: str | None = None) -> None:
+        self.client_port, self.peer_port = client, peer
         self.name = name or f"chameleon-{self.client_port}"
         self.initial_cluster = initial_cluster or f"{self.name}={self.peer_url}"
         self.log_path = self._work_dir / f"etcd-{self.client_port}.log"
-        self._proc: subprocess.Popen[bytes] | None = None
 
     @property
     def endpoint(self) -> str:
@@ -211,6 +218,22 @@ class LocalEtcd:
         """
         if self.is_running():
             return self
+        for attempt in range(_PORT_RETRIES + 1):
+            try:
+                self._spawn()
+                if wait:
+                    self.wait_healthy()
+                self._repick = False   # its ports from now on: a restart keeps them
+                return self
+            except EtcdServerError as exc:
+                if not (self._repick and attempt < _PORT_RETRIES and "in use" in str(exc)):
+                    raise
+                # another process took a port between free_port() and etcd's bind
+                shutil.rmtree(self.data_dir, ignore_errors=True)   # bootstrapped, never served
+                self._ports(free_port(), free_port())
+        raise AssertionError("unreachable")
+
+    def _spawn(self) -> None:
         for port in (self.client_port, self.peer_port):
             if not _port_free(port):
                 raise EtcdServerError(
@@ -229,9 +252,6 @@ class LocalEtcd:
                 # the hook is one prctl() call through a libc handle loaded in the parent
                 preexec_fn=_parent_death_signal(),  # noqa: PLW1509 - no orphan etcd
             )
-        if wait:
-            self.wait_healthy()
-        return self
 
     def wait_healthy(self, timeout: float | None = None) -> None:
         """Poll ``/health`` until it says true; on failure stop the server and raise.

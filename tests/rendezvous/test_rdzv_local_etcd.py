@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -52,6 +53,26 @@ def test_port_in_use_is_a_clear_error(etcd_server, tmp_path) -> None:
     with pytest.raises(EtcdServerError, match="already in use"):
         clash.start()
     assert not clash.is_running()
+
+
+def test_picked_ports_taken_before_the_start_are_picked_again(tmp_path) -> None:
+    """Ports picked here are free when picked, not when etcd binds them: another process can
+    take one in between (seen in the suite: "bind: address already in use", exit 1). A lone
+    member not yet started picks again; a restart keeps its ports."""
+    server = LocalEtcd(data_dir=tmp_path / "d")
+    taken = server.client_port
+    with socket.socket() as other:
+        other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        other.bind(("127.0.0.1", taken))
+        other.listen()
+        try:
+            server.start()
+            assert server.client_port != taken
+            assert server.endpoint == f"127.0.0.1:{server.client_port}"
+            server.restart()
+            assert server.is_running() and server.client_port != taken
+        finally:
+            server.cleanup()
 
 
 def test_server_dies_with_the_process_that_started_it(tmp_path: Path) -> None:
