@@ -127,7 +127,8 @@ class LocalEtcd:
     Args:
         data_dir: where etcd keeps its data; a fresh temporary directory (removed on
             ``cleanup()``) when omitted.
-        client_port, peer_port: fixed ports; free ones are picked when omitted.
+        client_port, peer_port: fixed ports; free ones are picked when omitted (and picked
+            again if another process takes one before the first start).
         startup_timeout: seconds to wait for ``/health`` before giving up.
         name, initial_cluster: etcd's ``--name`` and ``--initial-cluster`` for a member of a
             several-member cluster; by default a one-member cluster of this server alone.
