@@ -28,12 +28,12 @@ import json
 import statistics
 import sys
 
+from chameleon_elastic.models.toy import emulated_model
 from chameleon_elastic.plan import ExecutionPlan, Pipeline
 from chameleon_elastic.runtime import PipelineTrainer
-from chameleon_elastic.runtime.layout import plan_rounds
-from chameleon_elastic.runtime.local_world import run_local_world
+from chameleon_elastic.runtime.execution.layout import plan_rounds
 from chameleon_elastic.runtime.topology import dense_rank_map
-from chameleon_elastic.runtime.toy import emulated_model
+from chameleon_elastic.runtime.world.local_world import run_local_world
 
 MODES = ("serial", "rounds")
 

@@ -32,12 +32,12 @@ import time
 import torch
 import torch.distributed as dist
 
+from chameleon_elastic.models.toy import emulated_model
 from chameleon_elastic.plan import ExecutionPlan, Pipeline
 from chameleon_elastic.runtime import PipelineTrainer, save_checkpoint
-from chameleon_elastic.runtime.background_save import BackgroundSave
-from chameleon_elastic.runtime.local_world import run_local_world
+from chameleon_elastic.runtime.state.background_save import BackgroundSave
 from chameleon_elastic.runtime.topology import dense_rank_map
-from chameleon_elastic.runtime.toy import emulated_model
+from chameleon_elastic.runtime.world.local_world import run_local_world
 
 
 def plan() -> ExecutionPlan:

@@ -6,7 +6,7 @@ Each simulated node holds what a production agent holds on etcd: its own lease a
 ``PrefixStore``). Workers are faked: each node reports 8 live devices. One node is killed (its
 keep-alive stops, so its lease expires after the TTL; ``--kill revoke`` revokes it instead) and
 every other agent, on its own thread, runs the real recovery path: ``Rounds.quick`` then
-``coordination.agree(quick=True)``, the lowest node deciding with the real planner (a
+``protocol.agree(quick=True)``, the lowest node deciding with the real planner (a
 ``JobSession`` on the Llama-2-7B spec of ``planner_latency.py`` scaled to 8 devices per node;
 cold, no plan cache: the worst case).
 
@@ -180,17 +180,17 @@ def _share_local_work(local: dict[str, float]) -> None:
 
 
 def _note_reports() -> dict[int, float]:
-    """When each agent's report was written (``coordination.report``), by node."""
-    from chameleon_elastic.launcher import coordination
+    """When each agent's report was written (``protocol.report``), by node."""
+    from chameleon_elastic.launcher.coordination import agreement as protocol
 
     at: dict[int, float] = {}
-    inner = coordination.report
+    inner = protocol.report
 
     def report(store: Any, scope: str, key: int, mine: Any) -> None:
         inner(store, scope, key, mine)
         at[key] = time.monotonic()
 
-    coordination.report = report
+    protocol.report = report
     return at
 
 
@@ -201,7 +201,7 @@ class Agent:
 
     def __init__(self, node: int, nodes: int, client: Any, params: Any, session: Any,
                  desk: Any = None) -> None:
-        from chameleon_elastic.launcher.rounds import Rounds
+        from chameleon_elastic.launcher.coordination.rounds import Rounds
         from chameleon_elastic.rendezvous.liveness import NodeLiveness
 
         self.node, self.nodes, self.client, self.session = node, nodes, client, session
@@ -252,7 +252,8 @@ class Agent:
         self.thread.start()
 
     def recover(self) -> None:
-        from chameleon_elastic.launcher import coordination
+        from chameleon_elastic.launcher.coordination import agreement as protocol
+        from chameleon_elastic.launcher.coordination import messages
 
         self.out["tid"] = threading.get_native_id()   # for --cpu-profile's accounting
         try:
@@ -263,8 +264,8 @@ class Agent:
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.decider_nice)
             devices = tuple(range(self.node * DEVICES_PER_NODE,
                                   (self.node + 1) * DEVICES_PER_NODE))
-            mine = coordination.NodeReport(self.node, (), devices, True)
-            decision, change, _ = coordination.agree(self.store, self.rounds.scope(), members,
+            mine = messages.NodeReport(self.node, (), devices, True)
+            decision, change, _ = protocol.agree(self.store, self.rounds.scope(), members,
                                                   mine, self.session, True, DEVICES_PER_NODE,
                                                   120.0, quick=True, desk=self.desk)
             self.out["adopted"] = time.monotonic()
@@ -350,7 +351,8 @@ def _host(first: int, last: int, nodes: int, victim: int, endpoints: str, ttl: i
     import copy
     import faulthandler
 
-    from chameleon_elastic.launcher import coordination
+    from chameleon_elastic.launcher.coordination import agreement as protocol
+    from chameleon_elastic.launcher.coordination import messages
     from chameleon_elastic.launcher.session import JobSession
     from chameleon_elastic.rendezvous.client import EtcdClient
     from chameleon_elastic.rendezvous.config import EtcdSettings
@@ -367,8 +369,8 @@ def _host(first: int, last: int, nodes: int, victim: int, endpoints: str, ttl: i
     _favour_pid(keeper.pid)   # as the members: a node's keep-alive has its node's CPU
     clock, local = Clock(), {}
     for name in ("collect", "decide", "commit_record", "publish"):
-        clock.wrap(coordination, name)
-    clock.wrap(coordination.Decision, "encode")   # the record's bytes: the decider's only
+        clock.wrap(protocol, name)
+    clock.wrap(messages.Decision, "encode")   # the record's bytes: the decider's only
     reported = _note_reports()
     session = JobSession(spec_for(nodes), "auto", Path(plan_dir) / "decider", cache_depth=0)
     _share_local_work(local)
@@ -396,11 +398,11 @@ def _host(first: int, last: int, nodes: int, victim: int, endpoints: str, ttl: i
     for agent in agents:
         agent.watch(listing, revision)
     ready.put(("watching", first))
-    coordination.QUICK_S = 120.0   # see the module docstring: the agents share two cores
+    protocol.QUICK_S = 120.0   # see the module docstring: the agents share two cores
     # a follower wakes once per slice to check its decider's lease: one wake-up a second per
     # node in production (each on its own CPU), 4096 a second here on two cores at 4096 nodes;
     # at most about 1000 a second in all here (what a slice costs: see the docs)
-    coordination._WAIT_S = max(coordination._WAIT_S, nodes / 1000)
+    protocol._WAIT_S = max(protocol._WAIT_S, nodes / 1000)
     order = orders.get()
     cpu = time.process_time()
     if order is not None:   # this host holds the victim
@@ -459,14 +461,14 @@ def _await(agents: list[Agent], victim: int, spoiled: Any, reported: dict[int, f
 
 
 def _desk() -> Any:
-    """The host's desk (launcher/rounds.py's): the worker store the deciding agent hosts,
+    """The host's desk (launcher/coordination/rounds.py's): the worker store the deciding agent hosts,
     opened when it first offers its decision, from which an agent whose replay differs
     fetches it (none should: every agent starts from the same digest)."""
     from datetime import timedelta
 
     import torch.distributed as dist
 
-    from chameleon_elastic.launcher.rounds import WorkerStoreDesk
+    from chameleon_elastic.launcher.coordination.rounds import WorkerStoreDesk
 
     opened: list[Any] = []
 
@@ -519,7 +521,8 @@ def _rate(a: dict[str, float], b: dict[str, float], seconds: float,
 
 def _seed(endpoints: str, nodes: int, ttl: int, plan_dir: str) -> None:
     """The job's first decision, as the first full round leaves it: every node, generation 0."""
-    from chameleon_elastic.launcher import coordination
+    from chameleon_elastic.launcher.coordination import agreement as protocol
+    from chameleon_elastic.launcher.coordination import messages
     from chameleon_elastic.launcher.session import JobSession
     from chameleon_elastic.rendezvous.client import EtcdClient
     from chameleon_elastic.rendezvous.config import EtcdSettings
@@ -528,9 +531,9 @@ def _seed(endpoints: str, nodes: int, ttl: int, plan_dir: str) -> None:
     client = EtcdClient(EtcdSettings.from_config(params.endpoint, dict(params.config)))
     store, _etcd_store = _stores(client)
     session = JobSession(spec_for(nodes), "auto", Path(plan_dir) / "seed", cache_depth=0)
-    first = coordination.Decision(session.plan, (), tuple(session.plan.working_devices),
+    first = messages.Decision(session.plan, (), tuple(session.plan.working_devices),
                                   True, nodes=tuple(range(nodes)))
-    coordination.commit_record(store.underlying_store, "", first)
+    protocol.commit_record(store.underlying_store, "", first)
     client.close()
 
 

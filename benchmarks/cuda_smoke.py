@@ -5,9 +5,9 @@ recovery between GPU peers needs a multi-GPU machine). It checks, for each NCCL 
 the installed torch builds (``nccl``, which is nccl2 from torch 2.15, and ``nccl-legacy``, the
 classic one, from 2.14: the cuda plugin's choice, plugins/cuda.py):
 
-- the world made as the runtime makes it (runtime/groups.py ``init_world``): bound to the GPU
+- the world made as the runtime makes it (runtime/world/groups.py ``init_world``): bound to the GPU
   (``device_id``), and built on the implementation torch_compat expects for the name;
-- a subgroup made the way runtime/groups.py decides for that backend (``split_group`` on nccl2,
+- a subgroup made the way runtime/world/groups.py decides for that backend (``split_group`` on nccl2,
   ``new_group`` on the classic NCCL), and an all-reduce on it;
 - ``PipelineTrainer`` on cuda (a float32 MLP, 8 layers) for ``--steps`` steps, against the same
   steps on the CPU with gloo in the same run: the losses must agree;
@@ -41,12 +41,12 @@ import torch
 import torch.distributed as dist
 
 from chameleon_elastic import torch_compat
+from chameleon_elastic.models.toy import mlp_model
 from chameleon_elastic.plugins import get_backend
 from chameleon_elastic.plugins.cuda import CudaBackend
 from chameleon_elastic.runtime import PipelineTrainer
-from chameleon_elastic.runtime.checkpoint import latest_step, load_checkpoint
-from chameleon_elastic.runtime.groups import init_world, subgroup_method
-from chameleon_elastic.runtime.toy import mlp_model
+from chameleon_elastic.runtime.state.checkpoint import latest_step, load_checkpoint
+from chameleon_elastic.runtime.world.groups import init_world, subgroup_method
 
 Check = tuple[str, bool, str]
 _PORTS = iter(range(29517, 29600))

@@ -105,7 +105,7 @@ def _worker(rank: int, world: int, args: dict) -> dict:
 
 
 def measure(args: argparse.Namespace) -> dict:
-    from chameleon_elastic.runtime.local_world import run_local_world
+    from chameleon_elastic.runtime.world.local_world import run_local_world
 
     options = {"sleep_ms": args.sleep_ms, "micro_batch_size": args.micro_batch_size,
                "data_workers": args.data_workers, "rounds": args.rounds, "block": args.block}

@@ -40,16 +40,16 @@ import time
 import torch
 import torch.distributed as dist
 
+from chameleon_elastic.models.toy import emulated_model, mlp_model
 from chameleon_elastic.plan import ExecutionPlan, Pipeline
 from chameleon_elastic.planning import decide, initial_plan
 from chameleon_elastic.planning.estimator import allreduce_time, compute_time, step_time
 from chameleon_elastic.planning.search import distribute_batches, split_layers
 from chameleon_elastic.runtime import PipelineTrainer
-from chameleon_elastic.runtime.layout import plan_rounds
-from chameleon_elastic.runtime.local_world import run_local_world
+from chameleon_elastic.runtime.execution.layout import plan_rounds
 from chameleon_elastic.runtime.profiler import profile_layers
 from chameleon_elastic.runtime.topology import dense_rank_map
-from chameleon_elastic.runtime.toy import emulated_model, mlp_model
+from chameleon_elastic.runtime.world.local_world import run_local_world
 from chameleon_elastic.spec import JobSpec
 
 

@@ -82,7 +82,7 @@ def _model(case: str):
 
 def _plan(name: str, layers: int, g: int):
     from chameleon_elastic.plan import ExecutionPlan, Pipeline
-    from chameleon_elastic.runtime.layout import data_parallel_plan
+    from chameleon_elastic.runtime.execution.layout import data_parallel_plan
 
     half = layers // 2
     cut = ((0, half), (half, layers))
@@ -116,7 +116,7 @@ class _Native:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        from chameleon_elastic.runtime.feed import Feed
+        from chameleon_elastic.runtime.execution.feed import Feed
         from chameleon_elastic.runtime.model import build_layers
 
         self.model, self.plan, self.mbs = model, plan, case["mbs"]
@@ -246,7 +246,7 @@ def _world(rank: int, world: int, case: str, plan_name: str, steps: int) -> dict
 
 
 def run_case(case: str, plan_name: str, steps: int, skip: int) -> dict:
-    from chameleon_elastic.runtime.local_world import run_local_world
+    from chameleon_elastic.runtime.world.local_world import run_local_world
 
     out = run_local_world(_world, WORLD[plan_name], case, plan_name, steps,
                           timeout_s=120 + 20 * steps)[0]

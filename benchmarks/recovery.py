@@ -31,7 +31,7 @@ a kill -9 of device 3's worker, a SIGKILL of its node's agent and workers, or a 
 0 instead: the lowest node, which decides a quick round, so the survivor must decide in its
 place once the lost node's lease is gone.
 Each trial also records the survivor's ``recovered`` event: its phases from the fault to the
-first new step committed (launcher/reporter.py's ``RECOVERY_PHASES``: detect, decide, publish,
+first new step committed (launcher/observation/reporter.py's ``RECOVERY_PHASES``: detect, decide, publish,
 notify, regroup, agree, transfer, rebuild, first step), their total, what they leave unnamed
 (the total less the phases: a few ms) and the parts of some of them (rendezvous, plan, stop,
 launch).
@@ -76,7 +76,7 @@ import psutil
 from launched import busy_loops, supervise, worker_of
 
 from chameleon_elastic.hang import quantile
-from chameleon_elastic.launcher.reporter import RECOVERY_PHASES
+from chameleon_elastic.launcher.observation.reporter import RECOVERY_PHASES
 from chameleon_elastic.rendezvous.local_etcd import LocalEtcd
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -329,10 +329,10 @@ def _ablation_world(rank: int, world: int, plans: dict[str, str], repeats: int,
     import torch
     import torch.distributed as dist
 
+    from chameleon_elastic.models.toy import mlp_model
     from chameleon_elastic.plan import ExecutionPlan
     from chameleon_elastic.runtime import PipelineTrainer
     from chameleon_elastic.runtime.topology import dense_rank_map
-    from chameleon_elastic.runtime.toy import mlp_model
 
     before = ExecutionPlan.from_json(plans["before"])
     device = dense_rank_map(before).device_of_rank[rank]
@@ -362,7 +362,7 @@ def ablation(repeats: int, width: int) -> dict:
     from dataclasses import replace
 
     from chameleon_elastic.planning.search import decide, initial_plan
-    from chameleon_elastic.runtime.local_world import run_local_world
+    from chameleon_elastic.runtime.world.local_world import run_local_world
     from chameleon_elastic.sim.policies.oobleck import first_holder_transfers
     from chameleon_elastic.spec import JobSpec
 

@@ -1,10 +1,10 @@
 """What forming a generation's gloo world costs at 64-1024 ranks: the full mesh vs lazy pairs.
 
 A regroup is torch's store-based ``init_process_group`` on the generation's fresh TCPStore
-(launcher/rounds.py ``open_worker_store``, runtime/join.py). gloo's default is a full mesh:
+(launcher/coordination/rounds.py ``open_worker_store``, runtime/world/join.py). gloo's default is a full mesh:
 every rank writes its address (one key of N pair addresses) and reads every other rank's, then
 opens a connection per pair: N^2 store reads on the store's server and N(N-1)/2 connections.
-With ``TORCH_GLOO_LAZY_INIT=1`` (torch >= 2.7, so 2.13 has it; runtime/regroup.py) a rank
+With ``TORCH_GLOO_LAZY_INIT=1`` (torch >= 2.7, so 2.13 has it; runtime/world/regroup.py) a rank
 writes its address and connects a pair only when it first talks to that peer: N writes, then
 two reads per pair used. The runtime's first use of the world after a regroup is the agree
 all-gather (a ring: two peers per rank), so that is what this measures after formation.

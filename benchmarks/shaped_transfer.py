@@ -99,7 +99,7 @@ def worker(device: int, config: str, store_at: str) -> None:
     import torch.distributed as dist
     from torch import nn
 
-    from chameleon_elastic.runtime.migrate import Move, move_layers
+    from chameleon_elastic.runtime.state.migrate import Move, move_layers
     from chameleon_elastic.runtime.topology import RankMap
 
     plan = json.loads(Path(config).read_text())

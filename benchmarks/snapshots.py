@@ -104,7 +104,7 @@ def _world(rank: int, world: int, every: int, rounds: int) -> dict:
 
 
 def faultfree(rounds: int, every: int) -> dict:
-    from chameleon_elastic.runtime.local_world import run_local_world
+    from chameleon_elastic.runtime.world.local_world import run_local_world
 
     out = run_local_world(_world, 4, every, rounds, timeout_s=1800)
     times = out[0]["times"]   # rank 0's clock; the blocks are between barriers

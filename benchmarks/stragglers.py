@@ -183,7 +183,7 @@ def reference_losses(steps: int) -> list[float]:
     """Single-process losses of the same model and batches (sleeping nothing)."""
     import torch
 
-    from chameleon_elastic.runtime.toy import emulated_model, reference_training
+    from chameleon_elastic.models.toy import emulated_model, reference_training
 
     losses, _ = reference_training(emulated_model(8, 0.0, 0.0, dtype=torch.float64), steps, 8)
     return losses

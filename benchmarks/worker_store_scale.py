@@ -1,10 +1,10 @@
 """One generation's worker store with thousands of clients: where it stops.
 
-Every generation, the deciding agent opens one TCPStore (launcher/rounds.py) and every rank of
-the job connects to it to form the world (runtime/join.py). This simulates those ranks: N
+Every generation, the deciding agent opens one TCPStore (launcher/coordination/rounds.py) and every rank of
+the job connects to it to form the world (runtime/world/join.py). This simulates those ranks: N
 clients, spread over ``--procs`` processes and ``--threads`` threads each, against one server
 in this process, as the agent hosts it. Each client does what a rank's regroup does with lazy
-gloo pairs (runtime/regroup.py): connect, write its address (64 bytes), read its two ring
+gloo pairs (runtime/world/regroup.py): connect, write its address (64 bytes), read its two ring
 neighbours' addresses (waiting until they are written), and count itself in (``add``, as
 torch's barriers do). Reported per backend (libuv, torch's default since 2.4, and the legacy
 one) and client count: the time for every client to connect, then for every client's

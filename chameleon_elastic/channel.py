@@ -18,7 +18,7 @@ key                   writer   meaning
                                recover in place (unregistered scripts are relaunched)
 ``resumed/<N>/<d>``   worker   :class:`Resumed`: how device d entered generation N (timings)
 ``wake/<card>``       agent    a doorbell, rung after each generation published while the
-                               worker lives, so its watchdog wakes at once (runtime/abort.py);
+                               worker lives, so its watchdog wakes at once (runtime/world/abort.py);
                                the worker rings it too, to stop the watchdog
 ``beat/<device>``     worker   a counter moved at every phase of every step (hang detection)
 ``pace/<device>``     worker   :class:`Pace`: this generation's steps and their times so far,
@@ -34,7 +34,7 @@ key                   writer   meaning
 ``checkpoint``        worker   last step a committed checkpoint holds (none: no checkpoint)
 ``checkpoints``       worker   set when the job writes checkpoints (even before its first one)
 ``stop``              agent    the signal that preempts the job (``SIGTERM``, ...): stop at the
-                               next step boundary with a checkpoint (runtime/preemption.py)
+                               next step boundary with a checkpoint (runtime/recovery/preemption.py)
 ``trouble``           worker   a plan generation in which a worker lost a peer (so the agent
                                learns of peers on other nodes that it does not run)
 ``cause/<N>``         worker   the first line of the first failure a worker met in generation N
@@ -278,7 +278,7 @@ class Resumed:
     Wall-clock times (``noticed_at``, ``woke_at``, ``committed_at``) are Unix seconds on the
     worker's node, compared only with its own agent's clock. From ``woke_at`` on, the durations
     follow one another: ``regroup_s``, ``agree_s``, ``transfer_s``, ``rebuild_s``, then
-    ``first_step_s`` up to ``committed_at`` (the agent's phases, launcher/reporter.py).
+    ``first_step_s`` up to ``committed_at`` (the agent's phases, launcher/observation/reporter.py).
     ``moved_layers`` and ``moved_bytes`` count the whole job's transfers (every worker computes
     the same numbers)."""
 

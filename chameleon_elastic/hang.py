@@ -4,7 +4,7 @@ A fixed hang timeout must be long enough for the slowest legitimate pause of any
 far too long for most (60 s while a step takes 0.1 s), and users had to tune it. As NVIDIA's
 launcher does, the timeout is instead derived from what is measured: each runtime worker times
 the gaps between its phases (forward, backward, sync, vote, apply, applied: the beats of
-runtime/phases.py), and its agent convicts it only after ``FACTOR`` x the ``QUANTILE`` of its
+runtime/execution/phases.py), and its agent convicts it only after ``FACTOR`` x the ``QUANTILE`` of its
 recent gaps without progress, within ``[FLOOR_S, ceiling]``. The ceiling is the fixed default
 (``Timeouts.hang_s``: 60 s, or half the collective timeout).
 
@@ -20,7 +20,7 @@ cut out in seconds, not at the 60 s ceiling. Before ``MIN_GAPS`` gaps are measur
 applies too. ``--hang-timeout S`` (or ``CHAMELEON_HANG_TIMEOUT_S``) fixes the timeout instead;
 0 turns detection off.
 
-The same deadlines bound the recovery from the worker's side (runtime/deadlines.py): a phase
+The same deadlines bound the recovery from the worker's side (runtime/recovery/deadlines.py): a phase
 that runs past ``WORKER_MARGIN`` x its deadline ends its generation, so a stall that no process
 causes by freezing (every one of them asleep, waiting) never waits for a collective or store
 timeout. The margin lets a frozen peer be cut out by its agent first. And since a healthy

@@ -6,7 +6,7 @@ since their progress counts keep moving the hang detector never fires. torchft b
 case with ``max_retries``.
 
 A generation *fails* when it is abandoned before it commits a step; a generation that commits
-one ends the streak. The workers (runtime/recovery.py) and the agents (launcher/agent.py) both
+one ends the streak. The workers (runtime/recovery/in_place.py) and the agents (launcher/agent.py) both
 count, each with what it sees: a worker the generations it entered or tried to enter, an agent
 the generations it renewed after a failure. Past the cap either ends the job with one sentence
 that names the cause which kept coming back, and a non-zero exit.

@@ -13,7 +13,7 @@ Checked against torch 2.13, 2.14 and 2.15, the range pyproject.toml declares
 ``duplicate_stdout_filters``, ``duplicate_stderr_filters``, ``virtual_local_rank``). None of the
 members below changed its signature within that range, so there are no per-version branches;
 what differs between the releases is what their process-group backends can do, and that is
-answered here too, by release (:func:`torch_release`), for runtime/groups.py to decide with.
+answered here too, by release (:func:`torch_release`), for runtime/world/groups.py to decide with.
 """
 
 from __future__ import annotations

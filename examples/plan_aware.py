@@ -25,9 +25,9 @@ import time
 
 import torch.distributed as dist
 
+from chameleon_elastic.models.toy import mlp_model
 from chameleon_elastic.runtime import PipelineTrainer, init_distributed, plan_from_env
 from chameleon_elastic.runtime.recording import record_step
-from chameleon_elastic.runtime.toy import mlp_model
 
 
 def say(text: str) -> None:

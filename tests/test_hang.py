@@ -25,8 +25,8 @@ from chameleon_elastic.hang import (
     describe,
     recovery_deadlines,
 )
-from chameleon_elastic.launcher.detectors import HangWatch
-from chameleon_elastic.runtime.phases import Phases
+from chameleon_elastic.launcher.detection.detectors import HangWatch
+from chameleon_elastic.runtime.execution.phases import Phases
 from chameleon_elastic.timeouts import Timeouts
 
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import chameleon_elastic.profile as profile_module
+from chameleon_elastic.models.toy import mlp_model
 from chameleon_elastic.profile import (
     PROFILE_KIND,
     ClusterFigures,
@@ -22,7 +23,6 @@ from chameleon_elastic.profile import (
 )
 from chameleon_elastic.runtime.profiler import main as profiler_main
 from chameleon_elastic.runtime.profiler import profile_layers
-from chameleon_elastic.runtime.toy import mlp_model
 from chameleon_elastic.spec import JobSpec, ModelProfile, SpecError
 
 
@@ -189,11 +189,11 @@ def test_profile_layers_under_autocast_counts_low_precision_tensors():
 
 def test_profiler_command_writes_a_profile(tmp_path, capsys):
     out = tmp_path / "p.json"
-    assert profiler_main(["chameleon_elastic.runtime.toy:mlp_model", "--out", str(out),
+    assert profiler_main(["chameleon_elastic.models.toy:mlp_model", "--out", str(out),
                           "--repeats", "1", "--warmup", "0"]) == 0
     assert MeasuredProfile.load(out).model.layers == 7
     assert "chameleon-run --profile" in capsys.readouterr().out
     with pytest.raises(SystemExit) as info:
-        profiler_main(["chameleon_elastic.runtime.toy:nothing_here", "--out", str(out)])
+        profiler_main(["chameleon_elastic.models.toy:nothing_here", "--out", str(out)])
     assert info.value.code == 2
     assert "has no callable 'nothing_here'" in capsys.readouterr().err

@@ -112,7 +112,7 @@ def test_a_failed_init_process_group_leaves_the_next_world_named_as_its_peers_na
 # ---------------------------------------------------------------- per release (2.13 to 2.15)
 
 def test_the_group_functions_take_what_runtime_groups_passes():
-    """runtime/groups.py passes these by name on every release of the range."""
+    """runtime/world/groups.py passes these by name on every release of the range."""
     import torch.distributed as dist
 
     wanted = {"init_process_group": ("backend", "timeout", "store", "rank", "world_size",

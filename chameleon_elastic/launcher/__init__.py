@@ -4,10 +4,10 @@ Importing this package is cheap: torch is imported only by the agent and the CLI
 See docs/launcher.md for flags, environment variables, the event log and exit codes.
 """
 
+from .detection.health import AlwaysHealthy, FileHealthCheck, HealthCheck
 from .failures import FailureKind, WorkerFailure, classify_exit
-from .health import AlwaysHealthy, FileHealthCheck, HealthCheck
+from .observation.profiler import record_step
 from .plan_env import CHAMELEON_VARS, chameleon_env, device_id, local_assignments
-from .profiler import record_step
 
 __all__ = [
     "CHAMELEON_VARS",

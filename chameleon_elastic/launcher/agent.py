@@ -17,7 +17,7 @@ in place. This file is the loop and the wiring; each concern has a room of its o
 A tick: poll the workers, read the detectors into a Tick, react, apply. A recovery is one
 transition: a round, the agreement, then IN PLACE (every live worker on the runtime: nobody is
 stopped, the new generation is published on the node's channel, workers start only for devices
-without one, the survivors regroup: runtime/recovery.py) or RELAUNCH (unmodified scripts, a
+without one, the survivors regroup: runtime/recovery/in_place.py) or RELAUNCH (unmodified scripts, a
 crash, ``--recovery relaunch``: every local worker starts again). docs/launcher.md follows one
 failure through these files.
 """
@@ -45,27 +45,27 @@ from chameleon_elastic import channel, retries
 from chameleon_elastic.exit_status import ExitStatus
 from chameleon_elastic.timeouts import Timeouts
 
-from .detectors import Watchers
-from .exit_barrier import wait_for_the_others
+from .coordination.exit_barrier import wait_for_the_others
+from .coordination.rounds import CLOSED, FINISHED_AWAY, Rounds
+from .detection.detectors import Watchers
+from .detection.generations import AbandonedGenerations
+from .detection.health import AlwaysHealthy, HealthCheck
+from .detection.stragglers import StragglerWatch
 from .failures import FailureEvent, RestartBudget, Trigger
-from .generations import AbandonedGenerations
-from .health import AlwaysHealthy, HealthCheck
+from .observation.profiler import Profiler
+from .observation.reporter import RecoveryReporter
 from .observe import Event, EventLog, StatusLine, agent_started, ended_state
 from .plan_env import NodeCards
-from .preemption import PEER_PREEMPTED, PREEMPTION_SIGNALS, Preempted, preempt
-from .profiler import Profiler
 from .reactions import Reaction, Tick, react
-from .reporter import RecoveryReporter
-from .rounds import CLOSED, FINISHED_AWAY, Rounds
 from .session import JobSession, LauncherPlanningError
-from .starter import TorchHooks, WorkerStarter
-from .stragglers import StragglerWatch
 from .transition import Crew, Transition
-from .worker_logs import WorkerLogs
-from .workers import ExitBell, WorkerProcesses
+from .workers.preemption import PEER_PREEMPTED, PREEMPTION_SIGNALS, Preempted, preempt
+from .workers.processes import ExitBell, WorkerProcesses
+from .workers.starter import TorchHooks, WorkerStarter
+from .workers.worker_logs import WorkerLogs
 
 if TYPE_CHECKING:
-    from .metrics import AgentMetrics
+    from .observation.metrics import AgentMetrics
 
 __all__ = ["ChameleonAgent", "RecoveryMode"]
 

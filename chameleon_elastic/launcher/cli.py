@@ -32,7 +32,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from .state_dir import StateDir
+from .observation.state_dir import StateDir
 
 __all__ = ["LaunchConfigError", "ScriptNotFound", "build_parser", "console", "main"]
 
@@ -308,10 +308,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
     from chameleon_elastic import torch_compat
 
     from .agent import ChameleonAgent
-    from .health import AlwaysHealthy, FileHealthCheck
+    from .detection.health import AlwaysHealthy, FileHealthCheck
+    from .observation.profiler import Profiler
     from .observe import EventLog, StatusLine
-    from .profiler import Profiler
-    from .worker_logs import WorkerLogs
+    from .workers.worker_logs import WorkerLogs
 
     _take_slurm(args, parser)
     job_mode = _check_job_flags(args, parser)
@@ -409,7 +409,7 @@ def _serve_metrics(args: argparse.Namespace, parser: argparse.ArgumentParser,
     starts, so that a port in use is a usage error, not a failed job."""
     if args.metrics_port is None:
         return None
-    from .metrics import AgentMetrics, MetricsServer
+    from .observation.metrics import AgentMetrics, MetricsServer
 
     if not 0 <= args.metrics_port < 65536:
         parser.error(f"--metrics-port {args.metrics_port} is not a port; pass 0..65535 "
@@ -510,7 +510,7 @@ def _worker_spec(launch: _Launch, status: Any) -> tuple[Any, Any]:
     from chameleon_elastic import torch_compat
     from chameleon_elastic.rendezvous.handler import handler_for
 
-    from .waiting import connect_interruptibly
+    from .coordination.waiting import connect_interruptibly
 
     config = launch.config
     if not config.run_id:
@@ -546,7 +546,7 @@ def _run_agent(agent: Any, spec: Any, config: Any, entrypoint_name: str) -> Any:
     from torch.distributed.elastic import metrics
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
-    from .worker_logs import WorkersFailed
+    from .workers.worker_logs import WorkersFailed
 
     shutdown_rdzv = True
     try:
@@ -621,7 +621,7 @@ def console() -> None:
     from chameleon_elastic.exit_status import ExitStatus
     from chameleon_elastic.rendezvous.errors import rendezvous_message
 
-    from .preemption import Preempted
+    from .workers.preemption import Preempted
 
     parser = build_parser()
     args = parser.parse_args()
@@ -702,7 +702,7 @@ def _failure_sentence(exc: Any) -> str:
         else:
             where = "; what it printed, if anything, is above"
         return f"{exc.name} failed: rank {rank} (pid {first.pid}) {how}{others}{where}."
-    from .worker_logs import tail
+    from .workers.worker_logs import tail
 
     last = tail(log)
     shown = "".join(f"\n  | {line}" for line in last)

@@ -48,7 +48,7 @@ class Event(str, enum.Enum):
 
 class EventLog:
     """Append-only JSONL log; ``path=None`` keeps records in memory only (``records``).
-    ``listeners`` see every record as it is emitted (the metrics, launcher/metrics.py)."""
+    ``listeners`` see every record as it is emitted (the metrics, launcher/observation/metrics.py)."""
 
     def __init__(self, path: str | Path | None,
                  listeners: Iterable[Callable[[dict[str, Any]], None]] = ()) -> None:
@@ -211,7 +211,7 @@ def layout(plan: Any, tp: int = 1) -> str:
 def running_state(live: set[int], world: set[int], tp: int = 1) -> str:
     """The status line's state once a generation's workers run: ``live`` local cards with a
     worker, ``world`` the local cards in the generation's world. A card outside the world is a
-    standby (runtime/standby.py): a node of standbys alone says so, or its user sees a node
+    standby (runtime/recovery/standby.py): a node of standbys alone says so, or its user sees a node
     that seems to run and never prints a step."""
     waiting = sorted({c // tp for c in live - world})
     if not waiting:

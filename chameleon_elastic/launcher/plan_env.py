@@ -36,7 +36,7 @@ __all__ = [
 class LocalAssignment:
     """One worker this node starts: its card (process slot), its dense global rank, and its
     plan device's role (``role.device``: the unit; ``tp_rank``: its place in it). No role: a
-    standby, which waits outside the world for one (runtime/standby.py; its rank is only a
+    standby, which waits outside the world for one (runtime/recovery/standby.py; its rank is only a
     label beyond the world's)."""
 
     local_rank: int

@@ -1,7 +1,7 @@
 """One transition of the agent, in its order: the launch, and every recovery after it.
 
     round      quick when no node can join (rounds.py), else torch's rendezvous round
-    agree      report, decide (the lowest member) or adopt (coordination.py)
+    agree      report, decide (the lowest member) or adopt (coordination/agreement.py)
     stop       every local worker, unless the decision is in place
     store      a fresh worker store for the generation, hosted by the deciding agent
     start      the generation published on the node; workers for devices without one
@@ -27,17 +27,17 @@ from torch.distributed.elastic.agent.server.api import WorkerState
 from chameleon_elastic import channel
 from chameleon_elastic.timeouts import Timeouts
 
-from . import coordination
-from .coordination import Decision, Members, NodeReport, QuickRoundFailed
-from .detectors import Watchers
+from .coordination.agreement import agree
+from .coordination.messages import Decision, Members, NodeReport, QuickRoundFailed
+from .coordination.rounds import Rounds
+from .detection.detectors import Watchers
 from .failures import FailureEvent, RestartBudget
+from .observation.reporter import Pending, RecoveryReporter
 from .observe import Event, running_state
 from .plan_env import NodeCards
-from .reporter import Pending, RecoveryReporter
-from .rounds import Rounds
 from .session import JobSession, LauncherPlanningError
-from .starter import WorkerStarter
-from .workers import WorkerProcesses
+from .workers.processes import WorkerProcesses
+from .workers.starter import WorkerStarter
 
 __all__ = ["Crew", "Transition"]
 
@@ -76,7 +76,7 @@ class Transition:
     def runtime(self) -> bool:
         """Every live worker runs on the runtime (it registered on the channel). With none
         left here (every device of this node lost) nothing here stands in the way of an
-        in-place recovery: the other nodes' reports decide (coordination.decide). It used
+        in-place recovery: the other nodes' reports decide (coordination/decide.py). It used
         to veto it, and the node that had lost its last device was often the decider: every
         worker was relaunched, from a checkpoint or from step 0 (chaos parts 8 and 9)."""
         return not self._c.procs.devices or self._c.procs.registered(self._c.channel)
@@ -131,7 +131,7 @@ class Transition:
         wg.state = WorkerState.HEALTHY
         if event is not None and decision is not None:
             kept = tuple(sorted(c.procs.devices - set(started)))
-            # a standby outside the world (runtime/standby.py) has nothing to resume
+            # a standby outside the world (runtime/recovery/standby.py) has nothing to resume
             world = self.here(spec).cards_of(decision.world)
             waiting = frozenset(c.procs.devices & world if expect_reports else ())
             c.reporter.pending = Pending(
@@ -144,11 +144,11 @@ class Transition:
 
     def _agree(self, info: Any, members: Members, spec: Any, inplace_wanted: bool,
                quick: bool) -> tuple[Decision, Any, bool]:
-        """Report, decide (the lowest member) or adopt (coordination.agree), and log it;
+        """Report, decide (the lowest member) or adopt (coordination/agreement.py), and log it;
         returns the decision, the plan change and whether this agent decided."""
         c, session, here = self._c, self._c.session, self.here(spec)
         assert session is not None and self.node is not None
-        # live in the world: a standby started outside it (runtime/standby.py) waits there
+        # live in the world: a standby started outside it (runtime/recovery/standby.py) waits there
         # until a plan gives its device a role, so it is no spare of the world meanwhile
         book, live = c.watchers.book, c.procs.devices & here.cards_of(self.world)
         before = set(session.excluded)
@@ -157,7 +157,7 @@ class Transition:
                                  not live or self.runtime(), book.why, c.channel, here.cards,
                                  watch.report(here.units(here.cards)) if watch else None)
         try:
-            decision, change, decided = coordination.agree(
+            decision, change, decided = agree(
                 info.store, c.rounds.scope(), members, mine, session, inplace_wanted,
                 here.units_per_node, c.timeouts.store_s, quick=quick,
                 desk=c.rounds.desk(spec, info))

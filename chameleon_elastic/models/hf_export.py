@@ -96,8 +96,8 @@ def save_from_trainer(trainer: Any, out: Path) -> Path:
 
 def convert(checkpoint: Path, source: Any, out: Path, step: int | None = None) -> Path:
     """See :func:`chameleon_elastic.models.hf.convert_checkpoint`."""
-    from chameleon_elastic.runtime.checkpoint import latest_step, load_layers, saved_layers
     from chameleon_elastic.runtime.errors import PipelineRuntimeError
+    from chameleon_elastic.runtime.state.checkpoint import latest_step, load_layers, saved_layers
 
     from .hf import HFModelError, causal_lm, layers_of
 

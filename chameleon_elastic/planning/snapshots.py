@@ -6,7 +6,7 @@ device on another node that holds none of its layers (on a single node, another 
 process). A layer's state then outlives every device that holds it as long as one partner of a
 holder lives, and a loss that takes every replica of some layers costs the steps since the
 last snapshot instead of a disk read (or the job). The runtime takes the copies
-(``runtime/snapshots.py``); this module decides, as pure functions of the job and the plan:
+(``runtime/state/snapshots.py``); this module decides, as pure functions of the job and the plan:
 
 - :func:`partners`: who keeps whose copy. Devices are walked node-interleaved (local index
   first, then node: ``0, 2, 1, 3`` on 2 nodes of 2), and each sends to the next one in that

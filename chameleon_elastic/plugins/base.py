@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from chameleon_elastic.runtime.abort import Sockets
+    from chameleon_elastic.runtime.world.abort import Sockets
 
 __all__ = ["DeviceBackend", "MemoryStats", "PluginError"]
 
@@ -83,10 +83,10 @@ class DeviceBackend(abc.ABC):
     def unblock(self, sockets: Sockets) -> None:
         """Make a transfer blocked in the training thread fail now; called from another thread
         when the agents have moved on to a newer plan generation, and by a survivor tearing its
-        groups down (runtime/abort.py). Gloo has no abort, so its groups' connected sockets
+        groups down (runtime/world/abort.py). Gloo has no abort, so its groups' connected sockets
         (``sockets``, recorded when the groups were formed) are shut down for reading: the
         blocked receive returns "Connection closed by peer" as if the peer had died."""
-        from chameleon_elastic.runtime.abort import shut_down
+        from chameleon_elastic.runtime.world.abort import shut_down
 
         shut_down(sockets)
 
@@ -95,7 +95,7 @@ class DeviceBackend(abc.ABC):
 
         Gloo cannot abort a collective; its groups' sockets were cut already (``unblock``), and
         a peer blocked on this process is cut by its own watchdog when the agents publish the
-        next generation, which every survivor waits for anyway (runtime/abort.py). Back-ends
+        next generation, which every survivor waits for anyway (runtime/world/abort.py). Back-ends
         whose collectives can block on a dead peer forever (NCCL, HCCL) abort their
         communicators first."""
         import torch.distributed as dist

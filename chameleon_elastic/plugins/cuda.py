@@ -6,7 +6,7 @@ engine) for the name ``nccl``, 2.14 builds it for ``nccl2`` only, and both keep 
 ``ProcessGroupNCCL`` as ``nccl-legacy``. The back-end is made with one of those names
 (``get_backend("nccl-legacy")``, or ``CHAMELEON_BACKEND=nccl-legacy`` for a job's workers);
 ``nccl``, the default, is whichever torch builds for it. How groups are then made on each
-(device binding, ``new_group`` or ``split_group``) is decided in runtime/groups.py.
+(device binding, ``new_group`` or ``split_group``) is decided in runtime/world/groups.py.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from chameleon_elastic import torch_compat
 from .base import DeviceBackend, MemoryStats, PluginError
 
 if TYPE_CHECKING:
-    from chameleon_elastic.runtime.abort import Sockets
+    from chameleon_elastic.runtime.world.abort import Sockets
 
 __all__ = ["NCCL_NAMES", "CudaBackend"]
 

@@ -15,15 +15,15 @@ e.g. ``from chameleon_elastic.runtime.topology import dense_rank_map``.
 
 from __future__ import annotations
 
-from .checkpoint import latest_step, load_checkpoint, save_checkpoint
 from .errors import PeerLost, PipelineRuntimeError
-from .evaluation import Every
-from .join import init_distributed
+from .execution.evaluation import Every
+from .execution.step import StepResult
 from .model import PipelineModel, Tie
 from .precision import PRECISIONS, Precision
-from .step import StepResult
+from .state.checkpoint import latest_step, load_checkpoint, save_checkpoint
 from .topology import plan_from_env
 from .trainer import PipelineTrainer
+from .world.join import init_distributed
 
 __all__ = [
     "PRECISIONS",

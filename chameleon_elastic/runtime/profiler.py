@@ -196,7 +196,7 @@ def _load_factory(target: str) -> Callable[[], Any]:
     module_name, sep, attr = target.rpartition(":")
     if not sep or not module_name or not attr:
         raise ValueError(f"{target!r} is not MODULE:FACTORY; pass e.g. "
-                         "chameleon_elastic.runtime.toy:mlp_model or my_model.py:build.")
+                         "chameleon_elastic.models.toy:mlp_model or my_model.py:build.")
     if module_name.endswith(".py"):
         path = Path(module_name)
         spec = importlib.util.spec_from_file_location(path.stem, path)
@@ -226,7 +226,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "activation and boundary bytes per micro-batch) and write a measured "
                     "profile for chameleon-run --profile.",
         epilog="example: python -m chameleon_elastic.runtime.profiler "
-               "chameleon_elastic.runtime.toy:mlp_model --out profile.json",
+               "chameleon_elastic.models.toy:mlp_model --out profile.json",
     )
     ap.add_argument("factory", metavar="MODULE:FACTORY",
                     help="a function called without arguments that returns the PipelineModel; "

@@ -1,7 +1,7 @@
 """Step times for ``chameleon-run --profile-out``, written by every device.
 
 ``record_step(seconds)`` appends one JSON line to ``$CHAMELEON_PROFILE_DIR/device-<d>.jsonl``;
-the agent reads those files and writes the measured profile (launcher/profiler.py). It lives
+the agent reads those files and writes the measured profile (launcher/observation/profiler.py). It lives
 in the runtime so that a training process records without importing the launcher, and
 ``PipelineTrainer.run`` calls it on every working device after each committed step: every
 device's time reaches the profile, not only the reporting process's. Without

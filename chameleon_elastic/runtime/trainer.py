@@ -40,28 +40,28 @@ from torch import nn
 from chameleon_elastic.plan import AllReduceGroup, ExecutionPlan
 from chameleon_elastic.timeouts import Timeouts
 
-from .abort import Sockets
-from .background_save import BackgroundSave
-from .entering import Entry, enter, release_groups
 from .errors import PeerLost, PipelineRuntimeError, keep_message_only, say_peer_loss_in_one_line
-from .evaluation import Every, evaluate
-from .executor import BoundarySpec, PipelineExecutor
-from .feed import Feed
-from .grad_sync import GradientSums, SyncMode, TiedCopies
-from .groups import GroupTable
-from .layout import data_parallel_plan
-from .link import WorkerLink
+from .execution.evaluation import Every, evaluate
+from .execution.executor import BoundarySpec, PipelineExecutor
+from .execution.feed import Feed
+from .execution.grad_sync import GradientSums, SyncMode, TiedCopies
+from .execution.layout import data_parallel_plan
+from .execution.phases import PhaseHook, Phases
+from .execution.step import StepResult, train_step
 from .model import PipelineModel
-from .phases import PhaseHook, Phases
 from .precision import LossScale, Precision, check_precision
-from .preemption import Preemption, stop_here
 from .recording import record_step
-from .recovery import Recovery
-from .snapshots import Snapshots, snapshots_from_env
-from .step import StepResult, train_step
+from .recovery.entering import Entry, enter, release_groups
+from .recovery.in_place import Recovery
+from .recovery.preemption import Preemption, stop_here
+from .state.background_save import BackgroundSave
+from .state.snapshots import Snapshots, snapshots_from_env
+from .state.user_state import LayerStateFactory, Stateful, copy_state
 from .tensor_parallel import full
 from .topology import RankMap, device_from_env, plan_from_env, tp_from_env
-from .user_state import LayerStateFactory, Stateful, copy_state
+from .world.abort import Sockets
+from .world.groups import GroupTable
+from .world.link import WorkerLink
 
 __all__ = ["PipelineTrainer"]
 
@@ -175,11 +175,11 @@ class PipelineTrainer:
         self.redo_below = 0                 # steps below this are trained again (rollback)
         self._no_plan_yet(plan)
         self.recovery: Recovery | None = None
-        #: the watchdog's: set when the agents publish a newer generation (runtime/abort.py)
+        #: the watchdog's: set when the agents publish a newer generation (runtime/world/abort.py)
         self.superseded: threading.Event | None = None
         self.save_group = None                      # background saves' own group, per plan
         self.saving: BackgroundSave | None = None   # the checkpoint being written
-        # in-memory snapshots, here and on a partner (runtime/snapshots.py; not yet under
+        # in-memory snapshots, here and on a partner (runtime/state/snapshots.py; not yet under
         # tensor parallelism)
         self.snapshots = Snapshots(snapshot_every if tp_size == 1 else 0, devices_per_node)
         self.preemption = Preemption(link)   # a stop at a step boundary (runtime/preemption)
@@ -190,7 +190,7 @@ class PipelineTrainer:
         self.plan = plan
         self.ranks: RankMap = RankMap(())
         self.groups: GroupTable | None = None
-        self.group_sockets: Sockets = frozenset()   # see runtime/abort.py
+        self.group_sockets: Sockets = frozenset()   # see runtime/world/abort.py
         self.unit_sockets: Sockets = frozenset()
         self.executor: PipelineExecutor | None = None
         self.orders: tuple = ()

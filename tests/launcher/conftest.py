@@ -59,7 +59,7 @@ def two_device_job(directory: Path, replicas: bool = False) -> Path:
 def mlp_reference(steps: int, featured: bool = False) -> tuple[list[float], dict[int, dict]]:
     """Single-process training of mlp_faults.py's model (float64): losses and final layers
     (``featured``: its --featured model, clipped as it clips)."""
-    from chameleon_elastic.runtime.toy import featured_model, mlp_model, reference_training
+    from chameleon_elastic.models.toy import featured_model, mlp_model, reference_training
 
     if featured:
         from .workers.mlp_faults import FEATURED, FEATURED_CLIP
@@ -75,7 +75,7 @@ def mlp_reference(steps: int, featured: bool = False) -> tuple[list[float], dict
 @functools.cache
 def featured_ema(steps: int) -> dict[tuple[int, str], object]:
     """The single-process EMA (decay 0.9, toy.WeightEMA's) of the --featured model's layers."""
-    from chameleon_elastic.runtime.toy import featured_model, reference_run
+    from chameleon_elastic.models.toy import featured_model, reference_run
 
     from .workers.mlp_faults import FEATURED, FEATURED_CLIP
 

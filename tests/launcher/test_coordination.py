@@ -1,4 +1,4 @@
-"""Plan agreement between agents (launcher/coordination.py), in-process on torch's HashStore:
+"""Plan agreement between agents (launcher/coordination/agreement.py), in-process on torch's HashStore:
 report, decide and publish, adopt, with no process launched."""
 
 from __future__ import annotations
@@ -8,8 +8,10 @@ from dataclasses import replace
 import pytest
 import torch.distributed as dist
 
-from chameleon_elastic.launcher import coordination
-from chameleon_elastic.launcher.coordination import Agreement, Decision, NodeReport
+from chameleon_elastic.launcher.coordination import agreement as protocol
+from chameleon_elastic.launcher.coordination import decide as deciding
+from chameleon_elastic.launcher.coordination import messages
+from chameleon_elastic.launcher.coordination.messages import Agreement, Decision, NodeReport
 from chameleon_elastic.launcher.session import JobSession, LauncherPlanningError
 from chameleon_elastic.plan import ExecutionPlan, Pipeline
 from chameleon_elastic.spec import JobSpec
@@ -24,8 +26,8 @@ def _published(session, reports, lost, joined=(), renew=True):
     """What a decider publishes after taking the step from the reports (``agree``'s part)."""
     base = session.digest
     session.step(lost, joined, {}, renew)
-    decision = coordination.decide(session.plan, session.excluded, reports, inplace_wanted=True,
-                                   why=coordination.reasons(reports, lost, 2))
+    decision = deciding.decide(session.plan, session.excluded, reports, inplace_wanted=True,
+                                   why=deciding.reasons(reports, lost, 2))
     return decision, Agreement.of(decision, base=base, digest=session.digest,
                                   lost=tuple(sorted(lost)), joined=tuple(sorted(joined)),
                                   renew=renew)
@@ -34,17 +36,17 @@ def _published(session, reports, lost, joined=(), renew=True):
 def test_two_agents_agree_on_one_plan_through_a_store(session, tmp_path):
     store = dist.HashStore()
     # node 1 (devices 2, 3) lost device 3; node 0 is intact; every live worker is registered
-    coordination.report(store, "r1/", 1, NodeReport(1, (3,), (2,), True, reported=7,
+    protocol.report(store, "r1/", 1, NodeReport(1, (3,), (2,), True, reported=7,
                                                     checkpoint=None))
-    coordination.report(store, "r1/", 0, NodeReport(0, (), (0, 1), True, reported=None))
-    reports = coordination.collect(store, "r1/", range(2))
-    lost, joined = coordination.losses(reports, session.excluded, session.devices, 2)
+    protocol.report(store, "r1/", 0, NodeReport(0, (), (0, 1), True, reported=None))
+    reports = protocol.collect(store, "r1/", range(2))
+    lost, joined = deciding.losses(reports, session.excluded, session.devices, 2)
     assert (lost, joined) == ({3}, set())
     decision, agreement = _published(session, reports, lost, joined)
-    coordination.publish(store, "r1/", agreement)
+    protocol.publish(store, "r1/", agreement)
 
     other = JobSession(JobSpec.preset("tiny-cpu"), "auto", tmp_path / "other", warm_cache=False)
-    adopted, change = coordination.adopt(coordination.read_agreement(store, "r1/", timeout_s=5),
+    adopted, change = protocol.adopt(protocol.read_agreement(store, "r1/", timeout_s=5),
                                          other, desk=None)   # replayed: nothing to fetch
     assert adopted == decision
     assert change is not None and change.lost == (3,) and change.agreed == "replayed"
@@ -56,20 +58,20 @@ def test_two_agents_agree_on_one_plan_through_a_store(session, tmp_path):
 
 def test_a_node_that_did_not_report_loses_its_devices_and_comes_back(session):
     reports = [NodeReport(0, (), (0, 1), True)]
-    lost, joined = coordination.losses(reports, set(), 4, 2)
+    lost, joined = deciding.losses(reports, set(), 4, 2)
     assert lost == {2, 3} and joined == set()
     back = [NodeReport(0, (), (0, 1), True), NodeReport(1, (), (), True)]
-    assert coordination.losses(back, {2, 3}, 4, 2) == (set(), {2, 3})
+    assert deciding.losses(back, {2, 3}, 4, 2) == (set(), {2, 3})
 
 
 def test_unregistered_workers_or_relaunch_wanted_mean_relaunch(session):
     session.apply(lost={1})
     plan = session.plan
     ready = [NodeReport(0, (1,), (0, 2, 3), True)]
-    assert coordination.decide(plan, {1}, ready, True).inplace
-    assert not coordination.decide(plan, {1}, ready, False).inplace   # relaunch wanted
+    assert deciding.decide(plan, {1}, ready, True).inplace
+    assert not deciding.decide(plan, {1}, ready, False).inplace   # relaunch wanted
     script = [NodeReport(0, (1,), (0, 2, 3), False)]
-    assert not coordination.decide(plan, {1}, script, True).inplace   # not the runtime
+    assert not deciding.decide(plan, {1}, script, True).inplace   # not the runtime
 
 
 def test_nothing_changed_but_a_regroup_is_a_new_generation_of_the_same_layout(session):
@@ -98,9 +100,9 @@ def test_spares_with_a_live_worker_stay_in_an_inplace_world():
     plan = ExecutionPlan("replan", 1, (Pipeline((0, 1), ((0, 4), (4, 8)), 4),
                                        Pipeline((2,), ((0, 8),), 4)),
                          spare_devices=(3,)).validate()
-    assert coordination.world_of(plan, {0, 1, 2, 3}, inplace=True) == (0, 1, 2, 3)
-    assert coordination.world_of(plan, {0, 1, 2, 3}, inplace=False) == (0, 1, 2)
-    assert coordination.world_of(plan, {0, 1, 2}, inplace=True) == (0, 1, 2)
+    assert messages.world_of(plan, {0, 1, 2, 3}, inplace=True) == (0, 1, 2, 3)
+    assert messages.world_of(plan, {0, 1, 2, 3}, inplace=False) == (0, 1, 2)
+    assert messages.world_of(plan, {0, 1, 2}, inplace=True) == (0, 1, 2)
 
 
 def test_lost_layers_without_a_checkpoint_end_the_job_in_one_sentence(tmp_path):
@@ -110,16 +112,16 @@ def test_lost_layers_without_a_checkpoint_end_the_job_in_one_sentence(tmp_path):
     plan = session.plan
     assert plan.checkpoint_layers == (4, 5, 6, 7)
     no_ckpt = [NodeReport(0, (1, 3), (0, 2), True, checkpoint=None)]
-    decision = coordination.decide(plan, {1, 3}, no_ckpt, True)
+    decision = deciding.decide(plan, {1, 3}, no_ckpt, True)
     assert decision.error is not None and "layers 4-7" in decision.error
     assert "checkpoint" in decision.error and "\n" not in decision.error
     with_ckpt = [NodeReport(0, (1, 3), (0, 2), True, checkpoint=10)]
-    assert coordination.decide(plan, {1, 3}, with_ckpt, True).error is None
-    relaunch = coordination.decide(plan, {1, 3}, no_ckpt, False)
+    assert deciding.decide(plan, {1, 3}, with_ckpt, True).error is None
+    relaunch = deciding.decide(plan, {1, 3}, no_ckpt, False)
     assert relaunch.error is None and not relaunch.inplace   # a relaunch says so itself
     # the job checkpoints but lost them before its first one: start over, relaunched
     before_first = [NodeReport(0, (1, 3), (0, 2), True, checkpoint=None, checkpoints=True)]
-    over = coordination.decide(plan, {1, 3}, before_first, True)
+    over = deciding.decide(plan, {1, 3}, before_first, True)
     assert over.error is None and not over.inplace
 
 
@@ -128,21 +130,21 @@ def test_lost_layers_a_live_partner_keeps_a_snapshot_of_go_on_in_place(session):
     plan = session.plan
     assert plan.checkpoint_layers == () and plan.snapshot_layers == (4, 5, 6, 7)
     no_ckpt = [NodeReport(0, (1, 3), (0, 2), True, checkpoint=None)]
-    decision = coordination.decide(plan, {1, 3}, no_ckpt, True)
+    decision = deciding.decide(plan, {1, 3}, no_ckpt, True)
     assert decision.error is None and decision.inplace
 
 
 def test_a_working_device_without_a_live_worker_starts_one_and_every_agent_knows():
     """A crashed worker restarted in place: the survivors' regroup waits for a process start,
-    on every node (runtime/deadlines.py), so the decision says which devices start."""
+    on every node (runtime/recovery/deadlines.py), so the decision says which devices start."""
     plan = ExecutionPlan("replan", 1, (Pipeline((0, 1), ((0, 4), (4, 8)), 4),
                                        Pipeline((2, 3), ((0, 4), (4, 8)), 4))).validate()
     crashed = [NodeReport(0, (), (0, 1), True), NodeReport(1, (), (3,), True)]
-    decision = coordination.decide(plan, set(), crashed, True)
+    decision = deciding.decide(plan, set(), crashed, True)
     assert decision.starting == (2,)
-    agreement = coordination.Agreement.of(decision)
-    assert coordination.Agreement.decode(agreement.encode()).resolve(plan).starting == (2,)
-    assert coordination.decide(plan, set(), crashed, False).starting == ()   # all start anyway
+    agreement = messages.Agreement.of(decision)
+    assert messages.Agreement.decode(agreement.encode()).resolve(plan).starting == (2,)
+    assert deciding.decide(plan, set(), crashed, False).starting == ()   # all start anyway
 
 
 def test_decisions_round_trip_as_json(session):
@@ -155,42 +157,42 @@ def test_decisions_round_trip_as_json(session):
 
 def test_the_plan_record_fences_a_decision_made_from_a_stale_view(session, tmp_path):
     fence = dist.HashStore()
-    seen, newest = coordination.read_record(fence)
+    seen, newest = protocol.read_record(fence)
     assert (seen, newest) == ("", None)
     session.apply(lost={1})
-    first = coordination.decide(session.plan, session.excluded,
+    first = deciding.decide(session.plan, session.excluded,
                                 [NodeReport(0, (1,), (0, 2, 3), True)], True)
-    coordination.commit_record(fence, seen, first)
-    seen, newest = coordination.read_record(fence)
+    protocol.commit_record(fence, seen, first)
+    seen, newest = protocol.read_record(fence)
     assert newest == first
     # an agent cut off since the start still holds generation 0 and the empty record it read
     stale = JobSession(JobSpec.preset("tiny-cpu"), "auto", tmp_path / "stale", warm_cache=False)
     stale.apply(lost={2})
-    late = coordination.decide(stale.plan, stale.excluded, [NodeReport(0, (2,), (0, 1, 3), True)],
+    late = deciding.decide(stale.plan, stale.excluded, [NodeReport(0, (2,), (0, 1, 3), True)],
                                True)
-    with pytest.raises(coordination.Fenced, match="published meanwhile"):
-        coordination.commit_record(fence, "", late)
-    assert coordination.read_record(fence)[1] == first   # the newer plan stands
+    with pytest.raises(messages.Fenced, match="published meanwhile"):
+        protocol.commit_record(fence, "", late)
+    assert protocol.read_record(fence)[1] == first   # the newer plan stands
     session.apply(lost={3})
-    second = coordination.decide(session.plan, session.excluded,
+    second = deciding.decide(session.plan, session.excluded,
                                  [NodeReport(0, (1, 3), (0, 2), True)], True)
-    coordination.commit_record(fence, seen, second)      # from the newest view: accepted
-    assert coordination.read_record(fence)[1].plan.generation == second.plan.generation
+    protocol.commit_record(fence, seen, second)      # from the newest view: accepted
+    assert protocol.read_record(fence)[1].plan.generation == second.plan.generation
 
 
 def test_every_agent_learns_how_each_device_was_lost_from_the_node_that_saw_it(session):
     """A worker killed on a live node is named by its signal on every node; only devices whose
     node sent no report at all are "node gone" (it used to be said of any remote device)."""
     store = dist.HashStore()
-    coordination.report(store, "r1/", 0, NodeReport(0, (1,), (0,), True, why=((1, "SIGKILL"),)))
-    reports = coordination.collect(store, "r1/", range(1))    # node 1 (devices 2, 3) is gone
-    lost, _ = coordination.losses(reports, session.excluded, session.devices, 2)
-    why = coordination.reasons(reports, lost, 2)
+    protocol.report(store, "r1/", 0, NodeReport(0, (1,), (0,), True, why=((1, "SIGKILL"),)))
+    reports = protocol.collect(store, "r1/", range(1))    # node 1 (devices 2, 3) is gone
+    lost, _ = deciding.losses(reports, session.excluded, session.devices, 2)
+    why = deciding.reasons(reports, lost, 2)
     assert why == ((1, "SIGKILL"), (2, "node gone"), (3, "node gone"))
     decision, agreement = _published(session, reports, lost)
     assert decision.why == why
-    coordination.publish(store, "r1/", agreement)
-    assert coordination.read_agreement(store, "r1/", timeout_s=5).decision.why == why
+    protocol.publish(store, "r1/", agreement)
+    assert protocol.read_agreement(store, "r1/", timeout_s=5).decision.why == why
 
 
 def test_a_quick_round_decides_without_a_node_whose_lease_is_gone(session, tmp_path):
@@ -202,12 +204,12 @@ def test_a_quick_round_decides_without_a_node_whose_lease_is_gone(session, tmp_p
 
     store = dist.HashStore()
     alive = {0, 1}
-    members = coordination.Members(0, (0, 1), alive=lambda: set(alive))
+    members = messages.Members(0, (0, 1), alive=lambda: set(alive))
     mine = NodeReport(0, (), (0, 1), True)
     result: dict = {}
 
     def decider() -> None:
-        result["decision"], _, _ = coordination.agree(store, "q1/", members, mine, session,
+        result["decision"], _, _ = protocol.agree(store, "q1/", members, mine, session,
                                                       True, 2, timeout_s=30, quick=True)
 
     thread = threading.Thread(target=decider)
@@ -220,8 +222,8 @@ def test_a_quick_round_decides_without_a_node_whose_lease_is_gone(session, tmp_p
     assert decision.nodes == (0,) and set(decision.excluded) == {2, 3}
 
     late = JobSession(JobSpec.preset("tiny-cpu"), "auto", tmp_path / "late", warm_cache=False)
-    with pytest.raises(coordination.QuickRoundFailed):
-        coordination.agree(store, "q1/", coordination.Members(1, (0, 1)),
+    with pytest.raises(messages.QuickRoundFailed):
+        protocol.agree(store, "q1/", messages.Members(1, (0, 1)),
                            NodeReport(1, (), (2, 3), True), late, True, 2, timeout_s=5,
                            quick=True)
 
@@ -239,15 +241,15 @@ def test_the_next_live_member_decides_when_the_decider_is_gone(session, tmp_path
     result: dict = {}
 
     def follow() -> None:   # node 2: waits for node 0, then for node 1
-        result["follower"] = coordination.agree(
-            store, "q1/", coordination.Members(2, (0, 1, 2), alive=lambda: set(alive)),
+        result["follower"] = protocol.agree(
+            store, "q1/", messages.Members(2, (0, 1, 2), alive=lambda: set(alive)),
             NodeReport(2, (), (4, 5), True), follower, True, 2, timeout_s=30, quick=True)
 
     thread = threading.Thread(target=follow)
     thread.start()
     alive.discard(0)   # node 0 dies before it reports
-    decision, change, decided = coordination.agree(
-        store, "q1/", coordination.Members(1, (0, 1, 2), alive=lambda: set(alive)),
+    decision, change, decided = protocol.agree(
+        store, "q1/", messages.Members(1, (0, 1, 2), alive=lambda: set(alive)),
         NodeReport(1, (), (2, 3), True), session, True, 2, timeout_s=30, quick=True)
     thread.join(30)
     assert not thread.is_alive(), "node 2 never adopted node 1's decision"
@@ -257,7 +259,7 @@ def test_the_next_live_member_decides_when_the_decider_is_gone(session, tmp_path
     adopted, _, follower_decided = result["follower"]
     assert adopted == decision and not follower_decided
     assert follower.plan == session.plan
-    assert coordination.read_record(store)[1] == decision   # fenced: it is the newest
+    assert protocol.read_record(store)[1] == decision   # fenced: it is the newest
 
 
 def test_a_replacing_decider_decides_from_what_the_lost_one_committed(session, tmp_path):
@@ -269,12 +271,12 @@ def test_a_replacing_decider_decides_from_what_the_lost_one_committed(session, t
     lost_decider = JobSession(JobSpec.preset("tiny-cpu"), "auto", tmp_path / "d",
                               warm_cache=False)
     lost_decider.apply(lost={1})
-    committed = coordination.decide(lost_decider.plan, lost_decider.excluded,
+    committed = deciding.decide(lost_decider.plan, lost_decider.excluded,
                                     [NodeReport(0, (1,), (0,), True),
                                      NodeReport(1, (), (2, 3), True)], True)
-    coordination.commit_record(store, "", committed)
-    decision, _, decided = coordination.agree(
-        store, "q1/", coordination.Members(1, (0, 1), alive=lambda: {1}),
+    protocol.commit_record(store, "", committed)
+    decision, _, decided = protocol.agree(
+        store, "q1/", messages.Members(1, (0, 1), alive=lambda: {1}),
         NodeReport(1, (), (2, 3), True), session, True, 2, timeout_s=30, quick=True)
     assert decided
     assert decision.plan.generation == committed.plan.generation + 1
@@ -285,11 +287,11 @@ def test_a_decision_is_published_once_so_a_frozen_decider_cannot_overwrite_its_r
         session):
     store = dist.HashStore()
     _, replacement = _published(session, [NodeReport(1, (), (2, 3), True)], {0, 1})
-    coordination.publish(store, "q1/", replacement)
+    protocol.publish(store, "q1/", replacement)
     stale = Agreement(Decision(None, (), (), False, None, "made before the freeze"))
-    with pytest.raises(coordination.QuickRoundFailed, match="first"):
-        coordination.publish(store, "q1/", stale)
-    assert coordination.read_agreement(store, "q1/", timeout_s=5) == replacement
+    with pytest.raises(messages.QuickRoundFailed, match="first"):
+        protocol.publish(store, "q1/", stale)
+    assert protocol.read_agreement(store, "q1/", timeout_s=5) == replacement
 
 
 class _Reads:
@@ -323,7 +325,7 @@ def test_only_the_decider_of_a_quick_round_reads_the_plan_record(session, tmp_pa
     import threading
 
     fence = _Reads(dist.HashStore())
-    coordination.commit_record(fence, "", coordination.decide(
+    protocol.commit_record(fence, "", deciding.decide(
         session.plan, (), [NodeReport(0, (), (0, 1), True), NodeReport(1, (), (2, 3), True)],
         True))
     store = _Reads(dist.HashStore(), fence)
@@ -331,19 +333,19 @@ def test_only_the_decider_of_a_quick_round_reads_the_plan_record(session, tmp_pa
     result: dict = {}
 
     def follow() -> None:
-        result["decision"], _, _ = coordination.agree(
-            store, "q1/", coordination.Members(1, (0, 1), alive=lambda: {0, 1}),
+        result["decision"], _, _ = protocol.agree(
+            store, "q1/", messages.Members(1, (0, 1), alive=lambda: {0, 1}),
             NodeReport(1, (3,), (2,), True), follower, True, 2, timeout_s=30, quick=True)
 
     thread = threading.Thread(target=follow, name="follower")
     thread.start()
-    decision, _, decided = coordination.agree(
-        store, "q1/", coordination.Members(0, (0, 1), alive=lambda: {0, 1}),
+    decision, _, decided = protocol.agree(
+        store, "q1/", messages.Members(0, (0, 1), alive=lambda: {0, 1}),
         NodeReport(0, (), (0, 1), True), session, True, 2, timeout_s=30, quick=True)
     assert decided
     thread.join(30)
     assert not thread.is_alive(), "the follower never adopted the decision"
-    record_readers = {who for who, _, keys in fence.reads if coordination.RECORD in keys}
+    record_readers = {who for who, _, keys in fence.reads if protocol.RECORD in keys}
     assert record_readers == {threading.current_thread().name}   # the decider only
     assert result["decision"] == decision and set(decision.excluded) == {3}
     assert follower.plan == session.plan and follower.excluded == {3}
@@ -358,10 +360,10 @@ def test_the_others_wait_on_a_one_byte_marker_written_after_the_decision(session
     _, agreement = _published(session, [NodeReport(0, (1,), (0, 2, 3), True)], {1})
     store.set("r1/decision", agreement.encode())   # written, not announced
     with pytest.raises(dist.DistStoreError):
-        coordination.read_agreement(store, "r1/", timeout_s=0.2)
-    coordination.publish(store, "r1/", agreement)
+        protocol.read_agreement(store, "r1/", timeout_s=0.2)
+    protocol.publish(store, "r1/", agreement)
     assert store.get("r1/decided") == b"1"
-    assert coordination.read_agreement(store, "r1/", timeout_s=5) == agreement
+    assert protocol.read_agreement(store, "r1/", timeout_s=5) == agreement
 
 
 def test_a_node_without_the_reporter_knows_the_reported_steps_from_its_workers_commits():
@@ -402,15 +404,15 @@ def test_a_stored_decision_is_compressed_checked_and_an_older_plain_record_still
     d = Decision(session.plan, (2,), (0, 1, 3), True, 4, None)
     assert len(d.encode()) < len(d.to_json()) and Decision.decode(d.encode()) == d
     fence = dist.HashStore()
-    fence.set(coordination.RECORD, d.to_json())   # written before compression
-    seen, newest = coordination.read_record(fence)
+    fence.set(protocol.RECORD, d.to_json())   # written before compression
+    seen, newest = protocol.read_record(fence)
     assert newest == d
     session.apply(lost={3})
     later = Decision(session.plan, (2, 3), (0, 1), True, 4, None)
-    coordination.commit_record(fence, seen, later)
-    assert coordination.read_record(fence)[1] == later
-    with pytest.raises(coordination.Fenced):   # the plain record it replaced is stale now
-        coordination.commit_record(fence, d.to_json(), d)
+    protocol.commit_record(fence, seen, later)
+    assert protocol.read_record(fence)[1] == later
+    with pytest.raises(messages.Fenced):   # the plain record it replaced is stale now
+        protocol.commit_record(fence, d.to_json(), d)
     damaged = bytearray(later.encode())
     damaged[len(damaged) // 2] ^= 0xFF
     with pytest.raises(LauncherPlanningError, match="damaged"):
@@ -424,7 +426,7 @@ class _CountingDesk:
     def __init__(self):
         from datetime import timedelta
 
-        from chameleon_elastic.launcher.rounds import WorkerStoreDesk
+        from chameleon_elastic.launcher.coordination.rounds import WorkerStoreDesk
 
         self.server = None
         self.fetched: list[str] = []
@@ -455,21 +457,21 @@ def test_a_late_joiner_fetches_the_plan_from_the_decider_never_from_the_store(se
     previous = JobSession(JobSpec.preset("tiny-cpu"), "auto", tmp_path / "p", warm_cache=False)
     fence = _Reads(dist.HashStore())
     first, _ = _published(previous, [NodeReport(0, (1,), (0,), True)], {1})
-    coordination.commit_record(fence, "", first)
+    protocol.commit_record(fence, "", first)
     store = _Reads(dist.HashStore(), fence)
     desk = _CountingDesk()
     joiner = JobSession(JobSpec.preset("tiny-cpu"), "auto", tmp_path / "j", warm_cache=False)
     result: dict = {}
 
     def follow() -> None:
-        result["follower"] = coordination.agree(
-            store, "r2/", coordination.Members(1, (0, 1)), NodeReport(1, (), (2, 3), True),
+        result["follower"] = protocol.agree(
+            store, "r2/", messages.Members(1, (0, 1)), NodeReport(1, (), (2, 3), True),
             joiner, True, 2, timeout_s=30, desk=desk)
 
     thread = threading.Thread(target=follow, name="joiner")
     thread.start()
-    decision, _, decided = coordination.agree(
-        store, "r2/", coordination.Members(0, (0, 1)), NodeReport(0, (1,), (0,), True),
+    decision, _, decided = protocol.agree(
+        store, "r2/", messages.Members(0, (0, 1)), NodeReport(0, (1,), (0,), True),
         session, True, 2, timeout_s=30, desk=desk)
     thread.join(30)
     assert not thread.is_alive(), "the returning node never adopted the decision"
@@ -498,9 +500,9 @@ def test_a_replay_whose_decider_is_gone_fails_the_round_not_the_agent(session, t
     import gc
 
     gc.collect()
-    with pytest.raises(coordination.PlanUnreachable, match="full rendezvous round"):
-        coordination.adopt(agreement, stale, desk)
-    assert isinstance(coordination.PlanUnreachable("x"), coordination.QuickRoundFailed)
+    with pytest.raises(messages.PlanUnreachable, match="full rendezvous round"):
+        protocol.adopt(agreement, stale, desk)
+    assert isinstance(messages.PlanUnreachable("x"), messages.QuickRoundFailed)
 
 
 def test_the_agreement_stays_small_as_the_job_grows(tmp_path):
@@ -518,7 +520,7 @@ def test_the_agreement_stays_small_as_the_job_grows(tmp_path):
         s = JobSession(spec_for(devices), "auto", tmp_path / str(devices), cache_depth=0)
         reports = [NodeReport(n, (), tuple(range(8 * n, 8 * n + 8)), True)
                    for n in range(devices // 8) if n != 3]   # node 3 is gone
-        lost, _ = coordination.losses(reports, (), devices, 8)
+        lost, _ = deciding.losses(reports, (), devices, 8)
         decision, agreement = _published(s, reports, lost)
         sizes[devices] = (len(decision.encode()), len(agreement.encode()))
         assert Agreement.decode(agreement.encode()) == agreement

@@ -27,7 +27,7 @@ SAMPLES = 20
 
 @pytest.mark.timeout(90)
 def test_a_dataset_and_its_evaluations_survive_two_kills_in_place(tmp_path, launch):
-    from chameleon_elastic.runtime.toy import (
+    from chameleon_elastic.models.toy import (
         RegressionData,
         mlp_model,
         reference_evaluation,
@@ -76,7 +76,7 @@ def test_a_dataset_and_its_evaluations_survive_two_kills_in_place(tmp_path, laun
 def test_a_device_that_comes_back_joins_while_every_step_is_evaluated(tmp_path, launch):
     """Every step is an evaluation step, so each new generation starts at one: the survivors
     and the process that joins (it has evaluated nothing) must agree to evaluate it."""
-    from chameleon_elastic.runtime.toy import (
+    from chameleon_elastic.models.toy import (
         RegressionData,
         mlp_model,
         reference_evaluation,

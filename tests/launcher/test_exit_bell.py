@@ -1,4 +1,4 @@
-"""The agent's SIGCHLD bell (launcher/workers.py ``ExitBell``) under a storm of child exits."""
+"""The agent's SIGCHLD bell (launcher/workers/processes.py ``ExitBell``) under a storm of child exits."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 # monitor loop does: the handler runs at arbitrary points of the main thread's ``wait``.
 STORM = """
 import os, sys
-from chameleon_elastic.launcher.workers import ExitBell
+from chameleon_elastic.launcher.workers.processes import ExitBell
 with ExitBell() as bell:
     for _ in range(int(sys.argv[1])):
         pid = os.fork()

@@ -1,7 +1,7 @@
 """In-place recovery end to end: chameleon-run, real gloo workers, real SIGKILL, a float64 model.
 
 A fault is injected at each phase of a step (the commit protocol's point 3, see
-runtime/commit.py). In every case the job must finish with exit 0 without relaunching anyone
+runtime/state/commit.py). In every case the job must finish with exit 0 without relaunching anyone
 (each device ran in one process), every step must be reported exactly once and none redone, and
 the per-step loss and the final parameters of every surviving replica must equal single-process
 training (float64, rtol 1e-9).
@@ -18,7 +18,7 @@ import time
 import numpy as np
 import pytest
 
-from chameleon_elastic.launcher.reporter import RECOVERY_PHASES
+from chameleon_elastic.launcher.observation.reporter import RECOVERY_PHASES
 
 from .conftest import (
     MLP_FAULTS,
@@ -394,7 +394,7 @@ def test_a_card_lost_takes_its_tensor_parallel_unit_and_the_rest_recover_in_plac
     """8 cards as 4 units of 2 ((PP, DP, TP) = (2, 2, 2)), layers sharded by torch's tensor
     parallelism: card 7 (unit 3, tensor-parallel rank 1) is killed; its unit is lost whole (the
     agent stops card 6), the other units recover in place, and training equals one process."""
-    from chameleon_elastic.runtime.toy import reference_run, tp_mlp_model
+    from chameleon_elastic.models.toy import reference_run, tp_mlp_model
 
     job = tmp_path / "job.toml"
     job.write_text(TP_JOB)

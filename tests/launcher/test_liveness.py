@@ -173,8 +173,8 @@ def test_a_quick_rounds_decider_hosts_the_worker_store_at_its_own_address():
 
     import torch.distributed as dist
 
+    from chameleon_elastic.launcher.coordination.rounds import Rounds
     from chameleon_elastic.launcher.observe import StatusLine
-    from chameleon_elastic.launcher.rounds import Rounds
     from chameleon_elastic.timeouts import Timeouts
 
     rounds = Rounds(SimpleNamespace(backend="etcd-v3"), Timeouts(store_s=2, hang_s=1,

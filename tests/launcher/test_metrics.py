@@ -15,7 +15,7 @@ import torch.distributed as dist
 from prometheus_client.parser import text_string_to_metric_families
 
 from chameleon_elastic import channel
-from chameleon_elastic.launcher.metrics import AgentMetrics, MetricsServer
+from chameleon_elastic.launcher.observation.metrics import AgentMetrics, MetricsServer
 
 from .conftest import free_port, two_device_job, wait_for
 

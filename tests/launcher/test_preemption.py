@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from chameleon_elastic.exit_status import ExitStatus
-from chameleon_elastic.runtime.checkpoint import latest_step
+from chameleon_elastic.runtime.state.checkpoint import latest_step
 
 from .conftest import Launcher, pid_alive, two_device_job, wait_for
 

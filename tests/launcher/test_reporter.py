@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from chameleon_elastic.channel import Resumed
-from chameleon_elastic.launcher.coordination import Decision
+from chameleon_elastic.launcher.coordination.messages import Decision
 from chameleon_elastic.launcher.failures import FailureEvent, Trigger
-from chameleon_elastic.launcher.reporter import Pending, describe, recovered_fields
+from chameleon_elastic.launcher.observation.reporter import Pending, describe, recovered_fields
 
 
 def _pending(trigger: Trigger, lost: set[int], why: dict[int, str], wall: float,

@@ -17,8 +17,8 @@ from types import SimpleNamespace
 import pytest
 import torch.distributed as dist
 
+from chameleon_elastic.launcher.coordination.rounds import Rounds
 from chameleon_elastic.launcher.observe import ended_state, running_state
-from chameleon_elastic.launcher.rounds import Rounds
 
 from .conftest import MLP_FAULTS, assert_single_process_results, read_events, wait_for
 

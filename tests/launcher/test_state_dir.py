@@ -1,5 +1,5 @@
 """The run's state directory outlives the run only when it holds something to read
-(launcher/state_dir.py): chameleon-run made one per run and kept them all (78 on a machine
+(launcher/observation/state_dir.py): chameleon-run made one per run and kept them all (78 on a machine
 tried for an afternoon)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from chameleon_elastic.launcher.state_dir import StateDir
+from chameleon_elastic.launcher.observation.state_dir import StateDir
 
 from .conftest import PROBE
 

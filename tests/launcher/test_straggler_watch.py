@@ -1,4 +1,4 @@
-"""The agent's straggler watch (launcher/stragglers.py) on a real store: per-step speeds from
+"""The agent's straggler watch (launcher/detection/stragglers.py) on a real store: per-step speeds from
 the workers' paces, the threshold/recover band held for a window of steps, and the factors a
 new plan brings back."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from chameleon_elastic import channel
-from chameleon_elastic.launcher.stragglers import StragglerWatch, speeds_of
+from chameleon_elastic.launcher.detection.stragglers import StragglerWatch, speeds_of
 from chameleon_elastic.planning import initial_plan
 from chameleon_elastic.planning.estimator import expected_compute
 from chameleon_elastic.spec import JobSpec, StragglerSpec
@@ -99,7 +99,7 @@ def test_speeds_are_relative_to_the_median_so_a_uniformly_off_profile_names_nobo
 def test_a_spared_straggler_is_tried_again_after_its_probation_which_then_doubles():
     from dataclasses import replace
 
-    from chameleon_elastic.launcher.stragglers import PROBATION
+    from chameleon_elastic.launcher.detection.stragglers import PROBATION
     from chameleon_elastic.planning.stragglers import spare_plan
 
     spared = spare_plan(SPEC, PLAN, {3: 0.1})

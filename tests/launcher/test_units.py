@@ -10,20 +10,20 @@ from pathlib import Path
 
 import pytest
 
+from chameleon_elastic.launcher.detection.health import FileHealthCheck
 from chameleon_elastic.launcher.failures import FailureKind, classify_exit
-from chameleon_elastic.launcher.health import FileHealthCheck
+from chameleon_elastic.launcher.observation.profiler import (
+    PROFILE_DIR_VAR,
+    Profiler,
+    per_layer_times,
+    record_step,
+)
 from chameleon_elastic.launcher.observe import EventLog, StatusLine, recovery_line
 from chameleon_elastic.launcher.plan_env import (
     CHAMELEON_VARS,
     chameleon_env,
     local_assignments,
     write_plan_file,
-)
-from chameleon_elastic.launcher.profiler import (
-    PROFILE_DIR_VAR,
-    Profiler,
-    per_layer_times,
-    record_step,
 )
 from chameleon_elastic.plan import ExecutionPlan, PeerShare, Pipeline, Reroute
 from chameleon_elastic.profile import ClusterFigures, MeasuredProfile, ModelFigures
@@ -238,8 +238,8 @@ def _session_with_profile(path: Path, tmp_path: Path):
 def test_both_producers_profiles_load_through_chameleon_run_profile(tmp_path, monkeypatch):
     import torch
 
+    from chameleon_elastic.models.toy import mlp_model
     from chameleon_elastic.runtime.profiler import profile_layers
-    from chameleon_elastic.runtime.toy import mlp_model
 
     spec = JobSpec.preset("tiny-cpu")
     steps = _steps_profile(tmp_path, monkeypatch, spec, _plan_2x2())

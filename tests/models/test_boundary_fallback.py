@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from chameleon_elastic.runtime import PipelineModel, PipelineRuntimeError
-from chameleon_elastic.runtime.executor import boundary_spec
+from chameleon_elastic.runtime.execution.executor import boundary_spec
 
 
 class Scaled(nn.Module):

@@ -11,8 +11,8 @@ import pytest
 
 from chameleon_elastic.plan import ExecutionPlan, Pipeline
 from chameleon_elastic.runtime import PipelineTrainer
-from chameleon_elastic.runtime.local_world import run_local_world
 from chameleon_elastic.runtime.topology import dense_rank_map
+from chameleon_elastic.runtime.world.local_world import run_local_world
 
 LAYERS = 6   # embedding, 4 decoder layers, head
 

@@ -14,8 +14,8 @@ import pytest
 
 from chameleon_elastic.plan import ExecutionPlan, Pipeline
 from chameleon_elastic.runtime import PipelineTrainer, save_checkpoint
-from chameleon_elastic.runtime.local_world import run_local_world
 from chameleon_elastic.runtime.topology import dense_rank_map
+from chameleon_elastic.runtime.world.local_world import run_local_world
 
 TP, MBS, STEPS, CLIP = 2, 2, 3, 0.5
 
@@ -57,7 +57,7 @@ def test_tensor_parallel_units_train_as_one_process_and_export(tiny_dirs, tmp_pa
     from transformers import AutoModelForCausalLM
 
     from chameleon_elastic.models import hf
-    from chameleon_elastic.runtime.toy import reference_run
+    from chameleon_elastic.models.toy import reference_run
 
     directory = str(tiny_dirs(name, layers=2))
     results = run_local_world(_train, 2 * TP, directory, str(tmp_path), timeout_s=110)

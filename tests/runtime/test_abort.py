@@ -1,4 +1,4 @@
-"""Cutting a generation's sockets (runtime/abort.py, ``shut_down``) never leaves a collective
+"""Cutting a generation's sockets (runtime/world/abort.py, ``shut_down``) never leaves a collective
 waiting for its timeout: two real gloo processes all-reduce in a loop and both cut their
 group's sockets at the same instant, as every survivor's watchdog does when the agents
 publish a newer generation. With a ``SHUT_RDWR`` cut, torch 2.13's gloo queued a send written
@@ -21,7 +21,7 @@ _RANK = textwrap.dedent("""
     import json, os, sys, threading, time
     from datetime import timedelta
     import torch, torch.distributed as dist
-    from chameleon_elastic.runtime.abort import new_sockets, shut_down
+    from chameleon_elastic.runtime.world.abort import new_sockets, shut_down
 
     rank, port, trials, timeout_s = (int(a) for a in sys.argv[1:5])
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))

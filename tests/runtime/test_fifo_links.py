@@ -1,6 +1,6 @@
 """Every plan runs where point-to-point messages match first-in first-out (NCCL, HCCL).
 
-The executor reads each link in its send order (runtime/inbox.py). On CPU the FIFO path is
+The executor reads each link in its send order (runtime/execution/inbox.py). On CPU the FIFO path is
 forced (``CHAMELEON_FIFO_P2P=1``: gloo then gets no tags, so it matches in order as NCCL does):
 a rerouted asymmetric plan whose receivers consume a link out of send order trains like one
 process. A property test replays the planner's plans, with failures drawn at random, on a model
@@ -18,14 +18,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from chameleon_elastic.models.toy import mlp_model, reference_run
 from chameleon_elastic.plan import ExecutionPlan, PeerShare, Pipeline, Reroute
 from chameleon_elastic.planning.schedule import device_orders, fifo_violations, link_messages
 from chameleon_elastic.planning.search import PlanningError, decide, initial_plan
 from chameleon_elastic.runtime import PipelineTrainer
-from chameleon_elastic.runtime.layout import FIFO_ENV
-from chameleon_elastic.runtime.local_world import run_local_world
+from chameleon_elastic.runtime.execution.layout import FIFO_ENV
 from chameleon_elastic.runtime.topology import dense_rank_map
-from chameleon_elastic.runtime.toy import mlp_model, reference_run
+from chameleon_elastic.runtime.world.local_world import run_local_world
 from chameleon_elastic.spec import JobSpec
 
 STEPS, MBS = 3, 2

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from chameleon_elastic.plan import AllReduceGroup
-from chameleon_elastic.runtime.grad_sync import (
+from chameleon_elastic.runtime.execution.grad_sync import (
     GradientSums,
     bind_flat,
     norm_holder,
@@ -17,9 +17,9 @@ from chameleon_elastic.runtime.grad_sync import (
     sum_order,
     sync_gradients,
 )
-from chameleon_elastic.runtime.groups import GroupTable
-from chameleon_elastic.runtime.local_world import run_local_world
 from chameleon_elastic.runtime.topology import RankMap
+from chameleon_elastic.runtime.world.groups import GroupTable
+from chameleon_elastic.runtime.world.local_world import run_local_world
 
 WIDTH, LAYERS = 8, 4
 LAYER_BYTES = (WIDTH * WIDTH + WIDTH) * 8  # float64 weight and bias
@@ -181,9 +181,9 @@ def test_the_norm_is_counted_once_per_layer_and_split_among_the_holders():
 def _train_watching_sums(rank: int, world: int, width: int) -> tuple[list, list, bool]:
     """Data parallelism over ``world`` ranks; at each step's ``sync`` phase (the backward
     done, the sums not yet awaited) how many chunks had started."""
+    from chameleon_elastic.models.toy import mlp_model
     from chameleon_elastic.runtime import PipelineTrainer
-    from chameleon_elastic.runtime.layout import data_parallel_plan
-    from chameleon_elastic.runtime.toy import mlp_model
+    from chameleon_elastic.runtime.execution.layout import data_parallel_plan
 
     model = mlp_model(layers=3, width=width)
     box: dict = {}
@@ -207,8 +207,8 @@ def test_the_trainer_starts_sums_in_the_backward_only_where_that_pays(width):
     """Width 160 (float64: 100 KiB per parameter): the sums start during the last backward;
     width 16 (1 KiB): hooks would cost more than they hide, every sum starts after it. The
     losses equal single-process training either way."""
-    from chameleon_elastic.runtime.grad_sync import OVERLAP_MIN_BYTES
-    from chameleon_elastic.runtime.toy import mlp_model, reference_training
+    from chameleon_elastic.models.toy import mlp_model, reference_training
+    from chameleon_elastic.runtime.execution.grad_sync import OVERLAP_MIN_BYTES
 
     out = run_local_world(_train_watching_sums, 2, width, timeout_s=50)
     expected, _ = reference_training(mlp_model(layers=3, width=width), 3, 4, 2)

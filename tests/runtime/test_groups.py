@@ -1,4 +1,4 @@
-"""How groups are made (runtime/groups.py): the decision per backend and torch release, the
+"""How groups are made (runtime/world/groups.py): the decision per backend and torch release, the
 rounds of disjoint rank sets that ``split_group`` takes, and both ways of making a plan's
 groups on real processes.
 
@@ -17,14 +17,14 @@ from hypothesis import strategies as st
 
 from chameleon_elastic import torch_compat
 from chameleon_elastic.plugins import PluginError, device_backends, get_backend
-from chameleon_elastic.runtime.groups import (
+from chameleon_elastic.runtime.world.groups import (
     REFUSE_NEW_GROUP,
     GroupTable,
     disjoint_rounds,
     subgroup_method,
     world_device,
 )
-from chameleon_elastic.runtime.local_world import run_local_world
+from chameleon_elastic.runtime.world.local_world import run_local_world
 
 #: FAKE: a stand-in for nccl2 (no GPU here); see the module docstring
 FAKE_NCCL2 = "fake-nccl2-for-tests"

@@ -1,4 +1,4 @@
-"""A gloo world formed with lazy pairs (runtime/regroup.py): four real processes on a real
+"""A gloo world formed with lazy pairs (runtime/world/regroup.py): four real processes on a real
 TCPStore. Forming it connects no pair; the pairs a rank names are open (and recorded for the
 watchdog) when ``connect_peers`` returns, the others are not; and the recorded sockets still
 unblock a survivor waiting on a peer frozen by SIGSTOP, as the full mesh's do."""
@@ -18,8 +18,8 @@ _RANK = textwrap.dedent("""
     import json, os, socket, sys, threading, time
     from datetime import timedelta
     import torch, torch.distributed as dist
-    from chameleon_elastic.runtime import regroup
-    from chameleon_elastic.runtime.abort import new_sockets, shut_down
+    from chameleon_elastic.runtime.world import regroup
+    from chameleon_elastic.runtime.world.abort import new_sockets, shut_down
 
     rank, port, world = int(sys.argv[1]), int(sys.argv[2]), 4
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))

@@ -11,6 +11,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from chameleon_elastic.models.toy import (
+    WeightEMA,
+    featured_model,
+    mlp_model,
+    reference_run,
+    reference_training,
+)
 from chameleon_elastic.plan import ExecutionPlan, PeerShare, Pipeline, Reroute
 from chameleon_elastic.runtime import (
     PipelineRuntimeError,
@@ -19,16 +26,9 @@ from chameleon_elastic.runtime import (
     load_checkpoint,
     save_checkpoint,
 )
-from chameleon_elastic.runtime.checkpoint import load_layers
-from chameleon_elastic.runtime.local_world import run_local_world
+from chameleon_elastic.runtime.state.checkpoint import load_layers
 from chameleon_elastic.runtime.topology import dense_rank_map
-from chameleon_elastic.runtime.toy import (
-    WeightEMA,
-    featured_model,
-    mlp_model,
-    reference_run,
-    reference_training,
-)
+from chameleon_elastic.runtime.world.local_world import run_local_world
 
 MBS = 2
 

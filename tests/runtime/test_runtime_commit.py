@@ -1,5 +1,5 @@
 """The commit protocol's agreement, the moves that follow it and the wire format of a layer:
-pure functions and single-process round trips (runtime/commit.py, migrate.py, layer_state.py)."""
+pure functions and single-process round trips (runtime/state/commit.py, migrate.py, layer_state.py)."""
 
 from __future__ import annotations
 
@@ -8,12 +8,17 @@ import math
 import pytest
 import torch
 
+from chameleon_elastic.models.toy import mlp_model
 from chameleon_elastic.plan import CHECKPOINT, ExecutionPlan, Pipeline, Transfer
-from chameleon_elastic.runtime.commit import ProtocolError, Row, agree
-from chameleon_elastic.runtime.layer_state import export_layer, import_layer, recv_layer, send_layer
-from chameleon_elastic.runtime.migrate import plan_moves
 from chameleon_elastic.runtime.model import build_layers
-from chameleon_elastic.runtime.toy import mlp_model
+from chameleon_elastic.runtime.state.commit import ProtocolError, Row, agree
+from chameleon_elastic.runtime.state.layer_state import (
+    export_layer,
+    import_layer,
+    recv_layer,
+    send_layer,
+)
+from chameleon_elastic.runtime.state.migrate import plan_moves
 
 NAN = math.nan
 

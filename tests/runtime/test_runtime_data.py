@@ -23,20 +23,20 @@ import pytest
 import torch
 from torch import nn
 
-from chameleon_elastic.plan import ExecutionPlan, PeerShare, Pipeline, Reroute
-from chameleon_elastic.runtime import Every, PipelineModel, PipelineTrainer, save_checkpoint
-from chameleon_elastic.runtime.data import Epochs, permutation
-from chameleon_elastic.runtime.errors import PipelineRuntimeError
-from chameleon_elastic.runtime.evaluation import evaluate
-from chameleon_elastic.runtime.local_world import run_local_world
-from chameleon_elastic.runtime.model import read_samples, sample_indices
-from chameleon_elastic.runtime.topology import dense_rank_map
-from chameleon_elastic.runtime.toy import (
+from chameleon_elastic.models.toy import (
     RegressionData,
     mlp_model,
     reference_evaluation,
     reference_run,
 )
+from chameleon_elastic.plan import ExecutionPlan, PeerShare, Pipeline, Reroute
+from chameleon_elastic.runtime import Every, PipelineModel, PipelineTrainer, save_checkpoint
+from chameleon_elastic.runtime.data import Epochs, permutation
+from chameleon_elastic.runtime.errors import PipelineRuntimeError
+from chameleon_elastic.runtime.execution.evaluation import evaluate
+from chameleon_elastic.runtime.model import read_samples, sample_indices
+from chameleon_elastic.runtime.topology import dense_rank_map
+from chameleon_elastic.runtime.world.local_world import run_local_world
 
 MBS = 2
 G = 4          # global micro-batches of every plan below
@@ -306,7 +306,7 @@ def test_evaluation_equals_single_process_under_every_plan_kind(tmp_path):
 def test_read_ahead_gives_the_micro_batches_the_plan_assigns(processes):
     """Threads or worker processes, what arrives is what the step's positions read; what was
     read for an abandoned plan is not served under the next one."""
-    from chameleon_elastic.runtime.feed import Feed
+    from chameleon_elastic.runtime.execution.feed import Feed
     from chameleon_elastic.runtime.model import collate
 
     plans = five_device_plans()
@@ -332,14 +332,14 @@ def test_bad_evaluation_and_reader_settings_are_one_sentence():
         Every(0, RegressionData(4))
     with pytest.raises(PipelineRuntimeError, match="the evaluation dataset is a"):
         Every(2, iter(range(4)))
-    from chameleon_elastic.runtime.feed import Feed
+    from chameleon_elastic.runtime.execution.feed import Feed
 
     with pytest.raises(PipelineRuntimeError, match="at least one background reader"):
         Feed(mlp_model(), 1, workers=0)
 
 
 def _evaluate_sharded(rank: int, world: int) -> float:
-    from chameleon_elastic.runtime.toy import tp_mlp_model
+    from chameleon_elastic.models.toy import tp_mlp_model
 
     plan = ExecutionPlan("initial", 0, (Pipeline((0, 1), ((0, 3), (3, 6)), G),)).validate()
     ranks = dense_rank_map(plan, 2)
@@ -356,7 +356,7 @@ def _evaluate_sharded(rank: int, world: int) -> float:
 def test_evaluation_of_units_of_two_cards_equals_single_process():
     """Tensor parallelism: every card of a unit runs the forwards, card 0 of the last stage
     counts the loss once."""
-    from chameleon_elastic.runtime.toy import tp_mlp_model
+    from chameleon_elastic.models.toy import tp_mlp_model
 
     losses = run_local_world(_evaluate_sharded, 4, timeout_s=100)
     expected = reference_evaluation(tp_mlp_model(), reference_run(tp_mlp_model(), 1, G,

@@ -37,18 +37,18 @@ import numpy as np
 import pytest
 import torch
 
-from chameleon_elastic.plan import ExecutionPlan, PeerShare, Pipeline, Reroute
-from chameleon_elastic.runtime import PipelineTrainer, save_checkpoint
-from chameleon_elastic.runtime.local_world import run_local_world
-from chameleon_elastic.runtime.precision import LossScale
-from chameleon_elastic.runtime.topology import dense_rank_map
-from chameleon_elastic.runtime.toy import (
+from chameleon_elastic.models.toy import (
     StepCounter,
     WeightEMA,
     featured_model,
     mlp_model,
     reference_run,
 )
+from chameleon_elastic.plan import ExecutionPlan, PeerShare, Pipeline, Reroute
+from chameleon_elastic.runtime import PipelineTrainer, save_checkpoint
+from chameleon_elastic.runtime.precision import LossScale
+from chameleon_elastic.runtime.topology import dense_rank_map
+from chameleon_elastic.runtime.world.local_world import run_local_world
 
 STEPS = 5
 MBS = 2

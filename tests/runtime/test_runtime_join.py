@@ -1,5 +1,5 @@
-"""Joining a plan generation (runtime/join.py) and the sockets recovery shuts down
-(runtime/abort.py), on real TCPStores and real sockets, in one process."""
+"""Joining a plan generation (runtime/world/join.py) and the sockets recovery shuts down
+(runtime/world/abort.py), on real TCPStores and real sockets, in one process."""
 
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ import torch.distributed as dist
 from chameleon_elastic import channel
 from chameleon_elastic.channel import Generation
 from chameleon_elastic.hang import WORKER_MARGIN, RecoveryDeadlines
-from chameleon_elastic.runtime.abort import Watchdog, new_sockets, shut_down
-from chameleon_elastic.runtime.deadlines import RecoveryClock
 from chameleon_elastic.runtime.errors import PeerLost
-from chameleon_elastic.runtime.join import join_generation
-from chameleon_elastic.runtime.link import WorkerLink
+from chameleon_elastic.runtime.recovery.deadlines import RecoveryClock
+from chameleon_elastic.runtime.world.abort import Watchdog, new_sockets, shut_down
+from chameleon_elastic.runtime.world.join import join_generation
+from chameleon_elastic.runtime.world.link import WorkerLink
 from chameleon_elastic.timeouts import Timeouts
 
 

@@ -14,12 +14,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from chameleon_elastic.models.toy import mlp_model, reference_run
 from chameleon_elastic.plan import ExecutionPlan, PeerShare, Pipeline, Reroute
 from chameleon_elastic.runtime import PipelineTrainer
-from chameleon_elastic.runtime.layout import data_parallel_plan
-from chameleon_elastic.runtime.local_world import LocalWorldError, run_local_world
+from chameleon_elastic.runtime.execution.layout import data_parallel_plan
 from chameleon_elastic.runtime.topology import dense_rank_map
-from chameleon_elastic.runtime.toy import mlp_model, reference_run
+from chameleon_elastic.runtime.world.local_world import LocalWorldError, run_local_world
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_gpt.py"
 

@@ -17,11 +17,11 @@ import random
 import numpy as np
 import pytest
 
+from chameleon_elastic.models.toy import mlp_model, reference_training
 from chameleon_elastic.plan import ExecutionPlan, PeerShare, Pipeline, Reroute
 from chameleon_elastic.runtime import PipelineTrainer
-from chameleon_elastic.runtime.local_world import run_local_world
 from chameleon_elastic.runtime.topology import dense_rank_map
-from chameleon_elastic.runtime.toy import mlp_model, reference_training
+from chameleon_elastic.runtime.world.local_world import run_local_world
 
 WORKERS = 6
 LAYERS = 7

@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 import torch
 
+from chameleon_elastic.models.toy import mlp_model, reference_training
 from chameleon_elastic.plan import ExecutionPlan, Pipeline
 from chameleon_elastic.runtime import PipelineTrainer
-from chameleon_elastic.runtime import snapshots as snapshots_module
-from chameleon_elastic.runtime.layer_state import unpack
-from chameleon_elastic.runtime.local_world import run_local_world
-from chameleon_elastic.runtime.snapshots import (
+from chameleon_elastic.runtime.state import snapshots as snapshots_module
+from chameleon_elastic.runtime.state.layer_state import unpack
+from chameleon_elastic.runtime.state.snapshots import (
     Found,
     Inventory,
     Slot,
@@ -30,7 +30,7 @@ from chameleon_elastic.runtime.snapshots import (
     newest_common,
     snapshot_moves,
 )
-from chameleon_elastic.runtime.toy import mlp_model, reference_training
+from chameleon_elastic.runtime.world.local_world import run_local_world
 
 MBS = 2
 
@@ -196,7 +196,7 @@ def test_a_slow_exchange_that_ends_is_kept_and_named(caplog, monkeypatch):
         raise RuntimeError("Connection closed by peer")
 
     _running(snapshots, 12, slow)
-    with caplog.at_level(logging.WARNING, logger="chameleon_elastic.runtime.snapshots"):
+    with caplog.at_level(logging.WARNING, logger="chameleon_elastic.runtime.state.snapshots"):
         snapshots.settle(30)
     assert 12 in snapshots.slots
     assert re.search(r"snapshot 12: took \d+\.\d s to end after the failure \(Connection "
@@ -204,7 +204,7 @@ def test_a_slow_exchange_that_ends_is_kept_and_named(caplog, monkeypatch):
 
 
 def test_a_packed_copy_lives_in_host_memory_and_unpacks_to_the_state():
-    from chameleon_elastic.runtime.layer_state import export_layer, pack_layer, unpack
+    from chameleon_elastic.runtime.state.layer_state import export_layer, pack_layer, unpack
 
     layer = torch.nn.Linear(3, 2)
     optimizer = torch.optim.Adam(layer.parameters())

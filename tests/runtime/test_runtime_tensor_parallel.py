@@ -21,11 +21,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from chameleon_elastic.models.toy import reference_run, tp_mlp_model
 from chameleon_elastic.plan import ExecutionPlan, PeerShare, Pipeline, Reroute
 from chameleon_elastic.runtime import PipelineTrainer, save_checkpoint
-from chameleon_elastic.runtime.local_world import run_local_world
 from chameleon_elastic.runtime.topology import dense_rank_map
-from chameleon_elastic.runtime.toy import reference_run, tp_mlp_model
+from chameleon_elastic.runtime.world.local_world import run_local_world
 
 TP = 2
 MBS = 2

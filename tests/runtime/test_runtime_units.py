@@ -10,15 +10,15 @@ import pytest
 import torch
 from torch import nn
 
+from chameleon_elastic.models.toy import featured_model, mlp_model
 from chameleon_elastic.plan import ExecutionPlan, PeerShare, Pipeline, Reroute
 from chameleon_elastic.plugins import PluginError, backend_names, get_backend, memory_stats
 from chameleon_elastic.runtime import PipelineRuntimeError, PipelineTrainer, plan_from_env
 from chameleon_elastic.runtime.data import sample_ids, step_sample_ids
-from chameleon_elastic.runtime.executor import PipelineExecutor, TensorSpec, boundary_spec
-from chameleon_elastic.runtime.layout import data_parallel_plan, layer_holders
+from chameleon_elastic.runtime.execution.executor import PipelineExecutor, TensorSpec, boundary_spec
+from chameleon_elastic.runtime.execution.layout import data_parallel_plan, layer_holders
 from chameleon_elastic.runtime.model import build_layers, make_optimizer
 from chameleon_elastic.runtime.topology import RankMap, dense_rank_map, device_from_env
-from chameleon_elastic.runtime.toy import featured_model, mlp_model
 
 
 def plans_with_eight_micro_batches() -> list[ExecutionPlan]:

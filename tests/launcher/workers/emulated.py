@@ -18,8 +18,8 @@ import time
 
 import torch
 
+from chameleon_elastic.models.toy import emulated_model
 from chameleon_elastic.runtime import PipelineTrainer, init_distributed
-from chameleon_elastic.runtime.toy import emulated_model
 
 # a launcher test that times out asks every worker where it is (tests/launcher/conftest.py)
 faulthandler.register(signal.SIGUSR2, all_threads=False)

@@ -63,14 +63,14 @@ import time
 
 import torch
 
-from chameleon_elastic.runtime import Every, PeerLost, PipelineTrainer, init_distributed
-from chameleon_elastic.runtime.toy import (
+from chameleon_elastic.models.toy import (
     RegressionData,
     WeightEMA,
     featured_model,
     mlp_model,
     tp_mlp_model,
 )
+from chameleon_elastic.runtime import Every, PeerLost, PipelineTrainer, init_distributed
 
 # a launcher test that times out asks every worker where it is (tests/launcher/conftest.py)
 faulthandler.register(signal.SIGUSR2, all_threads=False)
