@@ -227,7 +227,8 @@ def test_agent_profile_feeds_the_planner(tmp_path, monkeypatch):
 
 
 def _session_with_profile(path: Path, tmp_path: Path):
-    from chameleon_elastic.launcher.cli import _make_session, build_parser
+    from chameleon_elastic.launcher.cli import build_parser
+    from chameleon_elastic.launcher.launch import _make_session
 
     parser = build_parser()
     args = parser.parse_args(["--preset", "tiny-cpu", "--nproc-per-node", "4", "--plan-cache",
