@@ -37,7 +37,8 @@ from torch import nn
 
 from chameleon_elastic.runtime.model import PipelineModel, Tie, sizing_boundaries
 
-from .hf_layers import SUPPORTED, Layout, Stage, init_modules, layout_of, materialize
+from .hf_export import convert, save_from_trainer
+from .hf_layers import SUPPORTED, Layout, Stage, copy_config, init_modules, layout_of, materialize
 from .hf_weights import has_weights
 
 __all__ = ["TINY", "CausalLMLayers", "HFModelError", "TokenWindows", "adamw", "causal_lm",
@@ -86,10 +87,6 @@ def load_config(source: Any) -> tuple[Any, Path | None]:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise HFModelError(f"cannot read {directory / 'config.json'}: {first}") from None
     return config, directory
-
-
-def copy_config(config: Any) -> Any:
-    return config.__class__.from_dict(config.to_dict())
 
 
 def _check_supported(config: Any) -> None:
@@ -385,18 +382,32 @@ def layers_of(model: PipelineModel) -> CausalLMLayers:
 def save_pretrained(trainer: Any, out_dir: str | Path) -> Path:
     """Write the trained model as a directory ``AutoModelForCausalLM.from_pretrained`` loads.
     Collective: every process of the job calls it (see :mod:`.hf_export`)."""
-    from .hf_export import save_from_trainer
-
-    return save_from_trainer(trainer, Path(out_dir))
+    return save_from_trainer(trainer, layers_of(trainer.model), Path(out_dir))
 
 
 def convert_checkpoint(checkpoint_dir: str | Path, source: Any, out_dir: str | Path,
                        step: int | None = None) -> Path:
     """A runtime checkpoint (``step-N/``, DCP) as a transformers directory, offline;
     ``source``: the model's directory or config (for config.json)."""
-    from .hf_export import convert
+    from chameleon_elastic.runtime.errors import PipelineRuntimeError
+    from chameleon_elastic.runtime.state.checkpoint import latest_step, saved_layers
 
-    return convert(Path(checkpoint_dir), source, Path(out_dir), step)
+    checkpoint = Path(checkpoint_dir)
+    if step is None:
+        step = latest_step(checkpoint)
+        if step is None:
+            raise HFModelError(f"{checkpoint} holds no committed checkpoint (no 'latest' "
+                               "file); pass the --checkpoint-dir a training run wrote.")
+    model = causal_lm(source)
+    n = model.num_layers
+    try:
+        found = saved_layers(checkpoint, step)
+    except PipelineRuntimeError as exc:
+        raise HFModelError(str(exc)) from None
+    if found != list(range(n)):
+        raise HFModelError(f"{checkpoint / f'step-{step}'} holds layers {found[:6]}... but the "
+                           f"model has {n}; pass the model the checkpoint was trained from.")
+    return convert(checkpoint, step, layers_of(model), Path(out_dir))
 
 
 def parameter_count(model: PipelineModel) -> Sequence[int]:
@@ -437,7 +448,35 @@ def tiny_config(name: str, layers: int = 2) -> Any:
     return getattr(transformers, cls)(vocab_size=288, **common, **extra)
 
 
-if __name__ == "__main__":
-    from .hf_export import main
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m chameleon_elastic.models.hf convert``: :func:`convert_checkpoint`."""
+    from chameleon_elastic.console import CliParser
 
+    ap = CliParser(
+        prog="python -m chameleon_elastic.models.hf",
+        description="Convert a runtime checkpoint (step-N/, torch.distributed.checkpoint, "
+                    "written by trainer.run(..., checkpoint_every=K)) of a model made by "
+                    "causal_lm into "
+                    "a directory transformers' AutoModelForCausalLM.from_pretrained loads.",
+        epilog="example: python -m chameleon_elastic.models.hf convert ckpt --model tiny "
+               "-o exported")
+    sub = ap.add_subparsers(dest="command", required=True)
+    c = sub.add_parser("convert", help="runtime checkpoint -> transformers directory")
+    c.add_argument("checkpoint", metavar="CHECKPOINT_DIR")
+    c.add_argument("--model", required=True, metavar="DIR",
+                   help="the save_pretrained directory the run started from (its config.json "
+                        "and tokenizer files are copied)")
+    c.add_argument("-o", "--out", required=True, metavar="OUT")
+    c.add_argument("--step", type=int, default=None,
+                   help="checkpoint step (default: the latest)")
+    args = ap.parse_args(argv)
+    try:
+        out = convert_checkpoint(args.checkpoint, args.model, args.out, args.step)
+    except HFModelError as exc:
+        ap.error(str(exc))
+    print(f"wrote {out}: loads with transformers.AutoModelForCausalLM.from_pretrained")
+    return 0
+
+
+if __name__ == "__main__":
     raise SystemExit(main())

@@ -1,5 +1,8 @@
 """Saving a trained causal LM in transformers' own format, from a live job or a checkpoint.
 
+The writers only: the adapter (:mod:`.hf`) checks what it is asked to save, hands over its
+layers (``CausalLMLayers``) and says what went wrong in one sentence; nothing here imports it.
+
 From a live job (:func:`save_from_trainer`, collective): every layer is written once, by its
 lowest holder (under tensor parallelism the unit gathers its shards, as checkpoints do, and
 card 0 writes), one safetensors shard per writing device; rank 0 writes ``config.json``, the
@@ -16,15 +19,16 @@ per layer, read a layer at a time. Both keep the training's master precision (fl
 from __future__ import annotations
 
 import shutil
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from .hf_layers import copy_config
 from .hf_weights import shard_name, write_index, write_shard
 
-__all__ = ["convert", "main", "save_from_trainer"]
+__all__ = ["convert", "save_from_trainer"]
 
 #: Files of a source directory that describe the tokenizer and generation, copied as they are.
 _SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -33,8 +37,6 @@ _SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.js
 
 
 def _config_for(layers: Any, dtype: torch.dtype) -> Any:
-    from .hf import copy_config
-
     config = copy_config(layers.config)
     config.use_cache = True
     config.architectures = [type(layers.skeleton).__name__]
@@ -59,15 +61,13 @@ def _skipped(layers: Any) -> set[str]:
     return {layers.tie_names()[1]} if layers.tied else set()
 
 
-def save_from_trainer(trainer: Any, out: Path) -> Path:
-    """See :func:`chameleon_elastic.models.hf.save_pretrained`."""
+def save_from_trainer(trainer: Any, layers: Any, out: Path) -> Path:
+    """See :func:`chameleon_elastic.models.hf.save_pretrained`; ``layers``: the model's
+    ``CausalLMLayers``."""
     import torch.distributed as dist
 
     from chameleon_elastic.runtime.errors import PeerLost
 
-    from .hf import layers_of
-
-    layers = layers_of(trainer.model)
     out.mkdir(parents=True, exist_ok=True)
     holders = trainer.holders
     writers = sorted({devs[0] for devs in holders.values()})
@@ -94,28 +94,12 @@ def save_from_trainer(trainer: Any, out: Path) -> Path:
     return out
 
 
-def convert(checkpoint: Path, source: Any, out: Path, step: int | None = None) -> Path:
-    """See :func:`chameleon_elastic.models.hf.convert_checkpoint`."""
-    from chameleon_elastic.runtime.errors import PipelineRuntimeError
-    from chameleon_elastic.runtime.state.checkpoint import latest_step, load_layers, saved_layers
+def convert(checkpoint: Path, step: int, layers: Any, out: Path) -> Path:
+    """See :func:`chameleon_elastic.models.hf.convert_checkpoint`, which checks that
+    ``checkpoint``'s ``step`` holds every layer of ``layers`` (the model's ``CausalLMLayers``)."""
+    from chameleon_elastic.runtime.state.checkpoint import load_layers
 
-    from .hf import HFModelError, causal_lm, layers_of
-
-    if step is None:
-        step = latest_step(checkpoint)
-        if step is None:
-            raise HFModelError(f"{checkpoint} holds no committed checkpoint (no 'latest' "
-                               "file); pass the --checkpoint-dir a training run wrote.")
-    model = causal_lm(source)
-    layers = layers_of(model)
-    n = model.num_layers
-    try:
-        found = saved_layers(checkpoint, step)
-    except PipelineRuntimeError as exc:
-        raise HFModelError(str(exc)) from None
-    if found != list(range(n)):
-        raise HFModelError(f"{checkpoint / f'step-{step}'} holds layers {found[:6]}... but the "
-                           f"model has {n}; pass the model the checkpoint was trained from.")
+    n = layers.layout.num_layers
     out.mkdir(parents=True, exist_ok=True)
     skip = _skipped(layers)
     weight_map: dict[str, str] = {}
@@ -131,34 +115,3 @@ def convert(checkpoint: Path, source: Any, out: Path, step: int | None = None) -
         dtype = next((v.dtype for v in params.values() if v.is_floating_point()), dtype)
     _finish(layers, out, weight_map, total, dtype)
     return out
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    from chameleon_elastic.console import CliParser
-
-    from .hf import HFModelError
-
-    ap = CliParser(
-        prog="python -m chameleon_elastic.models.hf",
-        description="Convert a runtime checkpoint (step-N/, torch.distributed.checkpoint, "
-                    "written by trainer.run(..., checkpoint_every=K)) of a model made by "
-                    "causal_lm into "
-                    "a directory transformers' AutoModelForCausalLM.from_pretrained loads.",
-        epilog="example: python -m chameleon_elastic.models.hf convert ckpt --model tiny "
-               "-o exported")
-    sub = ap.add_subparsers(dest="command", required=True)
-    c = sub.add_parser("convert", help="runtime checkpoint -> transformers directory")
-    c.add_argument("checkpoint", metavar="CHECKPOINT_DIR")
-    c.add_argument("--model", required=True, metavar="DIR",
-                   help="the save_pretrained directory the run started from (its config.json "
-                        "and tokenizer files are copied)")
-    c.add_argument("-o", "--out", required=True, metavar="OUT")
-    c.add_argument("--step", type=int, default=None,
-                   help="checkpoint step (default: the latest)")
-    args = ap.parse_args(argv)
-    try:
-        out = convert(Path(args.checkpoint), args.model, Path(args.out), args.step)
-    except HFModelError as exc:
-        ap.error(str(exc))
-    print(f"wrote {out}: loads with transformers.AutoModelForCausalLM.from_pretrained")
-    return 0

@@ -69,6 +69,11 @@ def family_from_pp_plan(plan: dict[str, Any], base: nn.Module) -> Family:
                   rotary="rotary_emb" if hasattr(base, "rotary_emb") else None)
 
 
+def copy_config(config: Any) -> Any:
+    """A transformers config that can be changed without changing ``config``."""
+    return config.__class__.from_dict(config.to_dict())
+
+
 def materialize(module: nn.Module, device: torch.device | str,
                 dtype: torch.dtype) -> nn.Module:
     """A copy of a meta-device ``module`` with empty (uninitialised) tensors on ``device``;
