@@ -1,25 +1,20 @@
 """ChameleonAgent: torch's LocalElasticAgent, made failure-aware, plan-aware and able to recover
-in place. This file is the loop and the wiring; each concern has a room of its own:
+in place. This file is the loop and the wiring; each concern has a room of its own
+(docs/architecture.md has the map):
 
-    detectors.py     what is watched: hangs, a peer lost on another node, health, leases
-    stragglers.py    the local devices' speeds, and when a change is worth a decision
-    reactions.py     the one decision per tick: a pure function (its docstring has the states)
-    transition.py    one transition in its order: round, agree, stop, store, start, report
-    rounds.py        rounds: quick ones (no node can join), failover, survivors, worker stores
-    coordination.py  the agents' agreement on the next plan, in protocol order
-    starter.py       the generation published on the node; workers for devices without one
-    worker_env.py    the environment a worker starts with
-    workers.py       the worker processes, polled one by one (a death stops nobody else)
-    reporter.py      one event and one line per recovery, once the workers resumed
-    generations.py   generations abandoned before a step: past a cap, the job ends
-    preemption.py    SIGTERM: the workers stop at a step boundary with a checkpoint
+    reactions.py    the one decision per tick: a pure function (its docstring has the states)
+    transition.py   one transition in its order: round, agree, stop, store, start, report
+    detection/      what is watched: hangs, peers lost elsewhere, health, leases, speeds
+    coordination/   rounds (quick ones, failover, worker stores) and the agents' agreement
+    workers/        the worker processes: started by device, their environment, preemption
+    observation/    one event and one line per recovery, once the workers resumed; metrics
 
 A tick: poll the workers, read the detectors into a Tick, react, apply. A recovery is one
 transition: a round, the agreement, then IN PLACE (every live worker on the runtime: nobody is
 stopped, the new generation is published on the node's channel, workers start only for devices
-without one, the survivors regroup: runtime/recovery/in_place.py) or RELAUNCH (unmodified scripts, a
-crash, ``--recovery relaunch``: every local worker starts again). docs/launcher.md follows one
-failure through these files.
+without one, the survivors regroup: runtime/recovery/in_place.py) or RELAUNCH (unmodified
+scripts, a crash, ``--recovery relaunch``: every local worker starts again).
+docs/launcher.md follows one failure through these files.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ restarted worker can read the previous attempt's gloo addresses and hang or fail
 agent, never in a worker, so a crashing rank 0 takes no store with it. The decider opens it
 before it publishes its decision and serves the whole decision there to any agent whose own
 replay of it differs (:class:`WorkerStoreDesk`): the plan never goes through etcd to every
-agent (coordination.py).
+agent (agreement.py).
 """
 
 from __future__ import annotations
