@@ -59,7 +59,8 @@ from typing import Literal
 from ..plan import ExecutionPlan, PeerShare, Pipeline, Reroute
 from ..spec import PER_LAYER_KEYS, JobSpec, ModelProfile
 from . import estimator, snapshots
-from .restorer import allreduce_rounds, choose_sources, class_round_sizes, holdings, place
+from .allreduce import allreduce_rounds, class_round_sizes
+from .restorer import choose_sources, holdings, place
 
 __all__ = [
     "Decision",

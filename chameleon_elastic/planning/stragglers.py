@@ -28,7 +28,8 @@ from dataclasses import replace
 from ..plan import ExecutionPlan, Pipeline
 from ..spec import JobSpec
 from . import estimator
-from .restorer import allreduce_rounds, choose_sources, holdings
+from .allreduce import allreduce_rounds
+from .restorer import choose_sources, holdings
 from .search import Decision, PlanningError, PolicyChoice, recompute_flags, replan
 
 __all__ = ["decide_speeds", "keep_plan", "reduce_plan", "spare_plan"]

@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 from chameleon_elastic.plan import ExecutionPlan, Pipeline
 from chameleon_elastic.planning import PlanningError, decide, initial_plan, search
+from chameleon_elastic.planning.allreduce import dsatur
 from chameleon_elastic.planning.estimator import pipeline_time, pipeline_time_floor
 from chameleon_elastic.planning.restorer import (
     _assign,
@@ -30,7 +31,6 @@ from chameleon_elastic.planning.restorer import (
     _prefix_bytes,
     _slot_cells,
     _slot_table,
-    dsatur,
     place,
 )
 from chameleon_elastic.planning.schedule import (

@@ -23,10 +23,10 @@ from chameleon_elastic.plan import (
     Reroute,
     Transfer,
 )
+from chameleon_elastic.planning.allreduce import allreduce_rounds
 from chameleon_elastic.planning.restorer import (
     Placement,
     RestoreError,
-    allreduce_rounds,
     choose_sources,
     holdings,
     place,

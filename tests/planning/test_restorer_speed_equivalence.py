@@ -16,12 +16,12 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from chameleon_elastic.plan import AllReduceGroup, Pipeline, Transfer
-from chameleon_elastic.planning.restorer import (
+from chameleon_elastic.planning.allreduce import (
     allreduce_round_sizes,
     allreduce_rounds,
-    choose_sources,
     holder_buckets,
 )
+from chameleon_elastic.planning.restorer import choose_sources
 from chameleon_elastic.spec import JobSpec
 
 pytestmark = pytest.mark.timeout(60)

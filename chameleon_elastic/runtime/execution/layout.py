@@ -36,7 +36,7 @@ def plan_rounds(plan: ExecutionPlan) -> tuple[tuple[AllReduceGroup, ...], ...]:
     """The plan's colour rounds; hand-built plans without rounds get the restorer's."""
     if plan.allreduce_rounds:
         return plan.allreduce_rounds
-    from chameleon_elastic.planning.restorer import allreduce_rounds
+    from chameleon_elastic.planning.allreduce import allreduce_rounds
 
     return tuple(tuple(r) for r in allreduce_rounds(plan.pipelines, plan.failed_devices))
 

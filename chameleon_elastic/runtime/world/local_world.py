@@ -36,7 +36,7 @@ __all__ = ["PRELOAD", "LocalWorldError", "run_local_world"]
 PRELOAD = ("torch", "torch.distributed", "torch._decomp", "torch._dynamo",
            "torch._subclasses.fake_tensor",
            "chameleon_elastic.runtime", "chameleon_elastic.planning.schedule",
-           "chameleon_elastic.planning.restorer")
+           "chameleon_elastic.planning.restorer", "chameleon_elastic.planning.allreduce")
 
 
 class LocalWorldError(PipelineRuntimeError):

@@ -14,7 +14,7 @@ from dataclasses import replace
 
 from ...plan import ExecutionPlan, Pipeline
 from ...planning import estimator
-from ...planning.restorer import allreduce_rounds
+from ...planning.allreduce import allreduce_rounds
 from ...planning.search import PlanningError, initial_plan
 from ...spec import JobSpec
 from ..engine import Phase
