@@ -58,7 +58,7 @@ from typing import Literal
 
 from ..plan import ExecutionPlan, PeerShare, Pipeline, Reroute
 from ..spec import PER_LAYER_KEYS, JobSpec, ModelProfile
-from . import estimator, snapshots
+from . import estimator, memory, snapshots
 from .allreduce import allreduce_rounds, class_round_sizes
 from .restorer import choose_sources, holdings, place
 
@@ -154,9 +154,9 @@ def stage_recompute(spec: JobSpec, start: int, end: int, in_flight: int) -> bool
     fits (recomputation costs a forward per backward), else with."""
     limit = spec.cluster.device_memory_bytes
     policy = spec.planner.recompute
-    if policy != "always" and estimator.stage_memory(spec, start, end, in_flight) <= limit:
+    if policy != "always" and memory.stage_memory(spec, start, end, in_flight) <= limit:
         return False
-    if policy != "never" and estimator.stage_memory(spec, start, end, in_flight, True) <= limit:
+    if policy != "never" and memory.stage_memory(spec, start, end, in_flight, True) <= limit:
         return True
     return None
 
@@ -713,7 +713,7 @@ def _peers_recompute(spec: JobSpec, plan: ExecutionPlan,
     over = [d for d, peak in plan.estimate.peak_memory_bytes.items() if peak > limit and d in peers]
     if not over:
         return None
-    loads = estimator.in_flight(plan)
+    loads = memory.in_flight(plan)
     pipelines = list(plan.pipelines)
     for d in over:
         p, s = where[d]

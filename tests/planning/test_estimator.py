@@ -18,6 +18,7 @@ from chameleon_elastic.plan import (
     Transfer,
 )
 from chameleon_elastic.planning import estimator as est
+from chameleon_elastic.planning import memory as mem
 from chameleon_elastic.planning.schedule import device_orders, simulate
 from chameleon_elastic.spec import JobSpec
 
@@ -263,7 +264,7 @@ def test_peak_memory_matches_the_paper_formula() -> None:
     spec = job(layers=8, param=m_p, optimizer=m_o, activation=m_a)
     pp, nm = 4, 8
     plan = layout(2, pp, nm, layers=8)
-    peaks = est.peak_memory(spec, plan)
+    peaks = mem.peak_memory(spec, plan)
     assert sorted(peaks) == list(range(8))
     n_l = 2
     for p in range(2):
@@ -274,7 +275,7 @@ def test_peak_memory_matches_the_paper_formula() -> None:
 
 def test_peak_memory_with_fewer_micro_batches_than_stages() -> None:
     spec = job(layers=8, param=1.0, optimizer=0.0, activation=10.0)
-    peaks = est.peak_memory(spec, layout(1, 4, 2, layers=8))
+    peaks = mem.peak_memory(spec, layout(1, 4, 2, layers=8))
     # 2 layers x 2 bytes resident; min(4 - i, 2) micro-batches of 2 x 10 bytes in flight.
     assert peaks == {0: 44.0, 1: 44.0, 2: 44.0, 3: 24.0}
 
@@ -282,7 +283,7 @@ def test_peak_memory_with_fewer_micro_batches_than_stages() -> None:
 def test_peak_memory_of_a_rerouting_peer_counts_foreign_micro_batches() -> None:
     spec = job(layers=4, param=1.0, optimizer=0.0, activation=10.0)
     plan = layout(2, 2, 4, layers=4, failed=(1,))
-    peaks = est.peak_memory(spec, plan)
+    peaks = mem.peak_memory(spec, plan)
     assert 1 not in peaks
     # Device 3 (last stage) runs its own and the dead device's last stage, merged by nominal
     # time: F(p0,m) F(p1,m) B(p0,m) B(p1,m), so two micro-batches of 2 x 10 bytes in flight.
@@ -290,15 +291,15 @@ def test_peak_memory_of_a_rerouting_peer_counts_foreign_micro_batches() -> None:
     assert peaks[0] == 2 * 2.0 + 2 * 20.0
     # A first-stage peer: own 2 in flight plus up to 2 of the dead first stage's.
     plan0 = layout(2, 2, 4, layers=4, failed=(0,))
-    peaks0 = est.peak_memory(spec, plan0)
+    peaks0 = mem.peak_memory(spec, plan0)
     assert peaks0[2] == 2 * 2.0 + 4 * 20.0
-    assert est.fits_in_memory(spec, plan0)
+    assert mem.fits_in_memory(spec, plan0)
 
 
 def test_fits_in_memory_rejects_overflow() -> None:
     spec = job(layers=8, param=8 * GB, optimizer=20 * GB, activation=1 * GB)
-    assert not est.fits_in_memory(spec, layout(1, 2, 4, layers=8))
-    assert est.fits_in_memory(job(layers=8), layout(1, 2, 4, layers=8))
+    assert not mem.fits_in_memory(spec, layout(1, 2, 4, layers=8))
+    assert mem.fits_in_memory(job(layers=8), layout(1, 2, 4, layers=8))
 
 
 # --------------------------------------------------------------------------- transitions
@@ -358,7 +359,7 @@ def test_evaluate_puts_it_together() -> None:
     assert e.transition_time_s == 3.0 + 4.0
     run = 3600.0 / (5 * 0.5)  # five live devices (four working, one spare)
     assert e.score == pytest.approx(e.throughput * run / (7.0 + run), rel=1e-12)
-    assert e.peak_memory_bytes == est.peak_memory(spec, plan)
+    assert e.peak_memory_bytes == mem.peak_memory(spec, plan)
     no_work = ExecutionPlan("initial", 0, (Pipeline((0,), ((0, 8),), 0),)).validate()
     with pytest.raises(est.EstimatorError, match="no micro-batch"):
         est.evaluate(spec, no_work)

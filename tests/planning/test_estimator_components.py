@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from chameleon_elastic.plan import ExecutionPlan, PeerShare, Pipeline, Reroute
 from chameleon_elastic.planning import PlanningError, initial_plan
 from chameleon_elastic.planning import estimator as est
+from chameleon_elastic.planning import memory as mem
 from chameleon_elastic.planning.schedule import (
     Op,
     device_orders,
@@ -60,7 +61,7 @@ def reference_peak_memory(spec: JobSpec, plan: ExecutionPlan) -> dict[int, float
                 in_flight = int(in_flight_peak(orders[d]))
             else:
                 in_flight = min(pipe.num_stages - s, pipe.micro_batches)
-            out[d] = est.stage_memory(spec, *pipe.layers[s], in_flight)
+            out[d] = mem.stage_memory(spec, *pipe.layers[s], in_flight)
     return dict(sorted(out.items()))
 
 
@@ -69,7 +70,7 @@ def assert_same_as_reference(spec: JobSpec, plan: ExecutionPlan) -> None:
     assert est.compute_time(spec, plan, simulate_reroute=True) == reference
     closed = est.reroute_closed_form(spec, plan) if plan.reroute else None
     assert est.compute_time(spec, plan) == (reference if closed is None else closed)
-    assert est.peak_memory(spec, plan) == reference_peak_memory(spec, plan)
+    assert mem.peak_memory(spec, plan) == reference_peak_memory(spec, plan)
 
 
 # --------------------------------------------------------------------------- random plans

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from chameleon_elastic.plan import ExecutionPlan, Pipeline
 from chameleon_elastic.planning import PlanningError, decide, initial_plan
 from chameleon_elastic.planning import estimator as est
+from chameleon_elastic.planning import memory as mem
 from chameleon_elastic.planning.schedule import device_orders, simulate
 from chameleon_elastic.planning.search import recompute_flags, reroute_plan, stage_recompute
 from chameleon_elastic.spec import JobSpec
@@ -43,31 +44,31 @@ def test_stage_memory_by_hand() -> None:
     # 4 layers of param 10, optimizer 20, activations 100, output 5; stages [0, 2) and [2, 4).
     spec = job(layers=4)
     # Resident 2 * (2 * 10 + 20) = 80.
-    assert est.stage_memory(spec, 0, 2, 2) == 80 + 2 * 200
+    assert mem.stage_memory(spec, 0, 2, 2) == 80 + 2 * 200
     # Recomputed from layer 0: the input is data (0 bytes), plus one micro-batch rebuilt.
-    assert est.stage_memory(spec, 0, 2, 2, True) == 80 + 0 + 200
-    assert est.stage_memory(spec, 2, 4, 1) == 80 + 200
+    assert mem.stage_memory(spec, 0, 2, 2, True) == 80 + 0 + 200
+    assert mem.stage_memory(spec, 2, 4, 1) == 80 + 200
     # Recomputed from layer 2: layer 1's output per micro-batch in flight.
-    assert est.stage_memory(spec, 2, 4, 1, True) == 80 + 1 * 5 + 200
-    assert est.stage_memory(spec, 2, 4, 3, True) == 80 + 3 * 5 + 200
-    assert est.stage_memory(spec, 2, 4, 0, True) == 80  # nothing in flight, nothing rebuilt
+    assert mem.stage_memory(spec, 2, 4, 1, True) == 80 + 1 * 5 + 200
+    assert mem.stage_memory(spec, 2, 4, 3, True) == 80 + 3 * 5 + 200
+    assert mem.stage_memory(spec, 2, 4, 0, True) == 80  # nothing in flight, nothing rebuilt
 
 
 def test_precision_scales_activations_and_adds_the_autocast_weight_copy() -> None:
     # bf16 autocast over figures measured in fp32: activations and inputs halve; a bf16 copy
     # of the weights (param_bytes are fp32: half of them) is held once: 2 x 10 / 2 = 10.
     bf16 = job(layers=4, precision="bf16")
-    assert est.stage_memory(bf16, 0, 2, 2) == 80 + 10 + 2 * 100
-    assert est.stage_memory(bf16, 2, 4, 3, True) == 80 + 10 + 3 * 2.5 + 100
+    assert mem.stage_memory(bf16, 0, 2, 2) == 80 + 10 + 2 * 100
+    assert mem.stage_memory(bf16, 2, 4, 3, True) == 80 + 10 + 3 * 2.5 + 100
     fp16 = job(layers=4, precision="fp16")
-    assert est.stage_memory(fp16, 2, 4, 3, True) == est.stage_memory(bf16, 2, 4, 3, True)
+    assert mem.stage_memory(fp16, 2, 4, 3, True) == mem.stage_memory(bf16, 2, 4, 3, True)
     # Figures measured in bf16, trained in fp32: activations double, no weight copy.
     up = job(layers=4, model_precision="bf16")
-    assert est.stage_memory(up, 2, 4, 1) == 80 + 400
-    assert est.stage_memory(up, 2, 4, 1, True) == 80 + 10 + 400
+    assert mem.stage_memory(up, 2, 4, 1) == 80 + 400
+    assert mem.stage_memory(up, 2, 4, 1, True) == 80 + 10 + 400
     # Same precision both sides: bytes as given, the weight copy still counts below fp32.
     same = job(layers=4, precision="bf16", model_precision="bf16")
-    assert est.stage_memory(same, 2, 4, 1) == 80 + 10 + 200
+    assert mem.stage_memory(same, 2, 4, 1) == 80 + 10 + 200
     # Times are never converted.
     assert est.stage_times(bf16, 0, 4) == est.stage_times(job(layers=4), 0, 4) == (4.0, 8.0)
 
@@ -75,7 +76,7 @@ def test_precision_scales_activations_and_adds_the_autocast_weight_copy() -> Non
 def test_boundary_bytes_default_to_the_activations() -> None:
     spec = job(layers=4, boundary=None)
     assert spec.model.boundary_figures == spec.model.activation_bytes
-    assert est.stage_memory(spec, 2, 4, 3, True) == 80 + 3 * 100 + 200
+    assert mem.stage_memory(spec, 2, 4, 3, True) == 80 + 3 * 100 + 200
 
 
 def test_recomputed_backward_runs_the_forward_again() -> None:
@@ -98,8 +99,8 @@ def test_one_f_one_b_time_of_a_recomputed_pipeline_by_hand() -> None:
     plan = ExecutionPlan("initial", 0, (Pipeline((0, 1), layers, 3, (True, False)),)).validate()
     assert est.compute_time(spec, plan) == 14.0
     # Stage 0 holds min(2, 3) = 2 micro-batches, stage 1 one: 40 resident each.
-    assert est.in_flight(plan) == {0: 2, 1: 1}
-    assert est.peak_memory(spec, plan) == {0: 40 + 0 + 100, 1: 40 + 100}
+    assert mem.in_flight(plan) == {0: 2, 1: 1}
+    assert mem.peak_memory(spec, plan) == {0: 40 + 0 + 100, 1: 40 + 100}
 
 
 def test_auto_recomputes_only_the_stage_that_does_not_fit() -> None:
@@ -158,7 +159,7 @@ def test_a_rerouting_peer_that_would_overflow_recomputes() -> None:
     assert all(p.recompute == (False, False) for p in base.pipelines)
     plan = reroute_plan(spec, base, [2])
     assert [p.recompute for p in plan.pipelines] == [(True, False), (False, False)]
-    assert est.in_flight(plan)[0] == 4
+    assert mem.in_flight(plan)[0] == 4
     assert plan.estimate.peak_memory_bytes[0] == 80 + 0 + 200
     assert max(plan.estimate.peak_memory_bytes.values()) <= spec.cluster.device_memory_bytes
     # Mixed flags: no closed form; the executed orders with the peer's slower backward.
@@ -228,9 +229,9 @@ def tight_jobs(draw):
 def check_recomputation(spec: JobSpec, plan: ExecutionPlan) -> None:
     limit = spec.cluster.device_memory_bytes
     assert max(plan.estimate.peak_memory_bytes.values()) <= limit
-    assert plan.estimate.peak_memory_bytes == est.peak_memory(spec, plan)
+    assert plan.estimate.peak_memory_bytes == mem.peak_memory(spec, plan)
     dead = set(plan.failed_devices)
-    loads = est.in_flight(plan)
+    loads = mem.in_flight(plan)
     for pipe in plan.pipelines:
         for d, (a, b), flag in zip(pipe.devices, pipe.layers, pipe.recompute):
             if d in dead:
@@ -239,7 +240,7 @@ def check_recomputation(spec: JobSpec, plan: ExecutionPlan) -> None:
                 assert not flag
             elif spec.planner.recompute == "auto" and flag:
                 # auto never recomputes a stage that would fit without it
-                assert est.stage_memory(spec, a, b, loads[d]) > limit
+                assert mem.stage_memory(spec, a, b, loads[d]) > limit
             elif spec.planner.recompute == "always" and plan.policy != "reroute":
                 assert flag
     if plan.reroute:

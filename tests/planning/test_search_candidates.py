@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from chameleon_elastic.planning import PlanningError, decide, initial_plan
 from chameleon_elastic.planning.allreduce import allreduce_round_sizes, class_round_sizes
-from chameleon_elastic.planning.estimator import pipeline_fits, pipeline_time
+from chameleon_elastic.planning.estimator import pipeline_time
+from chameleon_elastic.planning.memory import pipeline_fits
 from chameleon_elastic.planning.search import (
     _allreduce_s,
     _best_layout,

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from chameleon_elastic.plan import ExecutionPlan, Pipeline
-from chameleon_elastic.planning import estimator
+from chameleon_elastic.planning import estimator, memory
 from chameleon_elastic.sim.policies.common import finish
 from chameleon_elastic.sim.policies.oobleck import (
     MIN_PIPELINES,
@@ -49,7 +49,7 @@ def defined_choice(policy: OobleckPolicy, live: list[int]) -> ExecutionPlan | No
         pipelines = tuple(Pipeline(tuple(next(it) for _ in range(n)), s, m)
                           for n, s, m in zip(sizes, splits, quotas))
         plan = finish(spec, ExecutionPlan("replan", 1, pipelines))
-        if estimator.fits_in_memory(spec, plan):
+        if memory.fits_in_memory(spec, plan):
             key = (round(plan.estimate.step_time_s, 9), k)
             if best is None or key < best[0]:
                 best = (key, plan)

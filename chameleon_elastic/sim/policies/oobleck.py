@@ -41,7 +41,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from ...plan import ExecutionPlan, Pipeline, Transfer
-from ...planning import estimator
+from ...planning import estimator, memory
 from ...planning.search import (
     PlanningError,
     allreduce_time_by_class,
@@ -142,8 +142,8 @@ class OobleckPolicy:
         self._templates: dict[int, tuple[tuple[tuple[int, int], ...], float, float]] = {}
         self.min_stages = next(
             (n for n in range(1, spec.model.layers + 1)
-             if estimator.pipeline_fits(spec, template_layers(spec.model.layers, n),
-                                        spec.training.global_micro_batches)), None)
+             if memory.pipeline_fits(spec, template_layers(spec.model.layers, n),
+                                     spec.training.global_micro_batches)), None)
 
     def start(self) -> tuple[Phase, ...]:
         self.plan = initial_plan(self.spec)
@@ -183,7 +183,7 @@ class OobleckPolicy:
             for (n, c), (base, plus) in zip(classes, quotas)
             for q, count in ((base + 1, plus), (base, c - plus)) if count
         )
-        if not all(estimator.pipeline_fits(spec, split, q) for split, q, _ in runs):
+        if not all(memory.pipeline_fits(spec, split, q) for split, q, _ in runs):
             return None
         compute = max(estimator.pipeline_time(spec, split, q) for split, q, _ in runs)
         return compute + allreduce_time_by_class(spec, split_counts(runs)), runs
