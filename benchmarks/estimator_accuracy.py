@@ -43,8 +43,9 @@ import torch.distributed as dist
 from chameleon_elastic.models.toy import emulated_model, mlp_model
 from chameleon_elastic.plan import ExecutionPlan, Pipeline
 from chameleon_elastic.planning import decide, initial_plan
+from chameleon_elastic.planning.candidates import distribute_batches
 from chameleon_elastic.planning.estimator import allreduce_time, compute_time, step_time
-from chameleon_elastic.planning.search import distribute_batches, split_layers
+from chameleon_elastic.planning.layer_splits import split_layers
 from chameleon_elastic.runtime import PipelineTrainer
 from chameleon_elastic.runtime.execution.layout import plan_rounds
 from chameleon_elastic.runtime.profiler import profile_layers

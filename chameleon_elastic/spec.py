@@ -239,7 +239,7 @@ class TrainingSpec:
 @dataclass(frozen=True)
 class PlannerSpec:
     """Search ranges (the paper's R_dp and R_pp), whether pipeline-length templates widen
-    them (``planning.search._candidate_shapes``), the plan-cache depth, and when a stage
+    them (``planning.candidates._candidate_shapes``), the plan-cache depth, and when a stage
     recomputes its activations: recomputation trades a second forward in the backward for
     memory, so by default (``auto``) the planner only pays it where a stage would not fit."""
 

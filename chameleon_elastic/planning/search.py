@@ -19,15 +19,20 @@ Re-planning follows the paper's Algorithm 1 with three additions that only ever 
   beat an asymmetric one once all-reduce is priced);
 - pipeline-length templates (``planner.templates``, on by default): one balanced cover per
   pipeline length, at least two pipelines, so a re-plan can leave a poor initial layout behind
-  (``_candidate_shapes`` says why the floor of two);
+  (``candidates._candidate_shapes`` says why the floor of two);
 - micro-batch quotas minimise the slowest pipeline's time exactly (greedy marginal
-  allocation, ``_allocate``) instead of the paper's proportional split.
+  allocation, ``candidates._allocate``) instead of the paper's proportional split.
 
 The wider candidate set stays cheap: a candidate is a few runs of identical pipelines, priced
 per class, never per device; candidates are allocated in order of a compute floor and dropped
 once the floor cannot beat the best step found (branch and bound); with identical layers the
 C(N_pp, r) layer splits shrink to three structured ones. Each shortcut is tested against the
 plain computation it replaces (tests/planning/test_search_candidates.py).
+
+The pieces a candidate is built from live below this module and never look at devices: one
+pipeline's layer split and recomputation flags in ``layer_splits``; candidate shapes, their
+micro-batch quotas, lower bounds and per-class all-reduce pricing in ``candidates``. Here: the
+walk over the candidates (branch and bound), their placement, the policies and the choice.
 
 ``decide`` prices the re-plan's layout before placing it: the layout fixes its step time, and
 its transition is at least ``cluster.switch_s``, so when even that bound cannot beat rerouting
@@ -49,48 +54,40 @@ that fits neither way makes rerouting impossible, as before.
 
 from __future__ import annotations
 
-import itertools
 import math
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from functools import cached_property, lru_cache
 from typing import Literal
 
-from ..plan import ExecutionPlan, PeerShare, Pipeline, Reroute
-from ..spec import PER_LAYER_KEYS, JobSpec, ModelProfile
+from ..plan import ExecutionPlan, PeerShare, Reroute
+from ..spec import JobSpec
 from . import estimator, memory, snapshots
-from .allreduce import allreduce_rounds, class_round_sizes
+from .allreduce import allreduce_rounds
+from .candidates import (
+    _allreduce_floor,
+    _allreduce_s,
+    _candidate_shapes,
+    _compute_floor,
+    _Layout,
+    _layout_for,
+    _shape_floor,
+)
+from .layer_splits import FLOOR_MARGIN, stage_recompute
 from .restorer import choose_sources, holdings, place
 
 __all__ = [
     "Decision",
     "PlanningError",
     "PolicyChoice",
-    "allreduce_time_by_class",
-    "balanced_shape",
     "compact_ids",
     "decide",
-    "distribute_batches",
     "initial_plan",
-    "recompute_flags",
     "replan",
     "reroute_plan",
-    "split_counts",
-    "split_layers",
-    "stage_recompute",
     "swap_plan",
 ]
 
 PolicyChoice = Literal["auto", "reroute", "replan"]
-
-# C(N_pp, r) layer splits are enumerated exactly up to this many; beyond it (very long
-# pipelines) only the structured choices are tried (exact for uniform layers, see
-# ``_split_layers_cached``).
-MAX_SPLIT_ENUMERATION = 2048
-
-# Lower bounds are summed in another order than the figures they bound: a candidate is skipped
-# only when its bound, lowered by this relative margin, still cannot beat the best one.
-FLOOR_MARGIN = 1e-9
 
 
 class PlanningError(Exception):
@@ -104,369 +101,6 @@ class Decision:
     chosen: ExecutionPlan
     candidates: dict[str, ExecutionPlan] = field(default_factory=dict)
     rejected: dict[str, str] = field(default_factory=dict)
-
-
-# --------------------------------------------------------------------------- building blocks
-
-
-def distribute_batches(lengths: Sequence[int], total: int) -> tuple[int, ...]:
-    """The paper's batch distribution: proportional to pipeline length, leftovers one at a time
-    round the pipelines (longest first), then no pipeline left idle."""
-    n_dev = sum(lengths)
-    quotas = [total * n // n_dev for n in lengths]
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    left = total - sum(quotas)
-    for k in range(left):
-        quotas[order[k % len(order)]] += 1
-    while 0 in quotas and total >= len(quotas):
-        idle = quotas.index(0)
-        donor = max(range(len(quotas)), key=lambda i: (quotas[i], -i))
-        quotas[donor] -= 1
-        quotas[idle] += 1
-    return tuple(quotas)
-
-
-def _ranges(sizes: Iterable[int]) -> tuple[tuple[int, int], ...]:
-    out, start = [], 0
-    for size in sizes:
-        out.append((start, start + size))
-        start += size
-    return tuple(out)
-
-
-def _structured_choices(stages: int, extra: int) -> list[tuple[int, ...]]:
-    """Which stages get a leftover layer: the first ones, evenly spaced, or the last ones
-    (least activation memory), in the order ``itertools.combinations`` would visit them."""
-    step = stages / extra if extra else 1.0
-    return sorted({tuple(range(extra)), tuple(sorted({int(i * step) for i in range(extra)})),
-                   tuple(range(stages - extra, stages))})
-
-
-def _uniform(model: ModelProfile) -> bool:
-    return (all(len(set(getattr(model, key))) <= 1 for key in PER_LAYER_KEYS)
-            and len(set(model.boundary_figures)) <= 1)
-
-
-def stage_recompute(spec: JobSpec, start: int, end: int, in_flight: int) -> bool | None:
-    """Whether a stage holding layers ``[start, end)`` with ``in_flight`` micro-batches
-    recomputes under ``planner.recompute``, or None when it fits in device memory neither way
-    the policy allows: ``never`` only without, ``always`` only with, ``auto`` without when that
-    fits (recomputation costs a forward per backward), else with."""
-    limit = spec.cluster.device_memory_bytes
-    policy = spec.planner.recompute
-    if policy != "always" and memory.stage_memory(spec, start, end, in_flight) <= limit:
-        return False
-    if policy != "never" and memory.stage_memory(spec, start, end, in_flight, True) <= limit:
-        return True
-    return None
-
-
-def recompute_flags(spec: JobSpec, layers: Sequence[tuple[int, int]], micro_batches: int
-                    ) -> tuple[bool, ...] | None:
-    """Per stage of a plain 1F1B pipeline holding ``layers`` (stage ``i`` with
-    ``min(N_pp - i, N_m)`` micro-batches in flight), ``stage_recompute``; None when some stage
-    fits in no way the policy allows, which is what drops a split from the search."""
-    n = len(layers)
-    flags = []
-    for i, (a, b) in enumerate(layers):
-        flag = stage_recompute(spec, a, b, min(n - i, micro_batches))
-        if flag is None:
-            return None
-        flags.append(flag)
-    return tuple(flags)
-
-
-@lru_cache(maxsize=4096)
-def _split_layers_cached(spec: JobSpec, stages: int, quota: int
-                         ) -> tuple[Split, tuple[bool, ...]] | None:
-    base, extra = divmod(spec.model.layers, stages)
-    unchecked = (spec.planner.recompute == "always",) * stages  # the flags if memory were free
-
-    def fastest(choices: Iterable[Collection[int]], must_fit: bool = True):
-        """The first split (in the given order) with the least pipeline time, and its flags;
-        on equal times the one with fewer recomputing stages."""
-        best, best_key = None, (math.inf, math.inf)
-        for chosen in choices:
-            picked = set(chosen)
-            layers = _ranges(base + (1 if s in picked else 0) for s in range(stages))
-            flags = recompute_flags(spec, layers, quota) if must_fit else unchecked
-            if flags is None:
-                continue
-            n = sum(flags)
-            if best is not None and _cannot_win(
-                    estimator.pipeline_time_floor(spec, layers, quota, flags), n, best_key):
-                continue  # its time could neither beat nor tie the best: not simulated
-            t = estimator.pipeline_time(spec, layers, quota, flags)
-            if t < best_key[0] - 1e-12 or (t <= best_key[0] + 1e-12 and n < best_key[1]):
-                best, best_key = (layers, flags), (t, n)
-        return best
-
-    structured = _structured_choices(stages, extra)
-    if _uniform(spec.model):
-        # With identical layers the fastest split is always a structured one, and the very one
-        # the enumeration below picks, ties included (test_search_candidates.py checks both):
-        # when that split fits with the flags it would have in unlimited memory, no split can
-        # be faster (recomputation only slows one down) and the C(N_pp, r) walk is not needed.
-        best = fastest(structured, must_fit=False)
-        if best is not None and recompute_flags(spec, best[0], quota) == unchecked:
-            return best
-    if math.comb(stages, extra) <= MAX_SPLIT_ENUMERATION:
-        return fastest(itertools.combinations(range(stages), extra))
-    return fastest(structured)
-
-
-def _cannot_win(floor: float, recomputing: int, best_key: tuple[float, float]) -> bool:
-    """Whether a split whose time is at least ``floor`` (``pipeline_time_floor``) and that
-    recomputes on ``recomputing`` stages would lose to ``best_key`` in ``fastest``'s test:
-    it replaces the best when faster by 1e-12, or within 1e-12 with fewer recomputing stages."""
-    low = floor * (1.0 - FLOOR_MARGIN)
-    best_t, best_n = best_key
-    return low >= best_t - 1e-12 and (recomputing >= best_n or low > best_t + 1e-12)
-
-
-def split_layers(spec: JobSpec, stages: int, quota: int) -> tuple[tuple[int, int], ...] | None:
-    """Even split; the r = L mod N_pp leftover layers go to the choice of stages that fits in
-    memory (recomputing where ``planner.recompute`` says, ``recompute_flags``) with the least
-    pipeline time; None when no choice fits."""
-    found = _split_of(spec, stages, quota)
-    return None if found is None else found[0]
-
-
-def _split_of(spec: JobSpec, stages: int, quota: int) -> tuple[Split, tuple[bool, ...]] | None:
-    """``split_layers`` with the split's recomputation flags."""
-    if stages > spec.model.layers or stages < 1:
-        return None
-    return _split_layers_cached(spec, stages, max(quota, 1))
-
-
-#: Pipeline lengths in slot order as runs: ((length, how many pipelines), ...). Candidate
-#: layouts of thousands of pipelines have one or two runs, so nothing below is per pipeline.
-Shape = tuple[tuple[int, int], ...]
-#: A layer split, one [start, end) per stage.
-Split = tuple[tuple[int, int], ...]
-
-
-def balanced_shape(devices: int, dp: int) -> Shape:
-    """``dp`` pipelines over ``devices`` devices, lengths differing by at most one, longer
-    first."""
-    q, r = divmod(devices, dp)
-    return tuple((n, k) for n, k in ((q + 1, r), (q, dp - r)) if k)
-
-
-@dataclass(frozen=True)
-class _Layout:
-    """A candidate layout on slot numbers, before devices are placed: runs of identical
-    pipelines ``(layer split, quota, how many)`` in slot order, the slowest one's time, and
-    per run its stages' recomputation flags (a function of split and quota, kept apart so
-    that runs stay the classes the all-reduce pricing counts)."""
-
-    runs: tuple[tuple[Split, int, int], ...]
-    compute_s: float
-    recompute: tuple[tuple[bool, ...], ...] = ()
-
-    @property
-    def num_pipelines(self) -> int:
-        return sum(count for _, _, count in self.runs)
-
-    @cached_property
-    def pipelines(self) -> tuple[Pipeline, ...]:
-        """The layout spelt out, slots numbered 0 .. n-1 in order: only for the winner."""
-        out: list[Pipeline] = []
-        first = 0
-        flags = self.recompute or ((),) * len(self.runs)
-        for (split, quota, count), recompute in zip(self.runs, flags):
-            n = len(split)
-            for _ in range(count):
-                out.append(Pipeline(tuple(range(first, first + n)), split, quota, recompute))
-                first += n
-        return tuple(out)
-
-
-#: (stages, quota) -> (layer split, its recomputation flags, pipeline time) of one job.
-_ShapeMemo = dict[tuple[int, int], tuple[Split | None, tuple[bool, ...], float]]
-
-
-@lru_cache(maxsize=16)
-def _shape_memo(spec: JobSpec) -> _ShapeMemo:
-    """The (stages, quota) figures of one job, shared by every search on it: they depend on
-    nothing else, and a simulation or a launcher's cache runs hundreds of searches, each
-    pricing a hundred candidate shapes. Entries are only ever added, with the same value."""
-    return {}
-
-
-def _figures(spec: JobSpec, memo: _ShapeMemo, n: int, q: int
-             ) -> tuple[Split | None, tuple[bool, ...], float]:
-    """(layer split, its recomputation flags, pipeline time) of ``n`` stages running ``q``
-    micro-batches, via ``memo`` (``_shape_memo(spec)``, fetched once by the caller: hashing the
-    spec costs more than this)."""
-    found = memo.get((n, q))
-    if found is None:
-        chosen = _split_of(spec, n, q)
-        if chosen is None:
-            found = memo[(n, q)] = (None, (), math.inf)
-        else:
-            split, flags = chosen
-            found = memo[(n, q)] = (split, flags, estimator.pipeline_time(spec, split, q, flags))
-    return found
-
-
-def _layout_for(spec: JobSpec, shape: Shape) -> _Layout | None:
-    """Pipelines of the given shape, each with the layer split and micro-batch quota that
-    minimise the slowest pipeline's time; None when the batch or the memory cannot be met."""
-    total = spec.training.global_micro_batches
-    if sum(count for _, count in shape) > total:
-        return None
-    memo = _shape_memo(spec)
-    runs = _allocate(shape, total, lambda n, q: _figures(spec, memo, n, q)[2])
-    if runs is None:
-        return None
-    figures = [_figures(spec, memo, n, q) for n, q, _ in runs]
-    return _Layout(tuple((split, q, count) for (split, _, _), (_, q, count) in zip(figures, runs)),
-                   max(t for _, _, t in figures), tuple(flags for _, flags, _ in figures))
-
-
-def _compute_floor(spec: JobSpec, shape: Shape) -> float:
-    """No layout of this shape computes faster: some pipeline takes at least ceil(B / dp)
-    micro-batches, and a pipeline's time never drops as its quota grows (more micro-batches in
-    flight never need less recomputation)."""
-    dp = sum(count for _, count in shape)
-    total = spec.training.global_micro_batches
-    if dp > total:
-        return math.inf
-    memo = _shape_memo(spec)
-    return min(_figures(spec, memo, n, -(-total // dp))[2] for n, _ in shape)
-
-
-def _shape_floor(spec: JobSpec, shape: Shape) -> float:
-    """No layout of this shape takes less per step, computed without simulating: some
-    pipeline runs at least ceil(B / dp) micro-batches, so ``_split_floor`` at that quota for
-    the cheapest length, plus ``_allreduce_floor``."""
-    dp = sum(count for _, count in shape)
-    total = spec.training.global_micro_batches
-    if dp > total:
-        return math.inf
-    quota = -(-total // dp)
-    return (min(_split_floor(spec.model, n, quota) for n, _ in shape)
-            + _allreduce_floor(spec, shape))
-
-
-def _split_floor(model: ModelProfile, stages: int, quota: int) -> float:
-    """A lower bound on the time of every split the search makes of the model into ``stages``
-    stages running ``quota`` micro-batches, recomputing or not (that only lengthens backwards).
-
-    Such a split gives r = L mod N_pp stages ceil(L / N_pp) layers and the others floor(L /
-    N_pp), each stage at least the sum of that many of the smallest per-layer figures. Bounds,
-    all paths of ``schedule.pipeline_end_floor`` or the 1F1B closed form at those minima: a
-    long stage's backwards after micro-batch 0's round trip; the last long stage's whole order
-    after the r - 1 long stages before it (and likewise the last short one); identical stages
-    as short as a stage can be."""
-    total, forward, backward, both = _layer_floors(model)
-    most, least = -(-model.layers // stages), model.layers // stages
-    extra = model.layers % stages
-    return max(total + (quota - 1) * backward[most],
-               (extra - 1 + quota) * both[most] if extra else 0.0,
-               (stages - extra - 1 + quota) * both[least],
-               (stages + quota - 1) * (forward[least] + backward[least]))
-
-
-@lru_cache(maxsize=16)
-def _layer_floors(model: ModelProfile) -> tuple[float, tuple[float, ...], tuple[float, ...],
-                                                  tuple[float, ...]]:
-    """(sum of every layer's T_f + T_b, and prefix sums of the smallest T_f, T_b and T_f + T_b:
-    entry k sums the k smallest)."""
-    def prefix(values: Iterable[float]) -> tuple[float, ...]:
-        return (0.0, *itertools.accumulate(sorted(values)))
-
-    return (math.fsum(model.forward_s) + math.fsum(model.backward_s), prefix(model.forward_s),
-            prefix(model.backward_s),
-            prefix(f + b for f, b in zip(model.forward_s, model.backward_s)))
-
-
-def _allreduce_floor(spec: JobSpec, shape: Shape) -> float:
-    """No layout of this shape reduces its gradients faster: every layer has one holder per
-    pipeline, a device's buckets go in distinct rounds, and the longest pipeline has a stage
-    holding at least 1 / N_pp of the gradient bytes, summed over dp devices in those rounds."""
-    dp = sum(count for _, count in shape)
-    longest = max(n for n, _ in shape)
-    return estimator.ring_seconds(math.fsum(spec.model.param_bytes) / longest, dp,
-                                  spec.cluster.bandwidth_bytes_per_s)
-
-
-def _allocate(shape: Shape, total: int, time_of: Callable[[int, int], float]
-              ) -> list[tuple[int, int, int]] | None:
-    """Micro-batch quotas (at least one each) that minimise the slowest pipeline's time, as
-    runs ``(length, quota, how many)`` in slot order.
-
-    Greedy marginal allocation: every micro-batch beyond the first of each pipeline goes to the
-    pipeline whose time after taking it is least (longer pipelines first on ties). Because a
-    pipeline's time never drops when its quota grows, this reaches the optimal maximum: if
-    a step ever had to exceed the optimum, every pipeline would already hold at least its
-    quota in an optimal allocation, and the batch would be complete. Pipelines of one length
-    are interchangeable, so a whole quota level of a length class is handed out at once, in
-    slot order: the loop runs per level, not per micro-batch, which keeps the search
-    fast at thousands of pipelines. This replaces the paper's proportional split (which
-    ``distribute_batches`` keeps) and can only lower the step time.
-    """
-    counts: dict[int, int] = {}
-    for n, k in shape:
-        counts[n] = counts.get(n, 0) + k
-    if any(time_of(n, 1) == math.inf for n in counts):
-        return None
-    base = dict.fromkeys(counts, 1)  # every member of class n has base[n] or base[n] + 1
-    ahead = dict.fromkeys(counts, 0)  # how many (the first in slot order) have base + 1
-    left = total - sum(counts.values())
-    while left > 0:
-        n = min(counts, key=lambda c: (time_of(c, base[c] + 1), -c))
-        if time_of(n, base[n] + 1) == math.inf:
-            return None
-        give = min(counts[n] - ahead[n], left)
-        ahead[n] += give
-        left -= give
-        if ahead[n] == counts[n]:
-            base[n], ahead[n] = base[n] + 1, 0
-    runs = []
-    for n, k in shape:
-        plus = min(k, ahead[n])  # the class's first ``ahead`` pipelines take one more
-        ahead[n] -= plus
-        runs.extend((n, q, c) for q, c in ((base[n] + 1, plus), (base[n], k - plus)) if c)
-    return runs
-
-
-def _candidate_shapes(spec: JobSpec, current: ExecutionPlan, live: int) -> list[Shape]:
-    """Algorithm 1's window, then (``planner.templates``) one cover per pipeline length.
-
-    Window (the paper's): dp within R_dp of the current pipeline count, lengths within R_pp of
-    the current ones, the live devices split evenly (or the largest multiple of dp used, the
-    rest spare). Templates (Oobleck's idea): for every pipeline length n, the even covers by
-    floor(live / n) and ceil(live / n) pipelines, and again with the remainder spare, whenever
-    that makes at least two pipelines. The window alone cannot leave the neighbourhood of the
-    first layout, however poor that layout is once all-reduce is priced; templates can, and
-    the floor of two pipelines keeps every layer on two devices, so the next failure can still
-    be rerouted instead of restarting from a checkpoint (a single pipeline is fastest by the
-    estimator, no all-reduce, but loses a layer at any failure).
-    """
-    dp0 = len(current.pipelines)
-    lengths_now = [p.num_stages for p in current.pipelines]
-    lo = max(1, min(lengths_now) - spec.planner.pp_radius)
-    hi = min(spec.model.layers, max(lengths_now) + spec.planner.pp_radius)
-    found: list[Shape] = []
-
-    def add(dp: int, shortest: int, longest: int) -> None:
-        for used in {live, live - live % dp}:
-            if used < dp:
-                continue
-            shape = balanced_shape(used, dp)
-            if shortest <= shape[-1][0] and shape[0][0] <= longest and shape not in found:
-                found.append(shape)
-
-    for dp in range(max(1, dp0 - spec.planner.dp_radius), dp0 + spec.planner.dp_radius + 1):
-        add(dp, lo, hi)
-    if spec.planner.templates:
-        for n in range(1, spec.model.layers + 1):
-            for dp in sorted({live // n, -(-live // n)}):
-                if 2 <= dp <= spec.training.global_micro_batches:
-                    add(dp, 1, spec.model.layers)
-    return found
 
 
 def _finish(spec: JobSpec, plan: ExecutionPlan) -> ExecutionPlan:
@@ -776,28 +410,6 @@ def _best_layout(spec: JobSpec, current: ExecutionPlan, failed: Collection[int],
     # Least step; ties go to less compute, then more pipelines, then candidate order.
     step, *_, best = min(priced, key=lambda entry: entry[:4])
     return live, best, step
-
-
-def _allreduce_s(spec: JobSpec, layout: _Layout) -> float:
-    return allreduce_time_by_class(spec, split_counts(layout.runs))
-
-
-def split_counts(runs: Iterable[tuple[Split, int, int]]) -> dict[tuple[Split, tuple[int, ...]], int]:
-    """Pipelines per layer split (no dead stages) of runs ``(split, quota, how many)``: the
-    classes ``allreduce_time_by_class`` prices."""
-    counts: dict[tuple[Split, tuple[int, ...]], int] = {}
-    for split, _, count in runs:
-        counts[(split, ())] = counts.get((split, ()), 0) + count
-    return counts
-
-
-def allreduce_time_by_class(spec: JobSpec, counts: Mapping[tuple[Split, tuple[int, ...]], int]
-                            ) -> float:
-    """``estimator.allreduce_time`` of the rounds the restorer builds for pipelines given as a
-    count per class ((layer split, dead stages) -> how many): a search prices many layouts of
-    thousands of pipelines before building any (the Oobleck model's search too)."""
-    return math.fsum(max((estimator.ring_time(spec, layers, n) for layers, n in rnd), default=0.0)
-                     for rnd in class_round_sizes(counts))
 
 
 def _placed(spec: JobSpec, current: ExecutionPlan, layout: _Layout,

@@ -29,8 +29,9 @@ from ..plan import ExecutionPlan, Pipeline
 from ..spec import JobSpec
 from . import estimator
 from .allreduce import allreduce_rounds
+from .layer_splits import recompute_flags
 from .restorer import choose_sources, holdings
-from .search import Decision, PlanningError, PolicyChoice, recompute_flags, replan
+from .search import Decision, PlanningError, PolicyChoice, replan
 
 __all__ = ["decide_speeds", "keep_plan", "reduce_plan", "spare_plan"]
 

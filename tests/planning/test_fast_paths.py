@@ -22,7 +22,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from chameleon_elastic.plan import ExecutionPlan, Pipeline
-from chameleon_elastic.planning import PlanningError, decide, initial_plan, search
+from chameleon_elastic.planning import (
+    PlanningError,
+    candidates,
+    decide,
+    initial_plan,
+    layer_splits,
+    search,
+)
 from chameleon_elastic.planning.allreduce import dsatur
 from chameleon_elastic.planning.estimator import pipeline_time, pipeline_time_floor
 from chameleon_elastic.planning.restorer import (
@@ -72,7 +79,8 @@ def test_one_pass_schedule_equals_the_simulated_orders(stage_times, micro_batche
        st.integers(0, 12))
 def test_path_floor_never_exceeds_the_makespan(stage_times, micro_batches):
     floor = pipeline_end_floor(tuple(stage_times), micro_batches)
-    assert floor * (1 - search.FLOOR_MARGIN) <= pipeline_end(tuple(stage_times), micro_batches)
+    margin = 1 - layer_splits.FLOOR_MARGIN
+    assert floor * margin <= pipeline_end(tuple(stage_times), micro_batches)
 
 
 def test_path_floor_is_the_makespan_of_identical_stages():
@@ -115,6 +123,7 @@ def jobs(draw):
 
 def plain_search(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every bound at zero: the search then prices every candidate it used to."""
+    # the floors live in ``candidates``; the walk (``search._best_layout``) reads search's names
     monkeypatch.setattr(search, "_shape_floor", lambda spec, shape: 0.0)
     monkeypatch.setattr(search, "_allreduce_floor", lambda spec, shape: 0.0)
     monkeypatch.setattr(search, "_compute_floor", lambda spec, shape: 0.0)
@@ -122,7 +131,7 @@ def plain_search(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def clear_memos() -> None:
-    for module in (search, search.estimator):
+    for module in (layer_splits, candidates, search.estimator):
         for value in vars(module).values():
             if hasattr(value, "cache_clear"):
                 value.cache_clear()
@@ -174,14 +183,15 @@ def test_split_floor_is_below_every_split_the_search_makes(spec, stages, quota):
     base, extra = divmod(spec.model.layers, stages)
     if math.comb(stages, extra) > 60:
         return
-    floor = search._split_floor(spec.model, stages, quota) * (1 - search.FLOOR_MARGIN)
+    margin = 1 - layer_splits.FLOOR_MARGIN
+    floor = candidates._split_floor(spec.model, stages, quota) * margin
     for heavy in itertools.combinations(range(stages), extra):
-        layers = search._ranges(base + (s in heavy) for s in range(stages))
+        layers = layer_splits._ranges(base + (s in heavy) for s in range(stages))
         for flags in {(False,) * stages, (True,) * stages,
                       tuple(s in heavy for s in range(stages))}:
             assert floor <= pipeline_time(spec, layers, quota, flags)
             assert pipeline_time_floor(spec, layers, quota, flags) * (
-                1 - search.FLOOR_MARGIN) <= pipeline_time(spec, layers, quota, flags)
+                1 - layer_splits.FLOOR_MARGIN) <= pipeline_time(spec, layers, quota, flags)
 
 
 # --------------------------------------------------------------------------- the restorer

@@ -14,8 +14,9 @@ from chameleon_elastic.plan import ExecutionPlan, Pipeline
 from chameleon_elastic.planning import PlanningError, decide, initial_plan
 from chameleon_elastic.planning import estimator as est
 from chameleon_elastic.planning import memory as mem
+from chameleon_elastic.planning.layer_splits import recompute_flags, stage_recompute
 from chameleon_elastic.planning.schedule import device_orders, simulate
-from chameleon_elastic.planning.search import recompute_flags, reroute_plan, stage_recompute
+from chameleon_elastic.planning.search import reroute_plan
 from chameleon_elastic.spec import JobSpec
 
 

@@ -12,15 +12,10 @@ from scipy.optimize import linear_sum_assignment
 
 from chameleon_elastic.plan import ExecutionPlan
 from chameleon_elastic.planning import PlanningError, decide, initial_plan
+from chameleon_elastic.planning.candidates import _layout_for, distribute_batches
 from chameleon_elastic.planning.estimator import pipeline_time
-from chameleon_elastic.planning.search import (
-    _layout_for,
-    distribute_batches,
-    recompute_flags,
-    replan,
-    reroute_plan,
-    split_layers,
-)
+from chameleon_elastic.planning.layer_splits import recompute_flags, split_layers
+from chameleon_elastic.planning.search import replan, reroute_plan
 from chameleon_elastic.spec import JobSpec
 
 

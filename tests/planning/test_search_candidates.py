@@ -12,18 +12,16 @@ from hypothesis import strategies as st
 
 from chameleon_elastic.planning import PlanningError, decide, initial_plan
 from chameleon_elastic.planning.allreduce import allreduce_round_sizes, class_round_sizes
-from chameleon_elastic.planning.estimator import pipeline_time
-from chameleon_elastic.planning.memory import pipeline_fits
-from chameleon_elastic.planning.search import (
+from chameleon_elastic.planning.candidates import (
     _allreduce_s,
-    _best_layout,
     _candidate_shapes,
     _layout_for,
-    _ranges,
-    recompute_flags,
     split_counts,
-    split_layers,
 )
+from chameleon_elastic.planning.estimator import pipeline_time
+from chameleon_elastic.planning.layer_splits import _ranges, recompute_flags, split_layers
+from chameleon_elastic.planning.memory import pipeline_fits
+from chameleon_elastic.planning.search import _best_layout
 from chameleon_elastic.spec import JobSpec
 
 

@@ -42,13 +42,8 @@ from dataclasses import replace
 
 from ...plan import ExecutionPlan, Pipeline, Transfer
 from ...planning import estimator, memory
-from ...planning.search import (
-    PlanningError,
-    allreduce_time_by_class,
-    balanced_shape,
-    initial_plan,
-    split_counts,
-)
+from ...planning.candidates import allreduce_time_by_class, balanced_shape, split_counts
+from ...planning.search import PlanningError, initial_plan
 from ...spec import JobSpec
 from ..constants import BaselineConstants
 from ..engine import EventContext, Phase, Reaction
