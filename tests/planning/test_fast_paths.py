@@ -131,7 +131,7 @@ def plain_search(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def clear_memos() -> None:
-    for module in (layer_splits, candidates, search.estimator):
+    for module in (layer_splits, candidates, search.estimator, search.memory):
         for value in vars(module).values():
             if hasattr(value, "cache_clear"):
                 value.cache_clear()
