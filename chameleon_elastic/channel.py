@@ -17,6 +17,9 @@ key                   writer   meaning
 ``worker/<device>``   worker   :class:`Registration`: this worker runs on the runtime, so it can
                                recover in place (unregistered scripts are relaunched)
 ``resumed/<N>/<d>``   worker   :class:`Resumed`: how device d entered generation N (timings)
+``follows/<card>``    worker   the generation whose share of the batch a script not on the
+                               runtime follows (a framework adapter, frameworks/share.py): a
+                               re-plan that changes its share then needs no warning
 ``wake/<card>``       agent    a doorbell, rung after each generation published while the
                                worker lives, so its watchdog wakes at once (runtime/world/abort.py);
                                the worker rings it too, to stop the watchdog
@@ -70,6 +73,7 @@ __all__ = [
     "beat_key",
     "cause_key",
     "chameleon_env",
+    "follows_key",
     "gap_key",
     "generation_key",
     "host",
@@ -180,6 +184,10 @@ def generation_key(generation: int) -> str:
 
 def worker_key(card: int) -> str:
     return f"worker/{card}"
+
+
+def follows_key(card: int) -> str:
+    return f"follows/{card}"
 
 
 def beat_key(card: int) -> str:
