@@ -24,3 +24,15 @@ def test_the_agent_and_the_runtime_start_without_dcp_or_dtensor():
     whether the job checkpoints or shards layers or not. They load when first used."""
     _import_leaves_out(["chameleon_elastic.launcher.cli", "chameleon_elastic.runtime"],
                        ["torch.distributed.checkpoint", "torch.distributed.tensor", "sympy"])
+
+
+def test_the_launcher_without_a_job_imports_neither_the_runtime_nor_the_planner():
+    """chameleon-run without --job is torchrun: its command line imports no torch (torchrun's
+    imports it once it runs), and its agent neither the trainer nor the planner. Importing
+    ``runtime.recording`` (the launcher re-exports record_step) used to load the whole runtime
+    and networkx: ~0.3 s per launch, and torch's rendezvous, which walks ``sys.modules`` for
+    each of its log lines, grew slower with every module loaded."""
+    _import_leaves_out(["chameleon_elastic.launcher.cli"], ["torch"])
+    _import_leaves_out(["chameleon_elastic.launcher.agent", "chameleon_elastic.launcher.launch"],
+                       ["chameleon_elastic.runtime.trainer", "chameleon_elastic.planning",
+                        "networkx", "scipy"])
