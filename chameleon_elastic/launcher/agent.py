@@ -48,7 +48,7 @@ from .detection.health import AlwaysHealthy, HealthCheck
 from .detection.stragglers import StragglerWatch
 from .failures import FailureEvent, RestartBudget, Trigger
 from .observation.profiler import Profiler
-from .observation.reporter import RecoveryReporter
+from .observation.reporter import RecoveryReporter, relaunch_line
 from .observe import Event, EventLog, StatusLine, agent_started, ended_state
 from .plan_env import NodeCards
 from .reactions import Reaction, Tick, react
@@ -109,12 +109,13 @@ class ChameleonAgent(LocalElasticAgent):
                                   StragglerWatch(session.spec.stragglers)
                                   if stragglers and session is not None else None,
                                   note=self._status.update)
+        self._channel = channel.host(self._timeouts) if session is not None else None
         self._reporter = RecoveryReporter(
             self._emit, self._status, profiler,
-            logs_specs.root_log_dir if isinstance(logs_specs, WorkerLogs) else None, tp)
+            logs_specs.root_log_dir if isinstance(logs_specs, WorkerLogs) else None, tp,
+            self._channel, session)
         self._budget = RestartBudget(spec.max_restarts, spec.max_restarts)
         self._exits: dict[int, Any] = {}        # global rank -> Exit, of the last poll
-        self._channel = channel.host(self._timeouts) if session is not None else None
         self._abandoned = AbandonedGenerations(max_failed_generations, self._channel)
         starter = WorkerStarter(
             self._procs, self._channel, TorchHooks(self._set_local_rank_env, self._before_start,
@@ -303,7 +304,9 @@ class ChameleonAgent(LocalElasticAgent):
             return self._end(self._abandoned.sentence())
         if r.charge:
             self._budget.charge()
-        self._update_status(f"recovering {'in place' if r.inplace else 'relaunch'} ({event.reason})")
+        if self._session is None and event.failures:   # torchrun names what died
+            self._status.say(f"chameleon-run: {relaunch_line(event.failures, self._budget)}")
+        self._update_status(f"recovering ({event.reason})")   # in place or not: the round says
         try:
             self._transition_to(event, r.inplace, self._transition.runtime(), r.quick)
         finally:

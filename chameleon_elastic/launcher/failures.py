@@ -46,6 +46,20 @@ class WorkerFailure:
                                  # (a hang: the worker's last progress)
     hang_s: float | None = None  # a hang: the timeout in force, and whether it was derived
     hang_auto: bool = False
+    pid: int | None = None       # the process, and its global rank when it ended
+    rank: int | None = None
+
+    @property
+    def said(self) -> str:
+        """What died, as torchrun names it: ``rank 1 (local rank 1, pid 5590) was killed by
+        SIGKILL``, ``... exited with code 1``; a worker the agent stopped: its reason (a hang)."""
+        who = f"rank {self.rank}" if self.rank is not None else f"device {self.device}"
+        where = f"local rank {self.local_rank}" + (f", pid {self.pid}" if self.pid else "")
+        if self.signal is None and self.exitcode > 0:
+            return f"{who} ({where}) exited with code {self.exitcode}"
+        if self.signal is not None and self.pid is not None:
+            return f"{who} ({where}) was killed by {self.signal}"
+        return f"{who} ({where}): {self.reason}"
 
     @property
     def stopped_on_request(self) -> bool:
@@ -66,18 +80,21 @@ def _signal_of(exitcode: int) -> signal.Signals | None:
         return None
 
 
-def classify_exit(exitcode: int, device: int, local_rank: int) -> WorkerFailure:
-    """Classify a worker's exit code (negative = killed by that signal, Popen convention)."""
+def classify_exit(exitcode: int, device: int, local_rank: int, pid: int | None = None,
+                  rank: int | None = None) -> WorkerFailure:
+    """Classify a worker's exit code (negative = killed by that signal, Popen convention);
+    ``pid`` and ``rank``: the process and its global rank, for the line that names it."""
     sig = _signal_of(exitcode)
     if sig is not None and sig not in _POLITE_SIGNALS | _SELF_INFLICTED:
         return WorkerFailure(device, local_rank, exitcode, sig.name, FailureKind.DEVICE_LOST,
-                             f"worker killed by {sig.name}")
+                             f"worker killed by {sig.name}", pid=pid, rank=rank)
     name = sig.name if sig is not None else None
     if sig in _SELF_INFLICTED:
         reason = f"worker aborted ({name})"
     else:
         reason = f"worker stopped by {name}" if name else f"worker exited with code {exitcode}"
-    return WorkerFailure(device, local_rank, exitcode, name, FailureKind.CRASH, reason)
+    return WorkerFailure(device, local_rank, exitcode, name, FailureKind.CRASH, reason, pid=pid,
+                         rank=rank)
 
 
 class Trigger(str, enum.Enum):

@@ -43,6 +43,7 @@ class Event(str, enum.Enum):
     WORKERS_STARTED = "workers_started"
     RECOVERED = "recovered"
     MEMBERSHIP_CHANGE = "membership_change"
+    SHARE_CHANGED = "share_changed"
     JOB_FINISHED = "job_finished"
 
 
@@ -201,11 +202,15 @@ def name_devices(ids: Sequence[int], tp: int = 1) -> str:
 
 
 def layout(plan: Any, tp: int = 1) -> str:
-    """``2 pipelines: devices 2, 1 | device 0``: each pipeline's devices in stage order, so the
-    numbers read as device ids, never as stage counts."""
-    pipes = " | ".join(name_devices(list(p.devices), tp) for p in plan.pipelines)
-    n = len(plan.pipelines)
-    return f"{n} pipeline{'s' if n != 1 else ''}: {pipes}"
+    """``2 pipelines: devices 2, 1 | device 0``: each pipeline's live devices in stage order, so
+    the numbers read as device ids, never as stage counts. A rerouted plan keeps its lost
+    devices in place, serving nothing: they are not named, and a pipeline left with none is
+    not counted."""
+    dead = set(plan.failed_devices)
+    pipes = [name_devices(live, tp) for p in plan.pipelines
+             if (live := [d for d in p.devices if d not in dead])]
+    n = len(pipes)
+    return f"{n} pipeline{'s' if n != 1 else ''}: {' | '.join(pipes)}"
 
 
 def running_state(live: set[int], world: set[int], tp: int = 1) -> str:

@@ -186,7 +186,11 @@ class Transition:
         else:
             todo = c.starter.planned(c.session, decision, wg, here)
         published_at, t = time.time(), time.perf_counter()
-        started = c.starter.launch(todo, wg, c.budget.used, c.session, here)
+        # TORCHELASTIC_RESTART_COUNT: torchrun's restarts used; with a job the plan's generation,
+        # which every agent agrees on (so every rank of a world scopes torch's env:// store
+        # keys alike) and which grows with every relaunch
+        count = c.budget.used if c.session is None else c.session.plan.generation
+        started = c.starter.launch(todo, wg, count, c.session, here)
         if started:
             c.track(c.procs.pids())
         wg.workers = c.procs.workers()

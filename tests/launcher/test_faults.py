@@ -61,6 +61,13 @@ def test_kill9_worker_under_job_excludes_device_and_replans(tmp_path, launch):
     assert {r["env"]["MASTER_PORT"] for r in second}.isdisjoint(
         {r["env"]["MASTER_PORT"] for r in first})
     assert all(r["store_reachable"] for r in first + second)
+    # torchrun's contract: a relaunch counts, job-wide alike (the plan's generation)
+    assert {r["env"]["TORCHELASTIC_RESTART_COUNT"] for r in first} == {"0"}
+    assert {r["env"]["TORCHELASTIC_RESTART_COUNT"] for r in second} == {"1"}
+    # the probe does not follow the plan: one line says what the re-plan did to its share
+    log = run.log.read_text()
+    assert log.count("this plan runs 3 workers where the first ran 4, in pipelines that only "
+                     "a script on chameleon_elastic.runtime follows") == 1, log
 
     events = _events(state / "events.jsonl")
     lost = [e for e in events if e["event"] == "failure_seen" and e["kind"] == "device_lost"]

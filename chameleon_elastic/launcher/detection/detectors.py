@@ -424,8 +424,9 @@ class Watchers:
         excluded = set(session.excluded) if session is not None else set()
         lease = lease_news(self.lease, excluded, here.units_per_node, self._emit, members)
         state = WorkerState.UNHEALTHY if healthy and (bad or hung) else state
-        failures = tuple(classify_exit(e.exitcode, e.device, e.local_rank)
-                         for e in exits) + tuple(hung)
+        failures = tuple(classify_exit(e.exitcode, e.device, e.local_rank,
+                                       e.failure.pid if e.failure else None,
+                                       e.worker.global_rank) for e in exits) + tuple(hung)
         waiting, trouble, store_lost, ended, called = 0, False, False, None, False
         ended_status = 1
         if state != WorkerState.HEALTHY:

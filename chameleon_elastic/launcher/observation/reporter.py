@@ -22,11 +22,13 @@ from chameleon_elastic import channel
 from chameleon_elastic.channel import Resumed
 
 from ..coordination.messages import Decision
-from ..failures import FailureEvent, Trigger
+from ..failures import FailureEvent, RestartBudget, Trigger, WorkerFailure
 from ..observe import Event, StatusLine, name_devices, recovery_line
 from ..session import PlanChange
+from .shares import follows_plan, share_change
 
-__all__ = ["RECOVERY_PHASES", "Pending", "RecoveryReporter", "describe", "recovered_fields"]
+__all__ = ["RECOVERY_PHASES", "Pending", "RecoveryReporter", "describe", "recovered_fields",
+           "relaunch_line"]
 
 #: the ``recovered`` event's phases, in their order (each is a ``<phase>_s`` field):
 #: detect      the failure's first sign -> the agent sees it
@@ -99,6 +101,17 @@ def describe(p: Pending, tp: int) -> str:
     return " and ".join(parts) or f"{event.reason}: no device changed"
 
 
+def relaunch_line(failures: tuple[WorkerFailure, ...], budget: RestartBudget) -> str:
+    """Without a job, torchrun's restart named as torchrun names it: which rank died, its pid,
+    the signal or exit code (a worker the agent stopped itself is not news), and the restart
+    it costs: ``rank 1 (local rank 1, pid 5590) was killed by SIGKILL; every worker restarts
+    (restart 1 of 3)``."""
+    said = "; ".join(f.said for f in failures if not f.stopped_on_request) or "; ".join(
+        f.said for f in failures)
+    return (f"{said}; every worker restarts (restart {budget.used} of "
+            f"{budget.max_restarts})")
+
+
 def recovered_fields(p: Pending, records: dict[int, Resumed], restarts_used: int) -> dict:
     """The ``recovered`` event's fields (docs/launcher.md lists them)."""
     first = p.chain()[0]
@@ -143,13 +156,17 @@ def phase_times(p: Pending, records: dict[int, Resumed],
 
 class RecoveryReporter:
     def __init__(self, emit: Callable[..., None], status: StatusLine, profiler: Any,
-                 logs_dir: str | None, tp: int) -> None:
+                 logs_dir: str | None, tp: int, store: Any = None, session: Any = None) -> None:
         self.pending: Pending | None = None
         self._emit = emit
         self._status = status
         self._profiler = profiler
         self._logs_dir = logs_dir
         self._tp = tp
+        self._store = store          # the node's channel: who follows the plan (shares.py)
+        #: the plan the scripts started under, until a change of share has been said once
+        self._first = None if session is None else session.plan
+        self._micro_batch_size = 1 if session is None else session.spec.training.micro_batch_size
 
     def poll(self, store: Any, plan: Any, pids: dict[int, int], restarts_used: int) -> str | None:
         """Report the pending recovery if every awaited worker has resumed; returns the status
@@ -184,6 +201,22 @@ class RecoveryReporter:
                              seconds=fields["total_s"], logs=self._logs_dir, tp=self._tp,
                              same_layout=p.change is None or p.change.same_layout)
         self._status.say(f"chameleon-run: {line}")
+        notice = self._share_notice(p, plan)
+        if notice is not None:
+            self._status.say(f"chameleon-run: {notice}")
+            self._emit(Event.SHARE_CHANGED, message=notice)
         total = fields["total_s"]
         return ("running" if total is None
                 else f"running (recovered {fields['mode']} in {total:.2f} s)")
+
+    def _share_notice(self, p: Pending, plan: Any) -> str | None:
+        """The one line (once per run) for relaunched scripts that do not follow the plan,
+        when this plan changes their share of the batch (shares.py)."""
+        if self._first is None or p.decision.inplace or self._store is None:
+            return None
+        notice = share_change(self._first, plan, self._micro_batch_size)
+        cards = set(p.started) | {f.device for f in p.event.failures}
+        if notice is None or follows_plan(self._store, cards):
+            return None
+        self._first = None
+        return notice

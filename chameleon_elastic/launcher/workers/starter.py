@@ -90,15 +90,16 @@ class WorkerStarter:
         return [LocalAssignment(c - here.node * here.nproc, c, size + i, size, None, c % here.tp)
                 for i, c in enumerate(cards)]
 
-    def launch(self, todo: Todo, wg: Any, restarts_used: int, session: Any,
+    def launch(self, todo: Todo, wg: Any, restart_count: int, session: Any,
                here: NodeCards) -> tuple[int, ...]:
-        """Start ``todo``'s processes; the devices started."""
+        """Start ``todo``'s processes (``restart_count``: their TORCHELASTIC_RESTART_COUNT); the
+        devices started."""
         if not todo:
             return ()
         start = time.perf_counter()
         hooks = self._hooks
         envs, args, prefixes = launch_inputs(
-            todo, wg.spec, wg, restarts_used, session, self._address, self._extra_env(),
+            todo, wg.spec, wg, restart_count, session, self._address, self._extra_env(),
             hooks.set_local_rank_env, hooks.prefix_template)
         devices = [device_id(here.node, w.local_rank, here.nproc) for w, _ in todo]
         hooks.before_start(envs)

@@ -21,9 +21,10 @@ from chameleon_elastic import channel
 __all__ = ["chameleon_vars", "launch_inputs", "standby_args", "torchrun_vars"]
 
 
-def torchrun_vars(spec: Any, wg: Any, worker: Any, restarts_used: int) -> dict[str, str]:
+def torchrun_vars(spec: Any, wg: Any, worker: Any, restart_count: int) -> dict[str, str]:
     """torchrun's per-worker variables (``LOCAL_RANK`` and the rest of the per-rank ones come
-    from the agent's ``_set_local_rank_env``, torch's own hook)."""
+    from the agent's ``_set_local_rank_env``, torch's own hook); ``restart_count``: the
+    launch's TORCHELASTIC_RESTART_COUNT (0 at the first launch, more after each relaunch)."""
     env = {
         "RANK": str(worker.global_rank),
         "GROUP_RANK": str(wg.group_rank),
@@ -35,7 +36,7 @@ def torchrun_vars(spec: Any, wg: Any, worker: Any, restarts_used: int) -> dict[s
         "ROLE_WORLD_SIZE": str(worker.role_world_size),
         "MASTER_ADDR": str(wg.master_addr),
         "MASTER_PORT": str(wg.master_port),
-        "TORCHELASTIC_RESTART_COUNT": str(restarts_used),
+        "TORCHELASTIC_RESTART_COUNT": str(restart_count),
         "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
         "TORCHELASTIC_RUN_ID": spec.rdzv_handler.get_run_id(),
         "TORCHELASTIC_USE_AGENT_STORE": str(True),
@@ -71,7 +72,7 @@ def chameleon_vars(session: Any, assignment: Any, channel_address: str) -> dict[
     return env
 
 
-def launch_inputs(todo: list[tuple[Any, Any]], spec: Any, wg: Any, restarts_used: int,
+def launch_inputs(todo: list[tuple[Any, Any]], spec: Any, wg: Any, restart_count: int,
                   session: Any, channel_address: str, extra_env: dict[str, str],
                   set_local_rank_env: Callable[[dict, int, Any], None],
                   prefix_template: str | None) -> tuple[dict, dict, dict | None]:
@@ -83,7 +84,7 @@ def launch_inputs(todo: list[tuple[Any, Any]], spec: Any, wg: Any, restarts_used
     args: dict[int, tuple] = {}
     prefixes: dict[int, str] | None = {} if prefix_template else None
     for index, (worker, assignment) in enumerate(todo):
-        env = torchrun_vars(spec, wg, worker, restarts_used)
+        env = torchrun_vars(spec, wg, worker, restart_count)
         set_local_rank_env(env, worker.local_rank, spec)
         if session is not None and assignment is not None:
             env.update(chameleon_vars(session, assignment, channel_address))

@@ -12,6 +12,9 @@ Modes:
                     next launch (they are stopped by the agent) or exit 0 on the last one
   hold-peers        like hold, but exit 1 as soon as a peer of the same launch (same
                     MASTER_PORT) has died: a stand-in for a collective failing on a lost peer
+  hold-following    like hold, after telling the agent that the script follows the plan's
+                    share of the batch (frameworks/share.py; imports torch) and writing
+                    ``<out>/announced-<pid>``
 """
 
 import json
@@ -79,6 +82,13 @@ def main() -> None:
         hold(out)
         return
     if mode == "hold":
+        hold(out)
+        return
+    if mode == "hold-following":
+        from chameleon_elastic.frameworks.share import PlanShare, announce
+
+        announce(PlanShare.from_env())
+        open(os.path.join(out, f"announced-{os.getpid()}"), "w").close()
         hold(out)
         return
     if mode == "hold-peers":
