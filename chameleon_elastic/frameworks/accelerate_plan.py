@@ -22,7 +22,11 @@ plan. :func:`micro_batch_size` gives the ``DataLoader``'s batch size (the job's
   ``split_batches`` must stay False (the loader's batch is one micro-batch);
 - resuming: count optimizer steps, not batches (a batch is a micro-batch, and a re-plan changes
   how many make a step), and skip ``optimizer steps done this epoch x
-  accelerator.gradient_accumulation_steps`` batches with ``accelerator.skip_first_batches``;
+  accelerator.gradient_accumulation_steps`` batches with ``accelerator.skip_first_batches``.
+  ``accelerator.load_state`` restores the ``Accelerator``'s own count of micro-batches into the
+  accumulation window, in the old plan's micro-batches: 2 (one step of 2) resumed under an
+  accumulation of 4 closes the first window after 2 micro-batches. :func:`load_state` loads the
+  state and starts the next window afresh, as a state saved after an optimizer step should;
 - unequal quotas: ``accelerator.backward`` divides by the rank's own accumulation and DDP
   averages over ranks, so ranks of unequal quotas weigh unequally unless the script multiplies
   its loss by :func:`loss_weight` (1.0 when the quotas are equal, and without a plan).
@@ -37,7 +41,7 @@ from typing import Any
 
 from chameleon_elastic.frameworks.following import follow, loss_weight, micro_batch_size
 
-__all__ = ["accelerator_kwargs", "loss_weight", "micro_batch_size"]
+__all__ = ["accelerator_kwargs", "load_state", "loss_weight", "micro_batch_size"]
 
 
 def accelerator_kwargs(*, gradient_accumulation_steps: int = 1,
@@ -54,3 +58,11 @@ def accelerator_kwargs(*, gradient_accumulation_steps: int = 1,
 
     return {"gradient_accumulation_plugin":
             GradientAccumulationPlugin(num_steps=steps, **plugin_kwargs)}
+
+
+def load_state(accelerator: Any, input_dir: str, **kwargs: Any) -> None:
+    """``accelerator.load_state(input_dir, **kwargs)`` for a state saved after an optimizer
+    step, resumed under any plan: the accumulation window starts afresh (accelerate's
+    ``step``, its count of micro-batches into the window, counts the saving plan's)."""
+    accelerator.load_state(input_dir, **kwargs)
+    accelerator.step = 0
