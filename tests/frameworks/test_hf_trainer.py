@@ -9,7 +9,7 @@ import pytest
 
 from .conftest import assert_follows_reference, reference
 
-pytest.importorskip("transformers", reason="HF Trainer: pip install 'chameleon-elastic[hf]'")
+pytest.importorskip("accelerate", reason="HF Trainer: pip install 'chameleon-elastic[hf,frameworks]'")
 
 SCRIPT = "hf_trainer_lm.py"
 
