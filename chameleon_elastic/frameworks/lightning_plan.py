@@ -26,13 +26,16 @@ The per-device batch is the script's ``DataLoader``'s: ``batch_size=micro_batch_
 gives it the job's ``training.micro_batch_size`` under a plan. Without a plan every function
 returns the script's own settings, so the same script runs under plain torchrun.
 
-Resuming: Lightning restarts an epoch's data loader from its first batch when it resumes from a
-checkpoint taken mid-epoch (it warns so), and counts an epoch's progress in per-rank batches,
-which a re-plan changes. A relaunch therefore resumes exactly from a checkpoint taken at an
-epoch's end (``ModelCheckpoint(every_n_epochs=1, save_on_train_epoch_end=True)``, epochs of
-whole global batches): the steps since are trained again, on the same samples. The strategy
-records the world and accumulation a checkpoint was taken under and warns when a mid-epoch
-checkpoint is resumed under another (docs/frameworks.md).
+Resuming: Lightning counts an epoch's progress in per-rank batches, which a re-plan changes
+(6 of a rank's batches end an epoch under 2 ranks x 2 micro-batches, 12 under 1 x 4). The
+strategy records the plan a checkpoint was taken under and restates those counts in the new
+plan's micro-batches when it loads one; without that an epoch-end checkpoint resumed by a
+survivor reads as mid-epoch and its steps cut across accumulation windows. Lightning restarts an
+epoch's data loader from its first batch when it resumes mid-epoch (it warns so, and so does the
+strategy when the plan changed), so a relaunch resumes exactly from a checkpoint taken at the
+end of an epoch on the train batch's end (``ModelCheckpoint(every_n_train_steps=<steps per
+epoch>)``, epochs of whole global batches): the steps since are trained again, on the same
+samples (docs/frameworks.md).
 
 Only DDP is adapted (``strategy`` ``"ddp"``, ``"auto"`` or ``"ddp_find_unused_parameters_*"``;
 DDPStrategy's own keyword arguments pass through); FSDP, DeepSpeed and the others raise
