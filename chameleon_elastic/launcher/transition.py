@@ -186,10 +186,10 @@ class Transition:
         else:
             todo = c.starter.planned(c.session, decision, wg, here)
         published_at, t = time.time(), time.perf_counter()
-        # TORCHELASTIC_RESTART_COUNT: torchrun's restarts used; with a job the plan's generation,
-        # which every agent agrees on (so every rank of a world scopes torch's env:// store
-        # keys alike) and which grows with every relaunch
-        count = c.budget.used if c.session is None else c.session.plan.generation
+        # TORCHELASTIC_RESTART_COUNT: torchrun's restarts used; with a job the decision's
+        # relaunches so far, which every agent agrees on (so every rank of a world scopes
+        # torch's env:// store keys alike, a late joiner's included)
+        count = c.budget.used if decision is None else decision.launches
         started = c.starter.launch(todo, wg, count, c.session, here)
         if started:
             c.track(c.procs.pids())

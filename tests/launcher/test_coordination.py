@@ -74,6 +74,22 @@ def test_unregistered_workers_or_relaunch_wanted_mean_relaunch(session):
     assert not deciding.decide(plan, {1}, script, True).inplace   # not the runtime
 
 
+def test_every_relaunch_counts_and_every_agent_reads_the_same_count(session):
+    """TORCHELASTIC_RESTART_COUNT comes from the decision, so that every rank of a world
+    scopes torch's env:// store keys alike: 0 at the first launch, one more per relaunch,
+    none for an in-place regroup; the agreement carries it to the agents that replay."""
+    plan = session.plan
+    ready, script = [NodeReport(0, (), (0, 1, 2, 3), True)], [NodeReport(0, (), (0,), False)]
+    assert deciding.decide(plan, (), script, True).launches == 0   # no record: the first
+    assert deciding.decide(plan, (), script, True, launched=0).launches == 1
+    assert deciding.decide(plan, (), script, True, launched=4).launches == 5
+    assert deciding.decide(plan, (), ready, True, launched=4).launches == 4   # in place
+    relaunch = deciding.decide(plan, (), script, True, launched=2)
+    assert messages.Agreement.decode(messages.Agreement.of(relaunch).encode()).decision.launches \
+        == 3
+    assert messages.Decision.decode(relaunch.encode()).launches == 3   # the record keeps it
+
+
 def test_nothing_changed_but_a_regroup_is_a_new_generation_of_the_same_layout(session):
     before = session.plan
     assert session.apply(lost=(), joined=()) is None

@@ -4,11 +4,13 @@
 - without a job, a restart names what died as torchrun does: rank, pid, signal or exit code;
 - a script that does not follow the plan is told once, in one line, when a re-plan changes its
   share of the global batch; one that follows it (a framework adapter announced it) is not;
+- rank 0's stderr reaches the console under a job, but not what workers write once a peer died;
 - a kept plan names only live devices; ``python -m chameleon_elastic.launcher`` runs.
 """
 
 from __future__ import annotations
 
+import io
 import os
 import signal
 import subprocess
@@ -19,6 +21,7 @@ import pytest
 from chameleon_elastic.launcher.failures import classify_exit
 from chameleon_elastic.launcher.observation.shares import share_change
 from chameleon_elastic.launcher.observe import layout
+from chameleon_elastic.launcher.workers.worker_logs import ConsoleEcho
 from chameleon_elastic.plan import ExecutionPlan, PeerShare, Pipeline, Reroute
 
 from .conftest import PROBE, read_envs, two_device_job, wait_for
@@ -104,3 +107,38 @@ def test_a_script_that_follows_the_plan_is_not_warned_about_its_share(tmp_path, 
     assert "this plan gives" not in log, log
     assert {(r["env"]["WORLD_SIZE"], r["env"]["CHAMELEON_MICRO_BATCHES"],
              r["env"]["TORCHELASTIC_RESTART_COUNT"]) for r in later} == {("1", "8", "1")}
+
+
+def test_the_console_echo_shows_only_what_was_written_while_every_worker_lived(tmp_path):
+    log, console = tmp_path / "device0.0.stderr.log", io.BytesIO()
+    log.write_bytes(b"")
+    echo = ConsoleEcho(console)
+    echo.follow(log)
+    with open(log, "ab", buffering=0) as fh:
+        fh.write(b"epoch 1: 10%\r")
+        echo.look()
+        fh.write(b"epoch 1: 20%\r")     # after the look: not yet
+        echo.release()
+        assert console.getvalue() == b"epoch 1: 10%\r"
+        echo.look()
+        fh.write(b"Traceback: Connection reset by peer\n")   # a peer died meanwhile
+        echo.skip()
+        echo.look()
+        echo.release()
+        assert console.getvalue() == b"epoch 1: 10%\r"   # the 20% and the complaint: skipped
+        fh.write(b"done\n")
+        echo.release(whole=True)      # the workers ended: everything up to now
+    assert console.getvalue() == b"epoch 1: 10%\rdone\n"
+
+
+@pytest.mark.timeout(120)
+def test_rank_0s_stderr_reaches_the_console_but_not_a_survivors_complaint(tmp_path, launch):
+    job = two_device_job(tmp_path, replicas=True)
+    run, _ = _launch_and_kill(launch, tmp_path, ["--job", str(job), "--state-dir",
+                                                 str(tmp_path / "state")], "hold-peers-loud")
+    console = run.log.read_text()
+    assert console.count("probe rank 0 is up") == 2, console   # the first launch and the relaunch
+    assert "probe rank 1 is up" not in console   # rank 0's stderr only; rank 1's is in its file
+    assert "survivor's complaint" not in console, console
+    logs = "".join(p.read_text() for p in (tmp_path / "state" / "logs").glob("*.stderr.log"))
+    assert "probe rank 1 is up" in logs

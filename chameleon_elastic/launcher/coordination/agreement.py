@@ -293,8 +293,9 @@ def agree(store: Any, scope: str, members: Members, mine: NodeReport, session: J
     ``desk``: where the decider serves its plan to an agent whose replay differs."""
     fence = getattr(store, "underlying_store", store)   # outlives rounds
     seen: str | bytes = ""
+    launched = -1
     if members.decides:   # only the decider reads the record: it holds the whole plan
-        seen = _catch_up(fence, session)
+        seen, launched = _catch_up(fence, session)
     if quick and members.alive is not None:
         _still_in(members)
     report(store, scope, members.me, mine)
@@ -304,14 +305,15 @@ def agree(store: Any, scope: str, members: Members, mine: NodeReport, session: J
         if quick and not members.decides:
             agreement, members = _quick_decision(store, scope, members, min(timeout_s, QUICK_S))
             if agreement is None:   # the decider's lease is gone: this node decides instead
-                seen = _catch_up(fence, session)
+                seen, launched = _catch_up(fence, session)
         elif not members.decides:
             agreement = read_agreement(store, scope, timeout_s)
         if members.decides:
             keys = (_live_reports(store, scope, members, min(timeout_s, QUICK_S)) if quick
                     else members.keys)
             decision, change = _decide(store, scope, collect(store, scope, keys), session,
-                                       inplace_wanted, units_per_node, (fence, seen, desk))
+                                       inplace_wanted, units_per_node,
+                                       (fence, seen, desk, launched))
             published = True
         else:
             assert agreement is not None
@@ -337,19 +339,21 @@ def agree(store: Any, scope: str, members: Members, mine: NodeReport, session: J
 
 def _decide(store: Any, scope: str, reports: Sequence[NodeReport], session: JobSession,
             inplace_wanted: bool, units_per_node: int,
-            fencing: tuple[Any, str | bytes, PlanDesk | None]
+            fencing: tuple[Any, str | bytes, PlanDesk | None, int]
             ) -> tuple[Decision, PlanChange | None]:
     """The decider's part: the planner's inputs from the reports, the step, the record
     (fenced against ``seen``), the whole decision offered on the desk, the agreement
-    published. ``fencing``: (the store under the rounds, the record as read, the desk)."""
-    fence, seen, desk = fencing
+    published. ``fencing``: (the store under the rounds, the record as read, the desk, the
+    record's ``launches``: -1 without one)."""
+    fence, seen, desk, launched = fencing
     lost, joined = losses(reports, session.excluded, session.devices, units_per_node)
     speeds = speeds_of(reports, ())
     renew = inplace_possible(reports, inplace_wanted)
     base = session.digest
     change = session.step(lost, joined, speeds, renew)
     decision = decide(session.plan, session.excluded, reports, inplace_wanted,
-                      reasons(reports, lost, units_per_node), tuple(sorted(session.speeds.items())))
+                      reasons(reports, lost, units_per_node), tuple(sorted(session.speeds.items())),
+                      launched)
     source = ""
     if decision.error is None:
         whole = decision.encode()
@@ -362,12 +366,13 @@ def _decide(store: Any, scope: str, reports: Sequence[NodeReport], session: JobS
     return decision, change
 
 
-def _catch_up(fence: Any, session: JobSession) -> str | bytes:
+def _catch_up(fence: Any, session: JobSession) -> tuple[str | bytes, int]:
     """Adopt the newest published plan when it is newer than the session's; returns the
-    record as read, for the compare-and-set of this agent's decision."""
+    record as read, for the compare-and-set of this agent's decision, and its ``launches``
+    (-1: no record, the job's first launch)."""
     seen, newest = read_record(fence)
     if newest is not None and newest.plan is not None and (
             newest.plan.generation > session.plan.generation):
         # with its speeds: the state the others hold, so that they can replay this decision
         session.adopt(newest.plan, newest.excluded, dict(newest.speeds))
-    return seen
+    return seen, -1 if newest is None else newest.launches

@@ -54,12 +54,13 @@ def inplace_possible(reports: Sequence[NodeReport], inplace_wanted: bool) -> boo
 
 def decide(plan: ExecutionPlan, excluded: Collection[int], reports: Sequence[NodeReport],
            inplace_wanted: bool, why: tuple[tuple[int, str], ...] = (),
-           speeds: tuple[tuple[int, float], ...] = ()) -> Decision:
+           speeds: tuple[tuple[int, float], ...] = (), launched: int = -1) -> Decision:
     """The decision for the plan the session has chosen (a new generation when in place).
     In place, a plan that sources layers from a checkpoint when no worker has one cannot go
     on in place: a job that checkpoints (but lost them before its first checkpoint) is
     relaunched, so every worker starts again from step 0 and says so; a job that never
-    checkpoints ends with a sentence, since starting over would redo everything."""
+    checkpoints ends with a sentence, since starting over would redo everything.
+    ``launched``: the last decision's ``launches`` (-1: none yet, this is the first launch)."""
     live = {d for r in reports for d in r.live}
     inplace = inplace_possible(reports, inplace_wanted) and bool(live)   # someone to keep
     reported = max((r.reported for r in reports if r.reported is not None), default=None)
@@ -78,6 +79,7 @@ def decide(plan: ExecutionPlan, excluded: Collection[int], reports: Sequence[Nod
                  "from; training cannot go on. Give the script a checkpoint directory (for "
                  "examples/train_gpt.py: --checkpoint-dir) to survive such a loss.")
     starting = tuple(d for d in plan.working_devices if d not in live) if inplace else ()
+    launches = 0 if launched < 0 else launched + (0 if inplace else 1)
     return Decision(plan, tuple(sorted(excluded)), world_of(plan, live, inplace), inplace,
                     reported, error, why, tuple(sorted(r.node for r in reports)), speeds,
-                    starting=starting)
+                    starting=starting, launches=launches)

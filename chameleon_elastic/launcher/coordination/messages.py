@@ -111,6 +111,9 @@ class Decision:
     speeds: tuple[tuple[int, float], ...] = ()   # the slow devices the plan was made for
     no_plan: bool = False                   # the error is the planner's: no layout fits
     starting: tuple[int, ...] = ()          # working devices without a live worker: restarts
+    #: TORCHELASTIC_RESTART_COUNT of the workers it starts: relaunches so far, job-wide (0: the
+    #: first launch), so that every rank of a world scopes torch's env:// store keys alike
+    launches: int = 0
 
     def to_json(self) -> str:
         # shallow: asdict would first copy the whole plan, field by field, only to have it
@@ -129,7 +132,8 @@ class Decision:
                    tuple(int(n) for n in d.get("nodes", ())),
                    tuple((int(k), float(v)) for k, v in d.get("speeds", ())),
                    no_plan=bool(d.get("no_plan", False)),
-                   starting=tuple(int(x) for x in d.get("starting", ())))
+                   starting=tuple(int(x) for x in d.get("starting", ())),
+                   launches=int(d.get("launches", 0)))
 
     def encode(self) -> bytes:
         """What goes into the record and onto the decider's desk: the JSON, compressed (7x at
@@ -196,7 +200,7 @@ class Agreement:
             "excluded": _runs(d.excluded), "inplace": d.inplace, "reported": d.reported,
             "error": d.error, "why": d.why, "nodes": _runs(d.nodes),
             "decision_speeds": d.speeds, "no_plan": d.no_plan,
-            "starting": _runs(d.starting)}).encode()
+            "starting": _runs(d.starting), "launches": d.launches}).encode()
 
     @classmethod
     def decode(cls, raw: str | bytes) -> Agreement:
@@ -205,7 +209,8 @@ class Agreement:
                             d["error"], tuple((int(k), str(v)) for k, v in d["why"]),
                             _unruns(d["nodes"]),
                             tuple((int(k), float(v)) for k, v in d["decision_speeds"]),
-                            bool(d["no_plan"]), _unruns(d.get("starting", [])))
+                            bool(d["no_plan"]), _unruns(d.get("starting", [])),
+                            int(d.get("launches", 0)))
         return cls(decision, d["base"], d["digest"], _unruns(d["lost"]), _unruns(d["joined"]),
                    tuple((int(k), float(v)) for k, v in d["speeds"]), bool(d["renew"]),
                    d["source"], d["generation"], _unruns(d["idle"]))

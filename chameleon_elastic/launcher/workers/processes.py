@@ -30,6 +30,7 @@ from chameleon_elastic.channel import Registration
 from chameleon_elastic.torch_compat import worker_process
 
 from .orphan_guard import guarded_command
+from .worker_logs import ConsoleEcho, WorkerLogs
 
 __all__ = ["Exit", "ExitBell", "WorkerProcesses"]
 
@@ -100,6 +101,7 @@ class WorkerProcesses:
         self._contexts: list[PContext] = []
         self._live: dict[int, _Live] = {}
         self.succeeded: set[int] = set()   # devices whose worker exited 0
+        self._echo: ConsoleEcho | None = None   # rank 0's stderr on the console (--job)
 
     def start(self, spec: Any, todo: list[tuple[int, Any]], envs: dict, args: dict,
               prefixes: dict | None, logs_specs: Any, start_method: str) -> None:
@@ -111,6 +113,8 @@ class WorkerProcesses:
             wrapped = {i: guarded_command(entrypoint, a) for i, a in args.items()}
             entrypoint = next(iter(wrapped.values()))[0] if wrapped else entrypoint
             args = {i: w[1] for i, w in wrapped.items()}
+        if isinstance(logs_specs, WorkerLogs):
+            self._echo = logs_specs.echo
         context = start_processes(
             name=spec.role, entrypoint=entrypoint, args=args, envs=envs, logs_specs=logs_specs,
             log_line_prefixes=prefixes, start_method=start_method,
@@ -164,12 +168,17 @@ class WorkerProcesses:
                             world_size=size, role_world_size=size)
             worker.id = self.pid(device)
             live.worker = worker
+        if self._echo is not None:   # what was written while the generation changed
+            self._echo.skip()
 
     def workers(self) -> list[Any]:
         return [live.worker for _, live in sorted(self._live.items())]
 
     def poll(self) -> list[Exit]:
-        """Workers that ended since the last poll (now forgotten), in device order."""
+        """Workers that ended since the last poll (now forgotten), in device order. Rank 0's
+        stderr, looked at first, reaches the console unless a worker failed meanwhile."""
+        if self._echo is not None:
+            self._echo.look()
         ended = []
         for device, live in sorted(self._live.items()):
             proc = worker_process(live.context, live.local_rank)
@@ -187,6 +196,11 @@ class WorkerProcesses:
                               live.context.stderrs.get(live.local_rank, "")))
         for e in ended:
             del self._live[e.device]
+        if self._echo is not None:
+            if any(e.exitcode != 0 for e in ended):
+                self._echo.skip()
+            else:
+                self._echo.release(whole=not self._live)
         return ended
 
     def run_result(self, group_workers: list[Worker]) -> tuple[RunResult, dict[int, Exit]]:
@@ -239,3 +253,5 @@ class WorkerProcesses:
         self._contexts.clear()
         self._live.clear()
         self.succeeded.clear()
+        if self._echo is not None:   # the stopped workers' last words stay in their files
+            self._echo.skip()

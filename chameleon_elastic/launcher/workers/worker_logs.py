@@ -1,10 +1,17 @@
-"""Where workers' stderr goes under ``--job``: one file per worker process, not the console.
+"""Where workers' stderr goes under ``--job``: one file per worker process, and rank 0's echoed.
 
-Why: when a device is lost, its peers' collectives fail, and a plain script's survivors print
-tracebacks (gloo "Connection reset by peer", torch's SIGTERM warnings) that make a handled
+Why files: when a device is lost, its peers' collectives fail, and a plain script's survivors
+print tracebacks (gloo "Connection reset by peer", torch's SIGTERM warnings) that make a handled
 failure look like a crash. The launcher says what happened in one recovery line; the details
 stay in the files, which that line and the failure sentence name. stdout, where training
 reports progress, still goes to the console untouched (no tee, no prefixes), as with torchrun.
+
+Why an echo: a framework's own messages and progress bars (Lightning, HF Trainer, accelerate
+and tqdm write to stderr) vanished from the terminal. So the stderr of global rank 0 is copied
+to the launcher's stderr as it grows (:class:`ConsoleEcho`, bytes as written, progress bars'
+carriage returns too), but only up to what was written before the agent's last look found
+every worker alive: what a worker writes after a peer died, or while a recovery runs, stays in
+its file. The copy lags the file by one monitor interval (0.1 s by default).
 
 Why not torch's ``DefaultLogsSpecs``: it names files by local rank under an attempt directory
 that it *empties* on every launch with the same restart count. chameleon-run starts single
@@ -16,23 +23,75 @@ overwritten.
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
+from typing import BinaryIO
 
 from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-__all__ = ["WorkerLogs", "WorkersFailed", "tail"]
+__all__ = ["ConsoleEcho", "WorkerLogs", "WorkersFailed", "tail"]
 
 _ERROR = ".error.json"
 _STDERR = ".stderr.log"
 
 
+class ConsoleEcho:
+    """One worker's stderr file copied to the console up to what was written while every
+    worker was alive. :meth:`look` before the agent polls its workers, :meth:`release` when
+    none had failed, :meth:`skip` when one had, or when a transition begins or ends: what was
+    written since the look is then never shown."""
+
+    def __init__(self, out: BinaryIO | None = None) -> None:
+        self._out = out
+        self._path: Path | None = None
+        self._shown = 0       # bytes of the file copied or skipped
+        self._seen = 0        # its size at the last look
+
+    def follow(self, path: str | Path) -> None:
+        """Echo this file from now on (a new rank 0's), from its start."""
+        self._path, self._shown, self._seen = Path(path), 0, 0
+
+    def _size(self) -> int:
+        try:
+            return os.path.getsize(self._path) if self._path is not None else 0
+        except OSError:
+            return self._shown
+
+    def look(self) -> None:
+        self._seen = self._size()
+
+    def release(self, whole: bool = False) -> None:
+        """Copy what was written up to the last look (``whole``: up to now: the workers have
+        ended)."""
+        end = self._size() if whole else self._seen
+        if self._path is None or end <= self._shown:
+            return
+        try:
+            with open(self._path, "rb") as fh:
+                fh.seek(self._shown)
+                data = fh.read(end - self._shown)
+        except OSError:
+            return
+        out = self._out if self._out is not None else sys.stderr.buffer
+        out.write(data)
+        out.flush()
+        self._shown += len(data)
+
+    def skip(self) -> None:
+        """Never show what was written after the last released look."""
+        self._shown = self._seen = max(self._shown, self._size())
+
+
 class WorkerLogs(LogsSpecs):
-    """stderr and torch's error file per worker process, in one flat directory."""
+    """stderr and torch's error file per worker process, in one flat directory; rank 0's
+    echoed to the console (``echo``)."""
 
     def __init__(self, log_dir: Path) -> None:
         super().__init__(log_dir=str(log_dir))
         self._dir = log_dir
+        self.echo = ConsoleEcho()
 
     @property
     def root_log_dir(self) -> str:
@@ -50,6 +109,8 @@ class WorkerLogs(LogsSpecs):
             stderr = Path(f"{stem}{_STDERR}")
             stderr.touch()   # claimed now: the next worker of this device takes n + 1
             stderrs[index] = str(stderr)
+            if env.get("RANK") == "0":
+                self.echo.follow(stderr)
             error_files[index] = f"{stem}{_ERROR}"
             env["TORCHELASTIC_ERROR_FILE"] = error_files[index]
         console = dict.fromkeys(envs, "")

@@ -12,6 +12,8 @@ Modes:
                     next launch (they are stopped by the agent) or exit 0 on the last one
   hold-peers        like hold, but exit 1 as soon as a peer of the same launch (same
                     MASTER_PORT) has died: a stand-in for a collective failing on a lost peer
+  hold-peers-loud   like hold-peers, saying on stderr that it is up, and, before it exits,
+                    a survivor's complaint about its lost peer
   hold-following    like hold, after telling the agent that the script follows the plan's
                     share of the batch (frameworks/share.py; imports torch) and writing
                     ``<out>/announced-<pid>``
@@ -91,12 +93,18 @@ def main() -> None:
         open(os.path.join(out, f"announced-{os.getpid()}"), "w").close()
         hold(out)
         return
-    if mode == "hold-peers":
+    if mode in ("hold-peers", "hold-peers-loud"):
+        loud = mode == "hold-peers-loud"
+        if loud:
+            print(f"probe rank {os.environ['RANK']} is up", file=sys.stderr, flush=True)
         deadline = time.monotonic() + 60
         while not os.path.exists(os.path.join(out, "release")):
             if time.monotonic() > deadline:
                 sys.exit(3)
             if not peers_alive(out):
+                if loud:
+                    print("Traceback (most recent call last):\nRuntimeError: Connection reset "
+                          "by peer (a survivor's complaint)", file=sys.stderr, flush=True)
                 sys.exit(1)
             time.sleep(0.05)
         return
