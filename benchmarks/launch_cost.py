@@ -17,7 +17,10 @@ alike. Each run is timed from outside, the same way for both launchers:
   and process group come in between);
 - ``train``: the first step line -> the last one;
 - ``exit``: the last step line -> the launcher's exit (the workers' teardown, the exit
-  barrier, the launcher's own).
+  barrier, the launcher's own);
+- ``restart`` (with ``--kill-at N``): rank 1's worker is SIGKILLed once step line N is out;
+  from the kill to the restarted workers' first ``step 0`` line (both launchers restart every
+  worker: ``--max-restarts 3``), to compare with ``first_step`` of a fresh launch.
 
 The script must print a line starting with ``step <n>`` per step it reports (examples/
 ddp_torchrun.py does; pass ``--steps`` for it). Prints a table of medians and the ratio to
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import statistics
@@ -44,7 +48,7 @@ from launched import busy_loops
 
 ROOT = Path(__file__).resolve().parent.parent
 STEP = re.compile(rb"^step\s+(\d+)\b")
-PHASES = ("start", "first_step", "train", "exit", "wall")
+PHASES = ("start", "first_step", "train", "exit", "wall", "restart")
 
 
 def _watch_children(pid: int, seen: dict[int, float], stop: threading.Event) -> None:
@@ -63,12 +67,25 @@ def _watch_children(pid: int, seen: dict[int, float], stop: threading.Event) -> 
         stop.wait(0.02)
 
 
+def _kill_rank_1(launcher: int) -> bool:
+    for child in psutil.Process(launcher).children(recursive=True):
+        try:
+            if child.environ().get("RANK") == "1" and "python" in child.name():
+                child.kill()
+                return True
+        except psutil.Error:
+            continue
+    return False
+
+
 def one_run(tool: str, nproc: int, script: list[str], job: list[str], timeout_s: float,
-            baseline: str | None = None) -> dict[str, float]:
+            baseline: str | None = None, kill_at: int | None = None) -> dict[str, float]:
     """One launch of ``tool`` (``torchrun``, ``chameleon`` or ``baseline``: chameleon-run from
     the checkout ``baseline``); its phases in seconds."""
     module = "torch.distributed.run" if tool == "torchrun" else "chameleon_elastic.launcher.cli"
     flags = ["--standalone", f"--nproc-per-node={nproc}"]
+    if kill_at is not None:
+        flags.append("--max-restarts=3")
     if tool != "torchrun":
         flags += ["--no-status", *job]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
@@ -82,10 +99,21 @@ def one_run(tool: str, nproc: int, script: list[str], job: list[str], timeout_s:
     watcher = threading.Thread(target=_watch_children, args=(proc.pid, seen, stop), daemon=True)
     watcher.start()
     steps: list[float] = []
+    killed_at: float | None = None
+    restarted = float("nan")
     assert proc.stdout is not None
     for line in proc.stdout:
-        if STEP.match(line):
-            steps.append(time.perf_counter() - began)
+        found = STEP.match(line)
+        if not found:
+            continue
+        now = time.perf_counter() - began
+        steps.append(now)
+        step = int(found.group(1))
+        if kill_at is not None and step == kill_at and killed_at is None:
+            if _kill_rank_1(proc.pid):
+                killed_at = time.perf_counter() - began
+        elif step == 0 and killed_at is not None and math.isnan(restarted):
+            restarted = now - killed_at
     code = proc.wait(timeout=timeout_s)
     ended = time.perf_counter() - began
     stop.set()
@@ -95,13 +123,18 @@ def one_run(tool: str, nproc: int, script: list[str], job: list[str], timeout_s:
     workers = sorted(seen.values())
     start = (workers[0] - began_wall) if workers else float("nan")
     return {"start": start, "first_step": steps[0], "train": steps[-1] - steps[0],
-            "exit": ended - steps[-1], "wall": ended}
+            "exit": ended - steps[-1], "wall": ended, "restart": restarted}
+
+
+def _median(values) -> float:
+    """The median of the figures measured (nan when none was: no kill)."""
+    kept = [v for v in values if not math.isnan(v)]
+    return statistics.median(kept) if kept else float("nan")
 
 
 def table(runs: dict[str, list[dict[str, float]]]) -> str:
     """Medians per phase, each launcher's ratio and difference to torchrun's."""
-    med = {tool: {p: statistics.median(r[p] for r in rs) for p in PHASES}
-           for tool, rs in runs.items()}
+    med = {tool: {p: _median(r[p] for r in rs) for p in PHASES} for tool, rs in runs.items()}
     others = [tool for tool in runs if tool != "torchrun"]
     rows = [f"{'phase (median s)':<18}{'torchrun':>10}" + "".join(
         f"{tool:>11}{'ratio':>7}{'diff':>7}" for tool in others)]
@@ -121,6 +154,8 @@ def main() -> None:
     ap.add_argument("--preset", default=None, help="chameleon-run --preset NAME")
     ap.add_argument("--load", type=int, default=0, help="busy loops beside the runs")
     ap.add_argument("--timeout", type=float, default=300)
+    ap.add_argument("--kill-at", type=int, default=None, metavar="STEP",
+                    help="SIGKILL rank 1's worker once step line STEP is out; time the restart")
     ap.add_argument("--baseline-tree", default=None, metavar="DIR",
                     help="also run chameleon-run from this checkout (e.g. a git worktree of an "
                          "earlier commit), as 'baseline'")
@@ -138,7 +173,8 @@ def main() -> None:
     with busy_loops(args.load):
         for i in range(args.runs):
             for tool in tools if i % 2 == 0 else tools[::-1]:
-                r = one_run(tool, args.nproc, script, job, args.timeout, args.baseline_tree)
+                r = one_run(tool, args.nproc, script, job, args.timeout, args.baseline_tree,
+                            args.kill_at)
                 runs[tool].append(r)
                 print(f"run {i + 1}/{args.runs} {tool:<9} " + "  ".join(
                     f"{p} {r[p]:.2f}" for p in PHASES), file=sys.stderr, flush=True)
@@ -148,7 +184,7 @@ def main() -> None:
               "loadavg": os.getloadavg(), "runs": runs}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
-    print(json.dumps({tool: {p: round(statistics.median(r[p] for r in rs), 3) for p in PHASES}
+    print(json.dumps({tool: {p: round(_median(r[p] for r in rs), 3) for p in PHASES}
                       for tool, rs in runs.items()}))
 
 

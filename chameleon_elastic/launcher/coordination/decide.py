@@ -79,7 +79,8 @@ def decide(plan: ExecutionPlan, excluded: Collection[int], reports: Sequence[Nod
                  "from; training cannot go on. Give the script a checkpoint directory (for "
                  "examples/train_gpt.py: --checkpoint-dir) to survive such a loss.")
     starting = tuple(d for d in plan.working_devices if d not in live) if inplace else ()
-    launches = 0 if launched < 0 else launched + (0 if inplace else 1)
+    # a relaunch, or a process started in place (a crashed worker's replacement), counts
+    launches = 0 if launched < 0 else launched + (0 if inplace and not starting else 1)
     return Decision(plan, tuple(sorted(excluded)), world_of(plan, live, inplace), inplace,
                     reported, error, why, tuple(sorted(r.node for r in reports)), speeds,
                     starting=starting, launches=launches)

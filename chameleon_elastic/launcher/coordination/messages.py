@@ -111,8 +111,9 @@ class Decision:
     speeds: tuple[tuple[int, float], ...] = ()   # the slow devices the plan was made for
     no_plan: bool = False                   # the error is the planner's: no layout fits
     starting: tuple[int, ...] = ()          # working devices without a live worker: restarts
-    #: TORCHELASTIC_RESTART_COUNT of the workers it starts: relaunches so far, job-wide (0: the
-    #: first launch), so that every rank of a world scopes torch's env:// store keys alike
+    #: TORCHELASTIC_RESTART_COUNT of the workers it starts: decisions so far that started
+    #: processes, job-wide (0: the first launch), so that every rank of a world scopes torch's
+    #: env:// store keys alike
     launches: int = 0
 
     def to_json(self) -> str:

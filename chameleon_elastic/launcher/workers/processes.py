@@ -153,6 +153,8 @@ class WorkerProcesses:
             record = channel.read(store, channel.worker_key(device))
             if record is None or Registration.from_dict(record).pid != self.pid(device):
                 return False
+        if self._echo is not None:   # runtime workers speak through the recovery line
+            self._echo.silence()
         return True
 
     def renumber(self, ranks: Callable[[int], tuple[int, int, int] | None]) -> None:

@@ -11,7 +11,9 @@ and tqdm write to stderr) vanished from the terminal. So the stderr of global ra
 to the launcher's stderr as it grows (:class:`ConsoleEcho`, bytes as written, progress bars'
 carriage returns too), but only up to what was written before the agent's last look found
 every worker alive: what a worker writes after a peer died, or while a recovery runs, stays in
-its file. The copy lags the file by one monitor interval (0.1 s by default).
+its file. The copy lags the file by one monitor interval (0.1 s by default). A worker on the
+runtime is not echoed once it has registered: it recovers in place, alive, and its complaints
+about a lost peer would come while every process lives.
 
 Why not torch's ``DefaultLogsSpecs``: it names files by local rank under an attempt directory
 that it *empties* on every launch with the same restart count. chameleon-run starts single
@@ -48,10 +50,18 @@ class ConsoleEcho:
         self._path: Path | None = None
         self._shown = 0       # bytes of the file copied or skipped
         self._seen = 0        # its size at the last look
+        self._silent = False  # its worker runs on the runtime: its stderr stays in the file
 
     def follow(self, path: str | Path) -> None:
         """Echo this file from now on (a new rank 0's), from its start."""
-        self._path, self._shown, self._seen = Path(path), 0, 0
+        self._path, self._shown, self._seen, self._silent = Path(path), 0, 0, False
+
+    def silence(self) -> None:
+        """The worker runs on the runtime, which recovers in place and says what it does
+        through the agent's recovery line: its stderr (a lost peer's complaints while it
+        recovers, while it is alive) stays in its file from now on."""
+        self.skip()
+        self._silent = True
 
     def _size(self) -> int:
         try:
@@ -66,7 +76,7 @@ class ConsoleEcho:
         """Copy what was written up to the last look (``whole``: up to now: the workers have
         ended)."""
         end = self._size() if whole else self._seen
-        if self._path is None or end <= self._shown:
+        if self._path is None or self._silent or end <= self._shown:
             return
         try:
             with open(self._path, "rb") as fh:
