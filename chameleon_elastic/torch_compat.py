@@ -11,15 +11,18 @@ Checked against torch 2.13, 2.14 and 2.15, the range pyproject.toml declares
 (``>=2.13,<2.16``; CI runs the suite on 2.13.0 and a subset on 2.15.0): the launcher also passes
 ``WorkerSpec`` arguments that only recent torch has (``numa_options``,
 ``duplicate_stdout_filters``, ``duplicate_stderr_filters``, ``virtual_local_rank``). None of the
-members below changed its signature within that range, so there are no per-version branches;
-what differs between the releases is what their process-group backends can do, and that is
-answered here too, by release (:func:`torch_release`), for runtime/world/groups.py to decide with.
+agent's members changed its signature within that range. What differs between the releases is
+what their process-group backends can do, answered here by release (:func:`torch_release`) for
+runtime/world/groups.py to decide with, and how torch groups the aborts of a world's NCCL
+communicators, the one per-version branch (:func:`abort_communicators`; plugins/cuda.py leaves a
+world that lost a peer with it and :func:`forget_process_groups`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 __all__ = [
@@ -27,12 +30,16 @@ __all__ = [
     "PRIVATE_ATTRIBUTES",
     "RENDEZVOUS_SETTINGS_HOLDERS",
     "WorkerProcess",
-    "abort_process_group",
+    "abort_communicators",
     "addr_and_port",
     "entrypoint_name",
     "fake_tensor_mode",
     "forget_failed_group_names",
+    "forget_process_groups",
+    "has_nccl",
     "nccl_means_nccl2",
+    "nccl_options",
+    "process_groups",
     "rendezvous_participants",
     "set_min_nodes",
     "split_group_on_cpu",
@@ -163,13 +170,6 @@ def worker_process(context: Any, local_rank: int) -> WorkerProcess:
     return WorkerProcess(context, local_rank)
 
 
-def abort_process_group(group: Any = None) -> None:
-    """Abort a process group's pending work (NCCL), which ``destroy_process_group`` does not."""
-    from torch.distributed.distributed_c10d import _abort_process_group
-
-    _abort_process_group(group)
-
-
 def forget_failed_group_names() -> None:
     """Let the next default group be named as on a fresh process. torch names groups from a
     counter that it resets when the default group is destroyed; an ``init_process_group`` that
@@ -189,6 +189,122 @@ def fake_tensor_mode() -> Any:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+# ---------------------------------------------------------------- leaving a broken NCCL world
+
+def process_groups() -> list[Any]:
+    """Every process group in torch's books, the default one included, in the order torch
+    aborts and shuts them down in (by name, the newest first). Read from any thread: the books
+    are copied first (one C-level copy), since the training thread may be adding a group."""
+    from torch.distributed import distributed_c10d
+
+    names = dict(distributed_c10d._world.pg_names)
+    return sorted(names, key=lambda group: names[group], reverse=True)
+
+
+def has_nccl(group: Any) -> bool:
+    """Whether ``group`` (in torch's books) has an NCCL part: ``nccl``, ``nccl2`` or
+    ``nccl-legacy``, alone or in a compound backend such as ``cpu:gloo,cuda:nccl``."""
+    import torch.distributed as dist
+
+    try:
+        return "nccl" in str(dist.get_backend(group)).lower()
+    except (RuntimeError, ValueError):   # not in torch's books (any more)
+        return False
+
+
+def abort_communicators(groups: list[Any]) -> list[str]:
+    """Abort the communicators of ``groups`` all at once, as torch's ``_abort_process_group``
+    aborts a whole world: the newest group first, inside one NCCL group call (2.13, 2.14: the
+    leading group's ``_group_start`` / ``_group_end``) or one coalescing region (2.15:
+    ``_coalescing_manager``), because communicators aborted one by one can deadlock each other
+    (pytorch#119797). Unlike torch's, it leaves the groups in torch's books: a side thread
+    calls it while the training thread may still be inside a step, and that thread must meet
+    an aborted communicator (a ``DistBackendError``: a lost peer, recovered in place), not a
+    group torch no longer knows (a ``ValueError``: a crash). :func:`forget_process_groups`
+    takes them out afterwards, on the training thread. Returns one line per group whose abort
+    failed (it raised; nccl2 raises when the abort itself times out); never raises."""
+    failed: list[str] = []
+    if not groups:
+        return failed
+    with _abort_region(groups):
+        for group in groups:
+            try:
+                group.abort()
+            except RuntimeError as exc:
+                failed.append(f"{getattr(group, 'group_name', group)}: {exc}")
+    return failed
+
+
+@contextlib.contextmanager
+def _abort_region(groups: list[Any]) -> Iterator[None]:
+    """The region torch aborts a world's communicators in, led by the default group when it is
+    among ``groups`` (else the last of them): a coalescing region from torch 2.15, the classic
+    backend's NCCL group call before (the leader's ``_group_start`` / ``_group_end``). The 2.14
+    form is taken to be 2.13's (not verified: no 2.14 source here)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    leader = dist.group.WORLD if dist.group.WORLD in groups else groups[-1]
+    if torch_release() >= (2, 15):
+        device = torch.accelerator.current_accelerator() or torch.device("cpu")
+        try:
+            backend = leader._get_backend(device)
+        except RuntimeError:
+            backend = None
+        distributed_c10d._world.pg_coalesce_state.pop(leader, None)
+        coalescing = device if getattr(backend, "supports_coalescing", False) else None
+        with distributed_c10d._coalescing_manager(leader, coalescing):
+            yield
+        return
+    try:
+        backend = leader._get_backend(torch.device("cuda"))
+    except RuntimeError:
+        backend = None
+    grouped = dist.is_nccl_available() and isinstance(backend, dist.ProcessGroupNCCL)
+    if grouped:
+        backend._group_start()
+    try:
+        yield
+    finally:
+        if grouped:
+            backend._group_end()
+
+
+def forget_process_groups() -> list[Any]:
+    """Take every process group out of torch's books without shutting any down, and return
+    them for the caller to free (a group's destructor can wait: the classic backend's joins its
+    watchdog thread). After an abort, ``destroy_process_group`` would shut communicators down
+    that cannot finish (nccl2's shutdown waits for the pending work; after an abortive shrink,
+    NCCL >= 2.31 hangs destroying the parent), and torch's ``_abort_process_group`` would abort
+    them a second time. Leaves what ``_abort_process_group`` leaves: no default group, and
+    torch's group counter at 0."""
+    from torch.distributed import distributed_c10d
+
+    groups = process_groups()
+    for group in groups:
+        distributed_c10d._cleanup_process_group_global_state(group)
+    distributed_c10d._update_default_pg(None)
+    distributed_c10d._world.group_count = 0
+    return groups
+
+
+def nccl_options(nonblocking: bool) -> Any | None:
+    """Options for the NCCL part of a group (``ProcessGroupNCCL.Options``, which nccl2 takes
+    too in 2.15; 2.14's nccl2 not verified): a fresh object each call, since torch writes the
+    group's name, ranks and timeout into the one it is given. ``nonblocking``: NCCL's
+    non-blocking communicators (``config.blocking = 0``; both implementations read it before
+    ``TORCH_NCCL_USE_COMM_NONBLOCKING``), else torch's default. None on a torch without NCCL."""
+    import torch.distributed as dist
+
+    if not dist.is_nccl_available():
+        return None
+    options = dist.ProcessGroupNCCL.Options()
+    if nonblocking:
+        options.config.blocking = 0
+    return options
 
 
 # ---------------------------------------------------------------- what each release can do

@@ -43,7 +43,15 @@ def test_private_helpers_exist():
     from torch.distributed.launcher import api
 
     assert callable(api._get_addr_and_port) and callable(api._get_entrypoint_name)
-    assert callable(distributed_c10d._abort_process_group)
+    # leaving a broken NCCL world (torch_compat.abort_communicators, forget_process_groups)
+    assert callable(distributed_c10d._cleanup_process_group_global_state)
+    assert callable(distributed_c10d._update_default_pg)
+    assert callable(distributed_c10d._coalescing_manager)
+    assert hasattr(distributed_c10d._world, "pg_names")
+    assert hasattr(distributed_c10d._world, "pg_coalesce_state")
+    assert hasattr(distributed_c10d._world, "group_count")
+    assert callable(distributed_c10d.ProcessGroup.abort)
+    assert callable(distributed_c10d.ProcessGroup._get_backend)
     assert callable(DynamicRendezvousHandler._stop_heartbeats)
 
 

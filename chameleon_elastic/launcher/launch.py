@@ -144,6 +144,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
     with _held_warnings("torch.distributed.run"):   # its OMP banner: only once the job is valid
         launch = _resolve(args, parser, job_mode)
     config, state, session = launch.config, launch.state, launch.session
+    _say_watchdog_mode(session)
     state_dir = None if state is None else state.path
     event_path = args.event_log or (None if state_dir is None else state_dir / "events.jsonl")
     try:
@@ -199,6 +200,16 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
                                  "left nothing to read there (--state-dir DIR keeps it)\n")
         elif event_path is not None and Path(event_path).exists():
             sys.stderr.write(f"chameleon-run: events of this run: {event_path}\n")
+
+
+def _say_watchdog_mode(session: Any) -> None:
+    """With a job, once at start: the line naming a user's ``TORCH_NCCL_ASYNC_ERROR_HANDLING``
+    that would have NCCL's watchdog kill survivors (workers/worker_env.py), if any."""
+    from .workers.worker_env import nccl_watchdog_warning
+
+    warning = None if session is None else nccl_watchdog_warning()
+    if warning is not None:
+        sys.stderr.write(f"chameleon-run: {warning}\n")
 
 
 def _take_slurm(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:

@@ -80,15 +80,29 @@ class DeviceBackend(abc.ABC):
     def synchronize(self, local_rank: int = 0) -> None:
         """Wait for queued device work (needed before reading a clock; no-op on CPU)."""
 
+    def group_options(self, timeout_s: float) -> Any | None:
+        """Backend options for the device part of a process group this process makes
+        (``pg_options``; runtime/world/groups.py), None for torch's defaults. Gloo needs none;
+        NCCL's make communicators that can be aborted safely (plugins/cuda.py)."""
+        return None
+
     def unblock(self, sockets: Sockets) -> None:
         """Make a transfer blocked in the training thread fail now; called from another thread
         when the agents have moved on to a newer plan generation, and by a survivor tearing its
-        groups down (runtime/world/abort.py). Gloo has no abort, so its groups' connected sockets
-        (``sockets``, recorded when the groups were formed) are shut down for reading: the
-        blocked receive returns "Connection closed by peer" as if the peer had died."""
+        groups down (runtime/world/abort.py). Never takes a group out of torch's books: the
+        training thread may still be using it. Gloo has no abort, so its groups' connected
+        sockets (``sockets``, recorded when the groups were formed) are shut down for reading:
+        the blocked receive returns "Connection closed by peer" as if the peer had died."""
         from chameleon_elastic.runtime.world.abort import shut_down
 
         shut_down(sockets)
+
+    def forget_groups(self) -> list[object]:
+        """After ``unblock``, on the training thread, before the plan's groups are released:
+        take out of torch's books, without shutting them down, the groups whose communicators
+        were aborted, and return them for the caller to free. Gloo aborts nothing, so nothing:
+        its groups are destroyed as before (their tables, then ``abort_process_groups``)."""
+        return []
 
     def abort_process_groups(self) -> None:
         """Tear down every process group of this process after a peer was lost; never raises.
@@ -96,8 +110,8 @@ class DeviceBackend(abc.ABC):
         Gloo cannot abort a collective; its groups' sockets were cut already (``unblock``), and
         a peer blocked on this process is cut by its own watchdog when the agents publish the
         next generation, which every survivor waits for anyway (runtime/world/abort.py). Back-ends
-        whose collectives can block on a dead peer forever (NCCL, HCCL) abort their
-        communicators first."""
+        whose collectives can block on a dead peer forever (NCCL) abort their communicators
+        instead, and never shut an aborted one down (plugins/cuda.py)."""
         import torch.distributed as dist
 
         if dist.is_initialized():
@@ -105,6 +119,12 @@ class DeviceBackend(abc.ABC):
                 dist.destroy_process_group()
             except (RuntimeError, ValueError):
                 pass
+
+    def context_lost(self, message: str) -> bool:
+        """Whether an error (its message: what a recovery keeps of it) says this process can
+        never use its device again, so that it must be restarted rather than recover in place.
+        Nothing on the CPU; on a GPU, a poisoned CUDA context (plugins/cuda.py)."""
+        return False
 
     def _require(self) -> None:
         if not self.is_available():

@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from typing_extensions import Self
 
-__all__ = ["LostPeerMessage", "PeerLost", "PipelineRuntimeError", "communication_failure",
-           "keep_message_only", "say_peer_loss_in_one_line"]
+__all__ = ["DeviceContextLost", "LostPeerMessage", "PeerLost", "PipelineRuntimeError",
+           "communication_failure", "keep_message_only", "say_peer_loss_in_one_line"]
 
 #: How a broken collective reads where torch gives it no type: gloo's errors are bare
 #: ``RuntimeError``s in torch 2.13 (``[.../third_party/gloo/gloo/transport/tcp/pair.cc:553]
@@ -33,6 +33,12 @@ class PeerLost(PipelineRuntimeError):
     process groups down to recover (or the agent announced a new plan generation). Under
     chameleon-run this starts an in-place recovery; it reaches the user only without an agent
     to regroup with (plain torchrun, tests)."""
+
+
+class DeviceContextLost(PipelineRuntimeError):
+    """This process can never use its device again (a CUDA sticky error: a device-side assert,
+    an illegal address): it exits to be restarted alone, as a crashed worker is, while its
+    peers recover in place. Raised instead of recovering in place; the message says why."""
 
 
 class LostPeerMessage:

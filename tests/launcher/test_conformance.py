@@ -109,7 +109,11 @@ def test_with_a_preset_workers_get_torchruns_environment_plus_chameleon_variable
         a, b = _launcher_vars(theirs[rank]), _launcher_vars(ours[rank])
         extra = set(b) - set(a)
         assert set(a) <= set(b) and extra and all(k.startswith("CHAMELEON_") for k in extra), extra
-        assert {k for k in a if a[k] != b[k]} <= RUN_SPECIFIC
+        # one of torchrun's variables differs with a job, on purpose: NCCL's watchdog must not
+        # tear a survivor down (launcher/workers/worker_env.py), unless the user chose
+        watchdog = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+        assert {k for k in a if a[k] != b[k]} <= RUN_SPECIFIC | {watchdog}
+        assert ours[rank]["env"][watchdog] == os.environ.get(watchdog, "0")
 
 
 # torch's own flags, combined wrongly: torchrun raises ValueError before starting anything

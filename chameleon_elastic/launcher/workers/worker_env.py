@@ -4,13 +4,23 @@ torch builds the same block inside ``LocalElasticAgent._start_workers``, which s
 local worker at once; the agent starts workers one device at a time (a replacement in place),
 so it builds the block itself, variable for variable as torch 2.13 does
 (tests/launcher/test_conformance.py compares the two launchers' workers).
+
+One of torchrun's variables changes with a job: ``TORCH_NCCL_ASYNC_ERROR_HANDLING``, what
+NCCL's watchdog does when it sees a communicator fail or time out. torchrun gives 1 (abort the
+communicator, then tear the process down; torch's own default, 3, tears it down too), so a
+survivor whose collective broke because a peer died would die itself, and an in-place recovery
+would become a relaunch. A job's workers get 0 (the watchdog only reports): the survivor
+leaves the collective by aborting every communicator at once itself, which torch asks to do
+with the watchdog's handling off (``_abort_process_group``'s note; docs/runtime.md, *NCCL:
+leaving a collective blocked on a lost peer*). A value the user set is kept, and one that
+tears workers down is named once at start (:func:`nccl_watchdog_warning`).
 """
 
 from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from string import Template
 from typing import Any
 
@@ -18,7 +28,18 @@ from torch.distributed.elastic.utils import macros
 
 from chameleon_elastic import channel
 
-__all__ = ["chameleon_vars", "launch_inputs", "standby_args", "torchrun_vars"]
+__all__ = ["ASYNC_ERROR_HANDLING", "PLANNED_ERROR_HANDLING", "TEAR_DOWN_MODES", "chameleon_vars",
+           "launch_inputs", "nccl_watchdog_warning", "standby_args", "torchrun_vars"]
+
+#: what NCCL's watchdog does on a communicator's error or timeout (torch's ErrorHandlingMode:
+#: 0 nothing, 1 abort and tear down, 2 abort only, 3 tear down without abort; torch's default 3)
+ASYNC_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+#: torchrun's value, kept without a job
+TORCHRUN_ERROR_HANDLING = "1"
+#: a job's workers': the watchdog reports, the runtime aborts (plugins/cuda.py)
+PLANNED_ERROR_HANDLING = "0"
+#: the values with which the watchdog kills a survivor that in-place recovery would keep
+TEAR_DOWN_MODES = frozenset({"1", "3"})
 
 
 def torchrun_vars(spec: Any, wg: Any, worker: Any, restart_count: int) -> dict[str, str]:
@@ -40,7 +61,7 @@ def torchrun_vars(spec: Any, wg: Any, worker: Any, restart_count: int) -> dict[s
         "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
         "TORCHELASTIC_RUN_ID": spec.rdzv_handler.get_run_id(),
         "TORCHELASTIC_USE_AGENT_STORE": str(True),
-        "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.getenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+        ASYNC_ERROR_HANDLING: os.getenv(ASYNC_ERROR_HANDLING, TORCHRUN_ERROR_HANDLING),
     }
     if "OMP_NUM_THREADS" in os.environ:
         env["OMP_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"]
@@ -69,7 +90,21 @@ def chameleon_vars(session: Any, assignment: Any, channel_address: str) -> dict[
                                     assignment.unit_ranks, assignment.tp_rank)
     env.update(channel.job_env(session.spec))
     env[channel.AGENT_STORE_ENV] = channel_address
+    env[ASYNC_ERROR_HANDLING] = os.getenv(ASYNC_ERROR_HANDLING, PLANNED_ERROR_HANDLING)
     return env
+
+
+def nccl_watchdog_warning(environ: Mapping[str, str] | None = None) -> str | None:
+    """The one line a job's launcher says at start when the user's
+    ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` would have NCCL's watchdog kill a survivor (1 or 3),
+    None otherwise (unset: the job's 0; 0 or 2: nothing torn down)."""
+    value = (os.environ if environ is None else environ).get(ASYNC_ERROR_HANDLING)
+    if value is None or value.strip() not in TEAR_DOWN_MODES:
+        return None
+    return (f"{ASYNC_ERROR_HANDLING}={value.strip()} is kept, but with it NCCL's watchdog tears "
+            "down a worker whose collective broke because a peer died, so its recovery in "
+            f"place becomes a restart; unset it (workers then get "
+            f"{PLANNED_ERROR_HANDLING}) or set it to {PLANNED_ERROR_HANDLING}.")
 
 
 def launch_inputs(todo: list[tuple[Any, Any]], spec: Any, wg: Any, restart_count: int,

@@ -20,8 +20,10 @@ notice    a peer's death resets its sockets; a survivor that     < 10 ms       c
           shuts its groups' sockets down fails the next one,
           so every survivor's pending transfer fails at once
 abort     shut down every socket of the abandoned step's         ~ 10 ms       (never blocks)
-          groups, then destroy (gloo) or abort (nccl/hccl,
-          plugins) the groups; no garbage collection (0.2 s)
+          groups, then destroy (gloo) the groups, or abort
+          every NCCL communicator at once and take the groups
+          out of torch's books unshut (plugins/cuda.py); no
+          garbage collection (0.2 s)
 wait      for the agents' next generation on the channel (a      ~ 30 ms       generation_s
           store wait: the publication wakes it)
 regroup   ``init_process_group`` on ``chameleon/gen/<N>/``       ~ 50 ms       store_s
@@ -33,6 +35,10 @@ rebuild   bucket groups, executor, 1F1B orders for the plan      ~ 20 ms       c
 resume    the loop goes on at the first step not committed
           everywhere
 ========  =====================================================  ============  ==================
+
+A process whose device context is poisoned (a CUDA sticky error in the cause) does not recover
+in place: it raises :class:`~.errors.DeviceContextLost` and exits, and its agent restarts it
+alone, as it does a crashed worker, while its peers recover in place.
 
 A failure inside the chain (a second device lost while regrouping) aborts again and waits for
 the generation after: the chain is idempotent because it starts from what every process holds
@@ -63,7 +69,7 @@ from chameleon_elastic.channel import Resumed
 from chameleon_elastic.exit_status import ExitStatus
 from chameleon_elastic.retries import DEFAULT_CAP, FailureStreak
 
-from ..errors import PipelineRuntimeError, keep_message_only
+from ..errors import DeviceContextLost, PipelineRuntimeError, keep_message_only
 from ..state.commit import StateLost
 from ..world.abort import Watchdog, free_later, world_sockets
 from ..world.join import join_generation, read_plan
@@ -127,16 +133,33 @@ class Recovery:
         # but not yet the groups that _build records with it
         self.backend.unblock(self.trainer.group_sockets | self.trainer.unit_sockets
                              | world_sockets())
-        groups = release_groups(self.trainer)
+        # NCCL: every group out of torch's books unshut, its communicators aborted (a shutdown
+        # after an abort can hang); gloo: none, its groups are destroyed below as ever
+        groups = self.backend.forget_groups()
+        groups += release_groups(self.trainer)
         if dist.is_initialized():
             groups.append(dist.group.WORLD)
         self.backend.abort_process_groups()
         self._freeing = [t for t in self._freeing if t.is_alive()] + [free_later(groups)]
 
+    def check_device(self, cause: str) -> None:
+        """Raise :class:`~.errors.DeviceContextLost` when ``cause`` says this process's device
+        context is poisoned (``DeviceBackend.context_lost``: a CUDA sticky error): in place, it
+        would fail every generation it entered until the cap ended the whole job; exiting, it
+        is restarted alone, as a crashed worker is, and its peers recover in place."""
+        if self.backend.context_lost(cause):
+            first = cause.splitlines()[0][:300]
+            raise DeviceContextLost(
+                f"device {self.link.device} lost its {self.backend.name} context ({first}); "
+                "it exits so that chameleon-run restarts it alone while its peers recover in "
+                "place; if it comes back, find the failing kernel (an index out of range: "
+                "CUDA_LAUNCH_BLOCKING=1 names it).")
+
     def recover(self, cause: str) -> None:
         """notice -> abort -> wait -> regroup -> agree -> migrate -> rebuild; returns when the
         trainer runs the new generation and ``trainer.committed`` is the step to resume at."""
         noticed_at = time.time()
+        self.check_device(cause)
         cause = self.clock.explain(cause)   # the first step's deadline may have been missed
         self.clock.cancel()
         log.info("device %d: recovering (%s)", self.link.device, cause.splitlines()[0])
@@ -156,6 +179,7 @@ class Recovery:
                 raise
             if again.message is None:
                 break
+            self.check_device(again.message)
             message = self.clock.explain(again.message)
             self.clock.cancel()
             log.info("device %d: generation %d failed too (%s)", self.link.device,

@@ -18,6 +18,11 @@ One home, because how depends on the backend and the torch release (docs/runtime
   are one split, not one collective per unit. :func:`subgroup_method` decides.
 - **Side groups** (:func:`side_group`): a gloo group over the whole world for work beside the
   steps (background checkpoints, snapshots), which no backend refuses (every rank is a member).
+- **Options** (:func:`group_options`): the NCCL part of the world and of every ``new_group``
+  is made with the cuda plugin's options (non-blocking communicators, which an abort after a
+  lost peer needs; plugins/cuda.py); a split inherits its parent's, each backend its own (2.15
+  hands a split's options to every backend of a compound group, and gloo's refuses NCCL's).
+  Gloo and hccl groups get torch's defaults, as before.
 
 Nothing is global: a table belongs to one plan and is destroyed and rebuilt in the same live
 process when the plan changes (in-place recovery). Sets of one rank need no group and get none.
@@ -40,7 +45,7 @@ from ..errors import PeerLost, PipelineRuntimeError
 from .abort import new_sockets
 
 __all__ = ["REFUSE_NEW_GROUP", "GroupTable", "SubgroupMethod", "disjoint_rounds",
-           "init_world", "side_group", "subgroup_method", "world_device"]
+           "group_options", "init_world", "side_group", "subgroup_method", "world_device"]
 
 SubgroupMethod = Literal["new_group", "split_group"]
 
@@ -56,14 +61,26 @@ def world_device(backend: str) -> torch.device | None:
     return get_backend("cuda").device(int(os.environ.get("LOCAL_RANK", "0")))
 
 
+def group_options(backend: str, timeout: timedelta | None) -> dict[str, Any]:
+    """The ``pg_options`` keyword a group on ``backend`` is made with: the cuda plugin's
+    options when the backend has a cuda part (non-blocking NCCL communicators), nothing
+    otherwise (gloo, hccl: torch's defaults). Fresh each call: torch writes into them."""
+    if "cuda" not in device_backends(backend):
+        return {}
+    seconds = 1800.0 if timeout is None else timeout.total_seconds()
+    options = get_backend(backend).group_options(seconds)
+    return {} if options is None else {"pg_options": options}
+
+
 def init_world(backend: str, timeout: timedelta, store: dist.Store | None = None,
                rank: int = -1, world_size: int = -1) -> None:
     """``init_process_group`` for the job's world (from torchrun's environment without
-    ``store``), bound to this process's GPU on cuda (:func:`world_device`)."""
+    ``store``), bound to this process's GPU on cuda (:func:`world_device`), its NCCL part made
+    with the cuda plugin's options (:func:`group_options`)."""
     device = world_device(backend)
     extra = {} if device is None else {"device_id": device}
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                            timeout=timeout, **extra)
+                            timeout=timeout, **extra, **group_options(backend, timeout))
 
 
 def subgroup_method(backend: str, refuse: frozenset[str] = REFUSE_NEW_GROUP) -> SubgroupMethod:
@@ -135,9 +152,11 @@ class GroupTable:
             self._new(subsets, timeout)
 
     def _new(self, subsets: list[tuple[int, ...]], timeout: timedelta | None) -> None:
+        backend = str(dist.get_backend())
         for ranks in subsets:
             try:
-                group = dist.new_group(list(ranks), timeout=timeout)
+                group = dist.new_group(list(ranks), timeout=timeout,
+                                       **group_options(backend, timeout))
             except RuntimeError as exc:
                 raise PeerLost(f"cannot create the process group for ranks {list(ranks)}: "
                                f"{exc}") from exc
