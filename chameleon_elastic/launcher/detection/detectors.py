@@ -43,6 +43,9 @@ log = logging.getLogger("chameleon_elastic.launcher.detection.detectors")
 # How long a worker past its hang timeout must look awake (running, in the kernel) before it
 # counts as hung: long enough for a peer's reaction to its partner's death to pass.
 _HANG_CONFIRM_S = 1.0
+#: a worker whose process is stopped (SIGSTOP, a frozen container) without progress and without
+#: CPU this long is frozen, whatever its hang timeout: a slow step still runs or sleeps
+STOPPED_S = 2.0
 # How often the workers' typical gaps (for the auto hang timeout) are read from the channel.
 _GAP_READ_S = 2.0
 
@@ -92,6 +95,13 @@ class HangWatch:
     starved of a core by other load is runnable, not spinning).
     Scripts that never report progress are never hung. While one waits to be convicted, the
     status line says so (a minute of silence looked like a frozen launcher).
+
+    With the automatic timeout, a stopped process (SIGSTOP, a frozen container) is told apart
+    from a slow one without waiting for its pace to be measured: stopped, without CPU and
+    without progress for ``STOPPED_S``, it is frozen whatever its timeout (a slow step still
+    runs or sleeps). Early in a job the timeout is the ceiling (60 s) until enough gaps are
+    measured, and a worker frozen after its third step held the others for a minute. A
+    ``--hang-timeout`` given by the user is the user's word, stopped or not.
 
     ``auto``: ``hang_s`` is a ceiling, and each worker's timeout is derived from its typical gap between phases
     (chameleon_elastic/hang.py), or is the ceiling while it says it is in a slow stretch."""
@@ -189,7 +199,8 @@ class HangWatch:
                 self._awake.pop(device, None)
                 continue
             idle = now - seen[1]
-            if idle < stall_shown_after(self._limit(store, device, looked=False)) \
+            first_look = stall_shown_after(self._limit(store, device, looked=False))
+            if idle < (min(STOPPED_S, first_look) if self.auto else first_look) \
                     and device not in self._unstarted:
                 continue
             try:
@@ -202,6 +213,10 @@ class HangWatch:
                 # it has exited (its last steps done, then a slow teardown: torch 2.15's CUDA
                 # build): the next poll reaps it and reports its exit, not a hang
                 self._awake.pop(device, None)
+                continue
+            if state == psutil.STATUS_STOPPED and self.auto and idle >= STOPPED_S \
+                    and self._convicted(device, state, cpu, now, 1):
+                hung.append(self._hung(device, idle, "process stopped", STOPPED_S))
                 continue
             if state in (psutil.STATUS_SLEEPING, psutil.STATUS_IDLE):
                 self._awake.pop(device, None)

@@ -15,7 +15,8 @@ peer's last message of the all-reduce never arrives): it abandons the step befor
 ``kill-saved`` - as ``kill``, once the checkpoint being written in the background has ended
 (a loss after the checkpoint is on disk, as a save that took no time would have it);
 ``raise`` - a bug: the script raises (only in the first process of the device, so the process
-that replaces it trains on); ``spin`` - a hang that keeps a core busy; ``sleep`` - a hang
+that replaces it trains on); ``spin`` - a hang that keeps a core busy; ``spin-S`` - busy for
+S seconds, then on (slow work, not a hang); ``sleep`` - a hang
 asleep (a deadlock of the script's own: to its agent it looks like a wait for a peer); ``dist-error`` - a
 ``torch.distributed.DistBackendError`` (what NCCL raises), every time the phase is reached, in
 every generation: a failure that keeps coming back; ``stop-S`` - another process SIGSTOPs this
@@ -141,6 +142,10 @@ def main() -> None:
             subprocess.Popen(["sh", "-c", f"kill -STOP {pid}; sleep {seconds}; kill -CONT {pid}"])
         elif action == "spin":
             while True:   # a hang that burns a core (a stuck kernel polling, a livelock)
+                pass
+        elif action is not None and action.startswith("spin-"):
+            until = time.monotonic() + float(action.split("-")[1])
+            while time.monotonic() < until:   # slow, busy: a long stretch of work
                 pass
         elif action == "sleep":
             threading.Event().wait()   # a deadlock asleep: nothing it waits for will come
