@@ -89,10 +89,13 @@ def one_run(tool: str, nproc: int, script: list[str], job: list[str], timeout_s:
     if tool != "torchrun":
         flags += ["--no-status", *job]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    if tool == "baseline":
-        env["PYTHONPATH"] = str(baseline)
+    cwd = ROOT
+    if tool == "baseline":   # -m puts the working directory first on sys.path: run from there
+        cwd = Path(str(baseline)).resolve()
+        env["PYTHONPATH"] = str(cwd)
+        script = [str(ROOT / script[0]), *script[1:]]
     began_wall, began = time.time(), time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", module, *flags, *script], cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, "-m", module, *flags, *script], cwd=cwd,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
     seen: dict[int, float] = {}
     stop = threading.Event()
