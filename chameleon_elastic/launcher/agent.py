@@ -299,7 +299,8 @@ class ChameleonAgent(LocalElasticAgent):
         if r.lost:
             self._watchers.book.note_lost(set(r.lost), set(tick.bad), tick.failures, self._here.tp)
         event = FailureEvent(r.trigger, gen, wall=time.time(), lost=r.lost, joined=r.joined,
-                             failures=tick.failures if tick.state != WorkerState.HEALTHY else ())
+                             failures=tick.failures if tick.state != WorkerState.HEALTHY else (),
+                             notes=tick.slow_why)
         if self._abandoned.past_cap(r, tick, gen, self._here.cards):
             return self._end(self._abandoned.sentence())
         if r.charge:

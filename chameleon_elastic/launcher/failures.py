@@ -123,6 +123,7 @@ class FailureEvent:
     joined: frozenset[int] = frozenset()
     failures: tuple[WorkerFailure, ...] = ()
     wall: float = 0.0
+    notes: tuple[tuple[int, str], ...] = ()   # a straggler's figures, per device (stragglers.py)
 
     @property
     def reason(self) -> str:

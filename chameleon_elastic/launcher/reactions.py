@@ -80,6 +80,7 @@ class Tick:
     quick_called: bool = False                 # another agent opened a quick round
     tp: int = 1
     slow: tuple[tuple[int, float], ...] | None = None   # a straggler event: factors to plan for
+    slow_why: tuple[tuple[int, str], ...] = ()   # and the figures behind it, per device
     retire: frozenset[int] = frozenset()       # standbys' cards: the job ended on other nodes
     live: frozenset[int] = frozenset()         # the cards of the live local workers
     finished_elsewhere: bool = False           # fenced: another node's workers all succeeded

@@ -42,3 +42,23 @@ def test_a_device_back_in_a_later_generation_is_not_called_lost():
                    waiting=frozenset(), decided_at=12.1, published_at=12.2, parts={},
                    before=first)
     assert describe(back, tp=1) == "device 2 back"
+
+
+def test_a_straggler_decision_says_the_figures_it_was_taken_on():
+    """The node whose watch found the slowdown says why it was worth a switch; another node,
+    which only adopted the decision, says the factor."""
+    from chameleon_elastic.launcher.session import PlanChange
+    from chameleon_elastic.planning import initial_plan
+    from chameleon_elastic.spec import JobSpec
+
+    plan = initial_plan(JobSpec.preset("tiny-cpu"))
+    change = PlanChange(plan, (), (), False, 0.0, slow={3: 0.5})
+    why = "0.50x for 7 steps, 0.7 s lost; a switch ~0.3 s"
+    here = Pending(FailureEvent(Trigger.STRAGGLER, 0, wall=1.0, notes=((3, why),)),
+                   Decision(None, (), (), True), change, kept=(0, 1, 2, 3), started=(),
+                   waiting=frozenset(), decided_at=1.1, published_at=1.2, parts={})
+    assert describe(here, tp=1) == f"device 3 slow ({why})"
+    elsewhere = Pending(FailureEvent(Trigger.STRAGGLER, 0, wall=1.0), here.decision, change,
+                        kept=(), started=(), waiting=frozenset(), decided_at=1.1,
+                        published_at=1.2, parts={})
+    assert describe(elsewhere, tp=1) == "device 3 slow (0.50x)"

@@ -47,10 +47,23 @@ def test_a_device_slow_for_a_window_of_steps_is_named_with_its_speed():
     watch = StragglerWatch(StragglerSpec(threshold=0.7, recover=0.9, window=3))
     workers = Workers(dist.HashStore())
     assert run(watch, workers, 4, {}) == [None] * 4
-    found = run(watch, workers, 4, {3: 0.5})
+    found = run(watch, workers, 3, {3: 0.3})
     assert found[:2] == [None, None]            # 1 and 2 steps slow: not yet a window
-    assert found[2] == {3: 0.5}                 # the third slow step makes it
-    assert watch.report({2, 3}) == {3: 0.5} and watch.report({0, 1}) == {}
+    assert found[2] == {3: 0.3}                 # the third slow step makes it
+    assert watch.report({2, 3}) == {3: 0.3} and watch.report({0, 1}) == {}
+    assert watch.why == {3: "0.30x for 3 steps, 0.7 s lost; a switch ~0.3 s"}
+
+
+def test_a_slowdown_is_planned_around_only_once_it_has_cost_two_switches():
+    """At 0.5x a step of tiny-cpu's expected 0.096 s of compute loses 0.096 s: a window of 3
+    steps has lost 0.29 s, less than two in-place switches (2 x 0.3 s); the 7th slow step
+    makes it (PAYBACK). A dip of a few steps on a shared machine spends no transition."""
+    watch = StragglerWatch(StragglerSpec(threshold=0.7, recover=0.9, window=3))
+    workers = Workers(dist.HashStore())
+    run(watch, workers, 2, {})
+    found = run(watch, workers, 7, {3: 0.5})
+    assert found[:6] == [None] * 6 and found[6] == {3: 0.5}, found
+    assert watch.why[3].startswith("0.50x for 7 steps, 0.7 s lost")
 
 
 def test_short_dips_and_speeds_inside_the_band_decide_nothing():

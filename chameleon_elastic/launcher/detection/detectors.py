@@ -456,12 +456,13 @@ class Watchers:
             waiting, store_lost = nodes_waiting()
             if session is not None and not waiting and not store_lost:
                 trouble = self.trouble.check(store, session.plan.generation, grace_s)
-        slow = None
+        slow, slow_why = None, ()
         if (state == WorkerState.HEALTHY and self.stragglers is not None and session is not None
                 and store is not None and self.stragglers.due()):
             self.stragglers.read(store, {c: c // here.tp for c in pids}, session.plan.generation)
             found = self.stragglers.check(session.planned, session.plan)
             slow = None if found is None else tuple(sorted(found.items()))
+            slow_why = tuple(sorted(self.stragglers.why.items())) if found else ()
         retire = frozenset(pids) if (
             state == WorkerState.HEALTHY and session is not None and pids
             and here.units(pids) <= set(session.plan.spare_devices) and finished()) else None
@@ -469,6 +470,7 @@ class Watchers:
                     bad=frozenset(bad), lease=lease, ended=ended, ended_status=ended_status,
                     rejoining=frozenset(self.book.rejoining), waiting=waiting, trouble=trouble,
                     store_lost=store_lost, quick_called=called, tp=here.tp, slow=slow,
+                    slow_why=slow_why,
                     retire=retire or frozenset(), live=frozenset(pids),
                     finished_elsewhere=lease is Trigger.FENCED and finished(), **facts)
 

@@ -22,6 +22,15 @@ generation's first step left out: it warms up), and then at the median of those 
 
 Between the two bounds nothing changes: that is the hysteresis that keeps plans from flapping.
 
+A slowdown must also have lasted long enough to pay for a switch: the compute it has cost so far
+(each step of the streak, its busy time times ``1 - speed``) at least ``PAYBACK`` times the job's
+fixed switch cost (``cluster.switch_s``: a regroup in place, a restart otherwise). Expecting a
+slowdown to last about as long again as it has lasted, switching then wins back at least what it
+costs; a dip of a few steps on a shared machine, where every process is slow in turn, does not
+spend a transition or a standby. Each event says why, in figures (:attr:`StragglerWatch.why`),
+and the recovery line carries them: ``device 3 slow (0.50x for 6 steps, 0.6 s lost; a switch
+~0.3 s)``.
+
 A device left spare for being slow does no work, so nothing measures it. It is tried again
 (planned at 1.0) once the job has trained ``PROBATION`` windows of steps without it; if it is
 still slow it is found again within a window, and its next probation is twice as long.
@@ -42,10 +51,12 @@ from chameleon_elastic import channel
 from chameleon_elastic.plan import ExecutionPlan
 from chameleon_elastic.spec import JobSpec, StragglerSpec
 
-__all__ = ["PROBATION", "Samples", "StragglerWatch", "speeds_of"]
+__all__ = ["PAYBACK", "PROBATION", "Samples", "StragglerWatch", "speeds_of"]
 
 #: windows of steps a device left spare for being slow waits before it is tried again
 PROBATION = 4
+#: a slowdown is planned around once the compute it cost is this many times a switch's cost
+PAYBACK = 2.0
 #: seconds between two reads of the paces: steps take longer, and a tick (every
 #: ``--monitor-interval``) should not pay a store read per worker
 READ_EVERY_S = 0.2
@@ -93,7 +104,9 @@ class StragglerWatch:
         self.planned: dict[int, float] = {}   # device -> factor the plan was made for (< 1)
         self.found: dict[int, float] | None = None   # factors of the last event, until adopted
         self._samples: dict[int, Samples] = {}
-        self._streak: dict[int, list[float]] = {}   # device -> speeds seen past a bound, a step each
+        #: device -> (speed, compute seconds) of each step seen past a bound
+        self._streak: dict[int, list[tuple[float, float]]] = {}
+        self.why: dict[int, str] = {}   # the last event's devices: the figures behind it
         self._seen: dict[int, int] = {}   # device -> steps when its last speed was counted
         self._probation: dict[int, int] = {}   # spared device -> windows it waits next time
         self._expected: tuple[int, dict[int, float]] | None = None   # (generation, per device)
@@ -149,23 +162,47 @@ class StragglerWatch:
                 continue   # no new step since the last look
             self._seen[device] = steps
             if self._crossed(device, speed):
-                self._streak.setdefault(device, []).append(speed)
+                self._streak.setdefault(device, []).append((speed, busy[device]))
             else:
                 self._streak.pop(device, None)
-            changed |= len(self._streak.get(device, ())) >= window
+            changed |= self._ripe(device, spec.cluster.switch_s)
         trial = self._trial(plan)
         if not changed and not trial:
             return None
         out = {d: f for d, f in self.planned.items() if d not in trial}
+        self.why = {}
         for device, seen in self._streak.items():
-            if len(seen) >= window:
-                speed = round(statistics.median(seen[-window:]), 2)
+            if self._ripe(device, spec.cluster.switch_s):
+                speed = round(statistics.median(s for s, _ in seen[-window:]), 2)
                 if speed >= self.settings.recover:
                     out.pop(device, None)
                 else:
                     out[device] = speed
+                self.why[device] = self._figures(device, speed, spec.cluster.switch_s)
         self.found = out
         return out
+
+    def _lost_s(self, device: int) -> float:
+        """Compute seconds the streak of ``device`` has cost against full speed."""
+        return sum(b * (1 - min(s, 1.0)) for s, b in self._streak.get(device, ()))
+
+    def _ripe(self, device: int, switch_s: float) -> bool:
+        """A streak long enough to decide on: ``window`` steps, and a slowdown from full speed
+        that has cost ``PAYBACK`` switches (the module docstring)."""
+        seen = self._streak.get(device, ())
+        if len(seen) < self.settings.window:
+            return False
+        slowing = self.planned.get(device, 1.0) == 1.0
+        return not slowing or self._lost_s(device) >= PAYBACK * switch_s
+
+    def _figures(self, device: int, speed: float, switch_s: float) -> str:
+        """``0.50x for 6 steps, 0.6 s lost; a switch ~0.3 s`` (a slowdown), ``0.95x for 5
+        steps`` (back at speed, or slower still)."""
+        steps = len(self._streak[device])
+        if self.planned.get(device, 1.0) != 1.0:
+            return f"{speed:.2f}x for {steps} steps"
+        return (f"{speed:.2f}x for {steps} steps, {self._lost_s(device):.1f} s lost; a switch "
+                f"~{switch_s:.1f} s")
 
     def _trial(self, plan: ExecutionPlan) -> set[int]:
         """Spared slow devices whose probation is over: the job trained that many steps in

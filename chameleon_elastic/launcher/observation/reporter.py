@@ -89,7 +89,9 @@ def describe(p: Pending, tp: int) -> str:
         parts.append(f"{name_devices(joined, tp)} back")
     if p.change is not None and p.change.slow is not None:
         slow, was = p.change.slow, p.change.was_slow
-        parts.extend(f"{name_devices([d], tp)} slow ({f:.2f}x)" for d, f in sorted(slow.items()))
+        said = dict(event.notes)   # this node's watch found it: its figures
+        parts.extend(f"{name_devices([d], tp)} slow ({said.get(d, f'{f:.2f}x')})"
+                     for d, f in sorted(slow.items()))
         back = sorted(set(was) - set(slow))
         if back:
             parts.append(f"{name_devices(back, tp)} back to speed")
