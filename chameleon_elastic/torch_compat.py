@@ -21,6 +21,7 @@ world that lost a peer with it and :func:`forget_process_groups`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -28,6 +29,7 @@ from typing import Any
 __all__ = [
     "AGENT_HOOKS",
     "PRIVATE_ATTRIBUTES",
+    "RECONFIGURE_API",
     "RENDEZVOUS_SETTINGS_HOLDERS",
     "WorkerProcess",
     "abort_communicators",
@@ -44,6 +46,7 @@ __all__ = [
     "set_min_nodes",
     "split_group_on_cpu",
     "stop_heartbeats",
+    "supports_reconfigure",
     "torch_release",
     "worker_process",
 ]
@@ -335,3 +338,31 @@ def split_group_on_cpu() -> bool:
     2.15 (2.14.1 raises "No device associated with the default pg" on CPU)."""
     return torch_release() >= (2, 15)
 
+
+
+#: the private, experimental reconfiguration API of torch.distributed (2.14+)
+RECONFIGURE_API: tuple[str, ...] = ("_supports_reconfigure", "_get_reconfigure_handle",
+                                    "_reconfigure")
+
+
+@functools.cache
+def supports_reconfigure() -> bool:
+    """Whether this torch can re-form a gloo process group over new members in place
+    (``init_process_group(..., enable_reconfigure=True)``, then ``dist._reconfigure``): 2.14+,
+    absent in 2.13. Asked of torch itself, not of the release number, since the names are
+    private and experimental: the functions exist and a gloo group made in that regime (one
+    rank, an in-memory store, nothing connected) says it supports them.
+    benchmarks/reconfigure.py measures what it does after a lost peer (docs/runtime.md,
+    *Reconfiguration*): the runtime does not use it."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    if not all(hasattr(dist, name) for name in RECONFIGURE_API):
+        return False
+    try:
+        group = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, timedelta(seconds=5),
+                                      enable_reconfigure=True)
+        return bool(group.supports_reconfigure)
+    except (AttributeError, RuntimeError, TypeError):
+        return False

@@ -170,3 +170,27 @@ def test_both_nccl_implementations_have_their_names_from_2_14():
     for name in ("nccl2", "nccl-legacy"):
         dist.Backend._ensure_backend_registered(name)
         assert name.upper() in dist.Backend._plugins, name
+
+
+def test_supports_reconfigure_says_whether_a_gloo_group_re_forms_in_place():
+    """2.14+ re-form a gloo group over new members (here: the same one rank, then an
+    all-reduce on it); 2.13 has no such API."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    if not torch_compat.supports_reconfigure():
+        assert torch_compat.torch_release() < (2, 14)
+        assert not hasattr(dist, "_reconfigure")
+        return
+    assert "enable_reconfigure" in inspect.signature(dist.init_process_group).parameters
+    group = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, timedelta(seconds=5),
+                                  enable_reconfigure=True)
+    options = dist.distributed_c10d.ReconfigureOptions()
+    options.uuid = 1
+    options.handles = [group.get_reconfigure_handle()]
+    group.reconfigure(options).wait()
+    tensor = torch.ones(2)
+    group.allreduce([tensor]).wait()
+    assert tensor.tolist() == [1.0, 1.0]
