@@ -80,6 +80,9 @@ def _launch_and_kill(launch, tmp_path, flags: list[str], mode: str) -> tuple[obj
     if mode == "hold-following":   # the agent must have heard them before one dies
         wait_for(lambda: len(list(out.glob("announced-*"))) == 2, 60,
                  "both workers' announcements that they follow the plan")
+    if mode == "hold-peers-loud":   # echoed once a poll saw it while both lived
+        wait_for(lambda: "probe rank 0 is up" in run.log.read_text(), 60,
+                 "rank 0's first line on the console")
     os.kill(victim["pid"], signal.SIGKILL)
     later = wait_for(lambda: [r for r in read_envs(out) if r["pid"] not in
                               {f["pid"] for f in first}] or None, 60, "the relaunched workers")
