@@ -125,8 +125,8 @@ class ChameleonAgent(LocalElasticAgent):
             self._rounds, self._procs, self._watchers, self._budget, self._reporter, starter,
             self._timeouts, self._emit, self._update_status, self._report, session,
             self._channel, self._assign_worker_ranks,
-            self._profiler.track if self._profiler is not None else lambda pids: None),
-            planned=self._planned)
+            self._profiler.track if self._profiler is not None else lambda pids: None,
+            self._abandoned), planned=self._planned)
 
     def _emit(self, event: Event, **fields: Any) -> None:
         gen = self._session.plan.generation if self._session is not None else 0

@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from chameleon_elastic.channel import Resumed
 from chameleon_elastic.launcher.coordination.messages import Decision
 from chameleon_elastic.launcher.failures import FailureEvent, Trigger
-from chameleon_elastic.launcher.observation.reporter import Pending, describe, recovered_fields
+from chameleon_elastic.launcher.observation.reporter import (
+    Pending,
+    _held_nothing,
+    describe,
+    recovered_fields,
+)
 
 
 def _pending(trigger: Trigger, lost: set[int], why: dict[int, str], wall: float,
@@ -42,3 +49,44 @@ def test_a_device_back_in_a_later_generation_is_not_called_lost():
                    waiting=frozenset(), decided_at=12.1, published_at=12.2, parts={},
                    before=first)
     assert describe(back, tp=1) == "device 2 back"
+
+
+def test_a_spare_or_standby_lost_is_named_and_no_line_lists_no_device():
+    """Devices that held no role in the plan: a spare inside the training world (it votes in
+    every step, so the world is formed again) and a standby outside it (no worker is told).
+    Neither line may say ``rerouted to data-parallel peers: device ;`` (the planner calls a
+    plan that reroutes nothing a reroute)."""
+    from chameleon_elastic.launcher.observe import recovery_line
+    from chameleon_elastic.launcher.session import PlanChange
+    from chameleon_elastic.plan import ExecutionPlan, Pipeline
+
+    plan = ExecutionPlan("reroute", 2, (Pipeline((0, 1), ((0, 4), (4, 8)), 4),
+                                        Pipeline((2, 4), ((0, 4), (4, 8)), 4))).validate()
+    spare = PlanChange(plan, lost=(3,), joined=(), cached=True, decide_s=0.0, idle_lost=(3,),
+                       kept_layout=True)
+    p = Pending(FailureEvent(Trigger.DEVICE_LOST, 1, lost=frozenset({3}), wall=1.0),
+                Decision(plan, (3,), (0, 1, 2, 4), True, why=((3, "SIGKILL"),)), spare,
+                kept=(2,), started=(), waiting=frozenset(), decided_at=1.1, published_at=1.2,
+                parts={})
+    assert describe(p, tp=1) == "spare device 3 lost (SIGKILL)"
+    assert _held_nothing(p)   # the line's "layout kept", not the planner's "reroute"
+    assert not _held_nothing(replace(p, change=replace(spare, kept_layout=False)))
+    line = recovery_line(describe(p, 1), plan, inplace=True, started=0, moved_layers=0,
+                         moved_bytes=0, source="none", resumed_step=20, redone=0, seconds=0.4,
+                         idle=True)
+    assert line == ("spare device 3 lost (SIGKILL) at step 20; spares hold no layers: the "
+                    "layout kept (2 pipelines: devices 0, 1 | devices 2, 4), the training world "
+                    "formed again without them (a spare votes in every step); resumed at step "
+                    "20 in 0.40 s")
+    standby = replace(spare, lost=(5,), idle_lost=(5,), quiet=True)
+    q = Pending(FailureEvent(Trigger.PEER_RECOVERY, 1, wall=1.0),
+                Decision(plan, (5,), (0, 1, 2, 4), True, reported=11, why=((5, "SIGKILL"),),
+                         quiet=True), standby, kept=(0, 1), started=(), waiting=frozenset(),
+                decided_at=1.1, published_at=1.2, parts={}, standbys=frozenset({5}))
+    assert describe(q, tp=1) == "standby device 5 lost (SIGKILL)"
+    assert recovery_line(describe(q, 1), plan, inplace=True, started=0, moved_layers=0,
+                         moved_bytes=0, source="", resumed_step=None, redone=0, seconds=None,
+                         quiet=True, reported=11) == (
+        "standby device 5 lost (SIGKILL) after step 11; standbys hold no layers and no worker "
+        "waits on them: training goes on undisturbed (2 pipelines: devices 0, 1 | devices 2, 4)")
+    assert recovered_fields(q, {}, 0)["quiet"] is True
