@@ -132,8 +132,8 @@ class StatusLine:
         parts.append(f"restarts {f.get('restarts', 0)}/{f.get('max_restarts', 0)}")
         if "hang" in f:
             parts.append(f"hang timeout {f['hang']}")
-        if f.get("deadline"):
-            parts.append(f"recovery phase deadline {f['deadline']}")
+        if f.get("deadline"):   # e.g. "regroup deadline 25 s (...)": its phase and why
+            parts.append(str(f["deadline"]))
         if "state" in f:
             parts.append(str(f["state"]))
         return " | ".join(parts)

@@ -80,7 +80,7 @@ def test_relaunched_workers_that_fail_every_generation_are_bounded_by_the_agent(
 
 def _in_force(log: str) -> list[float]:
     """The auto hang timeouts the status line said were in force, in order."""
-    return [float(m) for m in re.findall(r"hang timeout ([\d.]+) s \(auto\)", log)]
+    return [float(m) for m in re.findall(r"hang timeout ([\d.]+) s \(auto[:)]", log)]
 
 
 @pytest.mark.timeout(90)
@@ -144,7 +144,8 @@ def test_a_worker_frozen_while_the_others_recover_is_cut_out_at_its_phase_deadli
     assert "hung: no progress for " in seen[1]["reason"] and seen[1]["hang_auto"] is True
     assert 5 <= seen[1]["hang_s"] < 40   # the phase's deadline, not the ceiling
     assert_single_process_results(out, [1, 2], 16)
-    assert "recovery phase deadline" in run.log.read_text()   # the status line showed it
+    # the status line showed it, with its phase and where the figure comes from
+    assert re.search(r"(regroup|enter|first step) deadline [0-9.]+ s \(", run.log.read_text())
 
 
 @pytest.mark.timeout(90)
