@@ -55,7 +55,7 @@ from .reactions import Reaction, Tick, react
 from .session import JobSession, LauncherPlanningError
 from .transition import Crew, Transition
 from .workers.preemption import PEER_PREEMPTED, PREEMPTION_SIGNALS, Preempted, preempt
-from .workers.processes import ExitBell, WorkerProcesses
+from .workers.processes import ExitBell, WorkerProcesses, stop_signal
 from .workers.starter import TorchHooks, WorkerStarter
 from .workers.worker_logs import WorkerLogs
 
@@ -167,6 +167,7 @@ class ChameleonAgent(LocalElasticAgent):
         self._setup_healthcheck()
 
     def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
+        death_sig = stop_signal(death_sig, planned=self._session is not None)   # not a Ctrl-C
         super()._shutdown(death_sig, timeout)
         self._procs.close(death_sig, timeout)
         self._rounds.close()
