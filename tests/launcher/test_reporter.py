@@ -90,3 +90,33 @@ def test_a_spare_or_standby_lost_is_named_and_no_line_lists_no_device():
         "standby device 5 lost (SIGKILL) after step 11; standbys hold no layers and no worker "
         "waits on them: training goes on undisturbed (2 pipelines: devices 0, 1 | devices 2, 4)")
     assert recovered_fields(q, {}, 0)["quiet"] is True
+
+
+def test_the_loss_benchmark_reads_where_each_new_plan_took_over_from_the_recovery_line():
+    """benchmarks/loss_equality.py says how many bf16 losses a re-plan moved and where each new
+    plan took over (the figure depends on it: docs/runtime.md, Limits); it reads that from the
+    launcher's line, so the two must agree."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    from chameleon_elastic.launcher.observe import recovery_line
+    from chameleon_elastic.plan import ExecutionPlan, Pipeline
+
+    bench = Path(__file__).resolve().parents[2] / "benchmarks"
+    sys.path.insert(0, str(bench))   # its own helpers (launched.py)
+    try:
+        spec = importlib.util.spec_from_file_location("loss_equality", bench / "loss_equality.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(bench))
+    plan = ExecutionPlan("replan", 1, (Pipeline((2, 1), ((0, 4), (4, 8)), 4),
+                                       Pipeline((0,), ((0, 8),), 4))).validate()
+    line = "chameleon-run: " + recovery_line(
+        "device 3 lost (SIGKILL)", plan, inplace=True, started=0, moved_layers=4,
+        moved_bytes=2e6, source="peers", resumed_step=11, redone=0, seconds=0.3)
+    found = module.RESUMED.search(line)
+    assert found and found.group(2) == "11" and found.group(1) == "lost"
+    slow = line.replace("device 3 lost (SIGKILL)", "device 1 slow (0.29x)")
+    assert module.RESUMED.search(slow).group(1) == "slow"
