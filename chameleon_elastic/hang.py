@@ -102,13 +102,23 @@ class PhaseDeadline:
 
     deadline_s: float
     give_up_s: float
+    phase: str = ""   # regroup, enter, first step
+    why: str = ""     # where the figure comes from, for the status line (RecoveryDeadlines)
 
     @classmethod
     def from_json(cls, value: object) -> PhaseDeadline | bool:
         """The channel's value: a deadline, or True (a stretch nothing measures)."""
         if isinstance(value, dict):
-            return cls(float(value["deadline_s"]), float(value["give_up_s"]))
+            return cls(float(value["deadline_s"]), float(value["give_up_s"]),
+                       str(value.get("phase", "")), str(value.get("why", "")))
         return True
+
+    def said(self) -> str:
+        """``regroup deadline 25 s (a process starts for it: 5 x its 4.0 s start-up)``: the
+        figure with its phase and its reason, for the status line: a deadline of seconds
+        beside steps of a tenth of one must say why it is that long."""
+        text = f"{self.phase or 'recovery phase'} deadline {self.deadline_s:.3g} s"
+        return f"{text} ({self.why})" if self.why else text
 
 
 def derive_hang_s(typical_gap_s: float | None, ceiling_s: float,
@@ -142,10 +152,15 @@ class RecoveryDeadlines:
     regroup_s: float
     enter_s: float
     first_step_s: float
+    #: where each figure comes from, in the same order (``5 x the 0.9 s measured``)
+    why: tuple[str, str, str] = ("", "", "")
 
     def of(self, phase: str) -> float:
         return {"regroup": self.regroup_s, "enter": self.enter_s,
                 "first step": self.first_step_s}[phase]
+
+    def why_of(self, phase: str) -> str:
+        return self.why[RECOVERY_PHASES.index(phase)]
 
 
 def recovery_deadlines(regroups_s: Iterable[float], entries_s: Iterable[float],
@@ -157,22 +172,41 @@ def recovery_deadlines(regroups_s: Iterable[float], entries_s: Iterable[float],
     entries less their transfers; its committed steps), at least ``FLOOR_S``; the transfer adds
     ``FACTOR`` x its bytes over the measured bandwidth (``PRIOR_BANDWIDTH`` before one was
     measured). ``start_s``: when processes start for the generation (a crashed worker
-    restarted), this process's own start-up as measured (imports and joining its first world):
+    restarted), this process's own start-up as measured (imports, the script, the model; not
+    its waits for others, runtime/world/join.py):
     the regroup waits for theirs, ``FACTOR`` x that longer. No ceiling: every figure is
-    measured, and a large transfer legitimately takes long."""
+    measured, and a large transfer legitimately takes long. Each figure comes with its
+    reason, the largest term's (:attr:`RecoveryDeadlines.why`)."""
 
-    def bound(measured: Iterable[float], prior_s: float = 0.0, extra_s: float = 0.0) -> float:
+    def bound(measured: Iterable[float], prior_s: float = 0.0, extra_s: float = 0.0,
+              extra_why: str = "") -> tuple[float, str]:
         p = quantile(measured)
-        return max(FLOOR_S, FACTOR * (prior_s if p is None else p)) + extra_s
+        base = FACTOR * (prior_s if p is None else p)
+        if extra_s > max(FLOOR_S, base):
+            why = extra_why
+        elif base <= FLOOR_S:
+            why = f"at least {FLOOR_S:g} s for any phase"
+        elif p is None:
+            why = f"{FACTOR:g} x {prior_s:.2g} s guessed for {world_size} ranks"
+        else:
+            why = f"{FACTOR:g} x the {p:.2g} s measured"
+        return max(FLOOR_S, base) + extra_s, why
 
-    moving_s = transfer_bytes / (bandwidth or PRIOR_BANDWIDTH)
-    return RecoveryDeadlines(bound(regroups_s, REGROUP_PRIOR_PER_RANK_S * world_size,
-                                   FACTOR * start_s),
-                             bound(entries_s, extra_s=FACTOR * moving_s), bound(steps_s))
+    rate = bandwidth or PRIOR_BANDWIDTH
+    moving_s = transfer_bytes / rate
+    regroup = bound(regroups_s, REGROUP_PRIOR_PER_RANK_S * world_size, FACTOR * start_s,
+                    f"a process starts for it: {FACTOR:g} x {start_s:.2g} s, this worker's own "
+                    "start-up")
+    enter = bound(entries_s, extra_s=FACTOR * moving_s,
+                  extra_why=f"{FACTOR:g} x {transfer_bytes / 1e6:.3g} MB at "
+                            f"{rate / 1e6:.3g} MB/s{'' if bandwidth else ' (not measured yet)'}")
+    first = bound(steps_s)
+    return RecoveryDeadlines(regroup[0], enter[0], first[0], (regroup[1], enter[1], first[1]))
 
 
-def describe(hang_s: float, auto: bool) -> str:
-    """``5 s (auto)``, ``3 s``, ``off``: the timeout in force, for the status line."""
+def describe(hang_s: float, auto: bool, why: str = "") -> str:
+    """``5 s (auto)``, ``60 s (auto: not measured yet)``, ``3 s``, ``off``: the timeout in
+    force, for the status line; ``why``: what makes an auto timeout far from the step time."""
     if not hang_s:
         return "off"
-    return f"{hang_s:.3g} s" + (" (auto)" if auto else "")
+    return f"{hang_s:.3g} s" + (f" (auto: {why})" if auto and why else " (auto)" if auto else "")

@@ -77,6 +77,12 @@ class FailureStreak:
         self.causes.append(lines[0][:300] if lines else "unknown cause")
         return 0 < self.cap < self.count
 
+    def forget_last(self) -> None:
+        """The last generation counted did not fail after all (nobody left it)."""
+        if self.count:
+            self.count -= 1
+            self.causes.pop()
+
     @property
     def cause(self) -> str:
         """The cause that came back most often in the streak (its latest wording)."""

@@ -352,3 +352,55 @@ def test_a_device_stopped_part_of_the_time_is_slow_not_frozen():
     finally:
         throttled.kill()
         throttled.wait()
+
+
+def test_a_deadline_far_from_the_step_time_says_where_it_comes_from():
+    """The status line shows the longest deadline of a recovery phase a worker is in. Beside
+    0.1 s steps, ``recovery phase deadline 161 s`` read as a mistake; each figure now comes
+    with its phase and its largest term."""
+    start = recovery_deadlines([0.01], [0.02], [0.1], 0.0, None, 4, start_s=4.0)
+    assert start.why_of("regroup") == ("a process starts for it: 5 x 4 s, this worker's own "
+                                       "start-up")
+    assert start.why_of("first step") == f"at least {FLOOR_S:g} s for any phase"
+    moving = recovery_deadlines([], [], [2.0] * 30, 2e9, None, 4)
+    assert moving.why_of("enter") == "5 x 2e+03 MB at 125 MB/s (not measured yet)"
+    assert moving.why_of("first step") == "5 x the 2 s measured"
+    said = PhaseDeadline(start.regroup_s, 50.0, "regroup", start.why_of("regroup")).said()
+    assert said == ("regroup deadline 25 s (a process starts for it: 5 x 4 s, this worker's "
+                    "own start-up)")
+    store = dist.HashStore()   # the agent reads it from the channel as the worker wrote it
+    import dataclasses
+    channel.write(store, channel.slow_key(0), dataclasses.asdict(
+        PhaseDeadline(start.regroup_s, 50.0, "regroup", start.why_of("regroup"))))
+    watch = HangWatch(60, nproc=2, auto=True)
+    watch._read_gaps(store, {0: 1}, now=1e9)
+    assert watch.recovering() == said
+    assert describe(60, True, "not measured yet") == "60 s (auto: not measured yet)"
+
+
+def test_a_process_start_up_leaves_out_its_waits_for_others(monkeypatch):
+    """The start-up a starting process is allowed (5 x the survivor's own) is work: imports,
+    the script, the model. It used to be measured from the process's creation to its first
+    plan, so it took in the wait for the other ranks of its first world (a node started late),
+    and a former standby's whole warm wait (minutes, hours): 5 x that as a regroup
+    deadline."""
+    import os
+    from types import SimpleNamespace
+
+    from chameleon_elastic.runtime.recovery import in_place
+    from chameleon_elastic.runtime.recovery.entering import Entry
+    from chameleon_elastic.runtime.world import join
+
+    monkeypatch.setattr(join, "_WAITED_S", [0.0])
+    join.note_waited(20.0)   # the first join: every rank of the world to come
+    join.note_waited(100.0)  # a standby's wait for a place
+    link = SimpleNamespace(store=dist.HashStore(), port=None, card=0, device=0)
+    trainer = SimpleNamespace(group_sockets=frozenset(), unit_sockets=frozenset(),
+                              phases=SimpleNamespace(allow=lambda deadline: None),
+                              plan=SimpleNamespace(generation=0))
+    recovery = in_place.Recovery(trainer, link, SimpleNamespace(unblock=lambda s: None))
+    recovery._entering = psutil.Process(os.getpid()).create_time() + 123.0
+    recovery.first_entry(Entry(0, "init", False, 0, 0.0, 0.0, 0))
+    assert recovery.clock._start_s == 3.0
+    deadlines = recovery.clock.begin(0.0, 4, starting=True)
+    assert deadlines.regroup_s == FLOOR_S + FACTOR * 3.0

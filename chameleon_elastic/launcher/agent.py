@@ -55,7 +55,7 @@ from .reactions import Reaction, Tick, react
 from .session import JobSession, LauncherPlanningError
 from .transition import Crew, Transition
 from .workers.preemption import PEER_PREEMPTED, PREEMPTION_SIGNALS, Preempted, preempt
-from .workers.processes import ExitBell, WorkerProcesses
+from .workers.processes import ExitBell, WorkerProcesses, stop_signal
 from .workers.starter import TorchHooks, WorkerStarter
 from .workers.worker_logs import WorkerLogs
 
@@ -125,8 +125,8 @@ class ChameleonAgent(LocalElasticAgent):
             self._rounds, self._procs, self._watchers, self._budget, self._reporter, starter,
             self._timeouts, self._emit, self._update_status, self._report, session,
             self._channel, self._assign_worker_ranks,
-            self._profiler.track if self._profiler is not None else lambda pids: None),
-            planned=self._planned)
+            self._profiler.track if self._profiler is not None else lambda pids: None,
+            self._abandoned), planned=self._planned)
 
     def _emit(self, event: Event, **fields: Any) -> None:
         gen = self._session.plan.generation if self._session is not None else 0
@@ -167,6 +167,7 @@ class ChameleonAgent(LocalElasticAgent):
         self._setup_healthcheck()
 
     def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
+        death_sig = stop_signal(death_sig, planned=self._session is not None)   # not a Ctrl-C
         super()._shutdown(death_sig, timeout)
         self._procs.close(death_sig, timeout)
         self._rounds.close()

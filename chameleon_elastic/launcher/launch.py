@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from .observation.state_dir import StateDir
+from .observation.state_dir import Outcome, StateDir, kept_at_most
 
 __all__ = ["LaunchConfigError", "ScriptNotFound", "run"]
 
@@ -151,7 +151,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
         served = _serve_metrics(args, parser, launch.timeouts.hang_s)
     except BaseException:
         if state is not None:
-            state.close(succeeded=False, records=())
+            state.close("failed", records=())
         raise
     events = EventLog(event_path, listeners=() if served is None else (served.metrics.observe,))
     profiler = None
@@ -166,7 +166,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
             config.logs_specs, WorkerLogs) else "plans, events and profiles")
         sys.stderr.write(f"chameleon-run: {what} in {state_dir}\n")
     status = StatusLine(enabled=not args.no_status)
-    succeeded = False
+    outcome: Outcome = "failed"
     try:   # from the store's connection on: a failure or Ctrl-C there leaves nothing either
         spec, params = _worker_spec(launch, status)
         agent = ChameleonAgent(
@@ -185,8 +185,12 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
             served.ready = agent.ready
         result = _run_agent(agent, spec, config,
                             torch_compat.entrypoint_name(launch.cmd, list(launch.cmd_args)))
-        succeeded = True
+        outcome = "succeeded"
         return result
+    except BaseException as exc:
+        if _interrupted(exc):
+            outcome = "interrupted"
+        raise
     finally:
         if served is not None:
             served.close()
@@ -194,12 +198,43 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
             profiler.write(args.profile_out, None if session is None else session.spec,
                            None if session is None else session.plan)
         events.close()
-        if state is not None and state.close(succeeded, events.records):
-            if succeeded:
-                sys.stderr.write(f"chameleon-run: removed {state_dir}: the run succeeded and "
-                                 "left nothing to read there (--state-dir DIR keeps it)\n")
-        elif event_path is not None and Path(event_path).exists():
+        _say_where(state, outcome, events.records, event_path)
+
+
+def _interrupted(exc: BaseException) -> bool:
+    """The person running chameleon-run ended it: Ctrl-C, or its terminal closed."""
+    import signal
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    return isinstance(exc, KeyboardInterrupt) or (
+        isinstance(exc, SignalException) and exc.sigval in (signal.SIGINT, signal.SIGHUP))
+
+
+def _say_where(state: StateDir | None, outcome: Outcome, records: list[dict[str, Any]],
+               event_path: str | Path | None) -> None:
+    """The state directory's last word (state_dir.py): removed, and why nothing was lost; or
+    kept, why, and what is in it."""
+    if state is None:
+        if event_path is not None and Path(event_path).exists():
             sys.stderr.write(f"chameleon-run: events of this run: {event_path}\n")
+        return
+    why = state.close(outcome, records)
+    if why is None:
+        if outcome == "succeeded":
+            sys.stderr.write(f"chameleon-run: removed {state.path}: the run succeeded and left "
+                             "nothing to read there (--state-dir DIR keeps it)\n")
+        elif outcome == "interrupted" and any(
+                r.get("event") == "workers_started" for r in records):
+            sys.stderr.write(f"chameleon-run: removed {state.path}: the workers wrote nothing "
+                             "to stderr before the interruption (--state-dir DIR keeps it)\n")
+    elif why == "given":
+        if event_path is not None and Path(event_path).exists():
+            sys.stderr.write(f"chameleon-run: events of this run: {event_path}\n")
+    else:
+        sys.stderr.write(f"chameleon-run: kept {state.path}: {why}; the event log is "
+                         f"events.jsonl there (the newest {kept_at_most()} such directories stay, "
+                         "--state-dir DIR keeps one for good)\n")
 
 
 def _say_watchdog_mode(session: Any) -> None:
@@ -308,7 +343,7 @@ def _resolve(args: argparse.Namespace, parser: argparse.ArgumentParser,
         try:
             session = _make_session(parser, args, config.nproc_per_node, max_nodes, state.path)
         except BaseException:
-            state.close(succeeded=False, records=())   # nothing ran: leave nothing behind
+            state.close("failed", records=())   # nothing ran: leave nothing behind
             raise
     return _Launch(config, cmd, list(cmd_args), timeouts, cap, state, session)
 

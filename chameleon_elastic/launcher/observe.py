@@ -132,8 +132,8 @@ class StatusLine:
         parts.append(f"restarts {f.get('restarts', 0)}/{f.get('max_restarts', 0)}")
         if "hang" in f:
             parts.append(f"hang timeout {f['hang']}")
-        if f.get("deadline"):
-            parts.append(f"recovery phase deadline {f['deadline']}")
+        if f.get("deadline"):   # e.g. "regroup deadline 25 s (...)": its phase and why
+            parts.append(str(f["deadline"]))
         if "state" in f:
             parts.append(str(f["state"]))
         return " | ".join(parts)
@@ -245,17 +245,29 @@ def _megabytes(n: float) -> str:
 def recovery_line(what: str, plan: Any, *, inplace: bool, started: int, moved_layers: int,
                   moved_bytes: float, source: str, resumed_step: int | None, redone: int,
                   seconds: float | None, logs: str | None = None, tp: int = 1,
-                  same_layout: bool = False) -> str:
+                  same_layout: bool = False, idle: bool = False, quiet: bool = False,
+                  reported: int | None = None) -> str:
     """The one plain line a person reads per recovery, e.g. ``device 3 lost (SIGKILL) at step
     8; re-planned to 2 pipelines: devices 0, 1 | device 2; moved 3 layers from peers (1.2 MB to
     this node); resumed at step 8 in 0.41 s``. ``moved_layers`` counts the whole job's moves,
     ``moved_bytes`` what this node's workers received. ``logs``: where the workers' stderr went
     (the survivors' complaints about their lost peer are there, not on the console).
     ``same_layout``: no device was lost, back or slowed (a crash restarted on the plan in
-    force), so nothing was re-planned: ``kept the plan (2 pipelines: ...)``."""
+    force), so nothing was re-planned: ``kept the plan (2 pipelines: ...)``. ``idle``: every
+    device lost held no layers (spares), so nothing was rerouted or re-planned either; the
+    world is formed again without it. ``quiet``: they were standbys, outside the training
+    world, and the workers were not even told: there is no resumed step, only the last one
+    ``reported`` before the loss."""
+    if quiet:
+        head = what if reported is None else f"{what} after step {reported}"
+        return (f"{head}; standbys hold no layers and no worker waits on them: training goes "
+                f"on undisturbed ({layout(plan, tp)})")
     parts = [what if resumed_step is None else f"{what} at step {resumed_step + redone}"]
-    if same_layout:
+    if same_layout and not idle:
         parts.append(f"kept the plan ({layout(plan, tp)})")
+    elif idle:   # its world is formed again: a spare takes part in every step's vote
+        parts.append(f"spares hold no layers: the layout kept ({layout(plan, tp)}), the "
+                     "training world formed again without them (a spare votes in every step)")
     elif plan.policy == "reroute":
         peers = sorted({s.device for r in plan.reroute for s in r.peers})
         parts.append(f"rerouted to data-parallel peers: {name_devices(peers, tp)}")

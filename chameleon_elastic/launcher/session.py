@@ -67,6 +67,13 @@ class PlanChange:
     slow: dict[int, float] | None = None    # a straggler decision: the factors it was made for
     was_slow: dict[int, float] = field(default_factory=dict)   # and those before it
     same_layout: bool = False   # a new generation of the layout in force (a crash, regrouped)
+    #: lost devices that held no role in the plan before this change (spares, standbys)
+    idle_lost: tuple[int, ...] = ()
+    #: the pipelines (devices, layers, quotas) and reroutes are those of the plan before
+    kept_layout: bool = False
+    #: standbys lost (spares outside the training world): the plan in force is kept, its
+    #: generation too, with fewer spares; no worker is told (:meth:`JobSession.drop_standbys`)
+    quiet: bool = False
     #: how this agent holds it: "decided" here, "replayed" from the published inputs (its digest
     #: matched), or "fetched" from the deciding agent (it did not: a late joiner)
     agreed: str = "decided"
@@ -78,6 +85,7 @@ class PlanChange:
                 "candidates": self.candidates, "rejected": self.rejected,
                 "live_devices": list(self.plan.live_devices),
                 "spare_devices": list(self.plan.spare_devices),
+                **({"quiet": True} if self.quiet else {}),
                 **({} if self.slow is None else {
                     "slow": {str(d): f for d, f in sorted(self.slow.items())}})}
 
@@ -176,13 +184,17 @@ class JobSession:
         self._plan_hash = _hash(text.encode())
 
     def step(self, lost: Collection[int], joined: Collection[int],
-             speeds: Mapping[int, float], renew: bool) -> PlanChange | None:
+             speeds: Mapping[int, float], renew: bool, quiet: bool = False) -> PlanChange | None:
         """One decision from its inputs, as every agent takes it: the devices lost and back,
         or else every node's slow devices (``speeds``; excluded ones left out), or else, when
-        ``renew`` (the workers regroup in place), the same layout as a new generation. A pure
+        ``renew`` (the workers regroup in place), the same layout as a new generation.
+        ``quiet``: the devices lost are standbys outside the training world (the deciding
+        agent says so, launcher/coordination/agreement.py): :meth:`drop_standbys`. A pure
         function of the inputs and the session's :attr:`digest`, so agents that replay it
         from the same digest reach the same plan."""
-        change = self.apply(lost=lost, joined=joined)
+        change = self.drop_standbys(lost) if quiet else None
+        if change is None:
+            change = self.apply(lost=lost, joined=joined)
         if change is None:   # no device lost or back: maybe one is slow, or fast again
             change = self.apply_speeds({d: f for d, f in speeds.items()
                                         if d not in self.excluded})
@@ -227,12 +239,14 @@ class JobSession:
         lost = tuple(sorted(excluded - self.excluded))
         joined = tuple(sorted(self.excluded - excluded))
         same = plan == replace(self.plan, generation=plan.generation, transfers=plan.transfers)
+        idle = tuple(d for d in lost if d not in self.plan.working_devices)
+        quiet = plan.generation == self.plan.generation   # only standbys lost keep it
         self.excluded = excluded
         self._set_plan(plan)
         self._refresh_cache()
         return PlanChange(plan=plan, lost=lost, joined=joined, cached=False, decide_s=0.0,
                           candidates={plan.policy: _summary(plan)}, rejected={},
-                          same_layout=same)
+                          same_layout=same, idle_lost=idle, quiet=quiet)
 
     def renew(self) -> PlanChange:
         """The same layout as a new generation (nothing moves): what live workers regroup on
@@ -246,12 +260,34 @@ class JobSession:
                           candidates={self.plan.policy: _summary(self.plan)}, rejected={},
                           same_layout=True)
 
+    def drop_standbys(self, lost: Collection[int]) -> PlanChange | None:
+        """Standbys lost: spares that wait outside the training world (runtime/recovery/
+        standby.py), holding no layers and taking part in no collective. No worker does
+        anything else for their loss, so the planner is not asked and the plan in force is
+        kept, generation and all, with fewer spares: the agents agree on it and tell no worker
+        (launcher/transition.py), and training goes on undisturbed. (A spare inside the world
+        is not one: it votes in every step, so its loss needs a new world, :meth:`apply`.)
+        None when nothing new was lost, or under ``policy = "restart"``."""
+        lost = tuple(sorted(set(lost) - self.excluded))
+        if not lost or self.policy == "restart":
+            return None
+        start = time.perf_counter()
+        self.excluded.update(lost)
+        self._set_plan(replace(self.plan, spare_devices=tuple(
+            d for d in self.plan.spare_devices if d not in lost)))
+        self._refresh_cache()
+        return PlanChange(plan=self.plan, lost=lost, joined=(), cached=False,
+                          decide_s=time.perf_counter() - start,
+                          candidates={self.plan.policy: _summary(self.plan)}, rejected={},
+                          same_layout=True, idle_lost=lost, kept_layout=True, quiet=True)
+
     def apply(self, lost: Collection[int] = (), joined: Collection[int] = ()) -> PlanChange | None:
         """Tell the planner about newly lost / returning devices; None when nothing changes."""
         lost = tuple(sorted(set(lost) - self.excluded))
         joined = tuple(sorted(set(joined) & self.excluded))
         if not lost and not joined:
             return None
+        idle = tuple(d for d in lost if d not in self.plan.working_devices)
         self.excluded.update(lost)
         self.excluded.difference_update(joined)
         if self.policy == "restart":
@@ -273,12 +309,15 @@ class JobSession:
                 f"(excluded now: {sorted(self.excluded)}): {exc}"
             ) from exc
         elapsed = time.perf_counter() - start
+        before = self.plan
         self._set_plan(decision.chosen)
         self._refresh_cache()
         return PlanChange(
             plan=self.plan, lost=lost, joined=joined, cached=cached, decide_s=elapsed,
             candidates={name: _summary(p) for name, p in decision.candidates.items()},
-            rejected=dict(decision.rejected),
+            rejected=dict(decision.rejected), idle_lost=idle,
+            kept_layout=(self.plan.pipelines == before.pipelines
+                         and self.plan.reroute == before.reroute),
         )
 
     def apply_speeds(self, speeds: dict[int, float]) -> PlanChange | None:

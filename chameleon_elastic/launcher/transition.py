@@ -8,7 +8,10 @@
                (starter.py)
     report     once the workers have resumed (reporter.py), or at once when nothing waits
 
-A quick round that cannot finish falls back to a full round, from the top. The agent's part
+A quick round that cannot finish falls back to a full round, from the top. A quiet decision
+(only standbys lost: session.JobSession.drop_standbys) stops nothing, opens no store and
+publishes nothing: the workers go on in their generation, on its store, and the recovery is
+reported at once. The agent's part
 of a recovery is timed here: from the failure seen to the decision in hand (``decide``, with the
 round and the planner as ``rendezvous_s`` and ``plan_s``), then to the generation published on
 the node (``publish``, with a relaunch's ``stop_s``); the workers time theirs, and
@@ -31,6 +34,7 @@ from .coordination.agreement import agree
 from .coordination.messages import Decision, Members, NodeReport, QuickRoundFailed
 from .coordination.rounds import Rounds
 from .detection.detectors import Watchers
+from .detection.generations import AbandonedGenerations
 from .failures import FailureEvent, RestartBudget
 from .observation.reporter import Pending, RecoveryReporter
 from .observe import Event, running_state
@@ -60,6 +64,7 @@ class Crew:
     channel: Any                                    # this node's agent <-> worker store
     assign_ranks: Callable[..., list[Any]]          # torch's rank assignment (plain scripts)
     track: Callable[[dict[int, int]], None]         # the profiler's, given the workers' pids
+    abandoned: AbandonedGenerations                 # the streak of failed generations
 
 
 class Transition:
@@ -68,6 +73,8 @@ class Transition:
         self._planned = planned          # a job, with a policy other than restart
         self.node: int | None = None     # node id in the initial world (device ids)
         self.world: tuple[int, ...] = ()  # the last decision's world (units in rank order)
+        self._running = "running"         # the status line's state once the workers run
+        self._outside: frozenset[int] = frozenset()   # spares outside the world (standbys)
 
     def here(self, spec: Any) -> NodeCards:
         tp = self._c.session.tp if self._c.session is not None else 1
@@ -112,13 +119,10 @@ class Transition:
             c.watchers.rejoined()
         if c.channel is not None:   # a lost peer reported before this round is handled
             channel.write(c.channel, channel.TROUBLE, -1)
-        c.watchers.hangs.reset(c.channel, c.procs.pids())
-        stop_s = 0.0
-        if decision is None or not decision.inplace:
-            t = time.perf_counter()
-            c.procs.close(timeout=c.timeouts.shutdown_s)
-            stop_s = time.perf_counter() - t
-        wg.master_addr, wg.master_port = c.rounds.open_worker_store(spec, info, host)
+        quiet = decision is not None and decision.quiet
+        stop_s = 0.0 if quiet else self._stop(decision)
+        if not quiet:   # a quiet decision keeps the workers' store: their groups meet there
+            wg.master_addr, wg.master_port = c.rounds.open_worker_store(spec, info, host)
         wg.store = info.store
         wg.group_rank, wg.group_world_size = info.rank, info.world_size
         if quick and decision is not None:   # the nodes that took part (the exit barrier's)
@@ -131,16 +135,35 @@ class Transition:
         wg.state = WorkerState.HEALTHY
         if event is not None and decision is not None:
             kept = tuple(sorted(c.procs.devices - set(started)))
-            # a standby outside the world (runtime/recovery/standby.py) has nothing to resume
+            # a standby outside the world (runtime/recovery/standby.py) has nothing to resume,
+            # and after a quiet decision nobody does: the workers were not told
             world = self.here(spec).cards_of(decision.world)
-            waiting = frozenset(c.procs.devices & world if expect_reports else ())
-            c.reporter.pending = Pending(
+            waiting = frozenset(c.procs.devices & world if expect_reports and not quiet else ())
+            pending = Pending(
                 event, decision, change, kept, started, waiting, decided_at, published_at,
                 {"rendezvous_s": rdzv_s, "plan_s": plan_s, "stop_s": stop_s,
-                 "launch_s": launch_s}, before=c.reporter.pending)
-            if not waiting:
-                c.report(c.reporter.finish({}, session.plan, c.budget.used))
+                 "launch_s": launch_s}, before=None if quiet else c.reporter.pending,
+                running=self._running, standbys=self._outside)
+            if quiet:   # nobody left the generation: said at once, the failure taken back
+                c.abandoned.kept(session.plan.generation)
+                c.report(c.reporter.finish({}, session.plan, c.budget.used, pending))
+                c.reporter.restate(self._running)   # one still awaited says this node now
+            else:
+                c.reporter.pending = pending
+                if not waiting:
+                    c.report(c.reporter.finish({}, session.plan, c.budget.used))
         return info
+
+    def _stop(self, decision: Decision | None) -> float:
+        """A new generation: the hang watch times progress afresh, and a relaunch (no
+        decision in place) stops every local worker first; the seconds that took."""
+        c = self._c
+        c.watchers.hangs.reset(c.channel, c.procs.pids())
+        if decision is not None and decision.inplace:
+            return 0.0
+        t = time.perf_counter()
+        c.procs.close(timeout=c.timeouts.shutdown_s)
+        return time.perf_counter() - t
 
     def _agree(self, info: Any, members: Members, spec: Any, inplace_wanted: bool,
                quick: bool) -> tuple[Decision, Any, bool]:
@@ -156,11 +179,16 @@ class Transition:
         mine = NodeReport.gather(self.node, book.lost - book.rejoining, here.units(live),
                                  not live or self.runtime(), book.why, c.channel, here.cards,
                                  watch.report(here.units(here.cards)) if watch else None)
+        # spares outside the world (standbys), while this agent serves the workers' store:
+        # their loss is quiet (the workers go on in their world, on that store)
+        self._outside = frozenset(set(session.plan.spare_devices) - set(self.world)
+                                  if self.world else ())
+        standbys = self._outside if c.rounds.hosts_workers() else frozenset()
         try:
             decision, change, decided = agree(
                 info.store, c.rounds.scope(), members, mine, session, inplace_wanted,
                 here.units_per_node, c.timeouts.store_s, quick=quick,
-                desk=c.rounds.desk(spec, info))
+                desk=c.rounds.desk(spec, info), standbys=standbys)
         except LauncherPlanningError as exc:
             c.emit(Event.PLANNING_FAILED, error=str(exc))
             raise
@@ -180,6 +208,12 @@ class Transition:
         that have none (starter.py); returns the devices started, when the generation was
         published (Unix seconds) and the seconds the starts took."""
         c, here = self._c, self.here(wg.spec)
+        if decision is not None and decision.quiet:   # the workers go on as they are
+            wg.workers = c.procs.workers()   # less the lost standby's
+            self._running = running_state(c.procs.devices, here.cards_of(decision.world),
+                                          here.tp)
+            c.status(self._running)
+            return (), time.time(), 0.0
         if decision is None:  # plain torchrun: torch's rank assignment, every local worker
             todo = [(w, None) for w in c.assign_ranks(info.store, info.rank, info.world_size,
                                                        wg.spec)]
@@ -195,6 +229,7 @@ class Transition:
             c.track(c.procs.pids())
         wg.workers = c.procs.workers()
         launch_s = time.perf_counter() - t
-        c.status(running_state(c.procs.devices, here.cards_of(decision.world), here.tp)
-                 if decision is not None else "running")
+        self._running = (running_state(c.procs.devices, here.cards_of(decision.world), here.tp)
+                         if decision is not None else "running")
+        c.status(self._running)
         return started, published_at, launch_s

@@ -558,3 +558,52 @@ def test_a_follower_with_a_warm_plan_cache_replays_a_cold_deciders_plan(tmp_path
         assert change is not None and change.cached
         assert warm.digest == cold.digest, f"the cached plan differs after losing {lost}"
         warm.warm()
+
+
+def test_a_lost_standby_keeps_the_plan_and_its_generation_and_every_agent_replays_it(tmp_path):
+    """Standbys (spares outside the training world) hold no layers and take part in no
+    collective: the decider says the loss is quiet, the plan in force is kept with one spare
+    fewer and the same generation (no worker hears of it), and an agent that replays the
+    agreement reaches the same digest. The same device inside the world (a spare that votes in
+    every step) is no standby: its loss makes a new generation."""
+    spec = JobSpec.preset("tiny-cpu-standby")
+    decider = JobSession(spec, "auto", tmp_path / "a", warm_cache=False)
+    follower = JobSession(spec, "auto", tmp_path / "b", warm_cache=False)
+    before = decider.plan
+    assert before.spare_devices == (4, 5)
+    store = dist.HashStore()
+    reports = [NodeReport(0, (), (0, 1), True, reported=11), NodeReport(1, (), (2, 3), True),
+               NodeReport(2, (5,), (), True)]
+    for r in reports:
+        protocol.report(store, "r/", r.node, r)
+    members = messages.Members(0, (0, 1, 2))
+    decision, change, decided = protocol.agree(store, "r/", members, reports[0], decider, True,
+                                               2, 5.0, standbys={4, 5})
+    assert decided and decision.quiet and decision.starting == ()
+    assert change.quiet and change.lost == (5,) and change.idle_lost == (5,)
+    assert decider.plan.generation == before.generation   # no generation for the workers
+    assert decider.plan.pipelines == before.pipelines and decider.plan.spare_devices == (4,)
+    assert decision.world == (0, 1, 2, 3) and decider.excluded == {5}
+    adopted, replayed = protocol.adopt(protocol.read_agreement(store, "r/"), follower, None)
+    assert adopted.quiet and replayed.agreed == "replayed" and replayed.quiet
+    assert follower.digest == decider.digest
+    # inside the world, the same loss is not quiet: the workers' world must be formed again
+    assert not deciding.quiet_loss({5}, (), set(), standbys={4})
+    assert not deciding.quiet_loss({5}, {4}, set(), standbys={4, 5})   # one back: a change
+    assert deciding.quiet_loss({3, 5}, (), {3}, standbys={4, 5})       # 3 was lost before
+
+
+def test_a_late_agent_catches_up_with_a_quiet_decision_of_its_own_generation(tmp_path):
+    """A quiet decision keeps the generation: the record's plan is still newer than a stale
+    agent's plan of that generation, and the agent that decides next must start from it (or it
+    would offer a lost standby again)."""
+    spec = JobSpec.preset("tiny-cpu-standby")
+    decider = JobSession(spec, "auto", tmp_path / "a", warm_cache=False)
+    stale = JobSession(spec, "auto", tmp_path / "b", warm_cache=False)
+    decider.step({5}, (), {}, renew=True, quiet=True)
+    fence = dist.HashStore()
+    record = deciding.decide(decider.plan, decider.excluded, [NodeReport(0, (), (0, 1), True)],
+                             True, quiet=True)
+    protocol.commit_record(fence, "", record)
+    protocol._catch_up(fence, stale)
+    assert stale.plan == decider.plan and stale.excluded == {5}

@@ -131,3 +131,71 @@ def test_a_standby_node_takes_the_place_of_a_lost_device(tmp_path, launch, fault
     assert (out / "started-4").read_text().split() == ["peers"]
     swapped = "devices 4, 5" if fault == "node" else "device 4"
     assert f"swapped in standby {swapped}, the layout kept" in agents[standby].log.read_text()
+
+
+def _standby_process(agent_pid: int, device: int) -> int | None:
+    """The pid of the standby process of ``device`` among an agent's children."""
+    import psutil
+
+    for child in psutil.Process(agent_pid).children(recursive=True):
+        try:
+            if child.environ().get("CHAMELEON_DEVICE") == str(device):
+                return child.pid
+        except psutil.Error:
+            continue
+    return None
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("fault", ["worker", "node"])
+def test_a_lost_standby_is_said_and_the_training_workers_never_hear_of_it(tmp_path, launch,
+                                                                          fault):
+    """SIGKILL of standby device 5's waiting process (``worker``), or of the standby node's
+    agent with both its standbys (``node``), while two nodes train: a standby holds no layers
+    and takes part in no collective, so the agents agree on the plan without it and tell no
+    worker. The training workers stay in plan generation 0 (they never regroup: no pause), every
+    node that lives exits 0, every step is reported once with single-process losses, and each
+    node's line names the standby, never an empty list of devices. It used to read
+    ``rerouted to data-parallel peers: device ;`` and cost the job a regroup."""
+    local_etcd = pytest.importorskip("chameleon_elastic.rendezvous.local_etcd")
+    out = tmp_path / "out"
+    out.mkdir()
+    steps, names = 14, ("a", "b", "c")
+    with local_etcd.LocalEtcd(data_dir=tmp_path / "etcd") as etcd:
+        common = ["--nnodes", "3", "--nproc-per-node", "2", "--rdzv-backend", "etcd-v3",
+                  "--rdzv-endpoint", etcd.endpoint, "--rdzv-id", f"quiet-{fault}",
+                  "--rdzv-conf", "last_call_timeout=5,lease_ttl=2", "--local-addr",
+                  "127.0.0.1", "--monitor-interval", "0.1", "--no-status", "--stragglers",
+                  "off", "--preset", "tiny-cpu-standby"]
+        agents = {name: launch("chameleon", [*common, "--state-dir", str(tmp_path / name),
+                                             MLP_FAULTS, str(out), str(steps), "--pace",
+                                             "0.2"], name=name) for name in names}
+        wait_for(lambda: _steps(out) >= 4, 90, "the job training on two of the three nodes")
+        node = {name: _node_of(tmp_path / name) for name in names}
+        standby = next(n for n in names if node[n] == 2)
+        if fault == "worker":
+            pid = wait_for(lambda: _standby_process(agents[standby].proc.pid, 5), 30,
+                           "standby device 5's waiting process")
+            os.kill(pid, signal.SIGKILL)
+        else:
+            os.kill(agents[standby].proc.pid, signal.SIGKILL)   # its standbys die with it
+            agents[standby].proc.wait(10)
+        lost = "standby device 5 lost (SIGKILL)" if fault == "worker" else \
+            "standby devices 4, 5 lost (node gone)"
+        living = [n for n in names if fault == "worker" or n != standby]
+        for name in living:
+            wait_for(lambda name=name: lost in agents[name].log.read_text(), 60,
+                     f"node {name}'s line on the lost standby")
+        for name in living:
+            assert agents[name].wait(90) == 0, agents[name].log.read_text()[-3000:]
+
+    assert_single_process_results(out, [0, 1, 2, 3], steps)
+    reported = [json.loads(x) for x in (out / "steps.jsonl").read_text().splitlines()]
+    assert {r["generation"] for r in reported} == {0}   # never told, never regrouped
+    for name in living:
+        log = agents[name].log.read_text()
+        assert "; device ;" not in log and "peers: device ;" not in log, log[-3000:]
+        assert "training goes on undisturbed" in log
+        recovered = [e for e in read_events(tmp_path / name / "events.jsonl")
+                     if e["event"] == "recovered"]
+        assert [e.get("quiet") for e in recovered] == [True], recovered

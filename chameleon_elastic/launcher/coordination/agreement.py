@@ -73,7 +73,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ..session import JobSession, LauncherPlanningError, NoPlanError, PlanChange
-from .decide import decide, inplace_possible, losses, reasons, speeds_of
+from .decide import decide, inplace_possible, losses, quiet_loss, reasons, speeds_of
 from .messages import (
     Agreement,
     Decision,
@@ -221,7 +221,7 @@ def adopt(agreement: Agreement, session: JobSession,
     change = None
     if session.digest == agreement.base:
         change = session.step(agreement.lost, agreement.joined, dict(agreement.speeds),
-                              agreement.renew)
+                              agreement.renew, agreement.decision.quiet)
     if session.digest != agreement.digest:
         whole = _fetch(agreement, desk)
         session.excluded = before   # so that the change names what this agent saw lost
@@ -281,8 +281,8 @@ def commit_record(fence: Any, seen: str | bytes, decision: Decision,
 
 def agree(store: Any, scope: str, members: Members, mine: NodeReport, session: JobSession,
           inplace_wanted: bool, units_per_node: int, timeout_s: float,
-          quick: bool = False,
-          desk: PlanDesk | None = None) -> tuple[Decision, PlanChange | None, bool]:
+          quick: bool = False, desk: PlanDesk | None = None,
+          standbys: Collection[int] = ()) -> tuple[Decision, PlanChange | None, bool]:
     """The whole protocol for one round, in its order: report, then catch up with the newest
     published plan, decide and publish (the lowest member), or replay the published step
     (the others). Returns the decision, the plan change it made in ``session`` (None: same
@@ -290,7 +290,9 @@ def agree(store: Any, scope: str, members: Members, mine: NodeReport, session: J
     ``LauncherPlanningError`` when no plan can run the job, or this agent is fenced; the
     decider publishes the error first, so that the others end with the same sentence.
     ``quick``: a quick round (see the module docstring); may raise ``QuickRoundFailed``.
-    ``desk``: where the decider serves its plan to an agent whose replay differs."""
+    ``desk``: where the decider serves its plan to an agent whose replay differs.
+    ``standbys``: spare devices outside the training world whose loss no worker needs to
+    hear of, as the decider sees them (empty: any loss makes a new generation)."""
     fence = getattr(store, "underlying_store", store)   # outlives rounds
     seen: str | bytes = ""
     launched = -1
@@ -313,7 +315,7 @@ def agree(store: Any, scope: str, members: Members, mine: NodeReport, session: J
                     else members.keys)
             decision, change = _decide(store, scope, collect(store, scope, keys), session,
                                        inplace_wanted, units_per_node,
-                                       (fence, seen, desk, launched))
+                                       (fence, seen, desk, launched), standbys)
             published = True
         else:
             assert agreement is not None
@@ -339,8 +341,8 @@ def agree(store: Any, scope: str, members: Members, mine: NodeReport, session: J
 
 def _decide(store: Any, scope: str, reports: Sequence[NodeReport], session: JobSession,
             inplace_wanted: bool, units_per_node: int,
-            fencing: tuple[Any, str | bytes, PlanDesk | None, int]
-            ) -> tuple[Decision, PlanChange | None]:
+            fencing: tuple[Any, str | bytes, PlanDesk | None, int],
+            standbys: Collection[int] = ()) -> tuple[Decision, PlanChange | None]:
     """The decider's part: the planner's inputs from the reports, the step, the record
     (fenced against ``seen``), the whole decision offered on the desk, the agreement
     published. ``fencing``: (the store under the rounds, the record as read, the desk, the
@@ -349,11 +351,12 @@ def _decide(store: Any, scope: str, reports: Sequence[NodeReport], session: JobS
     lost, joined = losses(reports, session.excluded, session.devices, units_per_node)
     speeds = speeds_of(reports, ())
     renew = inplace_possible(reports, inplace_wanted)
+    quiet = quiet_loss(lost, joined, session.excluded, standbys)
     base = session.digest
-    change = session.step(lost, joined, speeds, renew)
+    change = session.step(lost, joined, speeds, renew, quiet)
     decision = decide(session.plan, session.excluded, reports, inplace_wanted,
                       reasons(reports, lost, units_per_node), tuple(sorted(session.speeds.items())),
-                      launched)
+                      launched, quiet=quiet and change is not None and change.quiet)
     source = ""
     if decision.error is None:
         whole = decision.encode()
@@ -367,12 +370,15 @@ def _decide(store: Any, scope: str, reports: Sequence[NodeReport], session: JobS
 
 
 def _catch_up(fence: Any, session: JobSession) -> tuple[str | bytes, int]:
-    """Adopt the newest published plan when it is newer than the session's; returns the
-    record as read, for the compare-and-set of this agent's decision, and its ``launches``
-    (-1: no record, the job's first launch)."""
+    """Adopt the newest published plan when it is newer than the session's (a later
+    generation, or the same one with fewer standbys: a quiet decision keeps the generation);
+    returns the record as read, for the compare-and-set of this agent's decision, and its
+    ``launches`` (-1: no record, the job's first launch)."""
     seen, newest = read_record(fence)
     if newest is not None and newest.plan is not None and (
-            newest.plan.generation > session.plan.generation):
+            newest.plan.generation > session.plan.generation or (
+                newest.plan.generation == session.plan.generation
+                and newest.plan != session.plan)):
         # with its speeds: the state the others hold, so that they can replay this decision
         session.adopt(newest.plan, newest.excluded, dict(newest.speeds))
     return seen, -1 if newest is None else newest.launches

@@ -2,7 +2,7 @@
 
 From the reports: which devices are lost or back (:func:`losses`), how each was lost
 (:func:`reasons`), the slow ones (:func:`speeds_of`), whether the workers can regroup in place
-(:func:`inplace_possible`), and the :class:`~.messages.Decision` for the plan the session chose
+(:func:`inplace_possible`), whether they need to hear of it at all (:func:`quiet_loss`), and the :class:`~.messages.Decision` for the plan the session chose
 (:func:`decide`). No store, no clock: tested with plain reports.
 """
 
@@ -15,7 +15,7 @@ from chameleon_elastic.plan import ExecutionPlan
 from ..plan_env import device_id
 from .messages import Decision, NodeReport, world_of
 
-__all__ = ["decide", "inplace_possible", "losses", "reasons", "speeds_of"]
+__all__ = ["decide", "inplace_possible", "losses", "quiet_loss", "reasons", "speeds_of"]
 
 
 def losses(reports: Sequence[NodeReport], excluded: Collection[int], devices: int,
@@ -52,15 +52,26 @@ def inplace_possible(reports: Sequence[NodeReport], inplace_wanted: bool) -> boo
     return inplace_wanted and all(r.ready for r in reports)
 
 
+def quiet_loss(lost: Collection[int], joined: Collection[int], excluded: Collection[int],
+               standbys: Collection[int]) -> bool:
+    """Whether the devices newly lost are all standbys (spares outside the training world:
+    no collective includes them) and none came back: then the workers need not hear of it
+    (session.JobSession.drop_standbys)."""
+    new = set(lost) - set(excluded)
+    return bool(new) and not joined and new <= set(standbys)
+
+
 def decide(plan: ExecutionPlan, excluded: Collection[int], reports: Sequence[NodeReport],
            inplace_wanted: bool, why: tuple[tuple[int, str], ...] = (),
-           speeds: tuple[tuple[int, float], ...] = (), launched: int = -1) -> Decision:
+           speeds: tuple[tuple[int, float], ...] = (), launched: int = -1,
+           quiet: bool = False) -> Decision:
     """The decision for the plan the session has chosen (a new generation when in place).
     In place, a plan that sources layers from a checkpoint when no worker has one cannot go
     on in place: a job that checkpoints (but lost them before its first checkpoint) is
     relaunched, so every worker starts again from step 0 and says so; a job that never
     checkpoints ends with a sentence, since starting over would redo everything.
-    ``launched``: the last decision's ``launches`` (-1: none yet, this is the first launch)."""
+    ``launched``: the last decision's ``launches`` (-1: none yet, this is the first launch).
+    ``quiet``: only standbys were lost; the workers go on as they are (nothing starts)."""
     live = {d for r in reports for d in r.live}
     inplace = inplace_possible(reports, inplace_wanted) and bool(live)   # someone to keep
     reported = max((r.reported for r in reports if r.reported is not None), default=None)
@@ -78,9 +89,11 @@ def decide(plan: ExecutionPlan, excluded: Collection[int], reports: Sequence[Nod
                  f"{sorted(excluded)} are gone) and the job has no checkpoint to restore them "
                  "from; training cannot go on. Give the script a checkpoint directory (for "
                  "examples/train_gpt.py: --checkpoint-dir) to survive such a loss.")
-    starting = tuple(d for d in plan.working_devices if d not in live) if inplace else ()
+    starting = (tuple(d for d in plan.working_devices if d not in live)
+                if inplace and not quiet else ())
     # a relaunch, or a process started in place (a crashed worker's replacement), counts
-    launches = 0 if launched < 0 else launched + (0 if inplace and not starting else 1)
+    launches = 0 if launched < 0 else launched + (0 if (inplace and not starting) or quiet
+                                                  else 1)
     return Decision(plan, tuple(sorted(excluded)), world_of(plan, live, inplace), inplace,
                     reported, error, why, tuple(sorted(r.node for r in reports)), speeds,
-                    starting=starting, launches=launches)
+                    starting=starting, launches=launches, quiet=quiet)

@@ -115,6 +115,9 @@ class Decision:
     #: processes, job-wide (0: the first launch), so that every rank of a world scopes torch's
     #: env:// store keys alike
     launches: int = 0
+    #: only standbys were lost (spares outside the world): the plan in force is kept with
+    #: fewer spares, and no worker is told (session.JobSession.drop_standbys)
+    quiet: bool = False
 
     def to_json(self) -> str:
         # shallow: asdict would first copy the whole plan, field by field, only to have it
@@ -134,7 +137,7 @@ class Decision:
                    tuple((int(k), float(v)) for k, v in d.get("speeds", ())),
                    no_plan=bool(d.get("no_plan", False)),
                    starting=tuple(int(x) for x in d.get("starting", ())),
-                   launches=int(d.get("launches", 0)))
+                   launches=int(d.get("launches", 0)), quiet=bool(d.get("quiet", False)))
 
     def encode(self) -> bytes:
         """What goes into the record and onto the decider's desk: the JSON, compressed (7x at
@@ -201,7 +204,7 @@ class Agreement:
             "excluded": _runs(d.excluded), "inplace": d.inplace, "reported": d.reported,
             "error": d.error, "why": d.why, "nodes": _runs(d.nodes),
             "decision_speeds": d.speeds, "no_plan": d.no_plan,
-            "starting": _runs(d.starting), "launches": d.launches}).encode()
+            "starting": _runs(d.starting), "launches": d.launches, "quiet": d.quiet}).encode()
 
     @classmethod
     def decode(cls, raw: str | bytes) -> Agreement:
@@ -211,7 +214,7 @@ class Agreement:
                             _unruns(d["nodes"]),
                             tuple((int(k), float(v)) for k, v in d["decision_speeds"]),
                             bool(d["no_plan"]), _unruns(d.get("starting", [])),
-                            int(d.get("launches", 0)))
+                            int(d.get("launches", 0)), bool(d.get("quiet", False)))
         return cls(decision, d["base"], d["digest"], _unruns(d["lost"]), _unruns(d["joined"]),
                    tuple((int(k), float(v)) for k, v in d["speeds"]), bool(d["renew"]),
                    d["source"], d["generation"], _unruns(d["idle"]))

@@ -81,8 +81,12 @@ class Rounds:
         self._status = status
         self._emit = emit
         self._last_info: Any = None
-        self._worker_store: Any = None  # this generation's TCPStore (the decider's only)
+        self._worker_store: Any = None  # this round's TCPStore (the decider's only)
         self._served = -1               # the round (attempt) that opened it
+        #: the TCPStore of the generation the workers are in, when this agent hosts it: kept
+        #: through rounds that publish none (a quiet decision, session.drop_standbys), since
+        #: the workers' groups formed later (a checkpoint's) still meet on it
+        self._in_use: Any = None
 
     @property
     def can_quick(self) -> bool:
@@ -224,11 +228,18 @@ class Rounds:
         key = self.scope() + "worker_store"
         if host:
             addr, server = self._serve(spec, info)
+            self._in_use = server   # the previous generation's, if ours, is dropped
             info.store.set(key, json.dumps([addr, server.port]))
-        elif self._served != self.attempt:
-            self._worker_store = None   # one this agent hosted for an earlier generation
+        else:
+            self._in_use = None     # one this agent hosted for an earlier generation
+            if self._served != self.attempt:
+                self._worker_store = None
         addr, port = json.loads(info.store.get(key))
         return str(addr), int(port)
+
+    def hosts_workers(self) -> bool:
+        """Whether this agent serves the store of the generation the workers are in."""
+        return self._in_use is not None
 
     def desk(self, spec: Any, info: Any) -> WorkerStoreDesk:
         """Where this round's decider serves its decision: the worker store it opens."""
@@ -242,7 +253,7 @@ class Rounds:
         the one that was lost)."""
         addr = spec.master_addr or spec.local_addr or info.bootstrap_store_info.master_addr
         if self._served != self.attempt or self._worker_store is None:
-            self._worker_store = None  # drop the previous generation's server first
+            self._worker_store = None  # drop an earlier round's server first (not _in_use)
             self._worker_store = dist.TCPStore(host_name=addr, port=0, is_master=True,
                                                wait_for_workers=False, multi_tenant=False,
                                                timeout=self._timeouts.delta("store_s"))
@@ -250,7 +261,7 @@ class Rounds:
         return addr, self._worker_store
 
     def close(self) -> None:
-        self._worker_store = None
+        self._worker_store = self._in_use = None
 
 
 class WorkerStoreDesk:

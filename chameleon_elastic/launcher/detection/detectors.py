@@ -25,7 +25,13 @@ import psutil
 from torch.distributed.elastic.agent.server.api import WorkerState
 
 from chameleon_elastic import channel
-from chameleon_elastic.hang import PhaseDeadline, asleep_past_deadline, derive_hang_s, describe
+from chameleon_elastic.hang import (
+    FLOOR_S,
+    PhaseDeadline,
+    asleep_past_deadline,
+    derive_hang_s,
+    describe,
+)
 from chameleon_elastic.timeouts import Timeouts
 
 from ..failures import FailureKind, Trigger, WorkerFailure, classify_exit
@@ -152,12 +158,16 @@ class HangWatch:
             return describe(self.hang_s, False)
         gaps = [self._gap.get(d) for d in self._beats]
         figure = max((derive_hang_s(g, self.hang_s) for g in gaps), default=self.hang_s)
-        return describe(figure, True)
+        # far from the step time, the figure says why: not measured yet, or the floor
+        why = ("not measured yet" if None in gaps and figure == self.hang_s
+               else "the floor" if figure <= FLOOR_S else "")
+        return describe(figure, True, why)
 
     def recovering(self) -> str:
-        """The longest deadline of a recovery phase a worker is in (``5.2 s``), else ``""``."""
-        phases = [v.deadline_s for v in self._phase.values() if isinstance(v, PhaseDeadline)]
-        return f"{max(phases):.3g} s" if phases else ""
+        """The longest deadline of a recovery phase a worker is in, with its phase and why
+        (``regroup deadline 25 s (a process starts for it: ...)``), else ``""``."""
+        phases = [v for v in self._phase.values() if isinstance(v, PhaseDeadline)]
+        return max(phases, key=lambda v: v.deadline_s).said() if phases else ""
 
     def _limit(self, store: Any, device: int, looked: bool) -> float:
         """``device``'s timeout now; ``looked``: ask whether it is in a slow stretch and with

@@ -34,6 +34,9 @@ class AbandonedGenerations:
     def __init__(self, cap: int, store: Any) -> None:
         self._streak = FailureStreak(cap)
         self._store = store
+        self._counted = False      # the last reaction counted a generation as failed
+        self._progressed = False   # and that generation had committed a step
+        self._went_on: int | None = None   # a generation left and then kept (quiet)
         if store is not None:
             channel.write(store, channel.MAX_FAILED, cap)
 
@@ -43,6 +46,7 @@ class AbandonedGenerations:
         (registered ones, or ones that reported trouble before they could register), and a
         node joining or a device coming back abandons nothing."""
         peer_lost = r.trigger is Trigger.PEER_LOST
+        self._counted = False
         if r.trigger not in _FAILURES or not (tick.runtime or peer_lost):
             return False
         return self.abandoned(generation, cards, tick.failures, peer_lost, r.trigger.value)
@@ -53,12 +57,24 @@ class AbandonedGenerations:
         when that is one failed generation past the cap."""
         if self._store is None:
             return False
+        self._counted = True
         keys = [channel.resumed_key(generation, c) for c in cards]
-        if any(self._store.check([k]) for k in keys):
+        self._progressed = any(self._store.check([k]) for k in keys) or (
+            generation == self._went_on)
+        if self._progressed:
             self._streak.progressed()
         for key in keys:   # a relaunch with no device changed keeps the generation's number
             self._store.delete_key(key)
         return self._streak.failed(self.cause(generation, failures, peer_lost) or trigger)
+
+    def kept(self, generation: int) -> None:
+        """The generation just counted as left goes on after all (a quiet decision: only
+        standbys were lost, and no worker was told): its failure is taken back, and the step
+        it had committed still counts when it is left later (its records were cleared)."""
+        if self._counted:
+            self._streak.forget_last()
+            self._went_on = generation if self._progressed else self._went_on
+        self._counted = False
 
     def cause(self, generation: int, failures: tuple[WorkerFailure, ...],
               peer_lost: bool) -> str:

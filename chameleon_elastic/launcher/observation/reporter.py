@@ -15,7 +15,7 @@ resumed last (the one its peers waited for), on the same node's clock.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from chameleon_elastic import channel
@@ -60,6 +60,10 @@ class Pending:
     #: the recovery this one replaced before any worker committed a step in it (a second
     #: failure meanwhile, a generation given up): reported with this one, from its fault
     before: Pending | None = None
+    #: the status line's state once reported (``running, device 5 standby``)
+    running: str = "running"
+    #: the spare devices that stood outside the training world as it began (standbys)
+    standbys: frozenset[int] = frozenset()
 
     def chain(self) -> list[Pending]:
         """Every recovery reported by this one, the first first."""
@@ -70,23 +74,30 @@ class Pending:
 def describe(p: Pending, tp: int) -> str:
     """``device 3 lost (SIGKILL)``, ``devices 2, 3 lost (node gone)``, ``device 1 back``: how
     each device was lost is what its own node reported (the decisions carry it), over every
-    recovery this one reports (a device lost while the survivors recovered from another)."""
+    recovery this one reports (a device lost while the survivors recovered from another). A
+    device that held no role in the plan is named for what it was: ``standby device 5`` (it
+    waited outside the training world), ``spare device 3`` (an idle member of it)."""
     event = p.event
     lost: set[int] = set()
     joined: set[int] = set()
+    idle: set[int] = set()
+    outside: set[int] = set()
     why: dict[int, str] = {}
     for link in p.chain():
         came = set(link.change.joined) if link.change else set(link.event.joined)
         went = set(link.change.lost) if link.change else set(link.event.lost)
         lost, joined = (lost - came) | went, (joined - went) | came
+        idle |= set(link.change.idle_lost) if link.change else set()
+        outside |= link.standbys
         why.update(dict(link.decision.why))
-    lost, joined = sorted(lost), sorted(joined)
     parts = []
-    if lost:
-        said = sorted({why.get(d, "node gone") for d in lost})
-        parts.append(f"{name_devices(lost, tp)} lost ({', '.join(said)})")
+    for group, prefix in ((sorted(lost - idle), ""), (sorted(lost & idle - outside), "spare "),
+                          (sorted(lost & idle & outside), "standby ")):
+        if group:
+            said = sorted({why.get(d, "node gone") for d in group})
+            parts.append(f"{prefix}{name_devices(group, tp)} lost ({', '.join(said)})")
     if joined:
-        parts.append(f"{name_devices(joined, tp)} back")
+        parts.append(f"{name_devices(sorted(joined), tp)} back")
     if p.change is not None and p.change.slow is not None:
         slow, was = p.change.slow, p.change.was_slow
         said = dict(event.notes)   # this node's watch found it: its figures
@@ -129,7 +140,8 @@ def recovered_fields(p: Pending, records: dict[int, Resumed], restarts_used: int
         source=worst.source if worst else None,
         rolled_forward=sorted(d for d, r in records.items() if r.rolled_forward),
         redone_steps=worst.redone_steps if worst else 0, generations=len(p.chain()),
-        restarts_used=restarts_used, **p.parts, **phase_times(p, records, failed_at))
+        restarts_used=restarts_used, **({"quiet": True} if p.decision.quiet else {}),
+        **p.parts, **phase_times(p, records, failed_at))
 
 
 def phase_times(p: Pending, records: dict[int, Resumed],
@@ -154,6 +166,15 @@ def phase_times(p: Pending, records: dict[int, Resumed],
                rebuild_s=last.rebuild_s, first_step_s=last.first_step_s,
                total_s=last.committed_at - failed_at)
     return out
+
+
+def _held_nothing(p: Pending) -> bool:
+    """Every device this recovery lost held no role in the plan (spares, standbys), none came
+    back or changed speed, and the layout is the one before: nothing was rerouted or
+    re-planned, whatever the planner's policy is called."""
+    changes = [link.change for link in p.chain()]
+    return all(c is not None and c.lost and set(c.lost) <= set(c.idle_lost) and not c.joined
+               and c.slow is None and c.kept_layout for c in changes)
 
 
 class RecoveryReporter:
@@ -186,10 +207,19 @@ class RecoveryReporter:
             records[device] = Resumed.from_dict(value)
         return self.finish(records, plan, restarts_used)
 
-    def finish(self, records: dict[int, Resumed], plan: Any, restarts_used: int) -> str:
-        p = self.pending
+    def restate(self, running: str) -> None:
+        """The node's workers now run as ``running`` says: the recovery awaited says so."""
+        if self.pending is not None:
+            self.pending = replace(self.pending, running=running)
+
+    def finish(self, records: dict[int, Resumed], plan: Any, restarts_used: int,
+               pending: Pending | None = None) -> str:
+        """Report ``pending`` (default: the recovery awaited, which it ends) from what its
+        workers said (``records``); returns the status line's new state."""
+        p = pending or self.pending
         assert p is not None
-        self.pending = None
+        if pending is None:
+            self.pending = None
         fields = recovered_fields(p, records, restarts_used)
         self._emit(Event.RECOVERED, **fields)
         if self._profiler is not None and p.decision.inplace and fields["regroup_s"] is not None:
@@ -201,15 +231,17 @@ class RecoveryReporter:
                              moved_bytes=fields["transfer_bytes"], source=fields["source"] or "",
                              resumed_step=fields["resumed_step"], redone=fields["redone_steps"],
                              seconds=fields["total_s"], logs=self._logs_dir, tp=self._tp,
-                             same_layout=p.change is None or p.change.same_layout)
+                             same_layout=p.change is None or p.change.same_layout,
+                             idle=_held_nothing(p), quiet=p.decision.quiet,
+                             reported=p.decision.reported)
         self._status.say(f"chameleon-run: {line}")
         notice = self._share_notice(p, plan)
         if notice is not None:
             self._status.say(f"chameleon-run: {notice}")
             self._emit(Event.SHARE_CHANGED, message=notice)
         total = fields["total_s"]
-        return ("running" if total is None
-                else f"running (recovered {fields['mode']} in {total:.2f} s)")
+        return (p.running if total is None
+                else f"{p.running} (recovered {fields['mode']} in {total:.2f} s)")
 
     def _share_notice(self, p: Pending, plan: Any) -> str | None:
         """The one line (once per run) for relaunched scripts that do not follow the plan,

@@ -32,7 +32,24 @@ from chameleon_elastic.torch_compat import worker_process
 from .orphan_guard import guarded_command
 from .worker_logs import ConsoleEcho, WorkerLogs
 
-__all__ = ["Exit", "ExitBell", "WorkerProcesses"]
+__all__ = ["Exit", "ExitBell", "WorkerProcesses", "stop_signal"]
+
+#: what a person sends to end a run: the agent stops the workers, it does not pass it on
+_INTERRUPTIONS = (signal.SIGINT, signal.SIGHUP)
+
+
+def stop_signal(received: signal.Signals, planned: bool) -> signal.Signals:
+    """The signal that stops the workers when the agent received ``received``. torch's agent
+    passes a Ctrl-C (SIGINT) or a hang-up on to its workers, so every worker of a job wrote a
+    ``KeyboardInterrupt`` traceback into its stderr log, and gloo's threads, torn down by an
+    unwinding interpreter, ``terminate called without an active exception``: a whole
+    directory of tracebacks for an end the person asked for. With a job (``planned``) the
+    workers are stopped as every other stop stops them, with SIGTERM: Python's default ends the
+    process at once, silently; a script that wants a last word catches SIGTERM (a preemption
+    is chameleon-run's way to stop with a checkpoint). Without a job, torchrun's behaviour."""
+    if planned and received in _INTERRUPTIONS:
+        return signal.SIGTERM
+    return received
 
 
 class ExitBell:

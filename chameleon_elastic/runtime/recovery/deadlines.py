@@ -138,7 +138,7 @@ class RecoveryClock:
         timer.name = "chameleon-deadline"
         with self._lock:
             self.phase, self._timer = name, timer
-        self._announce(PhaseDeadline(limit, give_up_s))
+        self._announce(PhaseDeadline(limit, give_up_s, name, self.deadlines.why_of(name)))
         timer.start()
 
     def cancel(self) -> None:

@@ -72,7 +72,7 @@ from chameleon_elastic.retries import DEFAULT_CAP, FailureStreak
 from ..errors import DeviceContextLost, PipelineRuntimeError, keep_message_only
 from ..state.commit import StateLost
 from ..world.abort import Watchdog, free_later, world_sockets
-from ..world.join import join_generation, read_plan
+from ..world.join import join_generation, read_plan, waited_s
 from ..world.link import WorkerLink
 from .deadlines import RecoveryClock, transfer_bytes
 from .entering import Entry, enter, release_groups
@@ -221,10 +221,12 @@ class Recovery:
 
     def first_entry(self, entry: Entry) -> None:
         """The plan this process entered as it started: it learned of the generation when it
-        started, and its start-up (imports, joining the world) is its regroup."""
+        started, and its start-up (imports, joining the world) is its regroup. What the clock
+        keeps as its start-up leaves out the waits (:func:`..world.join.waited_s`): a process
+        that starts for a later generation does its own work, not the others'."""
         created = psutil.Process().create_time()
         start_s = max(0.0, self._entering - created)
-        self.clock.started_up(start_s)
+        self.clock.started_up(max(0.0, start_s - waited_s()))
         self.started(entry, start_s, noticed_at=None, woke_at=created)
 
     def started(self, entry: Entry, regroup_s: float, noticed_at: float | None,

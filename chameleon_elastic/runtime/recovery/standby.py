@@ -27,11 +27,12 @@ from __future__ import annotations
 import os
 import runpy
 import sys
+import time
 from collections.abc import Sequence
 
 from chameleon_elastic.channel import Generation
 
-from ..world.join import generation_env, preload_before_groups
+from ..world.join import generation_env, note_waited, preload_before_groups
 from ..world.link import WorkerLink
 
 __all__ = ["main", "wait_for_place"]
@@ -77,7 +78,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise SystemExit("chameleon_elastic.runtime.recovery.standby runs under chameleon-run --job "
                          "only (CHAMELEON_AGENT_STORE is not set)")
     link.register(-1)   # no generation yet: in place stays possible while it waits
-    os.environ.update(generation_env(wait_for_place(link), link))
+    began = time.perf_counter()
+    place = wait_for_place(link)
+    note_waited(time.perf_counter() - began)   # not part of its start-up (hang.py)
+    os.environ.update(generation_env(place, link))
     link.store = None   # the script opens its own connection
     _run(argv)
 

@@ -30,11 +30,26 @@ from .abort import GroupSockets, new_sockets
 from .groups import init_world
 from .link import WorkerLink
 
-__all__ = ["generation_env", "init_distributed", "join_generation", "preload_before_groups",
-           "read_plan"]
+__all__ = ["generation_env", "init_distributed", "join_generation", "note_waited",
+           "preload_before_groups", "read_plan", "waited_s"]
 
 #: how long one attempt to reach a generation's store lasts before checking for a newer one
 _CONNECT_SLICE_S = 1.0
+#: seconds this process spent waiting on others, not working: in joins (for every rank of a
+#: world to come), and a standby's wait for a place (:func:`waited_s`)
+_WAITED_S = [0.0]
+
+
+def waited_s() -> float:
+    """Seconds this process waited on others so far: a process's start-up, which the
+    survivors' regroup deadline allows for 5 times when one starts (chameleon_elastic/hang.py),
+    is its own work, not the wait for the last rank of its first world (a node started a
+    minute late), nor the hours a former standby waited warm for a place."""
+    return _WAITED_S[0]
+
+
+def note_waited(seconds: float) -> None:
+    _WAITED_S[0] += max(0.0, seconds)
 
 
 def join_generation(gen: Generation, link: WorkerLink, backend: str, timeouts: Timeouts) -> None:
@@ -42,6 +57,7 @@ def join_generation(gen: Generation, link: WorkerLink, backend: str, timeouts: T
     this process's environment describe it (RANK, WORLD_SIZE, MASTER_*, CHAMELEON_*)."""
     preload_before_groups()
     device, rank = link.device, gen.rank(link.device, link.tp_rank)
+    began = time.perf_counter()
     # the store client's socket is the world's too: groups formed later (a checkpoint's)
     # wait on the store, and a superseded generation's store may be frozen with its host
     with new_sockets() as sockets:
@@ -53,6 +69,8 @@ def join_generation(gen: Generation, link: WorkerLink, backend: str, timeouts: T
         except RuntimeError as exc:
             raise PeerLost(f"device {device} could not join generation {gen.generation}: "
                            f"{exc}") from exc
+        finally:
+            note_waited(time.perf_counter() - began)
     GroupSockets[dist.group.WORLD] = frozenset(sockets)
     os.environ.update(generation_env(gen, link))
 

@@ -47,7 +47,8 @@ launcher says before the faults that follow.
 it starts. ``--pace S`` makes every step last at least S seconds (a sleep before its forward), so that a
 test can act while training runs. ``--min-world N``: a worker started in a smaller world waits
 without training until the launcher replaces it (a multi-node test's way around the start-up
-window in which one node may begin alone). Writes ``OUT/steps.jsonl`` (one line per reported step, from the reporting process),
+window in which one node may begin alone). Writes ``OUT/steps.jsonl`` (one line per reported step, from the reporting process, with
+the plan generation it trained in),
 ``OUT/pid-<device>`` (every pid that ran the device) and, at the end, ``OUT/params-<device>.pt``
 (layer -> state dict of the layers it holds).
 """
@@ -154,6 +155,7 @@ def main() -> None:
         with open(os.path.join(out, "steps.jsonl"), "a") as fh:
             fh.write(json.dumps({"step": result.step, "loss": result.loss,
                                  "redone": result.redone, "device": device,
+                                 "generation": trainers[0].plan.generation,
                                  "eval_loss": None if math.isnan(result.eval_loss)
                                  else result.eval_loss}) + "\n")
         action = mine.pop((result.step, "reported"), None)
