@@ -1,7 +1,11 @@
 """The cuda / nccl path on a machine with a GPU: what the suite (CPU, gloo) cannot exercise.
 
-One process in a one-rank world, so one GPU is enough (NCCL refuses two ranks on one GPU, so
-recovery between GPU peers needs a multi-GPU machine). It checks, for each NCCL implementation
+Two modes. The default, **one process** in a one-rank world, checks the NCCL path on one GPU
+(NCCL refuses two ranks on one GPU, so recovery between NCCL peers needs a multi-GPU machine).
+``--procs N`` (**several processes sharing one GPU**, over gloo) checks the recovery in place
+on the GPU instead: see *Several processes on one GPU* below.
+
+The one-process mode checks, for each NCCL implementation
 the installed torch builds (``nccl``, which is nccl2 from torch 2.15, and ``nccl-legacy``, the
 classic one, from 2.14: the cuda plugin's choice, plugins/cuda.py):
 
@@ -22,7 +26,43 @@ and once, with the default implementation:
 
     python benchmarks/cuda_smoke.py [--steps 20] [--json]
 
-Exit status 0 when every check passes, 1 when one fails, 2 when there is no GPU.
+Several processes on one GPU (``--procs N``, 2 to 8; benchmarks/cuda_smoke_procs.py runs it).
+Why: it is the only way one GPU can show a real ``kill -9`` and the recovery in place on CUDA
+tensors, and it is how a small machine would share a GPU among workers. NCCL refuses two ranks
+on one GPU, so the workers' world is gloo (``CHAMELEON_BACKEND=gloo``), and gloo cannot send or
+receive a CUDA tensor point to point (its collectives stage them through host memory
+themselves); the runtime's transfers go through host memory there (runtime/world/wire.py).
+What it checks, in order:
+
+- gloo with tensors on the device, in two bare processes: the collectives the runtime uses
+  (all-reduce, broadcast, all-gather) and its point-to-point transfers through wire.py, for
+  their values; a raw ``dist.isend`` / ``dist.recv`` of a device tensor is reported as a note
+  (what torch's source says cannot work, seen for real);
+- ``chameleon-run --job`` (one pipeline of N stages: every stage has a single replica) with
+  in-memory snapshots every ``--snapshot-every`` steps, N workers (benchmarks/
+  cuda_smoke_worker.py) training a float64 MLP on GPU 0; with ``--kill``, a ``kill -9`` of
+  device N // 2's worker right after step ``--kill-at``; its layers exist nowhere else, so the
+  survivors go back to its partner's snapshot in host memory and train on in place;
+- every step reported once, each loss equal to failure-free single-process training (float64,
+  CPU; ``--rtol``), the ``recovered`` event (in place, from the snapshot: its phases), kill ->
+  next new step, every survivor's layers on the GPU and its transfers staged, the memory each
+  survivor held before the kill and holds afterwards (the caching allocator's figures), the
+  device's (``torch.cuda.mem_get_info``; nvidia-smi's per-process list where present: the
+  killed worker must hold nothing), the GPU's memory before the job and once it is gone (all
+  of it given back), and no process left behind.
+
+``--device cpu`` is a dry run of that mode: the same flow with the workers on the CPU (nothing
+staged, memory as RSS), so everything but the CUDA placement runs on a machine without a GPU.
+What only a GPU can show: the staged transfers of real CUDA tensors, gloo's own staging of the
+collectives, the memory figures, and what a raw gloo send of a CUDA tensor does.
+
+    python benchmarks/cuda_smoke.py --procs 4 --kill [--json] [--json-out FILE]
+    python benchmarks/cuda_smoke.py --procs 4 --kill --device cpu     # the dry run
+
+Exit status 0 when every check passes, 1 when one fails, 2 when there is no GPU (one line; the
+``--device cpu`` dry run needs none). Everything has a deadline: the probes' worlds (90 s and
+60 s), the job (``--deadline``, then every process it started is killed), each look at the
+GPU's memory (90 s), nvidia-smi (15 s).
 """
 
 from __future__ import annotations
@@ -152,17 +192,71 @@ def _checked(name: str, run: Callable[[], list[Check]]) -> list[Check]:
         return [(name, False, f"raised {type(exc).__name__}: {exc}")]
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="steps to train (default: 20; 16 with --procs)")
+    parser.add_argument("--json", action="store_true", help="JSON instead of the table")
+    multi = parser.add_argument_group("several processes on one GPU (--procs N)")
+    multi.add_argument("--procs", type=int, default=1, metavar="N",
+                       help="N workers (2-8) sharing GPU 0 under chameleon-run, over gloo")
+    multi.add_argument("--kill", action="store_true",
+                       help="kill -9 the worker of device N // 2 after step --kill-at")
+    multi.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                       help="cpu: a dry run of the same flow without a GPU")
+    multi.add_argument("--kill-at", type=int, default=10)
+    multi.add_argument("--snapshot-every", type=int, default=4)
+    multi.add_argument("--width", type=int, default=64, help="the MLP's width")
+    multi.add_argument("--rtol", type=float, default=1e-6,
+                       help="losses against the single-process reference")
+    multi.add_argument("--deadline", type=float, default=240.0,
+                       help="seconds before the job is killed and counted as hung")
+    multi.add_argument("--json-out", type=Path, default=None, metavar="FILE",
+                       help="also write the JSON report there")
     args = parser.parse_args(argv)
+    if args.procs == 1 and (args.kill or args.device == "cpu" or args.json_out):
+        parser.error("--kill, --device cpu and --json-out belong to the multi-process mode; "
+                     "pass --procs N (2 to 8)")
+    if args.procs != 1 and not 2 <= args.procs <= 8:
+        parser.error(f"--procs {args.procs}: pass 2 to 8 (the model has 8 layers)")
+    steps = args.steps if args.steps is not None else (20 if args.procs == 1 else 16)
+    if args.kill and not 0 < args.kill_at < steps - 1:
+        parser.error(f"--kill-at {args.kill_at} must lie inside the {steps} steps")
+    args.steps = steps
+    return args
+
+
+def _procs(args: argparse.Namespace) -> int:
+    """The multi-process mode (benchmarks/cuda_smoke_procs.py): table or JSON, exit status."""
+    import cuda_smoke_procs as procs
+
+    opts = procs.Options(args.procs, args.kill, args.device, steps=args.steps,
+                         kill_at=args.kill_at, snapshot_every=args.snapshot_every,
+                         width=args.width, rtol=args.rtol, deadline_s=args.deadline)
+    try:
+        rows, figures = procs.assess(opts)
+    except Exception as exc:  # noqa: BLE001 - a report, and exit 1, whatever went wrong
+        rows, figures = procs.crashed(exc)
+    # asked after the job: the driver holds no CUDA context while the workers are measured
+    name = torch.cuda.get_device_name(0) if args.device == "cuda" else "CPU (dry run)"
+    rep = procs.report(opts, rows, figures, {"torch": torch.__version__, "device_name": name})
+    if args.json_out is not None:
+        args.json_out.write_text(json.dumps(rep, indent=2))
+    print(json.dumps(rep, indent=2) if args.json else procs.render(rep))
+    return 0 if rep["ok"] else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
     cuda = get_backend("cuda")
     assert isinstance(cuda, CudaBackend)
-    if not cuda.is_available():
+    if not cuda.is_available() and not (args.procs > 1 and args.device == "cpu"):
         print("cuda_smoke: no GPU here (torch.cuda.is_available() is False); run it on a "
-              "machine with one.", file=sys.stderr)
+              "machine with one, or pass --procs N --device cpu for the dry run.",
+              file=sys.stderr)
         return 2
+    if args.procs > 1:
+        return _procs(args)
     dev = cuda.device(0)
     stats = cuda.memory_stats(0)
     checks: list[Check] = [("plugin: device and memory figures", stats.total > 0,

@@ -80,6 +80,15 @@ class DeviceBackend(abc.ABC):
     def synchronize(self, local_rank: int = 0) -> None:
         """Wait for queued device work (needed before reading a clock; no-op on CPU)."""
 
+    def through_host(self, dist_backend: str) -> bool:
+        """Whether this device's tensors must be copied into host memory to be sent or received
+        point to point by ``dist_backend``, the torch.distributed backend that serves this
+        device type in the group (runtime/world/wire.py asks). Gloo's ``send`` and ``recv``
+        give its TCP transport the tensor's own memory, which must be the host's (its
+        collectives stage device tensors themselves); every other backend here (nccl, hccl)
+        reads its device's memory. The CPU's tensors are in host memory already (cpu.py)."""
+        return dist_backend == "gloo"
+
     def group_options(self, timeout_s: float) -> Any | None:
         """Backend options for the device part of a process group this process makes
         (``pg_options``; runtime/world/groups.py), None for torch's defaults. Gloo needs none;

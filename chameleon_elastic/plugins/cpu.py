@@ -33,6 +33,9 @@ class CpuBackend(DeviceBackend):
 
         return torch.device("cpu")
 
+    def through_host(self, dist_backend: str) -> bool:
+        return False   # host memory already
+
     def memory_stats(self, local_rank: int = 0) -> MemoryStats:
         rss = psutil.Process(os.getpid()).memory_info().rss
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

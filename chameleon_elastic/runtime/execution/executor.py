@@ -46,7 +46,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -59,6 +58,7 @@ from ..model import PipelineModel, _sizing, build_layers, collate, sample_indice
 from ..precision import Precision, autocast
 from ..tensors import Structure, flatten, leaf_map, unflatten
 from ..topology import RankMap
+from ..world import wire
 from .feed import Feed
 from .inbox import FifoInbox
 from .streams import layer_seeder, own_streams
@@ -280,7 +280,7 @@ class PipelineExecutor:
     def _recv_wire(self, spec: TensorSpec, device: int, tag: int = 0) -> torch.Tensor:
         buf = torch.empty(spec.shape, dtype=spec.dtype, device=self.torch_device)
         try:
-            dist.recv(buf, src=self.ranks.rank(device, self.tp_rank), tag=tag)
+            wire.recv(buf, src=self.ranks.rank(device, self.tp_rank), tag=tag)
         except RuntimeError as exc:
             raise PeerLost(f"device {self.device} timed out or failed receiving from device "
                            f"{device} (tag {tag}): {exc}") from exc
@@ -288,9 +288,9 @@ class PipelineExecutor:
 
     def _send(self, tensor: torch.Tensor, device: int, tag: int, pending: list) -> None:
         tensor = tensor.detach().contiguous()
-        wire = 0 if self._fifo_links is not None else tag
+        sent_tag = 0 if self._fifo_links is not None else tag
         try:
-            work = dist.isend(tensor, dst=self.ranks.rank(device, self.tp_rank), tag=wire)
+            work = wire.isend(tensor, dst=self.ranks.rank(device, self.tp_rank), tag=sent_tag)
         except RuntimeError as exc:
             raise PeerLost(f"device {self.device} could not send to device {device}: "
                            f"{exc}") from exc

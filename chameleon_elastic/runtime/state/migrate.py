@@ -21,13 +21,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from chameleon_elastic.plan import ExecutionPlan
 
 from ..errors import PeerLost
 from ..topology import RankMap
+from ..world import wire
 from .commit import Agreement
 from .layer_state import LayerState, export_layer, recv_layer, send_layer
 
@@ -102,13 +102,13 @@ def move_states(moves: Sequence[Move], device: int, ranks: RankMap,
             if m.src == device:
                 for layer in m.layers:
                     pending += send_layer(state_of(layer), ranks.rank(m.dst, tp_rank), layer,
-                                          torch_device, dist.isend)
+                                          torch_device, wire.isend)
         received = {}
         for m in sorted(moves, key=lambda m: (m.src, m.layers)):
             if m.dst == device:
                 for layer in m.layers:
                     received[layer] = recv_layer(ranks.rank(m.src, tp_rank), layer, torch_device,
-                                                 dist.recv)
+                                                 wire.recv)
         for work, _ in pending:
             work.wait()
     except RuntimeError as exc:

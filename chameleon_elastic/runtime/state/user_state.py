@@ -29,6 +29,7 @@ from torch import nn
 
 from ..errors import PeerLost, PipelineRuntimeError
 from ..topology import RankMap
+from ..world import wire
 from .layer_state import LayerState, recv_layer, send_layer
 
 __all__ = ["LayerStateFactory", "Stateful", "after_step", "build_extras", "copy_state",
@@ -93,11 +94,11 @@ def share_job_state(objects: Mapping[str, Stateful], ranks: RankMap,
         if me == source:
             state = LayerState(-1, {}, [], copy_state(objects))
             pending = [work for r, has in enumerate(holding) if not has
-                       for work, _ in send_layer(state, r, tag, device, dist.isend)]
+                       for work, _ in send_layer(state, r, tag, device, wire.isend)]
             for work in pending:
                 work.wait()
         elif not holding[me]:
-            received = recv_layer(source, tag, device, dist.recv)
+            received = recv_layer(source, tag, device, wire.recv)
             load_states(objects, received.extra, f"rank {source}'s job-wide state")
     except PipelineRuntimeError:
         raise
