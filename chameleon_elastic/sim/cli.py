@@ -59,6 +59,8 @@ POLICY_HELP: dict[str, str] = {
     "oobleck": "Oobleck-like: pipeline templates re-instantiated on the live devices",
     "recycle": "ReCycle-like: peers take a lost device's micro-batches; restart if a stage dies",
     "checkpoint": "torchrun-like: synchronous checkpoints, every failure restarts from the last",
+    "torchft": "torchft-like: a lost device's replica group leaves the quorum, heals, rejoins",
+    "nvrx": "NVRx-like: every rank restarts in process onto hot spares, reloads the checkpoint",
 }
 
 #: Command lines for --help, each with what it shows; all run from the repository root in a
