@@ -125,12 +125,14 @@ class BaselineConstants:
 
 
 def checkpoint_shard_bytes(spec: JobSpec, plan: ExecutionPlan) -> float:
-    """The largest per-device checkpoint shard: weights + optimizer state of its layers."""
-    worst = 0.0
-    for role in plan.roles():
-        size = sum(spec.model.transfer_bytes(i) for i in range(role.layer_start, role.layer_end))
-        worst = max(worst, size)
-    return worst
+    """The largest per-device checkpoint shard: weights + optimizer state of its layers.
+    Summed once per distinct layer range of a working device: a 16k-device plan holds 2048
+    roles but 16 ranges, and a restart asks for this twice."""
+    dead = set(plan.failed_devices)
+    ranges = {p.layers[s] for p in plan.pipelines for s, d in enumerate(p.devices)
+              if d not in dead}
+    return max((sum(spec.model.transfer_bytes(i) for i in range(a, b)) for a, b in ranges),
+               default=0.0)
 
 
 def young_interval_s(save_s: float, mtbf_s: float) -> float:
