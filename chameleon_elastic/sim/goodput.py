@@ -36,8 +36,13 @@ from .experiment import ExperimentResult, Spread
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-__all__ = ["GoodputRow", "goodput_figure", "goodput_json", "goodput_rows", "goodput_table",
+__all__ = ["LABELS", "GoodputRow", "goodput_figure", "goodput_json", "goodput_rows", "goodput_table",
            "plot_goodput"]
+
+#: How the figure names the baselines: they model the published mechanisms, not the products.
+LABELS: dict[str, str] = {"torchft": "torchft-like", "nvrx": "NVRx-like",
+                          "checkpoint": "checkpoint-restart", "recycle": "ReCycle-like",
+                          "oobleck": "Oobleck-like"}
 
 #: Loss shares in the order the figure stacks them after the goodput, with their colours.
 _PARTS: tuple[tuple[str, str], ...] = (("paused", "#d62728"), ("redone", "#ff7f0e"),
@@ -122,7 +127,7 @@ def goodput_figure(result: ExperimentResult) -> Figure:
         ax.text(ax.get_xlim()[0], y, f" {r.goodput.mean:.2%} [{r.goodput.min:.2%}, "
                 f"{r.goodput.max:.2%}]", va="center", ha="left", color="white",
                 fontweight="bold")
-    ax.set_yticks(list(ys), [r.policy for r in rows])
+    ax.set_yticks(list(ys), [LABELS.get(r.policy, r.policy) for r in rows])
     ax.set_xlabel("share of wall time (goodput: net samples / fault-free samples)")
     n = len(result.seeds)
     ax.set_title(f"{result.spec.name}: goodput and where the rest went, mean of {n} "
