@@ -164,6 +164,12 @@ def build_parser() -> CliParser:
     pol.add_argument("--reroute-timing", choices=REROUTE_TIMINGS, default="closed-form",
                      help="how a rerouted layout's step is timed while it runs: the paper's "
                           "closed form (default) or the simulated executed schedule")
+    pol.add_argument("--torchft-failure-s", type=float, default=5.11, metavar="S",
+                     help="torchft-like: what survivors lose at a group's loss (default 5.11, "
+                          "measured with torchft's default timeouts; 1.18 with 1 s timeouts)")
+    pol.add_argument("--nvrx-restart-s", type=float, default=1.5, metavar="S",
+                     help="NVRx-like: in-process restart of every rank, the re-run iteration "
+                          "and the checkpoint load aside (default 1.5, its docs at 16k ranks)")
     pol.add_argument("--hybrid-interference", type=float, default=0.0,
                      help="throughput fraction lost while hybrid stages transfers (default 0)")
     out = p.add_argument_group("output")
@@ -327,6 +333,8 @@ def _constants(args: argparse.Namespace) -> BaselineConstants:
         oobleck_reconfigure_s=args.oobleck_reconfigure_s,
         hybrid_interference=args.hybrid_interference,
         reroute_timing=args.reroute_timing,
+        torchft_failure_s=args.torchft_failure_s,
+        nvrx_restart_s=args.nvrx_restart_s,
     )
 
 
@@ -353,6 +361,11 @@ def _setting(args: argparse.Namespace, job: JobSpec, spec: JobSpec,
             "switch_s": spec.cluster.switch_s,
             "hybrid_interference": constants.hybrid_interference,
             "reroute_timing": constants.reroute_timing,
+            "torchft_failure_s": constants.torchft_failure_s,
+            "torchft_join_s": constants.torchft_join_s,
+            "torchft_restart_s": constants.torchft_restart_s,
+            "torchft_heal_bandwidth_bytes_per_s": constants.torchft_heal_bandwidth_bytes_per_s,
+            "nvrx_restart_s": constants.nvrx_restart_s,
         },
     }
 
