@@ -3,6 +3,10 @@
     chameleon-sim --preset llama2-7b-910b-32 --hours 9 --failure-rate 0.1 --seeds 20 \\
                   --policies chameleon,oobleck,recycle --out sim-out [--json]
 
+Goodput at 16,384 GPUs, ours beside torchft-like, NVRx-like and checkpoint-restart (docs/sim.md):
+
+    chameleon-sim --scenario goodput-16k --out sim-goodput
+
 One trace per seed (``--trace-model poisson|hourly``, optional ``--mttr-s`` repairs), or one
 given trace (``--trace FILE.csv``). Every policy replays every trace. Prints a summary table
 (or, with ``--json``, a JSON document on stdout); with ``--out`` also writes summary.json,

@@ -86,6 +86,12 @@ def goodput_json(result: ExperimentResult) -> dict[str, Any]:
     return {row.policy: row.to_dict() for row in goodput_rows(result)}
 
 
+def _share(x: float) -> str:
+    """A share as printed: below half the last digit it reads 0.00%, never -0.00% (float
+    rounding of a remainder that is zero)."""
+    return f"{0.0 if abs(x) < 5e-5 else x:.2%}"
+
+
 def goodput_table(result: ExperimentResult) -> Table:
     """The goodput table as printed (and as docs/sim.md quotes it)."""
     n = len(result.seeds)
@@ -99,7 +105,7 @@ def goodput_table(result: ExperimentResult) -> Table:
     for row in goodput_rows(result):
         g = row.goodput
         table.add_row(row.policy, f"{g.mean:.2%} ± {g.std:.2%}", f"{g.min:.2%} - {g.max:.2%}",
-                      f"{row.paused:.2%}", f"{row.redone:.2%}", f"{row.slowed:.2%}",
+                      _share(row.paused), _share(row.redone), _share(row.slowed),
                       f"{row.failures:.1f}")
     return table
 

@@ -34,8 +34,9 @@ SCENARIOS: dict[str, Scenario] = {
 
 
 def scenario_lines(indent: str = "  ") -> list[str]:
-    """One --help line per scenario: its name, what it is, and what it sets."""
+    """--help lines per scenario: its name, what it is, and what it sets."""
     pad = max((len(n) for n in SCENARIOS), default=0)
-    return [f"{indent}{name:<{pad}}  {s.what}: --preset {s.preset} --hours {s.hours:g} "
-            f"--seeds {s.seeds} --policies {s.policies} --goodput"
-            for name, s in SCENARIOS.items()]
+    return [line for name, s in SCENARIOS.items() for line in (
+        f"{indent}{name:<{pad}}  {s.what}",
+        f"{indent}{'':<{pad}}  = --preset {s.preset} --hours {s.hours:g} --seeds {s.seeds}",
+        f"{indent}{'':<{pad}}    --policies {s.policies} --goodput")]
