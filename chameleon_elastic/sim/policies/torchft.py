@@ -25,10 +25,11 @@ Mechanism modelled (every figure a ``BaselineConstants`` field, sourced in sim/c
   without a timeout to wait out).
 
 Simplified: the data-parallel all-reduce over fewer groups is not made cheaper (the full
-layout's step time throughout, a small cost against torchft); no checkpoint is ever needed
-(with one group left standing torchft keeps training; if none is, it waits for a healed
-group, which heals from nothing: its own figures, not charged). Each of these is stated in
-docs/sim.md beside the figures.
+layout's step time throughout, a small cost against torchft). No checkpoint is ever read: with
+one group left standing torchft keeps training; were every group out at once, nothing would
+train until one healed, and it would heal as if a peer still held the state (torchft would
+need a checkpoint then: not charged, and it takes every group failing within one heal). Both
+are stated in docs/sim.md beside the figures.
 """
 
 from __future__ import annotations
