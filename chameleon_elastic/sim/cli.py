@@ -3,6 +3,10 @@
     chameleon-sim --preset llama2-7b-910b-32 --hours 9 --failure-rate 0.1 --seeds 20 \\
                   --policies chameleon,oobleck,recycle --out sim-out [--json]
 
+Goodput at 16,384 GPUs, ours beside torchft-like, NVRx-like and checkpoint-restart (docs/sim.md):
+
+    chameleon-sim --scenario goodput-16k --out sim-goodput
+
 One trace per seed (``--trace-model poisson|hourly``, optional ``--mttr-s`` repairs), or one
 given trace (``--trace FILE.csv``). Every policy replays every trace. Prints a summary table
 (or, with ``--json``, a JSON document on stdout); with ``--out`` also writes summary.json,
@@ -36,6 +40,7 @@ from ..spec import RECOVERY_MODES, JobSpec, SpecError, load_job, preset_names
 from .constants import REROUTE_TIMINGS, BaselineConstants
 from .experiment import ExperimentResult, run_experiment
 from .policies import POLICY_NAMES, parse_policies
+from .scenarios import SCENARIOS, scenario_lines
 from .traces import (
     TRACE_MODELS,
     FailureTrace,
@@ -59,6 +64,8 @@ POLICY_HELP: dict[str, str] = {
     "oobleck": "Oobleck-like: pipeline templates re-instantiated on the live devices",
     "recycle": "ReCycle-like: peers take a lost device's micro-batches; restart if a stage dies",
     "checkpoint": "torchrun-like: synchronous checkpoints, every failure restarts from the last",
+    "torchft": "torchft-like: a lost device's replica group leaves the quorum, heals, rejoins",
+    "nvrx": "NVRx-like: every rank restarts in process onto hot spares, reloads the checkpoint",
 }
 
 #: Command lines for --help, each with what it shows; all run from the repository root in a
@@ -72,6 +79,8 @@ EXAMPLES: tuple[tuple[str, str], ...] = (
      "hourly failures with repairs, JSON on stdout"),
     ("chameleon-sim --preset llama2-7b-910b-tp8 --hours 1 --seeds 4",
      "tensor parallelism: 32 cards as 4 units of 8, a unit lost with any of its cards"),
+    ("chameleon-sim --scenario goodput-16k --seeds 2 --hours 6",
+     "goodput at 16,384 GPUs (MTTF 1.8 h): ours, torchft-like, NVRx-like, checkpoint-restart"),
 )
 
 
@@ -81,7 +90,13 @@ def _epilog() -> str:
     return help_epilog(
         EXAMPLES, f"policies (--policies NAME,...; default {DEFAULT_POLICIES}):",
         [(n, POLICY_HELP.get(n, "")) for n in POLICY_NAMES],
-        ["Tables are as wide as their cells when the output is not a terminal.",
+        ["scenarios (--scenario NAME; explicit flags win over what it sets):",
+         *scenario_lines(),
+         "",
+         "Goodput (--goodput) = net samples / what the fault-free job trains in the same time;",
+         "the table splits the rest into paused, redone (lost work) and slowed (docs/sim.md).",
+         "",
+         "Tables are as wide as their cells when the output is not a terminal.",
          "",
          "With training.tp > 1 every policy plans and runs units of tp cards (unit u = cards",
          "u*tp .. u*tp+tp-1): a unit fails at tp x the per-card --failure-rate, and working",
@@ -107,13 +122,18 @@ def build_parser() -> CliParser:
     job.add_argument("--job", metavar="FILE", help="job spec TOML")
     job.add_argument("--preset", metavar="NAME",
                      help=f"built-in job spec: {', '.join(preset_names())}")
+    job.add_argument("--scenario", choices=tuple(SCENARIOS), default=None,
+                     help="a named experiment: fills in --preset, --hours, --seeds and "
+                          "--policies where not given, and turns on --goodput (list below)")
     tr = p.add_argument_group("failures")
     tr.add_argument("--hours", type=float, default=None,
-                    help="simulated hours (default 9, or the --trace file's horizon)")
+                    help="simulated hours (default 9, the --scenario's, or the --trace file's "
+                         "horizon)")
     tr.add_argument("--failure-rate", type=float, default=None, metavar="PER_DEVICE_HOUR",
                     help="failures per device (card) per hour (default: the job's "
                          "cluster.failure_rate_per_hour); also what the planner assumes")
-    tr.add_argument("--seeds", type=int, default=20, help="number of traces (default 20)")
+    tr.add_argument("--seeds", type=int, default=None,
+                    help="number of traces (default 20, or the --scenario's)")
     tr.add_argument("--seed-base", type=int, default=0, help="first seed (default 0)")
     tr.add_argument("--trace-model", choices=TRACE_MODELS, default="poisson",
                     help="poisson: exponential time to failure; hourly: Bamboo/Oobleck "
@@ -124,9 +144,9 @@ def build_parser() -> CliParser:
                     help="replay this CSV trace instead (time_s,device,event; devices are "
                          "cards, mapped to units when training.tp > 1)")
     pol = p.add_argument_group("policies")
-    pol.add_argument("--policies", default=DEFAULT_POLICIES,
+    pol.add_argument("--policies", default=None,
                      help=f"comma-separated, from {', '.join(POLICY_NAMES)} "
-                          f"(default {DEFAULT_POLICIES})")
+                          f"(default {DEFAULT_POLICIES}, or the --scenario's)")
     pol.add_argument("--dp-radius", type=int, default=None,
                      help="override the job's planner.dp_radius (the paper's R_dp)")
     pol.add_argument("--pp-radius", type=int, default=None,
@@ -148,11 +168,19 @@ def build_parser() -> CliParser:
     pol.add_argument("--reroute-timing", choices=REROUTE_TIMINGS, default="closed-form",
                      help="how a rerouted layout's step is timed while it runs: the paper's "
                           "closed form (default) or the simulated executed schedule")
+    pol.add_argument("--torchft-failure-s", type=float, default=5.11, metavar="S",
+                     help="torchft-like: what survivors lose at a group's loss (default 5.11, "
+                          "measured with torchft's default timeouts; 1.18 with 1 s timeouts)")
+    pol.add_argument("--nvrx-restart-s", type=float, default=1.5, metavar="S",
+                     help="NVRx-like: in-process restart of every rank, the re-run iteration "
+                          "and the checkpoint load aside (default 1.5, its docs at 16k ranks)")
     pol.add_argument("--hybrid-interference", type=float, default=0.0,
                      help="throughput fraction lost while hybrid stages transfers (default 0)")
     out = p.add_argument_group("output")
     out.add_argument("--out", metavar="DIR", help="write summary.json, runs.csv, traces, plots")
     out.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    out.add_argument("--goodput", action="store_true",
+                     help="also print the goodput table (and write goodput.png with --out)")
     out.add_argument("--bins", type=int, default=108, help="time bins in the plots")
     out.add_argument("--no-progress", action="store_true", help="no progress bar")
     out.add_argument("--jobs", type=int, default=0, metavar="N",
@@ -180,6 +208,21 @@ def _traces(args: argparse.Namespace, job: JobSpec) -> list[tuple[int, FailureTr
     ]
 
 
+def _apply_scenario(args: argparse.Namespace) -> None:
+    """Fill in what ``--scenario`` sets and the command line left out, then the defaults."""
+    scenario = SCENARIOS.get(args.scenario) if args.scenario else None
+    if scenario is not None:
+        if args.job is None and args.preset is None:
+            args.preset = scenario.preset
+        if args.hours is None and args.trace is None:
+            args.hours = scenario.hours
+        args.seeds = scenario.seeds if args.seeds is None else args.seeds
+        args.policies = scenario.policies if args.policies is None else args.policies
+        args.goodput = True
+    args.seeds = 20 if args.seeds is None else args.seeds
+    args.policies = DEFAULT_POLICIES if args.policies is None else args.policies
+
+
 def _check(args: argparse.Namespace, parser: CliParser) -> None:
     if args.seeds < 1:
         parser.error(f"--seeds {args.seeds} is invalid; pass at least 1.")
@@ -198,7 +241,8 @@ def _check(args: argparse.Namespace, parser: CliParser) -> None:
 
 
 def _write_outputs(result: ExperimentResult, traces: Sequence[tuple[int, FailureTrace]],
-                   doc_setting: dict, out_dir: Path, bins: int, tp: int = 1) -> dict:
+                   doc_setting: dict, out_dir: Path, bins: int, tp: int = 1,
+                   goodput: bool = False) -> dict:
     """Everything into a temporary folder first, then moved in: no half-written output.
     Traces are written in cards (``tp > 1``: each unit event as its first card's), the form
     ``--trace`` reads."""
@@ -215,6 +259,11 @@ def _write_outputs(result: ExperimentResult, traces: Sequence[tuple[int, Failure
         (tmp / "runs.csv").write_text(runs_csv(result))
         names = ["summary.json", "runs.csv", "throughput.png", "relative.png", "devices.png",
                  "traces"]
+        if goodput:
+            from .goodput import plot_goodput
+
+            plot_goodput(result, tmp / "goodput.png")
+            names.append("goodput.png")
         files = {n: str(out_dir / n) for n in names}
         doc = to_json_dict(result, doc_setting, files)
         (tmp / "summary.json").write_text(json.dumps(doc, indent=2) + "\n")
@@ -232,6 +281,7 @@ def _write_outputs(result: ExperimentResult, traces: Sequence[tuple[int, Failure
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    _apply_scenario(args)
     _check(args, parser)
     try:
         # The job as given (cards) first, overrides included; the policies then run on its
@@ -287,6 +337,8 @@ def _constants(args: argparse.Namespace) -> BaselineConstants:
         oobleck_reconfigure_s=args.oobleck_reconfigure_s,
         hybrid_interference=args.hybrid_interference,
         reroute_timing=args.reroute_timing,
+        torchft_failure_s=args.torchft_failure_s,
+        nvrx_restart_s=args.nvrx_restart_s,
     )
 
 
@@ -313,6 +365,11 @@ def _setting(args: argparse.Namespace, job: JobSpec, spec: JobSpec,
             "switch_s": spec.cluster.switch_s,
             "hybrid_interference": constants.hybrid_interference,
             "reroute_timing": constants.reroute_timing,
+            "torchft_failure_s": constants.torchft_failure_s,
+            "torchft_join_s": constants.torchft_join_s,
+            "torchft_restart_s": constants.torchft_restart_s,
+            "torchft_heal_bandwidth_bytes_per_s": constants.torchft_heal_bandwidth_bytes_per_s,
+            "nvrx_restart_s": constants.nvrx_restart_s,
         },
     }
 
@@ -325,7 +382,8 @@ def _report(args: argparse.Namespace, parser: CliParser, result: ExperimentResul
 
     if args.out is not None:
         try:
-            doc = _write_outputs(result, traces, setting, Path(args.out), args.bins, tp)
+            doc = _write_outputs(result, traces, setting, Path(args.out), args.bins, tp,
+                                 args.goodput)
         except OSError as exc:
             return parser.failure(f"cannot write --out {args.out}: {exc}; pass a writable "
                                   "directory.")
@@ -336,9 +394,15 @@ def _report(args: argparse.Namespace, parser: CliParser, result: ExperimentResul
     else:
         console = make_console()
         console.print(summary_table(result, tp=tp))
+        if args.goodput:
+            from .goodput import goodput_table
+
+            console.print(goodput_table(result))
         if args.out is not None:
+            extra = ", goodput.png" if args.goodput else ""
             console.print(f"wrote {args.out}/summary.json, runs.csv, throughput.png, "
-                          "relative.png, devices.png, traces/", markup=False, highlight=False)
+                          f"relative.png, devices.png{extra}, traces/", markup=False,
+                          highlight=False)
     return EXIT_OK
 
 

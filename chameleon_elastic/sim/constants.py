@@ -26,6 +26,22 @@ below are assumptions; docs/sim.md explains each.
   penalties of every hit layer group. ``schedule`` times the executed 1F1B orders
   (``estimator.step_time(..., simulate_reroute=True)``), which overlap them. Decisions always
   use the planner's own estimate; this only changes what the rerouted job then experiences.
+* ``torchft_failure_s`` (default 5.11 s): what the surviving replica groups of the torchft-like
+  baseline lose at the loss of a group, the step in flight aside: detection, the failed
+  step's abort and the quorum's reconfiguration. Measured side by side with ours
+  (the project's anchors: kill -9 of 1 of 4 DP workers -> next committed step, torchft 0.2.0
+  with its default timeouts, on CPU; 1.18 s with 1 s timeouts).
+* ``torchft_join_s`` (default 0.1 s): what the survivors lose when a healed group joins the
+  quorum (a reconfiguration without a timeout to wait out): the 1.18 s measured with 1 s
+  timeouts, less that timeout and the 0.1 s step it includes, rounded up.
+* ``torchft_restart_s`` (default 7 s): a healed group's process start before it fetches state
+  ("a restarted replica needs about 7 s, mostly process start and import torch", torchft 0.2.0
+  on CPU, ANCHORS.md).
+* ``torchft_heal_bandwidth_bytes_per_s`` (default 4 GB/s): how fast a healing rank receives its
+  state from a healthy peer (torchft's HTTP checkpoint transport: 12 GB in ~3 s, ANCHORS.md).
+* ``nvrx_restart_s`` (default 1.5 s): NVRx in-process restart at 16k ranks, the iteration it
+  re-runs and the checkpoint it reloads aside: ~0.5 s teardown + 0.5 s rank assignment + 0.5 s
+  barrier (NVRx ``inprocess`` docs, ANCHORS.md).
 """
 
 from __future__ import annotations
@@ -49,8 +65,24 @@ class BaselineConstants:
     oobleck_reconfigure_s: float | None = None
     hybrid_interference: float = 0.0
     reroute_timing: Literal["closed-form", "schedule"] = "closed-form"
+    torchft_failure_s: float = 5.11
+    torchft_join_s: float = 0.1
+    torchft_restart_s: float = 7.0
+    torchft_heal_bandwidth_bytes_per_s: float = 4e9
+    nvrx_restart_s: float = 1.5
 
     def __post_init__(self) -> None:
+        for name in ("torchft_failure_s", "torchft_join_s", "torchft_restart_s",
+                     "nvrx_restart_s"):
+            value = getattr(self, name)
+            if not (value >= 0 and math.isfinite(value)):
+                raise ValueError(f"{name.replace('_', ' ')} {value!r} is invalid; pass a "
+                                 "finite number of seconds >= 0.")
+        if not (self.torchft_heal_bandwidth_bytes_per_s > 0):
+            raise ValueError(
+                f"torchft heal bandwidth {self.torchft_heal_bandwidth_bytes_per_s!r} B/s is "
+                "invalid; pass a positive number of bytes per second."
+            )
         if not (self.storage_bandwidth_bytes_per_s > 0):
             raise ValueError(
                 f"storage bandwidth {self.storage_bandwidth_bytes_per_s!r} B/s is invalid; "
@@ -93,12 +125,14 @@ class BaselineConstants:
 
 
 def checkpoint_shard_bytes(spec: JobSpec, plan: ExecutionPlan) -> float:
-    """The largest per-device checkpoint shard: weights + optimizer state of its layers."""
-    worst = 0.0
-    for role in plan.roles():
-        size = sum(spec.model.transfer_bytes(i) for i in range(role.layer_start, role.layer_end))
-        worst = max(worst, size)
-    return worst
+    """The largest per-device checkpoint shard: weights + optimizer state of its layers.
+    Summed once per distinct layer range of a working device: a 16k-device plan holds 2048
+    roles but 16 ranges, and a restart asks for this twice."""
+    dead = set(plan.failed_devices)
+    ranges = {p.layers[s] for p in plan.pipelines for s, d in enumerate(p.devices)
+              if d not in dead}
+    return max((sum(spec.model.transfer_bytes(i) for i in range(a, b)) for a, b in ranges),
+               default=0.0)
 
 
 def young_interval_s(save_s: float, mtbf_s: float) -> float:

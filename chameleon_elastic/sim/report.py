@@ -15,6 +15,7 @@ from typing import Any
 from rich.table import Table
 
 from .experiment import ExperimentResult
+from .goodput import goodput_json
 
 __all__ = ["METRICS", "PAPER_RATIOS", "runs_csv", "summary_table", "to_json_dict"]
 
@@ -64,6 +65,7 @@ def to_json_dict(result: ExperimentResult, setting: dict[str, Any],
         "fault_free_throughput": result.fault_free_throughput,
         "policies": policies,
         "ratios": ratios,
+        "goodput": goodput_json(result),
         "files": files or {},
     }
 

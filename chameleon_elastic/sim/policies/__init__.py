@@ -17,16 +17,20 @@ from ...spec import JobSpec
 from ..constants import BaselineConstants
 from ..engine import PolicyModel
 from .chameleon import ChameleonPolicy, HybridPolicy
+from .nvrx import NvrxPolicy
 from .oobleck import OobleckPolicy
 from .restart import CheckpointPolicy, RecyclePolicy
+from .torchft import TorchftPolicy
 
 __all__ = [
     "POLICY_NAMES",
     "ChameleonPolicy",
     "CheckpointPolicy",
     "HybridPolicy",
+    "NvrxPolicy",
     "OobleckPolicy",
     "RecyclePolicy",
+    "TorchftPolicy",
     "make_policy",
     "parse_policies",
 ]
@@ -37,6 +41,8 @@ _FACTORIES: dict[str, Callable[[JobSpec, BaselineConstants], PolicyModel]] = {
     "oobleck": OobleckPolicy,
     "recycle": RecyclePolicy,
     "checkpoint": CheckpointPolicy,
+    "torchft": TorchftPolicy,
+    "nvrx": NvrxPolicy,
 }
 POLICY_NAMES: tuple[str, ...] = tuple(_FACTORIES)
 

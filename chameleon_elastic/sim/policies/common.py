@@ -23,6 +23,7 @@ __all__ = [
     "STALLED",
     "finish",
     "paused",
+    "restart_pipelines",
     "running",
     "samples_per_step",
     "symmetric_plan",
@@ -67,12 +68,19 @@ def finish(spec: JobSpec, plan: ExecutionPlan) -> ExecutionPlan:
     return replace(plan, estimate=estimator.evaluate(spec, plan)).validate()
 
 
+def restart_pipelines(spec: JobSpec, live: int) -> int:
+    """How many full ``training.pp``-stage pipelines a restart on ``live`` devices runs: as
+    many as they hold, never more than the job's layout (``training.dp``: devices beyond it
+    are standbys, TrainingSpec.size) nor than its micro-batches."""
+    return min(live // spec.training.pp, spec.training.dp, spec.training.global_micro_batches)
+
+
 def symmetric_plan(spec: JobSpec, devices: Sequence[int], generation: int) -> ExecutionPlan | None:
     """What a restart from a checkpoint runs: as many full ``training.pp``-stage pipelines as
-    the live devices allow (the job's own layer split), the rest spare. None if not even one
-    pipeline fits."""
+    the live devices allow up to the job's layout (the job's own layer split), the rest spare:
+    a restart takes a standby in a lost device's place. None if not even one pipeline fits."""
     pp = spec.training.pp
-    dp = min(len(devices) // pp, spec.training.global_micro_batches)
+    dp = restart_pipelines(spec, len(devices))
     if dp == 0:
         return None
     shrunk = replace(spec, training=replace(spec.training, dp=dp))

@@ -27,7 +27,7 @@ from ...planning.search import PlanningError, initial_plan, reroute_plan
 from ...spec import JobSpec
 from ..constants import BaselineConstants
 from ..engine import EventContext, Phase, Reaction
-from .common import STALLED, paused, running, symmetric_plan
+from .common import STALLED, paused, restart_pipelines, running, symmetric_plan
 
 __all__ = ["CheckpointFallback", "CheckpointPolicy", "RecyclePolicy"]
 
@@ -55,8 +55,13 @@ class CheckpointFallback:
         period = self.interval_s + (self.save_s if stalls else 0.0)
         return self.resumed_s + math.floor((now_s - self.resumed_s) / period) * period
 
-    def restart(self, ctx: EventContext, live: Sequence[int], stalls: bool,
-                label: str) -> tuple[ExecutionPlan | None, Reaction]:
+    def restart(self, ctx: EventContext, live: Sequence[int], stalls: bool, label: str,
+                restart_s: float | None = None, redo_steps: int = 0
+                ) -> tuple[ExecutionPlan | None, Reaction]:
+        """Back to the last checkpoint on ``live``. The pause is ``restart_s`` (default
+        ``cluster.restart_s``: new processes, whatever cluster.recovery says), plus
+        ``redo_steps`` steps of the new layout (an iteration a restart re-runs before training
+        goes on, NVRx's figure), plus the shard's load (as long as saving it)."""
         last = self._last_checkpoint_s(ctx.now_s, stalls)
         lost = max(0.0, ctx.net_since(last)) if ctx.now_s > self.resumed_s else 0.0
         self.generation += 1
@@ -64,15 +69,15 @@ class CheckpointFallback:
         if plan is None:
             return None, Reaction((STALLED,), lost, "stalled")
         self.set_layout(plan)
-        # Lost state means new processes that load the checkpoint: a real restart, restart_s,
-        # whatever cluster.recovery says; loading the shard back takes as long as saving it.
-        pause = self.spec.cluster.restart_s + self.save_s
-        self.resumed_s = ctx.now_s + pause
         slowdown = 1.0
         if stalls and not math.isinf(self.interval_s):
             slowdown = (self.interval_s + self.save_s) / self.interval_s
-        phases = (paused(pause, "restart"), running(self.spec, plan, label, slowdown=slowdown))
-        return plan, Reaction(phases, lost, "restart")
+        then = running(self.spec, plan, label, slowdown=slowdown)
+        assert then.step_time_s is not None
+        fixed = self.spec.cluster.restart_s if restart_s is None else restart_s
+        pause = fixed + redo_steps * then.step_time_s + self.save_s
+        self.resumed_s = ctx.now_s + pause
+        return plan, Reaction((paused(pause, "restart"), then), lost, "restart")
 
 
 class CheckpointPolicy(CheckpointFallback):
@@ -92,9 +97,8 @@ class CheckpointPolicy(CheckpointFallback):
         working = set(self.plan.working_devices) if self.plan is not None else set()
         hit = any(d in working for d in failed)
         self.live = (self.live - set(failed)) | set(joined)
-        pp = self.spec.training.pp
         now_dp = 0 if self.plan is None else len(self.plan.pipelines)
-        grows = min(len(self.live) // pp, self.spec.training.global_micro_batches) > now_dp
+        grows = restart_pipelines(self.spec, len(self.live)) > now_dp
         if not hit and not grows:
             return Reaction(ctx.remaining, 0.0, "spare")
         self.plan, reaction = self.restart(ctx, sorted(self.live), stalls=True, label="run")
