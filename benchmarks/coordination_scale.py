@@ -659,6 +659,8 @@ def _drive(cluster: Any, nodes: int, ttl: int, revoke: bool, steady: float, say:
         trouble.killed_at = time.monotonic()
         trouble.start()
     got = [_next(results, hosts, 300) for _ in hosts]
+    if trouble is not None:   # a restarted member answers /metrics once it is back
+        trouble.wait()
     m2, s2 = etcd_metrics(cluster), time.monotonic()
     say(f"  {nodes} nodes: every host reported ({time.monotonic() - t0:.1f} s)")
     return got, [(m0, s0), (m1, s1), (m2, s2)]

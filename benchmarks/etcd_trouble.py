@@ -47,16 +47,25 @@ class LeaderChange:
         self.killed_at: float | None = None
         self._out: dict[str, Any] = {"leader_change": how}
         self._stop = threading.Event()
+        self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="leader-change")
 
     def start(self) -> LeaderChange:
         self._thread.start()
         return self
 
+    def wait(self, timeout: float = 60.0) -> None:
+        """Until the change is over (a restarted member serves its ``/metrics`` again)."""
+        if self._thread.ident is not None:
+            self._done.wait(timeout)
+
     def row(self, timeout: float = 60.0) -> dict[str, Any]:
         """What happened (the benchmark's row); stops waiting if the key never went."""
         self._stop.set()
-        self._thread.join(timeout)
+        if self._thread.is_alive() or self._thread.ident is not None:
+            self._thread.join(timeout)
+        else:   # the run ended before the kill
+            self._out["leader_change_error"] = "the run ended before the node was killed"
         return dict(self._out)
 
     def _run(self) -> None:
@@ -64,6 +73,11 @@ class LeaderChange:
             self._change()
         except Exception as exc:   # noqa: BLE001 - reported in the row, the run goes on
             self._out["leader_change_error"] = f"{type(exc).__name__}: {exc}"
+        finally:
+            self._done.set()
+        # a member restarted here dies with the thread that started it (LocalEtcd's
+        # PR_SET_PDEATHSIG is per thread): the thread lives until the run asks for the row
+        self._stop.wait()
 
     def _change(self) -> None:
         from chameleon_elastic.rendezvous.client import EtcdClient
