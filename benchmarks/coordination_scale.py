@@ -40,9 +40,16 @@ watchers); and the CPU that etcd and the agents used during the round. ``--cpu-p
 per phase, who used the CPU: each member, the deciding thread, the other agents' threads, the
 hosts' other threads, the keep-alives and the rest of the machine (``cpu_window.py``, /proc).
 
+``--leader-change move|restart`` changes etcd's leader inside the round (``etcd_trouble.py``:
+``--leader-change-at`` seconds after the lost node's key went, while the agents report and
+wait): the leader hands its role to another member, or is killed and restarted. Every agent
+must still adopt (a leader change is waited out within the round's deadline); the row says
+when the change came, which members led before and after, and the raft terms. With
+``restart`` the members' counters restart too, so the round's etcd figures undercount.
+
     python benchmarks/coordination_scale.py [--nodes 256,1024] [--members 3] [--procs 4]
         [--channels 16] [--ttl 5] [--steady 10] [--kill expiry|revoke] [--decider-nice N]
-        [--cpu-profile] [--json]
+        [--cpu-profile] [--leader-change move|restart] [--leader-change-at S] [--json]
 """
 
 from __future__ import annotations
@@ -228,18 +235,35 @@ class Agent:
         events go to ``NodeLiveness._apply_event`` (the real bookkeeping), on the shared
         client's watch-dispatch thread."""
         self.live._apply_listing(listing, revision)
+        self._watch_from(revision)
+
+    def _watch_from(self, revision: int) -> None:
+        """The watch, from ``revision`` on; a stream that breaks (its member restarted:
+        ``--leader-change restart``) is watched again from the last revision seen, on a
+        thread of its own (the callback runs on the stream's), as ``NodeLiveness`` does."""
+        seen = [revision]
 
         def on_response(response: Any) -> None:
             if getattr(response, "events", None) is None:   # the stream broke
                 if not self.closing:   # not the host's own close at the end
-                    self.out.setdefault("error", f"node watch broke: {response}")
+                    self.out["watch_breaks"] = self.out.get("watch_breaks", 0) + 1
+                    threading.Thread(target=self._rewatch, args=(seen[0], response),
+                                     daemon=True).start()
                 return
+            seen[0] = max(seen[0], int(response.header.revision))
             for event in response.events:
                 self.live._apply_event(event, int(response.header.revision))
 
         prefix = self.live._prefix
         self.client.call("watch nodes", lambda c: c.add_watch_prefix_callback(
-            prefix, on_response, start_revision=revision + 1))
+            prefix, on_response, start_revision=seen[0] + 1))
+
+    def _rewatch(self, revision: int, why: Any) -> None:
+        try:
+            self._watch_from(revision)
+        except Exception as exc:  # noqa: BLE001 - reported to the parent, which fails the run
+            self.out.setdefault("error", f"node watch broke ({why}) and could not be "
+                                         f"watched again: {exc}")
 
     def _on_event(self, event: Any) -> None:
         """A node left: note when, and run the recovery on the agent's own thread (the
@@ -547,7 +571,8 @@ def _unspoiled(said: tuple[str, Any]) -> None:
 
 def _simulate(cluster: Any, nodes: int, procs: int, channels: int, ttl: int, revoke: bool,
               steady: float, plan_dir: str, say: Any, decider_nice: int | None = None,
-              sampler: Any = None) -> tuple[list[dict[str, Any]], list[Any]]:
+              sampler: Any = None,
+              trouble: Any = None) -> tuple[list[dict[str, Any]], list[Any]]:
     """Start the hosts, register and watch, measure the steady state, kill one node and
     collect every host's results; returns (results, [steady start, steady end, round end]
     metrics and times)."""
@@ -565,7 +590,7 @@ def _simulate(cluster: Any, nodes: int, procs: int, channels: int, ttl: int, rev
         h.start()
     try:
         got = _drive(cluster, nodes, ttl, revoke, steady, say, t0, hosts, ready, results,
-                     orders, bounds, sampler)
+                     orders, bounds, sampler, trouble)
     except BaseException:
         for h in hosts:
             h.kill()
@@ -604,8 +629,10 @@ def _next(ready: Any, hosts: list[Any], timeout: float) -> Any:
 
 def _drive(cluster: Any, nodes: int, ttl: int, revoke: bool, steady: float, say: Any,
            t0: float, hosts: list[Any], ready: Any, results: Any, orders: list[Any],
-           bounds: list[tuple[int, int]],
-           sampler: Any = None) -> tuple[list[dict[str, Any]], list[Any]]:
+           bounds: list[tuple[int, int]], sampler: Any = None,
+           trouble: Any = None) -> tuple[list[dict[str, Any]], list[Any]]:
+    """Register, watch, measure the steady state, kill, collect (``_simulate``); the
+    ``trouble`` (``etcd_trouble.LeaderChange``) starts with the kill."""
     victim = nodes // 2
     for count in range(1, nodes + 1):
         _unspoiled(_next(ready, hosts, 300))
@@ -628,7 +655,12 @@ def _drive(cluster: Any, nodes: int, ttl: int, revoke: bool, steady: float, say:
     owner = next(i for i, (lo, hi) in enumerate(bounds) if lo <= victim < hi)
     for i, q in enumerate(orders):
         q.put(revoke if i == owner else None)
+    if trouble is not None:
+        trouble.killed_at = time.monotonic()
+        trouble.start()
     got = [_next(results, hosts, 300) for _ in hosts]
+    if trouble is not None:   # a restarted member answers /metrics once it is back
+        trouble.wait()
     m2, s2 = etcd_metrics(cluster), time.monotonic()
     say(f"  {nodes} nodes: every host reported ({time.monotonic() - t0:.1f} s)")
     return got, [(m0, s0), (m1, s1), (m2, s2)]
@@ -636,7 +668,9 @@ def _drive(cluster: Any, nodes: int, ttl: int, revoke: bool, steady: float, say:
 
 def run(nodes: int, members: int, procs: int, ttl: int, revoke: bool, channels: int = 4,
         steady: float = 10.0, say: Any = print, etcd_dir: str | None = None,
-        decider_nice: int | None = None, cpu_profile: bool = False) -> dict[str, Any]:
+        decider_nice: int | None = None, cpu_profile: bool = False,
+        leader_change: str | None = None, leader_change_at: float = 0.5) -> dict[str, Any]:
+    from chameleon_elastic.rendezvous.config import EtcdSettings
     from chameleon_elastic.rendezvous.local_cluster import LocalEtcdCluster
 
     with tempfile.TemporaryDirectory(prefix="coordination-scale-", dir=etcd_dir) as data, \
@@ -653,9 +687,18 @@ def run(nodes: int, members: int, procs: int, ttl: int, revoke: bool, channels: 
                 sampler.track(f"etcd{i}", member.pid)
             sampler.track("parent", os.getpid())
             sampler.start()
+        trouble = None
+        if leader_change is not None:
+            from etcd_trouble import LeaderChange
+
+            settings = EtcdSettings.from_config(cluster.endpoints, {})
+            trouble = LeaderChange(cluster, leader_change,
+                                   f"{settings.run_prefix(RUN_ID)}nodes/node-{nodes // 2}",
+                                   leader_change_at,
+                                   on_restart=lambda member: _favour_pid(member.pid))
         try:
             got, windows = _simulate(cluster, nodes, procs, channels, ttl, revoke, steady,
-                                     plan_dir, say, decider_nice, sampler)
+                                     plan_dir, say, decider_nice, sampler, trouble)
         except Exception:
             for member in cluster.members:
                 if not member.is_running():
@@ -665,7 +708,12 @@ def run(nodes: int, members: int, procs: int, ttl: int, revoke: bool, channels: 
         finally:
             if sampler is not None:
                 sampler.stop()
+            changed = trouble.row() if trouble is not None else {}
+    if changed:
+        say(f"  {nodes} nodes: leader change: {changed}")
     row = _summary(got, windows, nodes // 2)
+    row.update(changed)
+    row["watch_breaks"] = sum(o.get("watch_breaks", 0) for g in got for o in g["outs"].values())
     if sampler is not None:
         row["cpu_windows"] = _cpu_windows(sampler, got, nodes // 2)
     row.update({"nodes": nodes, "devices": nodes * DEVICES_PER_NODE, "etcd_members": members,
@@ -805,6 +853,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="sample every process's and the agents' threads' CPU time "
                              "(/proc) and report who used the CPU in each phase of the round "
                              "(costs CPU itself: not for timing runs)")
+    parser.add_argument("--leader-change", choices=("move", "restart"), default=None,
+                        help="change etcd's leader inside the round: hand it to another member "
+                             "(move) or kill and restart it (restart); needs --members >= 2")
+    parser.add_argument("--leader-change-at", type=float, default=0.5,
+                        help="seconds after the lost node's key went (default 0.5)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
     try:
@@ -817,10 +870,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.decider_nice is not None and args.decider_nice < os.nice(0) and os.geteuid() != 0:
         parser.error(f"--decider-nice {args.decider_nice} is below this process's nice value "
                      f"({os.nice(0)}), which only root may set; leave it out or run as root")
+    if args.leader_change and args.members < 2:
+        parser.error("--leader-change needs --members 2 or more (3: a majority survives)")
     say = (lambda s: print(s, file=sys.stderr, flush=True))
     rows = [run(n, args.members, min(args.procs, n), args.ttl, args.kill == "revoke",
                 max(1, min(args.channels, n // min(args.procs, n))), args.steady, say,
-                args.etcd_dir, args.decider_nice, args.cpu_profile)
+                args.etcd_dir, args.decider_nice, args.cpu_profile, args.leader_change,
+                args.leader_change_at)
             for n in scales]
     if args.json:
         json.dump({"benchmark": "coordination_scale", "rows": rows}, sys.stdout, indent=2)
@@ -840,6 +896,13 @@ def main(argv: list[str] | None = None) -> int:
             ("etcd CPU round", "round_etcd_cpu_s", "{:.1f} s"),
             ("agents' CPU round", "round_agents_cpu_s", "{:.1f} s"),
             ("watchers", "watchers", "{:.0f}")]
+    if args.leader_change:
+        cols += [("leader change after loss", "leader_change_after_loss_s", "{} s"),
+                 ("leaders", "leader_pair", "{}"), ("terms", "term_pair", "{}")]
+        for r in rows:
+            r["leader_pair"] = f"{r.get('leader_before')}->{r.get('leader_after')}"
+            r["term_pair"] = f"{r.get('term_before')}->{r.get('term_after')}"
+            r.setdefault("leader_change_after_loss_s", r.get("leader_change_error", "?"))
     print(" | ".join(c for c, _, _ in cols))
     for r in rows:
         print(" | ".join(f.format(r[k]) for _, k, f in cols))

@@ -5,16 +5,24 @@ defaults also defeat a restart of etcd: an endpoint that fails once is shunned f
 auth token obtained at connect time dies with the server's memory. :class:`EtcdClient` fixes
 both and adds the retry policy the rendezvous needs:
 
-- every request goes through :meth:`EtcdClient.call`, which retries *transient* failures (no
-  endpoint reachable, deadline exceeded, leader election) with capped exponential back-off until
-  ``retry_timeout``, then raises :class:`EtcdConnectionError`. gRPC's own reconnect back-off is
-  capped at 1 s so a restarted server is found within about a second;
+- every request goes through :meth:`EtcdClient.call`, which sorts each failure with
+  :func:`classify`, the one rule of this package (docs/rendezvous.md, *Errors*, gives it with
+  the reasons): a member that cannot serve (down, unreachable, no leader, no answer in time)
+  is left for another member; a cluster that answers but is changing its leader ("leader
+  changed", "raft proposal dropped") or is overloaded ("too many requests") is asked again on
+  the same connection after a back-off, so that its watches stay; an expired auth token is
+  renewed; anything else (bad credentials, a request etcd refuses) is raised at once. Retries
+  go on until the caller's deadline: ``retry_timeout``, or the deadline of the round the call
+  is made in (:meth:`EtcdClient.retrying_until`), then :class:`EtcdConnectionError`. gRPC's own
+  reconnect back-off is capped at 1 s so a restarted server is found within about a second;
 - an expired/unknown auth token (``invalid auth token``, e.g. after etcd restarted) rebuilds the
   underlying client, which authenticates again, and the request is retried;
 - bad credentials and missing permissions are not transient: :class:`EtcdAuthError` at once;
-- endpoints of a cluster fail over in turn: after any transient failure the next attempt goes
-  to another member (an endpoint that failed is tried again after 0.2 s), so a dead member or
-  one without a leader costs one attempt, not the retry deadline.
+- endpoints of a cluster fail over in turn: after a member's failure the next attempt goes to
+  another member (an endpoint that failed is tried again after 0.2 s), so a dead member or one
+  without a leader costs one attempt, not the retry deadline. Only the endpoint the failed
+  attempt used is marked, and only once: on a client shared by threads, every thread's error
+  marked whichever member was in use by then, and all three were soon marked at once.
 
 The first contact (the constructor, ``verify=True``) only waits ``connect_timeout``, so a wrong
 ``--rdzv-endpoint`` or a TLS mismatch is reported in seconds, in one sentence that names the
@@ -25,12 +33,13 @@ compare-and-set transactions (the backend) or accept at-least-once (``Store.add`
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import grpc
@@ -44,9 +53,14 @@ from chameleon_elastic.rendezvous.errors import (
     EtcdConnectionError,
     EtcdRendezvousError,
 )
-from chameleon_elastic.rendezvous.pyetcd_compat import drop_cached_stubs, is_failed_node_error
+from chameleon_elastic.rendezvous.pyetcd_compat import (
+    Etcd3Client,
+    drop_cached_stubs,
+    is_failed_node_error,
+)
 
-__all__ = ["ETCD_FAILURES", "EtcdClient", "is_transient"]
+__all__ = ["BUSY", "ETCD_FAILURES", "FATAL", "LEADER", "MEMBER", "TOKEN", "EtcdClient", "classify",
+           "is_transient"]
 
 log = logging.getLogger("chameleon_elastic.rendezvous.connection")
 
@@ -54,7 +68,6 @@ T = TypeVar("T")
 
 _ENDPOINT_RETRY_S = 0.2
 _BACKOFF_START_S = 0.02
-_BACKOFF_MAX_S = 0.5
 _GRPC_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
@@ -63,19 +76,6 @@ _GRPC_OPTIONS = [
     ("grpc.keepalive_timeout_ms", 5_000),
     ("grpc.keepalive_permit_without_calls", 1),
 ]
-_TRANSIENT_CODES = {
-    grpc.StatusCode.UNAVAILABLE,
-    grpc.StatusCode.DEADLINE_EXCEEDED,
-    grpc.StatusCode.CANCELLED,
-    grpc.StatusCode.INTERNAL,
-}
-_TRANSIENT_PYETCD = (
-    etcd_exceptions.ConnectionFailedError,
-    etcd_exceptions.ConnectionTimeoutError,
-    etcd_exceptions.NoServerAvailableError,
-    etcd_exceptions.InternalServerError,
-    etcd_exceptions.WatchTimedOut,
-)
 #: what a call to etcd can raise: our errors, gRPC's, pyetcd's (for ``except`` clauses)
 ETCD_FAILURES: tuple[type[BaseException], ...] = (
     EtcdRendezvousError,
@@ -83,7 +83,42 @@ ETCD_FAILURES: tuple[type[BaseException], ...] = (
     etcd_exceptions.Etcd3Exception,
     ValueError,
 )
-_TRANSIENT_DETAILS = ("leader changed", "no leader", "timed out", "too many requests")
+
+# -- what a failed request means: the one rule (docs/rendezvous.md, *Errors*, says why) ------
+
+#: this member cannot serve now (down, unreachable, cut off from the leader, no answer within
+#: rpc_timeout): the next attempt goes to another member
+MEMBER = "member"
+#: the cluster answered, but it is changing its leader; any member would say the same for a
+#: moment: ask again on the same connection (its watches stay) after a short back-off
+LEADER = "leader"
+#: the cluster answered, but it is overloaded: ask again on the same connection, backing off
+#: longer, so that a thousand agents' retries do not keep it overloaded
+BUSY = "busy"
+#: etcd forgot our auth token (it restarted): log in again, then retry
+TOKEN = "token"
+#: a retry cannot cure it (credentials, permissions, a request etcd refuses, no space): raise
+FATAL = "fatal"
+
+_LEADER_DETAILS = ("leader changed", "raft proposal dropped", "previous leader failure")
+_BUSY_DETAILS = ("too many requests", "applied index took too long")
+_MEMBER_CODES = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.INTERNAL,
+}
+_MEMBER_DETAILS = ("no leader", "timed out")   # under UNKNOWN, which etcd uses for raft's errors
+_MEMBER_PYETCD = (
+    etcd_exceptions.ConnectionFailedError,
+    etcd_exceptions.ConnectionTimeoutError,
+    etcd_exceptions.NoServerAvailableError,
+    etcd_exceptions.InternalServerError,
+    etcd_exceptions.WatchTimedOut,
+)
+#: back-off cap per kind: a leader change is over in about a second; an overloaded cluster
+#: needs its queue drained more than it needs our next attempt
+_BACKOFF_MAX_S = {MEMBER: 0.5, LEADER: 0.5, BUSY: 2.0, TOKEN: 0.5}
 
 
 def _rpc_error(exc: BaseException) -> grpc.RpcError | None:
@@ -98,6 +133,16 @@ def _rpc_error(exc: BaseException) -> grpc.RpcError | None:
     return None
 
 
+def _code_and_details(exc: BaseException) -> tuple[grpc.StatusCode | None, str]:
+    rpc = _rpc_error(exc)
+    if rpc is None:
+        return None, ""
+    try:
+        return rpc.code(), (rpc.details() or "")  # type: ignore[attr-defined]
+    except (AttributeError, ValueError):  # a half-built RpcError
+        return None, ""
+
+
 def _details(exc: BaseException) -> str:
     rpc = _rpc_error(exc)
     if rpc is not None:
@@ -108,22 +153,29 @@ def _details(exc: BaseException) -> str:
     return str(exc) or type(exc).__name__
 
 
+def classify(exc: BaseException) -> str:
+    """What a failed etcd request means: :data:`MEMBER`, :data:`LEADER`, :data:`BUSY`,
+    :data:`TOKEN` or :data:`FATAL` (see their comments; docs/rendezvous.md, *Errors*)."""
+    code, details = _code_and_details(exc)
+    if _auth_problem(exc) is not None:
+        return FATAL
+    if _is_token_expired(exc):
+        return TOKEN
+    if any(d in details for d in _LEADER_DETAILS):   # UNAVAILABLE, or UNKNOWN (raft's text)
+        return LEADER
+    if any(d in details for d in _BUSY_DETAILS):     # RESOURCE_EXHAUSTED, UNAVAILABLE
+        return BUSY
+    if code in _MEMBER_CODES or (code == grpc.StatusCode.UNKNOWN
+                                 and any(d in details for d in _MEMBER_DETAILS)):
+        return MEMBER
+    if code is None and (isinstance(exc, _MEMBER_PYETCD) or is_failed_node_error(exc)):
+        return MEMBER
+    return FATAL
+
+
 def is_transient(exc: BaseException) -> bool:
-    """True for failures a retry may cure (no endpoint, deadline, leader change)."""
-    if isinstance(exc, _TRANSIENT_PYETCD):
-        return True
-    if is_failed_node_error(exc):
-        return True  # pyetcd: "Trying to use a failed node"
-    rpc = _rpc_error(exc)
-    if rpc is None:
-        return False
-    try:
-        code, details = rpc.code(), (rpc.details() or "")  # type: ignore[attr-defined]
-    except (AttributeError, ValueError):
-        return False
-    if code in _TRANSIENT_CODES:
-        return True
-    return code == grpc.StatusCode.UNKNOWN and any(d in details for d in _TRANSIENT_DETAILS)
+    """True for failures a retry may cure (:func:`classify` says anything but FATAL)."""
+    return classify(exc) != FATAL
 
 
 def _connect_reason(details: str) -> str:
@@ -164,21 +216,24 @@ def _auth_problem(exc: BaseException) -> str | None:
     return None
 
 
-def _fail_over(client: pyetcd.MultiEndpointEtcd3Client, exc: BaseException) -> None:
-    """Make the next attempt go to another member of the cluster.
+def _fail_over(client: pyetcd.MultiEndpointEtcd3Client, used: Any, exc: BaseException) -> None:
+    """Make the next attempt go to another member of the cluster than ``used``, the endpoint
+    the failed attempt went to.
 
-    pyetcd marks an endpoint failed only inside its own wrapped methods and only for some
-    gRPC codes, so a direct stub call (the connect probe, the store's multi-key read) kept
-    hitting a dead member until the retry deadline, and "no leader" answers were never
-    moved away from. One member alone has nowhere to go, and "no server available" means
-    every member is already marked.
+    Only a member's own failure (:data:`MEMBER`) moves the client: pyetcd's moved it on every
+    UNAVAILABLE, "leader changed" included (pyetcd_compat). Only ``used`` is marked, and only
+    when it is still in use and not marked already: another thread sharing the client may have
+    moved it meanwhile, and marking the member in use by then failed a healthy one (with 256
+    agents on a client, every member was soon marked and most attempts reached no etcd at
+    all). One member alone has nowhere to go, and "no server available" means every member is
+    already marked.
     """
     if len(client.endpoints) < 2 or isinstance(exc, etcd_exceptions.NoServerAvailableError):
         return
-    endpoint = client.endpoint_in_use
-    if endpoint is not None:
-        endpoint.fail()
-    drop_cached_stubs(client)  # cached stubs (and the watch stream) use the old channel
+    if used is None or client.endpoint_in_use is not used or used.is_failed():
+        return
+    used.fail()
+    drop_cached_stubs(client)  # cached stubs use the old channel
 
 
 class EtcdClient:
@@ -189,6 +244,7 @@ class EtcdClient:
         self._lock = threading.Lock()
         self._client: pyetcd.MultiEndpointEtcd3Client | None = None
         self._closed = False
+        self._rounds = threading.local()   # per thread: the deadline of the round it is in
         if verify:
             self._connect()
 
@@ -242,7 +298,7 @@ class EtcdClient:
             for host, port in s.endpoints
         ]
         try:
-            client = pyetcd.MultiEndpointEtcd3Client(
+            client = Etcd3Client(   # pyetcd's, less its own fail-over (pyetcd_compat)
                 endpoints=endpoints,
                 timeout=s.rpc_timeout,
                 user=s.user,
@@ -280,6 +336,30 @@ class EtcdClient:
         except Exception:  # closing a broken channel must not mask the real error
             log.debug("closing a stale etcd client failed", exc_info=True)
 
+    @contextlib.contextmanager
+    def retrying_until(self, deadline: float) -> Iterator[None]:
+        """Inside the block, this thread's calls without a ``timeout`` of their own retry
+        transient failures until ``deadline`` (``time.monotonic()``) instead of for
+        ``retry_timeout``: a round bounds its own requests, so that a leader change or an
+        overloaded cluster makes its agents wait as long as the round may last, and no longer.
+        """
+        before = getattr(self._rounds, "deadline", None)
+        self._rounds.deadline = deadline
+        try:
+            yield
+        finally:
+            self._rounds.deadline = before
+
+    def _deadline(self, timeout: float | None) -> tuple[float, str]:
+        """(when a call gives up, what that deadline is, for the message)."""
+        if timeout is not None:
+            return time.monotonic() + timeout, f"{timeout:g} s"
+        deadline = getattr(self._rounds, "deadline", None)
+        if deadline is not None:
+            return deadline, "the round's deadline"
+        retry = self.settings.retry_timeout
+        return time.monotonic() + retry, f"the retry deadline (retry_timeout={retry:g} s)"
+
     def call(
         self,
         what: str,
@@ -288,18 +368,19 @@ class EtcdClient:
         timeout: float | None = None,
         give_up: Callable[[BaseException], EtcdConnectionError] | None = None,
     ) -> T:
-        """Run ``fn(client)``, retrying transient failures for ``timeout`` (default retry_timeout).
-
-        At the deadline raise ``give_up(last error)``, by default a connection error naming
-        ``what``.
-        """
-        deadline = time.monotonic() + (self.settings.retry_timeout if timeout is None else timeout)
+        """Run ``fn(client)``, retrying transient failures (:func:`classify`) until the
+        deadline: ``timeout`` when given, else the round's (:meth:`retrying_until`), else
+        ``retry_timeout``. At the deadline raise ``give_up(last error)``, by default a
+        connection error naming ``what``."""
+        deadline, patience = self._deadline(timeout)
         backoff = _BACKOFF_START_S
         last: BaseException | None = None  # the last error of a member, for the message
         while True:
             current: pyetcd.MultiEndpointEtcd3Client | None = None
+            used = None
             try:
                 current = self.client()
+                used = current.endpoint_in_use
                 return fn(current)
             except EtcdRendezvousError:
                 raise
@@ -307,28 +388,37 @@ class EtcdClient:
                 problem = _auth_problem(exc)
                 if problem is not None:
                     raise self._auth_error(problem, what) from exc
-                if _is_token_expired(exc):
-                    if current is not None:
-                        self._reset(current)
-                elif not is_transient(exc):
+                kind = classify(exc)
+                if kind == FATAL:
                     raise
-                elif current is not None:
-                    _fail_over(current, exc)
+                if current is not None and kind == TOKEN:
+                    self._reset(current)
+                elif current is not None and kind == MEMBER:
+                    _fail_over(current, used, exc)
                 if last is None or not isinstance(exc, etcd_exceptions.NoServerAvailableError):
                     last = exc  # "every member marked failed" hides why they failed
                 if time.monotonic() >= deadline:
                     if give_up is None:
-                        raise self._connection_error(what, last) from last
+                        raise self._connection_error(what, last, patience) from last
                     # The message already carries the gRPC status and details; chaining the
                     # gRPC exception only adds ~20 lines of grpc internals to torchrun's
                     # traceback, which prints the whole chain of an uncaught error.
                     raise give_up(last) from None
-                log.debug("etcd %s failed (%s); retrying", what, _details(exc))
+                log.debug("etcd %s failed (%s: %s); retrying", what, kind, _details(exc))
+                backoff = max(backoff, _BACKOFF_START_S * 10) if kind == BUSY else backoff
             time.sleep(min(backoff, max(0.0, deadline - time.monotonic())) * random.uniform(0.5, 1))
-            backoff = min(backoff * 2, _BACKOFF_MAX_S)
+            backoff = min(backoff * 2, _BACKOFF_MAX_S[kind])
 
-    def _connection_error(self, what: str, exc: BaseException) -> EtcdConnectionError:
+    def _connection_error(self, what: str, exc: BaseException,
+                          patience: str) -> EtcdConnectionError:
         s = self.settings
+        if classify(exc) in (LEADER, BUSY):   # it answered: the cluster, not the connection
+            return EtcdConnectionError(
+                f"etcd {what} failed: the cluster at {s.endpoint_text} answered but could not "
+                f"serve it within {patience} (last answer: {_details(exc)}: it was changing "
+                "its leader or overloaded, for longer than that); give etcd's members their "
+                "own cores and a fast disk, or raise --rdzv-conf retry_timeout=SECONDS."
+            )
         hint = (
             " With TLS, also check that cacert is the CA that signed the server's certificate, "
             "that the certificate names the host you connect to, and that cert/key match."
@@ -336,8 +426,8 @@ class EtcdClient:
             else " If the cluster uses TLS (https client URLs), pass cacert=... in --rdzv-conf."
         )
         return EtcdConnectionError(
-            f"etcd {what} failed: no endpoint of {s.endpoint_text} answered within the retry "
-            f"deadline (last error: {_details(exc)}). Check --rdzv-endpoint (the host:port of "
+            f"etcd {what} failed: no endpoint of {s.endpoint_text} answered within {patience} "
+            f"(last error: {_details(exc)}). Check --rdzv-endpoint (the host:port of "
             f"etcd's client URLs, comma-separated) and that etcd is running and reachable.{hint}"
         )
 

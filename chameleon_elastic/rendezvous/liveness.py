@@ -17,12 +17,21 @@ Protocol (one run = one prefix ``<key_prefix>/<run_id>/nodes/``):
 4. If our own lease is found expired (e.g. we were partitioned for longer than ``ttl``) a
    ``lease_lost`` event is emitted for us and we register again under a new lease, which the
    others see as ``left`` followed by ``joined``: the launcher treats that node as a new one.
+   A keep-alive that fails (a leader change, a member restarting) is retried at once, each
+   attempt cut to what is left before the lease is at risk, so that a second member is tried
+   while the lease still holds.
 5. ``stop()`` revokes the lease, so a clean exit is seen at once rather than after ``ttl``;
    ``finish()`` first marks the key ``finished``, so the others' ``left`` event tells a node
    that ended on purpose from one that was lost.
 6. A node that has not refreshed its lease for ``ttl`` (etcd unreachable: a partition) emits
    ``lease_lost`` for itself without waiting to reach etcd again: by then etcd has dropped its
    key and the others count it lost, so its plan is stale (the launcher fences itself).
+7. That was a presumption: etcd may only have been unable to answer (no leader for a while, a
+   majority restarting), and etcd expires no lease without a leader and gives every lease a
+   full TTL when a new leader takes over. So once etcd answers again the lease is checked: a
+   keep-alive that renews it (TTL > 0) proves that the key never went and the others never
+   counted this node lost, and ``lease_kept`` is emitted (the launcher lifts its fence: its
+   node is still a member); a lease that is gone is lost for real (4.).
 
 Use from an agent (chameleon-run)::
 
@@ -49,16 +58,18 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from pyetcd import etcdrpc
 from pyetcd import events as etcd_events
 
 from chameleon_elastic.rendezvous.client import ETCD_FAILURES, EtcdClient
 from chameleon_elastic.rendezvous.errors import EtcdConfigError, EtcdRendezvousError
+from chameleon_elastic.rendezvous.pyetcd_compat import add_watch
 
 __all__ = ["NodeEvent", "NodeLiveness", "list_nodes"]
 
 log = logging.getLogger("chameleon_elastic.rendezvous.liveness")
 
-EventKind = Literal["joined", "left", "lease_lost"]
+EventKind = Literal["joined", "left", "lease_lost", "lease_kept"]
 
 
 @dataclass(frozen=True)
@@ -252,18 +263,13 @@ class NodeLiveness:
             if lease_id is None:
                 return
             try:
-                answers = self._client.call(
-                    "lease keep-alive",
-                    lambda c, lid=lease_id: list(c.refresh_lease(lid)),
-                    timeout=self.ttl,
-                )
+                answers = self._refresh(lease_id, interval)
             except ETCD_FAILURES as exc:  # etcd unreachable: keep trying, it may come back
                 (log.debug if self._presumed_lost else log.warning)(
                     "lease keep-alive for %s failed: %s", self.node_id, exc)
                 continue
             if answers and all(answer.TTL > 0 for answer in answers):
-                with self._members_lock:
-                    self._last_refresh, self._presumed_lost = time.monotonic(), False
+                self._refreshed()
                 continue
             if self._stop.is_set():
                 return
@@ -277,6 +283,39 @@ class NodeLiveness:
             else:
                 with self._members_lock:
                     self._last_refresh, self._presumed_lost = time.monotonic(), False
+
+    def _refresh(self, lease_id: int, interval: float) -> list[Any]:
+        """One keep-alive, retried until the lease is at risk (``ttl`` after the last refresh;
+        at least ``interval`` once it is past: a presumed-lost lease is asked after until etcd
+        answers). Each attempt's RPC deadline is cut to what is left, so that a member that
+        does not answer (restarting, or the leader it forwards to just changed) leaves time to
+        try another before the lease is at risk."""
+        with self._members_lock:
+            at_risk = self._last_refresh + self.ttl
+        deadline = max(at_risk, time.monotonic() + interval)
+        rpc_timeout = self._client.settings.rpc_timeout
+        request = etcdrpc.LeaseKeepAliveRequest(ID=lease_id)
+
+        def keep_alive(c: Any) -> list[Any]:
+            left = max(0.2, min(rpc_timeout, deadline - time.monotonic()))
+            return list(c.leasestub.LeaseKeepAlive(iter([request]), left,
+                                                   credentials=c.call_credentials,
+                                                   metadata=c.metadata))
+
+        return self._client.call("lease keep-alive", keep_alive,
+                                 timeout=max(0.0, deadline - time.monotonic()))
+
+    def _refreshed(self) -> None:
+        """etcd renewed the lease. After a presumed loss (no answer for a whole ttl) that
+        proves the lease outlived etcd's trouble: the key never went, the others never counted
+        this node lost (module docstring, 7.)."""
+        with self._members_lock:
+            kept = self._presumed_lost
+            self._last_refresh, self._presumed_lost = time.monotonic(), False
+        if kept and not self._stop.is_set():
+            log.warning("lease of node %s outlived etcd's trouble: the node was never lost",
+                        self.node_id)
+            self._emit(NodeEvent("lease_kept", self.node_id, dict(self._info), 0))
 
     def _expiry_loop(self) -> None:
         """No refresh for a whole ttl: etcd has dropped our key by now (by its own clock), so
@@ -336,12 +375,10 @@ class NodeLiveness:
                 self._watch_inbox = inbox
                 if self._stop.is_set():
                     return
-                client, watch_id = self._client.call(
+                watch = self._client.call(
                     "watch nodes",
-                    lambda c, put=inbox.put, start=revision + 1: (
-                        c,
-                        c.add_watch_prefix_callback(self._prefix, put, start_revision=start),
-                    ),
+                    lambda c, put=inbox.put, start=revision + 1: add_watch(
+                        c, self._prefix, put, prefix=True, start_revision=start),
                 )
             except ETCD_FAILURES as exc:
                 log.warning("node watch on %s failed (%s); retrying", self._prefix, exc)
@@ -351,7 +388,7 @@ class NodeLiveness:
                 self._drain(inbox)
             finally:
                 try:
-                    client.cancel_watch(watch_id)
+                    watch.cancel()   # on its own stream (pyetcd_compat.add_watch)
                 except Exception:  # the stream is already gone after an etcd restart
                     log.debug("cancelling the node watch failed", exc_info=True)
 

@@ -16,6 +16,11 @@ started with an ``--initial-cluster`` that names every member.
   the member that reports *itself* as the leader, in the highest term if two do; a follower
   that has not yet noticed a dead leader still names the old one, so only the leader's own
   word counts.
+- ``move_leader(to)`` asks the leader to hand leadership to another member (etcd's maintenance
+  ``MoveLeader``, what ``etcdctl move-leader`` sends): a leader change on demand, with every
+  member up, as etcd makes one when its leader is starved or restarted; in-flight proposals
+  fail with "etcdserver: leader changed" (tests/rendezvous/test_rdzv_leader_change.py,
+  benchmarks/coordination_scale.py ``--leader-change``);
 - ``kill(i)`` SIGKILLs member i (a crash: no clean hand-over of leadership), ``restart(i)``
   starts it again on the same data directory and ports and waits until it is healthy, which
   needs a quorum of the *other* members to be up.
@@ -183,6 +188,43 @@ class LocalEtcdCluster:
         )
         with EtcdClient(settings, verify=False) as client:
             return client.status(timeout=timeout)
+
+    def move_leader(self, to: int | None = None, timeout: float = 10.0) -> tuple[int, int]:
+        """Make the leader step down in favour of member ``to`` (default: the next running
+        member); returns (old leader, new leader) once ``to`` reports itself leader.
+
+        A leader change on demand, every member up: what etcd does by itself when its leader
+        is starved of CPU or restarted, so that tests and benchmarks can place one inside a
+        recovery round. Raises EtcdServerError if ``to`` is the leader already, or is not
+        leader within ``timeout``.
+        """
+        from pyetcd import etcdrpc
+
+        from chameleon_elastic.rendezvous.client import EtcdClient
+        from chameleon_elastic.rendezvous.config import EtcdSettings
+
+        deadline = time.monotonic() + timeout
+        old = self.leader(timeout)
+        running = self.running()
+        target = running[(running.index(old) + 1) % len(running)] if to is None else to
+        if target == old:
+            raise EtcdServerError(f"member{target} is the leader already: nothing to move.")
+        target_id = self.member_id(target, timeout)
+        member = self.members[old]   # only the leader may hand its role over
+        settings = EtcdSettings(endpoints=((member.host, member.client_port),),
+                                rpc_timeout=timeout, retry_timeout=timeout,
+                                connect_timeout=timeout)
+        with EtcdClient(settings, verify=False) as client:
+            client.call("move leader", lambda c: c.maintenancestub.MoveLeader(
+                etcdrpc.MoveLeaderRequest(targetID=target_id), timeout,
+                credentials=c.call_credentials, metadata=c.metadata), timeout=timeout)
+        while (now := self.leader(max(0.1, deadline - time.monotonic()))) != target:
+            if time.monotonic() >= deadline:
+                raise EtcdServerError(
+                    f"member{target} was not leader {timeout:.0f} s after member{old} handed "
+                    f"it leadership (member{now} is).")
+            time.sleep(_LEADER_POLL_S)
+        return old, target
 
     def kill(self, index: int) -> None:
         """SIGKILL member ``index`` and reap it (a crash: its data directory stays)."""

@@ -4,33 +4,61 @@ Checked against etcd-sdk-python 0.0.7 (``pip show etcd-sdk-python``). pyetcd has
 API beyond its public methods, so whatever this package needs from its insides lives here,
 with the reason, and ``tests/rendezvous/test_rdzv_pyetcd_compat.py`` fails at once if an upgrade
 removes or changes it. Everything else in this package uses pyetcd's public API only
-(``get``/``put``/``transaction``/``lease``/watch methods, the ``kvstub``/``maintenancestub``
-properties, the public attributes ``endpoints``/``endpoint_in_use``/``timeout``/``metadata``/
-``call_credentials``, ``Endpoint.fail``, the generated ``pyetcd.etcdrpc`` messages).
+(``get``/``put``/``transaction``/``lease``/watch methods, the ``kvstub``/``leasestub``/
+``maintenancestub`` properties, the public attributes ``endpoints``/``endpoint_in_use``/
+``timeout``/``metadata``/``call_credentials``, ``Endpoint.fail``/``is_failed``, the
+``watcher`` property with ``Watcher.add_callback``/``cancel``, ``pyetcd.utils``, the generated
+``pyetcd.etcdrpc`` messages).
 
 What is used, and why:
 
-- ``MultiEndpointEtcd3Client._clear_old_stubs()`` (private method): pyetcd caches one gRPC
-  stub per service (and the watch stream) bound to the channel of the endpoint it first used,
-  and only re-picks an endpoint when its private label changes. After we mark an endpoint
-  failed (``Endpoint.fail``, public) the cached stubs would still talk to the dead member, so
-  a direct stub call (the connect probe, the store's multi-key read) would never fail over.
-  Clearing the cache makes the next stub access evaluate ``client.channel``, which skips
-  failed endpoints. There is no public way to do this short of rebuilding the client (which
-  would also re-authenticate).
+- ``MultiEndpointEtcd3Client._manage_grpc_errors(exc)`` (private method, overridden by
+  :class:`Etcd3Client`): pyetcd's wrapped methods mark the endpoint in use failed and drop the
+  client's stubs on *every* UNAVAILABLE, "etcdserver: leader changed" included, which is the
+  whole cluster changing its leader, not that member failing. On a client shared by threads
+  (an agent's keep-alive and watch; the scale benchmark's agents) each such error moved the
+  client to another healthy member, and with every member marked failed in turn the
+  attempts ended in "no endpoint available" without reaching etcd until the retry deadline
+  (issue 48). The override re-raises the gRPC error untouched: which failures move to another
+  member is decided once, by ``client.classify``.
+- ``MultiEndpointEtcd3Client._stubs`` (private dict): pyetcd caches one gRPC stub per
+  service (and the watcher, one watch stream) bound to the channel of the endpoint it first
+  used, and only re-picks an endpoint when its private label changes. After we mark an
+  endpoint failed (``Endpoint.fail``, public) the cached stubs would still talk to the dead
+  member. :func:`drop_cached_stubs` empties the cache, so the next stub access evaluates
+  ``client.channel``, which skips failed endpoints. Unlike pyetcd's ``_clear_old_stubs`` it
+  does not half-close the watch stream: the watches on it go on (a dead member ends them with
+  an error, which their callbacks handle) and each is cancelled on its own stream
+  (:func:`add_watch`).
 - the text of ``Endpoint.use()``'s ``ValueError`` ("Trying to use a failed node"): pyetcd
   raises a bare ``ValueError`` when every attempt lands on an endpoint still marked failed;
   the text is the only way to tell it (transient: retry) from a genuine ``ValueError``.
+
+Why :func:`add_watch` returns its own cancel: etcd numbers watches per stream, from 0. pyetcd's
+``client.cancel_watch(id)`` goes to the client's *current* watcher, so after a fail-over the
+cancel of a watch made on the old stream cancelled whichever watch had the same number on the
+new one (another waiter's, on a shared client) and left the old one running (measured: after
+one fail-over, the cancel of watch 0 on key A silenced watch 0 on key B).
 """
 
 from __future__ import annotations
 
+import queue
+from collections.abc import Callable
 from typing import Any
+
+import grpc
+import pyetcd
+from pyetcd import exceptions as etcd_exceptions
+from pyetcd import utils as etcd_utils
 
 __all__ = [
     "CHECKED_VERSION",
     "FAILED_NODE_TEXT",
-    "PRIVATE_CLIENT_METHODS",
+    "OVERRIDDEN_CLIENT_METHODS",
+    "PRIVATE_CLIENT_ATTRIBUTES",
+    "Etcd3Client",
+    "add_watch",
     "drop_cached_stubs",
     "is_failed_node_error",
 ]
@@ -38,17 +66,58 @@ __all__ = [
 #: the etcd-sdk-python release these internals were read from
 CHECKED_VERSION = "0.0.7"
 
-#: private methods of ``pyetcd.MultiEndpointEtcd3Client`` this module calls (for the test)
-PRIVATE_CLIENT_METHODS: tuple[str, ...] = ("_clear_old_stubs",)
+#: private methods of ``pyetcd.MultiEndpointEtcd3Client`` that :class:`Etcd3Client` overrides,
+#: with the parameters pyetcd calls them with (for the test)
+OVERRIDDEN_CLIENT_METHODS: dict[str, tuple[str, ...]] = {"_manage_grpc_errors": ("self", "exc")}
+
+#: private attributes of a ``pyetcd.MultiEndpointEtcd3Client`` this module reads (for the test)
+PRIVATE_CLIENT_ATTRIBUTES: tuple[str, ...] = ("_stubs",)
 
 #: part of the message of the ``ValueError`` pyetcd's ``Endpoint.use()`` raises
 FAILED_NODE_TEXT = "failed node"
 
 
+class Etcd3Client(pyetcd.MultiEndpointEtcd3Client):
+    """pyetcd's multi-endpoint client without its own fail-over (see the module docstring):
+    a gRPC error of a wrapped method reaches the caller as it came, and ``client.call``
+    decides whether to move to another member."""
+
+    def _manage_grpc_errors(self, exc: grpc.RpcError) -> None:
+        raise exc
+
+
 def drop_cached_stubs(client: Any) -> None:
-    """Forget ``client``'s cached gRPC stubs and watch stream (see the module docstring), so
-    the next request picks a channel again and skips endpoints marked failed."""
-    client._clear_old_stubs()
+    """Forget ``client``'s cached gRPC stubs and watcher (see the module docstring), so the
+    next request picks a channel again and skips endpoints marked failed; the old watch stream
+    is left to its watches."""
+    client._stubs.clear()
+
+
+class _WatchHandle:
+    """Cancels one watch on the watcher (stream) that holds it."""
+
+    def __init__(self, watcher: Any, watch_id: int) -> None:
+        self._watcher, self.watch_id = watcher, watch_id
+
+    def cancel(self) -> None:
+        self._watcher.cancel(self.watch_id)
+
+
+def add_watch(client: Any, key: str, callback: Callable[[Any], None], *, prefix: bool = False,
+              start_revision: int | None = None) -> _WatchHandle:
+    """Watch ``key`` (every key under it with ``prefix``) from ``start_revision``; ``callback``
+    gets each response, or the error that ended the stream. Returns the handle that cancels it
+    on its own stream (see the module docstring). Raises pyetcd's ``WatchTimedOut`` when etcd
+    did not confirm the watch within the client's timeout, or the stream's gRPC error."""
+    extra: dict[str, Any] = {}
+    if prefix:
+        extra["range_end"] = etcd_utils.prefix_range_end(etcd_utils.to_bytes(key))
+    watcher = client.watcher
+    try:
+        watch_id = watcher.add_callback(key, callback, start_revision=start_revision, **extra)
+    except queue.Empty:   # what pyetcd's own add_watch_callback turns into WatchTimedOut
+        raise etcd_exceptions.WatchTimedOut() from None
+    return _WatchHandle(watcher, watch_id)
 
 
 def is_failed_node_error(exc: BaseException) -> bool:

@@ -21,7 +21,11 @@ Keys live under ``<key_prefix>/<run_id>/store/``; values are raw bytes. The oper
   missing, so the next slice skips the read; a wait for anything else cancels it. A watch
   whose last event put the one key waited for ends the wait without a read (the event says
   the key is there);
-- ``check``, ``delete_key``, ``num_keys`` (keys of this store), ``append``.
+- ``check``, ``delete_key``, ``num_keys`` (keys of this store), ``append``;
+- every request retries etcd's transient failures (``client.classify``) for ``retry_timeout``,
+  or until the deadline of the round it is made in (:meth:`EtcdStore.retrying_until`): a leader
+  change or a member restart during a recovery round makes the agents wait, bounded by the
+  round, instead of failing.
 
 etcd refuses a transaction of more than ``--max-txn-ops`` operations (128 by default), so reads
 and writes of more keys (a thousand nodes' reports) go in transactions of at most
@@ -45,6 +49,7 @@ on the ``EtcdStore`` directly.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -59,6 +64,7 @@ from pyetcd import transactions
 
 from chameleon_elastic.rendezvous.client import EtcdClient, is_transient
 from chameleon_elastic.rendezvous.errors import EtcdRendezvousError, EtcdStoreTimeoutError
+from chameleon_elastic.rendezvous.pyetcd_compat import add_watch
 
 __all__ = ["EtcdStore"]
 
@@ -104,6 +110,13 @@ class EtcdStore(dist.Store):
     @property
     def prefix(self) -> str:
         return self._prefix
+
+    def retrying_until(self, deadline: float) -> contextlib.AbstractContextManager[None]:
+        """Inside the block, this thread's store calls retry etcd's transient failures (a
+        leader change, a member restarting, an overloaded cluster) until ``deadline``
+        (``time.monotonic()``) rather than for ``retry_timeout``: a round's agreement
+        (launcher/coordination/agreement.py) bounds its requests by its own deadline."""
+        return self._client.retrying_until(deadline)
 
     def _key(self, key: str) -> str:
         return self._prefix + key
@@ -354,20 +367,18 @@ class EtcdStore(dist.Store):
                 seen["written"] = isinstance(events[-1], etcd_events.PutEvent)
             fired.set()  # an event or an error: either way, the wait is over or reads again
 
-        def create(client: Any) -> tuple[Any, int]:
-            return client, client.add_watch_callback(
-                key, on_event, start_revision=start_revision
-            )
+        def create(client: Any) -> Any:
+            return add_watch(client, key, on_event, start_revision=start_revision)
 
         try:
-            client, watch_id = self._client.call("store wait", create)
+            handle = self._client.call("store wait", create)
         except EtcdRendezvousError:
             raise
         except Exception as exc:
             if not is_transient(exc):
                 return None
             raise
-        return _Watch(key, fired, client, watch_id, seen)
+        return _Watch(key, fired, handle, seen)
 
 
 class _Watch:
@@ -375,9 +386,9 @@ class _Watch:
     the last event on it was a put of the key (so the key exists: no read needed, which
     spared a transaction per waiting agent, 4096 per quick round at 4096 nodes)."""
 
-    def __init__(self, key: str, fired: threading.Event, client: Any, watch_id: int,
+    def __init__(self, key: str, fired: threading.Event, handle: Any,
                  seen: dict[str, bool]) -> None:
-        self.key, self.fired, self._client, self._id = key, fired, client, watch_id
+        self.key, self.fired, self._handle = key, fired, handle
         self._seen = seen
 
     @property
@@ -385,8 +396,10 @@ class _Watch:
         return self._seen["written"]
 
     def cancel(self) -> None:
+        """Cancel on the stream that holds the watch (pyetcd_compat.add_watch): after a
+        fail-over, a cancel by number went to the new stream and cancelled another watch."""
         try:
-            self._client.cancel_watch(self._id)
+            self._handle.cancel()
         except Exception:  # the stream may be gone already (etcd restart)
             log.debug("cancelling a store watch failed", exc_info=True)
 

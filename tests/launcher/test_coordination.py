@@ -607,3 +607,47 @@ def test_a_late_agent_catches_up_with_a_quiet_decision_of_its_own_generation(tmp
     protocol.commit_record(fence, "", record)
     protocol._catch_up(fence, stale)
     assert stale.plan == decider.plan and stale.excluded == {5}
+
+
+class _EtcdInTrouble:
+    """A round's store on etcd that never serves a request (a leader change that outlasts the
+    round), with ``EtcdStore.retrying_until``: the bounds the round set are noted."""
+
+    def __init__(self, underlying=None):
+        self.bounds: list[float] = []
+        if underlying is not None:
+            self.underlying_store = underlying
+
+    def retrying_until(self, deadline: float):
+        import contextlib
+
+        self.bounds.append(deadline)
+        return contextlib.nullcontext()
+
+    def __getattr__(self, name):
+        from chameleon_elastic.rendezvous.errors import EtcdConnectionError
+
+        def refused(*args, **kwargs):
+            raise EtcdConnectionError(
+                f"etcd store {name} failed: the cluster at 127.0.0.1:2379 answered but could "
+                "not serve it within the round's deadline (last answer: UNAVAILABLE: "
+                "etcdserver: leader changed)")
+
+        return refused
+
+
+def test_a_round_that_etcd_could_not_serve_fails_as_a_round_not_as_the_agent(session):
+    """Every request of the round retries etcd's trouble until the round's own deadline (the
+    store under the round bounds them: issue 48); a round etcd could not serve by then is a
+    failed round, which the agent follows with a full rendezvous round, not an agent's end."""
+    import time
+
+    fence = _EtcdInTrouble()
+    store = _EtcdInTrouble(fence)
+    before = time.monotonic()
+    with pytest.raises(messages.QuickRoundFailed, match="etcd could not serve this round"):
+        protocol.agree(store, "q1/", messages.Members(0, (0, 1), alive=lambda: {0, 1}),
+                       NodeReport(0, (), (0, 1), True), session, True, 2, timeout_s=30,
+                       quick=True)
+    (bound,) = fence.bounds
+    assert before + 30 <= bound <= time.monotonic() + 30

@@ -59,10 +59,18 @@ replaced cannot overwrite its replacement's. A round that cannot finish raises
 Reads block up to the store timeout, so an agent that dies mid-round makes the others fail with
 a store error (the caller's failover), never hang. Everything but the store calls is a pure
 function of its arguments, tested on a ``HashStore``.
+
+etcd in trouble. A leader change, a member restarting or an overloaded cluster during a round
+is waited out, never an agent's end: on etcd (a store with ``retrying_until``) every request
+of the round retries etcd's transient failures until the round's own deadline (``timeout_s``
+from its start), not for the client's ``retry_timeout``, and a round that etcd could not serve
+by then fails as a round (:class:`QuickRoundFailed`: the agent runs a full rendezvous round),
+never as the agent (tests/rendezvous/test_rdzv_leader_change.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import Collection, Sequence
@@ -71,6 +79,7 @@ from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
+from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
 from ..session import JobSession, LauncherPlanningError, NoPlanError, PlanChange
 from .decide import decide, inplace_possible, losses, quiet_loss, reasons, speeds_of
@@ -292,7 +301,28 @@ def agree(store: Any, scope: str, members: Members, mine: NodeReport, session: J
     ``quick``: a quick round (see the module docstring); may raise ``QuickRoundFailed``.
     ``desk``: where the decider serves its plan to an agent whose replay differs.
     ``standbys``: spare devices outside the training world whose loss no worker needs to
-    hear of, as the decider sees them (empty: any loss makes a new generation)."""
+    hear of, as the decider sees them (empty: any loss makes a new generation).
+    ``timeout_s`` also bounds the round's etcd retries (module docstring, *etcd in trouble*):
+    a round etcd could not serve by then raises ``QuickRoundFailed``."""
+    fence = getattr(store, "underlying_store", store)   # outlives rounds
+    bound = getattr(fence, "retrying_until", None)   # EtcdStore's: the round bounds its retries
+    try:
+        with bound(time.monotonic() + timeout_s) if bound else contextlib.nullcontext():
+            return _agree_in_round(store, scope, members, mine, session, inplace_wanted,
+                                   units_per_node, timeout_s, quick, desk, standbys)
+    except RendezvousConnectionError as exc:   # etcd did not serve the round in time
+        raise QuickRoundFailed(
+            f"etcd could not serve this round within its {timeout_s:.0f} s "
+            f"({str(exc).splitlines()[0][:300]}); this node runs a full rendezvous round "
+            "instead") from exc
+
+
+def _agree_in_round(store: Any, scope: str, members: Members, mine: NodeReport,
+                    session: JobSession, inplace_wanted: bool, units_per_node: int,
+                    timeout_s: float, quick: bool,
+                    desk: PlanDesk | None,
+                    standbys: Collection[int]) -> tuple[Decision, PlanChange | None, bool]:
+    """``agree`` inside the round's deadline (see there)."""
     fence = getattr(store, "underlying_store", store)   # outlives rounds
     seen: str | bytes = ""
     launched = -1

@@ -491,7 +491,12 @@ class Watchers:
             return
         try:
             self.lease = NodeWatch(params, node, on_fenced=lambda: self._fenced(
-                stop_workers, node)).start()
+                stop_workers, node), on_kept=lambda: self._emit(
+                Event.FAILURE_SEEN, kind="lease_kept", node=node,
+                reason="this node's lease outlived etcd's trouble: etcd could not answer for "
+                       "a while but let no lease expire, so no other node counted this one "
+                       "lost; its workers, stopped when the loss was presumed, rejoin "
+                       "through a full round")).start()
         except Exception as exc:  # noqa: BLE001 - liveness is an accelerator, not a necessity
             log.warning("node leases unavailable (%s); lost nodes are seen through the "
                         "rendezvous and the workers only", exc)

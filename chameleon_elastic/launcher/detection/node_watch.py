@@ -16,7 +16,15 @@ Protocol (on top of ``rendezvous.liveness.NodeLiveness``):
 - ``lease_lost`` of our own node (the lease expired, or no keep-alive succeeded for ``ttl``: we
   were partitioned or frozen): our plan may be stale, so the agent fences itself: its workers
   are SIGKILLed at once from the lease thread (the agent's loop may be blocked in an etcd call
-  while cut off), and it rejoins through a new round, adopting the newest plan.
+  while cut off), and it rejoins through a new round, adopting the newest plan;
+- ``lease_kept`` of our own node, after a ``lease_lost``: the loss was presumed because etcd
+  could not answer (no leader for a while, a majority restarting), and etcd renewed the same
+  lease once it answered again. The key never went, so no other node counted this one lost:
+  a lost node is one whose lease etcd let expire, never one that etcd merely could not
+  answer. ``on_kept`` says so (the agent's ``failure_seen`` of kind ``lease_kept``), but the
+  fence stands: the workers were stopped when the loss was presumed (it had to be then: had
+  etcd expired the lease, the others would be planning without this node), so the node
+  rejoins through a full round as it would have anyway, and is not charged a crash.
 """
 
 from __future__ import annotations
@@ -35,9 +43,11 @@ log = logging.getLogger("chameleon_elastic.launcher.detection.node_watch")
 
 class NodeWatch:
     def __init__(self, params: RendezvousParameters, node: int,
-                 on_fenced: Callable[[], None] | None = None) -> None:
+                 on_fenced: Callable[[], None] | None = None,
+                 on_kept: Callable[[], None] | None = None) -> None:
         """``on_fenced`` runs on the lease thread the moment our lease is presumed lost: the
-        agent's own loop may be blocked in an etcd call it cannot finish while cut off."""
+        agent's own loop may be blocked in an etcd call it cannot finish while cut off.
+        ``on_kept`` runs there when etcd renewed that same lease after all (module docstring)."""
         from chameleon_elastic.rendezvous.client import EtcdClient
         from chameleon_elastic.rendezvous.config import EtcdSettings
         from chameleon_elastic.rendezvous.liveness import NodeLiveness
@@ -53,6 +63,13 @@ class NodeWatch:
                 self.fenced = True
                 if on_fenced is not None:
                     on_fenced()
+            elif event.node_id == self.node_id and event.kind == "lease_kept":
+                log.warning("the lease of %s outlived etcd's trouble: etcd could not answer, "
+                            "but it let the lease live, so no other node counted this one "
+                            "lost; it rejoins through a full round, its workers stopped",
+                            self.node_id)
+                if on_kept is not None:
+                    on_kept()
 
         self._live = NodeLiveness(self._client, settings.run_prefix(params.run_id),
                                   self.node_id, info={"node": node}, ttl=self.ttl,
@@ -63,7 +80,9 @@ class NodeWatch:
         return self
 
     def changes(self) -> tuple[list[Mapping[str, Any]], bool]:
-        """(infos of other nodes lost since the last call, whether our own lease was lost)."""
+        """(infos of other nodes lost since the last call, whether our own lease was lost: a
+        presumed loss counts even if etcd then kept the lease, ``lease_kept``, since the
+        workers were stopped at the presumption)."""
         lost, fenced = [], False
         while True:
             try:
