@@ -97,7 +97,7 @@ def _plan(generation: int, spares: tuple[int, ...] = ()) -> ExecutionPlan:
                           Pipeline((2, 3), ((0, 4), (4, 8)), 4)), spare_devices=spares)
 
 
-def test_join_peers_are_the_ring_and_the_pipeline_neighbours_reroutes_included():
+def test_join_peers_are_the_ring_and_the_pipeline_neighbours_reroutes_included(monkeypatch):
     """Device 1 is lost and its stage of pipeline 0 is rerouted to device 3: device 0 then
     sends its activations to 3, and 3 serves two pipelines; the relation stays symmetric."""
     plan = ExecutionPlan("reroute", 2, _plan(1).pipelines, failed_devices=(1,),
@@ -110,8 +110,14 @@ def test_join_peers_are_the_ring_and_the_pipeline_neighbours_reroutes_included()
     wide = Generation(1, "", "127.0.0.1", 0, tuple(range(64)))   # 64 ranks of (0, 1), (2, 3)
     assert regroup.join_peers(_plan(1), wide, 0) == {1, 63}   # its ring; 1 is its neighbour too
     assert regroup.join_peers(_plan(1), wide, 2) == {1, 3}
+    monkeypatch.delenv(regroup.LAZY_FROM_ENV, raising=False)
     assert not regroup.lazy_wins("gloo", regroup.LAZY_FROM - 1)
     assert regroup.lazy_wins("gloo", regroup.LAZY_FROM) and not regroup.lazy_wins("nccl", 1024)
+
+
+def test_lazy_from_can_be_lowered_from_the_environment(monkeypatch):
+    monkeypatch.setenv(regroup.LAZY_FROM_ENV, "2")
+    assert regroup.lazy_wins("gloo", 2) and not regroup.lazy_wins("gloo", 1)
 
 
 _SURVIVOR = textwrap.dedent("""
@@ -153,7 +159,7 @@ _SURVIVOR = textwrap.dedent("""
         print(json.dumps(said), flush=True)
         os._exit(0)
     dist.destroy_process_group()   # the survivors' abort, as in_place.py's, minus the cut
-    regroup.LAZY_FROM = 2   # this small world regroups as a large one would
+    os.environ[regroup.LAZY_FROM_ENV] = "2"   # this small world regroups as a large one would
     gen2 = Generation(2, plan2, "127.0.0.1", port, (0, 1, 2, 3))
     join.join_generation(gen2, link, "gloo", timeouts)
     said.update(gen2_pairs=pairs(), gen2=gathered(), world_size=os.environ["WORLD_SIZE"])
@@ -178,7 +184,8 @@ def test_survivors_regroup_with_lazy_pairs_and_their_collectives_work(ranks, tmp
     plan1.write_text(_plan(1, spares=(4,)).to_json())
     plan2.write_text(_plan(2).to_json())
     _, start = ranks
-    procs = start(_SURVIVOR, 5, str(plan1), str(plan2), drop_env=("TORCH_GLOO_LAZY_INIT",))
+    procs = start(_SURVIVOR, 5, str(plan1), str(plan2),
+                  drop_env=("TORCH_GLOO_LAZY_INIT", regroup.LAZY_FROM_ENV))
     said = []
     for proc in procs:
         line = proc.stdout.readline()

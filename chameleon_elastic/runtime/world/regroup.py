@@ -39,12 +39,14 @@ import torch.distributed as dist
 from chameleon_elastic.channel import Generation
 from chameleon_elastic.plan import ExecutionPlan
 
-__all__ = ["LAZY_ENV", "LAZY_FROM", "connect_peers", "join_peers", "lazy_pairs", "lazy_wins",
+__all__ = ["LAZY_ENV", "LAZY_FROM", "LAZY_FROM_ENV", "connect_peers", "join_peers", "lazy_pairs", "lazy_wins",
            "pipeline_peers", "ring_peers"]
 
 LAZY_ENV = "TORCH_GLOO_LAZY_INIT"
 #: the smallest world formed with lazy pairs (measured: docs/runtime.md, *The regroup at scale*)
 LAZY_FROM = 16
+#: overrides :data:`LAZY_FROM` (ranks): 2 runs a small job's regroups as a large one's would
+LAZY_FROM_ENV = "CHAMELEON_LAZY_PAIRS_FROM"
 _TAG = 0x7E5   # the connecting exchange's tag: apart from the runtime's own
 
 
@@ -66,8 +68,10 @@ def lazy_pairs(backend: str) -> Iterator[None]:
 
 def lazy_wins(backend: str, world_size: int) -> bool:
     """Whether a world of ``world_size`` ranks on ``backend`` is formed with lazy pairs: gloo
-    only (NCCL has its own bootstrap), from :data:`LAZY_FROM` ranks."""
-    return backend == "gloo" and world_size >= LAZY_FROM
+    only (NCCL has its own bootstrap), from :data:`LAZY_FROM` ranks (``LAZY_FROM_ENV`` when
+    set: so the in-place tests of a few workers can take the large world's path)."""
+    least = os.environ.get(LAZY_FROM_ENV)
+    return backend == "gloo" and world_size >= (LAZY_FROM if not least else int(least))
 
 
 def ring_peers(rank: int, world_size: int) -> set[int]:
