@@ -1,27 +1,33 @@
-"""What forming a generation's gloo world costs at 64-1024 ranks: the full mesh vs lazy pairs.
+"""The survivors' regroup of a gloo world at 4-1024 ranks: before (gloo's full mesh, what
+runtime/world/join.py did at every size) and after (what it does now: lazy pairs and the join
+peers from ``regroup.LAZY_FROM`` ranks, the full mesh below), both measured in one run.
 
 A regroup is torch's store-based ``init_process_group`` on the generation's fresh TCPStore
-(launcher/coordination/rounds.py ``open_worker_store``, runtime/world/join.py). gloo's default is a full mesh:
-every rank writes its address (one key of N pair addresses) and reads every other rank's, then
-opens a connection per pair: N^2 store reads on the store's server and N(N-1)/2 connections.
-With ``TORCH_GLOO_LAZY_INIT=1`` (torch >= 2.7, so 2.13 has it; runtime/world/regroup.py) a rank
-writes its address and connects a pair only when it first talks to that peer: N writes, then
-two reads per pair used. The runtime's first use of the world after a regroup is the agree
-all-gather (a ring: two peers per rank), so that is what this measures after formation.
+(launcher/coordination/rounds.py ``open_worker_store``, runtime/world/join.py). gloo's default
+is a full mesh (mode ``eager``): every rank writes its address (one key of N pair addresses) and
+reads every other rank's, then opens a connection per pair: N^2 store reads on the store's
+server and N(N-1)/2 connections. With ``TORCH_GLOO_LAZY_INIT=1`` (torch >= 2.7, so 2.13 has
+it; mode ``lazy``) a rank writes its address and connects a pair only when it first talks to
+that peer: N writes, then two reads per pair used. Mode ``joined`` is join.py's lazy regroup:
+lazy formation, then ``regroup.connect_peers`` of each rank's ``regroup.join_peers`` (its ring
+and its pipeline neighbours, for a plan of pipelines of ``STAGES`` devices), so the pairs it
+will use are open (and recorded for the watchdog) when the regroup returns. The runtime's
+first use of the world after a regroup is the agree all-gather (a ring), measured after.
 
 Ranks run as threads, ``--per-proc`` per process (a rank is a ``ProcessGroupGloo`` of its
 own: torch allows one default group per process, not one group per rank), against one
 TCPStore server in the parent, as the deciding agent hosts it. Every process creates its
 store clients first; then all ranks start forming at one moment. Reported per mode and world:
-formation (the start -> the last rank formed), the first all-gather (ring), the sockets the
-world holds (socket descriptors, both ends of each pair, and each rank's listener), and the
-store operations the mode makes (counted at 8 ranks with a counting store, then given as a
-formula of N). The full mesh at 1024 ranks needs about a million sockets (N(N-1) ends) and is
-not run: its row says so. Nor is the all-gather above 300 ranks: a ring of N ranks as threads on
-two cores is N^2 thread hand-offs (263 s at 1024), which measures the machine, not the regroup.
+formation (the start -> the last rank ready for its first collective; ``joined``: its peers
+connected), the first all-gather (ring), the sockets the world holds (socket descriptors, both
+ends of each pair, and each rank's listener), and the store operations the mode makes (counted
+at 8 ranks with a counting store, then given as a formula of N); then the before/after table.
+The full mesh at 1024 ranks needs about a million sockets (N(N-1) ends) and is not run: its row
+says so. Nor is the all-gather above 300 ranks: a ring of N ranks as threads on two cores is
+N^2 thread hand-offs (263 s at 1024), which measures the machine, not the regroup.
 
-    python benchmarks/regroup_scale.py [--worlds 64,256,1024] [--modes eager,lazy]
-        [--per-proc 64] [--json]
+    python benchmarks/regroup_scale.py [--worlds 4,16,64,256,1024] [--modes eager,lazy,joined]
+        [--per-proc 64] [--repeat 3] [--json]
 """
 
 from __future__ import annotations
@@ -42,6 +48,9 @@ MESH_LIMIT = 300
 #: a ring all-gather of N ranks as threads on a few cores is N^2 thread hand-offs (263 s at
 #: 1024 ranks on 2 cores, the load average near 1000): above this many it is not run
 GATHER_LIMIT = 300
+#: the plan ``joined`` connects the peers of: pipelines of this many stages
+STAGES = 4
+MODES = ("eager", "lazy", "joined")
 
 
 def _sockets() -> int:
@@ -54,15 +63,45 @@ def _sockets() -> int:
     return count
 
 
-def _ranks(first: int, count: int, world: int, port: int, lazy: bool, go: Any,
+def _plan_peers(world: int, stages: int) -> list[set[int]]:
+    """Each rank's join peers (runtime/world/regroup.py ``join_peers``, what join.py connects
+    with lazy pairs) for a plan of pipelines of ``stages`` devices over ``world`` ranks."""
+    from chameleon_elastic.channel import Generation
+    from chameleon_elastic.plan import ExecutionPlan, Pipeline
+    from chameleon_elastic.runtime.world import regroup
+
+    stages = max(1, min(stages, world))
+    pipes = tuple(Pipeline(tuple(range(first, min(first + stages, world))),
+                           tuple((s, s + 1) for s in range(min(stages, world - first))), 4)
+                  for first in range(0, world, stages))
+    plan = ExecutionPlan("initial", 1, pipes)
+    gen = Generation(1, "", "127.0.0.1", 0, tuple(range(world)))
+    return [regroup.join_peers(plan, gen, r) for r in range(world)]
+
+
+def _connect(group: Any, rank: int, peers: set[int]) -> None:
+    """regroup.connect_peers on a bare ProcessGroupGloo: one element each way per peer."""
+    import torch
+
+    works = []
+    for peer in sorted(peers):
+        works.append(group.send([torch.zeros(1)], peer, 0x7E5))
+        works.append(group.recv([torch.zeros(1)], peer, 0x7E5))
+    for work in works:
+        work.wait()
+
+
+def _ranks(first: int, count: int, world: int, port: int, mode: str, go: Any,
            out: Any) -> None:
-    """One process's ranks: store clients first, then (at ``go``) formation, then the first
-    all-gather; puts (formed at, all-gathered at, sockets held) per process."""
+    """One process's ranks: store clients first, then (at ``go``) formation (and, ``joined``,
+    connecting the join peers: the regroup), then the first all-gather; puts (ready at,
+    all-gathered at, sockets held) per process."""
     import torch
     import torch.distributed as dist
 
-    if lazy:
+    if mode != "eager":
         os.environ[LAZY_ENV] = "1"
+    peers = _plan_peers(world, STAGES) if mode == "joined" else None
     timeout = timedelta(seconds=300)
     stores = [dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
               for _ in range(count)]
@@ -76,6 +115,8 @@ def _ranks(first: int, count: int, world: int, port: int, lazy: bool, go: Any,
         try:
             groups[i] = dist.ProcessGroupGloo(dist.PrefixStore("gen/1/", stores[i]),
                                               first + i, world, timeout)
+            if peers is not None:
+                _connect(groups[i], first + i, peers[first + i])
             formed[i] = time.monotonic()
             barrier.wait()   # every rank of this process formed: then the all-gather
             if world > GATHER_LIMIT:
@@ -105,8 +146,9 @@ def _ranks(first: int, count: int, world: int, port: int, lazy: bool, go: Any,
     os._exit(0)   # gloo's threads need no orderly exit
 
 
-def form(world: int, lazy: bool, per_proc: int) -> dict[str, Any]:
-    """Form one world of ``world`` ranks; the slowest rank's times and the sockets held."""
+def form(world: int, mode: str, per_proc: int) -> dict[str, Any]:
+    """Form one world of ``world`` ranks in ``mode``; the slowest rank's times (formation:
+    until every rank can run its first collective) and the sockets held."""
     import torch.distributed as dist
 
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
@@ -119,7 +161,7 @@ def form(world: int, lazy: bool, per_proc: int) -> dict[str, Any]:
         go = ctx.Queue()
         gos.append(go)
         procs.append(ctx.Process(target=_ranks, args=(first, min(per_proc, world - first),
-                                                      world, server.port, lazy, go, out)))
+                                                      world, server.port, mode, go, out)))
     for p in procs:
         p.start()
     for _ in procs:
@@ -208,15 +250,61 @@ def _all(fn: Any, world: int) -> None:
         t.join()
 
 
+def measure(world: int, mode: str, per_proc: int, repeat: int) -> dict[str, Any]:
+    """One row: ``world`` ranks in ``mode``, the median of ``repeat`` formations (the full
+    mesh above MESH_LIMIT is not run: the row says why), with the store operations."""
+    row: dict[str, Any] = {"ranks": world, "mode": mode}
+    if mode == "eager" and world > MESH_LIMIT:
+        row["skipped"] = (f"the full mesh needs {world * (world - 1):,} socket ends; "
+                          f"not run above {MESH_LIMIT} ranks on one machine")
+    else:
+        print(f"  {mode}: forming {world} ranks x{repeat}", file=sys.stderr, flush=True)
+        runs = [form(world, mode, per_proc) for _ in range(repeat)]
+        row.update(runs[len(runs) // 2] if repeat == 1 else _median(runs))
+        row["formation_runs_s"] = [r["formation_s"] for r in runs]
+    row["store_writes"] = world
+    pairs = len(set().union(*({frozenset((r, p)) for p in ps}
+                              for r, ps in enumerate(_plan_peers(world, STAGES)))))
+    row["store_reads"] = {"eager": world * world, "lazy": 2 * world,   # ring: 2 per rank
+                          "joined": 2 * pairs}[mode]
+    return row
+
+
+def _median(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    ordered = sorted(runs, key=lambda r: r["formation_s"])
+    return dict(ordered[len(ordered) // 2])
+
+
+def before_after(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per world: the regroup before (gloo's full mesh, what join.py did at every size) and
+    after (what join.py does now: lazy pairs and the join peers from ``LAZY_FROM`` ranks,
+    the full mesh below), both from this run."""
+    from chameleon_elastic.runtime.world.regroup import lazy_wins
+
+    by = {(r["ranks"], r["mode"]): r for r in rows}
+    out = []
+    for world in sorted({r["ranks"] for r in rows}):
+        before, after_mode = by.get((world, "eager")), ("joined" if lazy_wins("gloo", world)
+                                                        else "eager")
+        after = by.get((world, after_mode))
+        out.append({"ranks": world, "after_mode": after_mode,
+                    "before_s": None if before is None else before.get("formation_s"),
+                    "after_s": None if after is None else after.get("formation_s")})
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--worlds", default="64,256,1024",
-                        help="world sizes (default 64,256,1024)")
-    parser.add_argument("--modes", default="eager,lazy",
-                        help="eager (gloo's full mesh, today's regroup) and/or lazy "
-                             "(TORCH_GLOO_LAZY_INIT: pairs on first use); default both")
+    parser.add_argument("--worlds", default="4,16,64,256,1024",
+                        help="world sizes (default 4,16,64,256,1024)")
+    parser.add_argument("--modes", default="eager,lazy,joined",
+                        help="eager (gloo's full mesh: the regroup before), lazy "
+                             "(TORCH_GLOO_LAZY_INIT: pairs on first use), joined (lazy, then "
+                             "the join peers connected: join.py's regroup now); default all")
     parser.add_argument("--per-proc", type=int, default=64,
                         help="ranks (threads) per process (default 64)")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="formations per row below 256 ranks, the median reported")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
     try:
@@ -224,45 +312,44 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:
         parser.error(f"--worlds {args.worlds!r} must be comma-separated integers, e.g. 64,256")
     modes = args.modes.split(",")
-    if not set(modes) <= {"eager", "lazy"} or min(worlds) < 2 or args.per_proc < 1:
-        parser.error("--modes takes eager and/or lazy, --worlds sizes of 2 or more, "
-                     "--per-proc 1 or more")
-    say = (lambda s: print(s, file=sys.stderr, flush=True))
-    ops = {m: store_ops(m == "lazy") for m in modes}
-    rows = []
-    for world in worlds:
-        for mode in modes:
-            row: dict[str, Any] = {"ranks": world, "mode": mode}
-            if mode == "eager" and world > MESH_LIMIT:
-                row["skipped"] = (f"the full mesh needs {world * (world - 1):,} socket ends; "
-                                  f"not run above {MESH_LIMIT} ranks on one machine")
-            else:
-                say(f"  {mode}: forming {world} ranks")
-                row.update(form(world, mode == "lazy", args.per_proc))
-            n = world
-            row["store_writes"] = n
-            row["store_reads"] = n * n if mode == "eager" else 2 * n   # ring: 2 per rank
-            rows.append(row)
-    result = {"benchmark": "regroup_scale", "store_ops_at_8": ops, "rows": rows}
+    if not set(modes) <= set(MODES) or min(worlds) < 2 or args.per_proc < 1 or args.repeat < 1:
+        parser.error("--modes takes eager, lazy and/or joined, --worlds sizes of 2 or more, "
+                     "--per-proc and --repeat 1 or more")
+    load = os.getloadavg()[0]
+    ops = {m: store_ops(m == "lazy") for m in modes if m != "joined"}
+    rows = [measure(w, m, args.per_proc, args.repeat if w < 256 else 1)
+            for w in worlds for m in modes]
+    result = {"benchmark": "regroup_scale", "store_ops_at_8": ops, "rows": rows,
+              "before_after": before_after(rows), "stages": STAGES,
+              "load_1min": {"start": load, "end": os.getloadavg()[0]}}
     if args.json:
         json.dump(result, sys.stdout, indent=2)
         print()
-        return 0
-    for mode, counted in ops.items():
+    else:
+        _print(result)
+    return 0
+
+
+def _print(result: dict[str, Any]) -> None:
+    for mode, counted in result["store_ops_at_8"].items():
         print(f"{mode}, 8 ranks: formation {counted['formation_writes']} writes, "
               f"{counted['formation_reads']} reads; first all-gather "
               f"{counted['allgather_reads']} reads")
     print("ranks | mode | formation | first all-gather | sockets | store writes | store reads")
-    for r in rows:
+    for r in result["rows"]:
         if "skipped" in r:
             print(f"{r['ranks']} | {r['mode']} | - | - | - | {r['store_writes']:,} | "
                   f"{r['store_reads']:,} ({r['skipped']})")
             continue
-        gather = (f"{r['first_allgather_s']:.2f} s" if "first_allgather_s" in r
+        gather = (f"{r['first_allgather_s']:.3f} s" if "first_allgather_s" in r
                   else "not run")
-        print(f"{r['ranks']} | {r['mode']} | {r['formation_s']:.2f} s | {gather} | "
+        print(f"{r['ranks']} | {r['mode']} | {r['formation_s']:.3f} s | {gather} | "
               f"{r['sockets']:,} | {r['store_writes']:,} | {r['store_reads']:,}")
-    return 0
+    print("ranks | regroup before (full mesh) | regroup after (join.py now) | after's mode")
+    for r in result["before_after"]:
+        before = "not run" if r["before_s"] is None else f"{r['before_s']:.3f} s"
+        after = "not run" if r["after_s"] is None else f"{r['after_s']:.3f} s"
+        print(f"{r['ranks']} | {before} | {after} | {r['after_mode']}")
 
 
 if __name__ == "__main__":

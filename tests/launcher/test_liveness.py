@@ -189,7 +189,7 @@ def test_a_quick_rounds_decider_hosts_the_worker_store_at_its_own_address():
     """In a quick round the decider may be another node than the one that hosted the last full
     round's store; when that node is the one lost, its address is unreachable. The decider
     hosts the new worker store at its own --local-addr (chaos trials 2, 6 and 8 timed out
-    connecting to the lost node's address)."""
+    connecting to the lost node's address). It serves on torch's libuv backend."""
     from types import SimpleNamespace
 
     import torch.distributed as dist
@@ -206,6 +206,7 @@ def test_a_quick_rounds_decider_hosts_the_worker_store_at_its_own_address():
     spec = SimpleNamespace(master_addr=None, local_addr="127.0.0.1")
     addr, port = rounds.open_worker_store(spec, info, host=True)
     assert addr == "127.0.0.1"
+    assert rounds._worker_store.libuvBackend   # what serves 16k ranks (worker_store_scale.py)
     client = dist.TCPStore(addr, port, is_master=False)   # reachable there
     client.set("k", "v")
     rounds.close()

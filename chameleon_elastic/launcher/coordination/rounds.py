@@ -254,9 +254,12 @@ class Rounds:
         addr = spec.master_addr or spec.local_addr or info.bootstrap_store_info.master_addr
         if self._served != self.attempt or self._worker_store is None:
             self._worker_store = None  # drop an earlier round's server first (not _in_use)
+            # libuv (torch's default since 2.4, named so it stays): the legacy server
+            # took 73 s to accept 16k ranks, libuv 13 s (benchmarks/worker_store_scale.py)
             self._worker_store = dist.TCPStore(host_name=addr, port=0, is_master=True,
                                                wait_for_workers=False, multi_tenant=False,
-                                               timeout=self._timeouts.delta("store_s"))
+                                               timeout=self._timeouts.delta("store_s"),
+                                               use_libuv=True)
             self._served = self.attempt
         return addr, self._worker_store
 

@@ -5,13 +5,16 @@ Under ``chameleon-run --job`` a generation's world meets on the worker store und
 its own, ``chameleon/gen/<N>/``, so a worker can never read an abandoned attempt's keys; the
 process's environment is then rewritten to describe the generation (RANK, WORLD_SIZE, MASTER_*,
 CHAMELEON_*). The sockets opened while forming the group are recorded (:mod:`.abort`) so the
-watchdog can unblock them. Why ``torch._dynamo`` is imported first: see
+watchdog can unblock them. A large gloo world is formed with lazy pairs and connects only the
+peers its rank will use (:mod:`.regroup`): the full mesh's N^2 store reads and N(N-1)/2
+connections made a 1024-rank regroup too slow to finish. Why ``torch._dynamo`` is imported first: see
 :func:`preload_before_groups`. One module for both entries, so a fresh process and a survivor
 join the same way.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from datetime import timedelta
@@ -26,6 +29,7 @@ from chameleon_elastic.timeouts import Timeouts
 
 from ..errors import PeerLost, PipelineRuntimeError
 from ..topology import tp_from_env
+from . import regroup
 from .abort import GroupSockets, new_sockets
 from .groups import init_world
 from .link import WorkerLink
@@ -58,14 +62,20 @@ def join_generation(gen: Generation, link: WorkerLink, backend: str, timeouts: T
     preload_before_groups()
     device, rank = link.device, gen.rank(link.device, link.tp_rank)
     began = time.perf_counter()
+    lazy = regroup.lazy_wins(backend, gen.world_size)
+    peers = (regroup.join_peers(read_plan(gen.plan_file), gen, device, link.tp_rank) if lazy
+             else set())
     # the store client's socket is the world's too: groups formed later (a checkpoint's)
     # wait on the store, and a superseded generation's store may be frozen with its host
-    with new_sockets() as sockets:
+    forming = regroup.lazy_pairs(backend) if lazy else contextlib.nullcontext()
+    with forming, new_sockets() as sockets:
         store = _connect(gen, link, timeouts)
         try:
             torch_compat.forget_failed_group_names()
             init_world(backend, timeouts.delta("collective_s"),
                        dist.PrefixStore(gen.prefix, store), rank, gen.world_size)
+            if lazy:   # the pairs this rank will use, open while their sockets are recorded
+                regroup.connect_peers(peers)
         except RuntimeError as exc:
             raise PeerLost(f"device {device} could not join generation {gen.generation}: "
                            f"{exc}") from exc
