@@ -156,13 +156,14 @@ def _share_local_work(local: dict[str, float]) -> None:
         self.plan, self.excluded, self.speeds = plan, set(excluded), dict(speeds)
         self._plan_hash, self.plan_file = plan_hash, plan_file
 
-    def step(self: Any, lost: Any, joined: Any, speeds: Any, renew: bool) -> Any:
+    def step(self: Any, lost: Any, joined: Any, speeds: Any, renew: bool,
+             quiet: bool = False) -> Any:
         key = (self.digest, tuple(sorted(lost)), tuple(sorted(joined)),
-               tuple(sorted(speeds.items())), renew)
+               tuple(sorted(speeds.items())), renew, quiet)
         with lock:
             if key not in stepped:
                 start = time.thread_time()
-                change = real_step(self, lost, joined, speeds, renew)
+                change = real_step(self, lost, joined, speeds, renew, quiet)
                 local["step_cpu_s"] = max(local.get("step_cpu_s", 0.0),
                                           time.thread_time() - start)
                 stepped[key] = (change, keep(self))
