@@ -34,6 +34,7 @@ import json
 import math
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -78,6 +79,21 @@ def _kill_rank_1(launcher: int) -> bool:
     return False
 
 
+def _kill_tree(pid: int) -> None:
+    """SIGKILL a launcher and every process under it (its workers may have sessions of their
+    own)."""
+    try:
+        root = psutil.Process(pid)
+        victims = [*root.children(recursive=True), root]
+    except psutil.Error:
+        return
+    for p in victims:
+        try:
+            p.send_signal(signal.SIGKILL)
+        except psutil.Error:
+            pass
+
+
 def one_run(tool: str, nproc: int, script: list[str], job: list[str], timeout_s: float,
             baseline: str | None = None, kill_at: int | None = None) -> dict[str, float]:
     """One launch of ``tool`` (``torchrun``, ``chameleon`` or ``baseline``: chameleon-run from
@@ -97,6 +113,10 @@ def one_run(tool: str, nproc: int, script: list[str], job: list[str], timeout_s:
     began_wall, began = time.time(), time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", module, *flags, *script], cwd=cwd,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+    # a relaunch can hang (torchrun's stale store: docs/launcher.md, *Measured*); reading its
+    # output would wait for good, so the whole session is killed at the deadline
+    deadline = threading.Timer(timeout_s, _kill_tree, (proc.pid,))
+    deadline.start()
     seen: dict[int, float] = {}
     stop = threading.Event()
     watcher = threading.Thread(target=_watch_children, args=(proc.pid, seen, stop), daemon=True)
@@ -117,16 +137,20 @@ def one_run(tool: str, nproc: int, script: list[str], job: list[str], timeout_s:
                 killed_at = time.perf_counter() - began
         elif step == 0 and killed_at is not None and math.isnan(restarted):
             restarted = now - killed_at
-    code = proc.wait(timeout=timeout_s)
+    code = proc.wait()
     ended = time.perf_counter() - began
+    hung = not deadline.is_alive() and code == -signal.SIGKILL
+    deadline.cancel()
     stop.set()
     watcher.join()
-    if code != 0 or not steps:
-        raise RuntimeError(f"{tool} exited with {code} after {len(steps)} step lines")
+    if hung or code != 0 or not steps:
+        why = f"hung: killed after {timeout_s:.0f} s" if hung else f"exited with {code}"
+        print(f"{tool} {why} after {len(steps)} step lines", file=sys.stderr, flush=True)
+        return {**dict.fromkeys(PHASES, float("nan")), "failed": 1.0}
     workers = sorted(seen.values())
     start = (workers[0] - began_wall) if workers else float("nan")
     return {"start": start, "first_step": steps[0], "train": steps[-1] - steps[0],
-            "exit": ended - steps[-1], "wall": ended, "restart": restarted}
+            "exit": ended - steps[-1], "wall": ended, "restart": restarted, "failed": 0.0}
 
 
 def _median(values) -> float:
@@ -146,7 +170,13 @@ def table(runs: dict[str, list[dict[str, float]]]) -> str:
         rows.append(f"{p:<18}{t:>10.2f}" + "".join(
             f"{med[tool][p]:>11.2f}{med[tool][p] / t if t else float('nan'):>7.2f}"
             f"{med[tool][p] - t:>+7.2f}" for tool in others))
+    rows.append(f"{'failed or hung':<18}{_failed(runs['torchrun']):>10}" + "".join(
+        f"{_failed(runs[tool]):>11}{'':>14}" for tool in others))
     return "\n".join(rows)
+
+
+def _failed(rs: list[dict[str, float]]) -> str:
+    return f"{sum(int(r.get('failed', 0)) for r in rs)}/{len(rs)}"
 
 
 def main() -> None:
@@ -156,7 +186,8 @@ def main() -> None:
     ap.add_argument("--job", default=None, help="chameleon-run --job FILE (default: none)")
     ap.add_argument("--preset", default=None, help="chameleon-run --preset NAME")
     ap.add_argument("--load", type=int, default=0, help="busy loops beside the runs")
-    ap.add_argument("--timeout", type=float, default=300)
+    ap.add_argument("--timeout", type=float, default=120,
+                    help="seconds a run may take before it counts as hung (default 120)")
     ap.add_argument("--kill-at", type=int, default=None, metavar="STEP",
                     help="SIGKILL rank 1's worker once step line STEP is out; time the restart")
     ap.add_argument("--baseline-tree", default=None, metavar="DIR",
