@@ -40,7 +40,7 @@ from collections.abc import Sequence
 from ...plan import ExecutionPlan
 from ...planning.search import initial_plan
 from ..engine import EventContext, Phase, Reaction
-from .common import restart_pipelines, running
+from .common import running
 from .restart import CheckpointFallback
 
 __all__ = ["REDO_STEPS", "NvrxPolicy"]
@@ -60,12 +60,7 @@ class NvrxPolicy(CheckpointFallback):
 
     def react(self, ctx: EventContext, failed: Sequence[int],
               joined: Sequence[int]) -> Reaction:
-        working = set(self.plan.working_devices) if self.plan is not None else set()
-        hit = any(d in working for d in failed)
-        self.live = (self.live - set(failed)) | set(joined)
-        now_dp = 0 if self.plan is None else len(self.plan.pipelines)
-        grows = restart_pipelines(self.spec, len(self.live)) > now_dp
-        if not hit and not grows:   # a standby died or came back: it waits for the next loss
+        if not self.needs_restart(failed, joined):
             return Reaction(ctx.remaining, 0.0, "spare")
         self.plan, reaction = self.restart(ctx, sorted(self.live), stalls=False, label="run",
                                            restart_s=self.constants.nvrx_restart_s,

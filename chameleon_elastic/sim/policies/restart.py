@@ -55,6 +55,16 @@ class CheckpointFallback:
         period = self.interval_s + (self.save_s if stalls else 0.0)
         return self.resumed_s + math.floor((now_s - self.resumed_s) / period) * period
 
+    def needs_restart(self, failed: Sequence[int], joined: Sequence[int]) -> bool:
+        """Note the devices lost and back (``live``); whether that takes a restart: a working
+        device lost, or enough devices for more pipelines. A standby that died or came back
+        waits for the next loss."""
+        working = set(self.plan.working_devices) if self.plan is not None else set()
+        hit = any(d in working for d in failed)
+        self.live = (self.live - set(failed)) | set(joined)
+        now_dp = 0 if self.plan is None else len(self.plan.pipelines)
+        return hit or restart_pipelines(self.spec, len(self.live)) > now_dp
+
     def restart(self, ctx: EventContext, live: Sequence[int], stalls: bool, label: str,
                 restart_s: float | None = None, redo_steps: int = 0
                 ) -> tuple[ExecutionPlan | None, Reaction]:
@@ -94,12 +104,7 @@ class CheckpointPolicy(CheckpointFallback):
 
     def react(self, ctx: EventContext, failed: Sequence[int],
               joined: Sequence[int]) -> Reaction:
-        working = set(self.plan.working_devices) if self.plan is not None else set()
-        hit = any(d in working for d in failed)
-        self.live = (self.live - set(failed)) | set(joined)
-        now_dp = 0 if self.plan is None else len(self.plan.pipelines)
-        grows = restart_pipelines(self.spec, len(self.live)) > now_dp
-        if not hit and not grows:
+        if not self.needs_restart(failed, joined):
             return Reaction(ctx.remaining, 0.0, "spare")
         self.plan, reaction = self.restart(ctx, sorted(self.live), stalls=True, label="run")
         return reaction
