@@ -298,7 +298,7 @@ def test_a_stopped_worker_is_declared_hung_killed_and_recovered_in_place(tmp_pat
     log = run.log.read_text()
     waiting = log.index("device 1: no progress for ")          # said while it waited
     assert "(hung at 3 s)" in log[waiting:waiting + 60]
-    assert waiting < log.index("device 1 lost (hung: no progress for ")
+    assert waiting < log.index("device 1 lost (stopped: no progress for ")
     assert not pid_alive(victim)
 
 

@@ -130,7 +130,7 @@ def test_a_stopped_worker_is_cut_out_in_seconds_before_its_pace_is_known(tmp_pat
     seen = [e for e in read_events(state / "events.jsonl") if e["event"] == "failure_seen"]
     assert [e["device"] for e in seen] == [1], seen
     assert "process stopped" in seen[0]["reason"] and seen[0]["hang_s"] == STOPPED_S, seen
-    assert "device 1 lost (hung: no progress for " in run.log.read_text()
+    assert "device 1 lost (stopped: no progress for " in run.log.read_text()
     assert not pid_alive(victim)
     assert_single_process_results(out, [0], 12)
 

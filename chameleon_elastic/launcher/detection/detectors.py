@@ -73,7 +73,7 @@ class DeviceBook:
         self.lost |= lost
         self.unhealthy |= bad
         self.why.update({d: "health check" for d in bad})
-        self.why.update({f.device // tp: f.signal or f.reason.split(",")[0] for f in failures
+        self.why.update({f.device // tp: f.signal or _said(f.reason) for f in failures
                          if f.kind is FailureKind.DEVICE_LOST})
 
     def settle(self) -> None:
@@ -539,3 +539,10 @@ class Watchers:
     def verdict(self, session: Any, here: NodeCards, members: Collection[int]) -> bool:
         excluded = set(session.excluded) if session is not None else set()
         return lease_verdict(self.lease, excluded, here.units_per_node, self._emit, members)
+
+
+def _said(reason: str) -> str:
+    """A hang as the recovery line says it: ``hung: no progress for 3.0 s``, or ``stopped: ...``
+    for a stopped process (SIGSTOP, a frozen container), which is not a hang in the code."""
+    said, _, how = reason.partition(",")
+    return said.replace("hung:", "stopped:", 1) if how.strip() == "process stopped" else said
