@@ -69,6 +69,18 @@ def _steps(out) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
+def _three_nodes(launch, tmp_path, endpoint: str, rdzv_id: str, out, steps: int,
+                 *flags: str) -> dict:
+    """Agents a, b and c of the tiny-cpu-standby job on etcd-v3: two train, one stands by."""
+    common = ["--nnodes", "3", "--nproc-per-node", "2", "--rdzv-backend", "etcd-v3",
+              "--rdzv-endpoint", endpoint, "--rdzv-id", rdzv_id,
+              "--rdzv-conf", "last_call_timeout=5,lease_ttl=2", "--local-addr", "127.0.0.1",
+              "--monitor-interval", "0.1", "--no-status", *flags, "--preset", "tiny-cpu-standby"]
+    return {name: launch("chameleon", [*common, "--state-dir", str(tmp_path / name), MLP_FAULTS,
+                                       str(out), str(steps), "--pace", "0.2"], name=name)
+            for name in ("a", "b", "c")}
+
+
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("fault", ["worker", "node"])
 def test_a_standby_node_takes_the_place_of_a_lost_device(tmp_path, launch, fault):
@@ -84,14 +96,7 @@ def test_a_standby_node_takes_the_place_of_a_lost_device(tmp_path, launch, fault
     steps = 14
     names = ("a", "b", "c")
     with local_etcd.LocalEtcd(data_dir=tmp_path / "etcd") as etcd:
-        common = ["--nnodes", "3", "--nproc-per-node", "2", "--rdzv-backend", "etcd-v3",
-                  "--rdzv-endpoint", etcd.endpoint, "--rdzv-id", f"standby-{fault}",
-                  "--rdzv-conf", "last_call_timeout=5,lease_ttl=2", "--local-addr",
-                  "127.0.0.1", "--monitor-interval", "0.1", "--no-status", "--preset",
-                  "tiny-cpu-standby"]
-        agents = {name: launch("chameleon", [*common, "--state-dir", str(tmp_path / name),
-                                             MLP_FAULTS, str(out), str(steps), "--pace",
-                                             "0.2"], name=name) for name in names}
+        agents = _three_nodes(launch, tmp_path, etcd.endpoint, f"standby-{fault}", out, steps)
         wait_for(lambda: _steps(out) >= 5, 90, "the job training on two of the three nodes")
         node = {name: _node_of(tmp_path / name) for name in names}
         standby = next(n for n in names if node[n] == 2)
@@ -162,14 +167,8 @@ def test_a_lost_standby_is_said_and_the_training_workers_never_hear_of_it(tmp_pa
     out.mkdir()
     steps, names = 14, ("a", "b", "c")
     with local_etcd.LocalEtcd(data_dir=tmp_path / "etcd") as etcd:
-        common = ["--nnodes", "3", "--nproc-per-node", "2", "--rdzv-backend", "etcd-v3",
-                  "--rdzv-endpoint", etcd.endpoint, "--rdzv-id", f"quiet-{fault}",
-                  "--rdzv-conf", "last_call_timeout=5,lease_ttl=2", "--local-addr",
-                  "127.0.0.1", "--monitor-interval", "0.1", "--no-status", "--stragglers",
-                  "off", "--preset", "tiny-cpu-standby"]
-        agents = {name: launch("chameleon", [*common, "--state-dir", str(tmp_path / name),
-                                             MLP_FAULTS, str(out), str(steps), "--pace",
-                                             "0.2"], name=name) for name in names}
+        agents = _three_nodes(launch, tmp_path, etcd.endpoint, f"quiet-{fault}", out, steps,
+                              "--stragglers", "off")
         wait_for(lambda: _steps(out) >= 4, 90, "the job training on two of the three nodes")
         node = {name: _node_of(tmp_path / name) for name in names}
         standby = next(n for n in names if node[n] == 2)
