@@ -37,10 +37,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ...plan import ExecutionPlan
-from ...planning.search import initial_plan
 from ..engine import EventContext, Phase, Reaction
-from .common import running
 from .restart import CheckpointFallback
 
 __all__ = ["REDO_STEPS", "NvrxPolicy"]
@@ -53,10 +50,7 @@ class NvrxPolicy(CheckpointFallback):
     name = "nvrx"
 
     def start(self) -> tuple[Phase, ...]:
-        self.plan: ExecutionPlan | None = initial_plan(self.spec)
-        self.live = set(self.plan.live_devices)
-        self.set_layout(self.plan)
-        return (running(self.spec, self.plan, "run"),)   # asynchronous checkpoints: no stall
+        return self.begin(stalls=False)   # asynchronous checkpoints: no stall
 
     def react(self, ctx: EventContext, failed: Sequence[int],
               joined: Sequence[int]) -> Reaction:

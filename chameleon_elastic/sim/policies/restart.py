@@ -55,6 +55,19 @@ class CheckpointFallback:
         period = self.interval_s + (self.save_s if stalls else 0.0)
         return self.resumed_s + math.floor((now_s - self.resumed_s) / period) * period
 
+    def _slowdown(self, stalls: bool) -> float:
+        """How much longer a step takes on average when saving stalls training."""
+        if not stalls or math.isinf(self.interval_s):
+            return 1.0
+        return (self.interval_s + self.save_s) / self.interval_s
+
+    def begin(self, stalls: bool) -> tuple[Phase, ...]:
+        """Training on the initial plan, every device live, saving every interval."""
+        self.plan: ExecutionPlan | None = initial_plan(self.spec)
+        self.live = set(self.plan.live_devices)
+        self.set_layout(self.plan)
+        return (running(self.spec, self.plan, "run", slowdown=self._slowdown(stalls)),)
+
     def needs_restart(self, failed: Sequence[int], joined: Sequence[int]) -> bool:
         """Note the devices lost and back (``live``); whether that takes a restart: a working
         device lost, or enough devices for more pipelines. A standby that died or came back
@@ -79,10 +92,7 @@ class CheckpointFallback:
         if plan is None:
             return None, Reaction((STALLED,), lost, "stalled")
         self.set_layout(plan)
-        slowdown = 1.0
-        if stalls and not math.isinf(self.interval_s):
-            slowdown = (self.interval_s + self.save_s) / self.interval_s
-        then = running(self.spec, plan, label, slowdown=slowdown)
+        then = running(self.spec, plan, label, slowdown=self._slowdown(stalls))
         assert then.step_time_s is not None
         fixed = self.spec.cluster.restart_s if restart_s is None else restart_s
         pause = fixed + redo_steps * then.step_time_s + self.save_s
@@ -94,13 +104,7 @@ class CheckpointPolicy(CheckpointFallback):
     name = "checkpoint"
 
     def start(self) -> tuple[Phase, ...]:
-        self.plan: ExecutionPlan | None = initial_plan(self.spec)
-        self.live = set(self.plan.live_devices)
-        self.set_layout(self.plan)
-        slowdown = 1.0
-        if not math.isinf(self.interval_s):
-            slowdown = (self.interval_s + self.save_s) / self.interval_s
-        return (running(self.spec, self.plan, "run", slowdown=slowdown),)
+        return self.begin(stalls=True)
 
     def react(self, ctx: EventContext, failed: Sequence[int],
               joined: Sequence[int]) -> Reaction:
