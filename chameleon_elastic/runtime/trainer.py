@@ -426,5 +426,5 @@ class PipelineTrainer:
         self.feed.close()
         if self.saving is not None:
             self.saving.settle(self.timeouts.collective_s)
-        self.snapshots.settle(self.timeouts.collective_s)
+        self.snapshots.close(self.timeouts.collective_s)
         self.release_groups()

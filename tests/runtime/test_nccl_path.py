@@ -31,9 +31,10 @@ from chameleon_elastic.plugins import cuda as cuda_plugin
 from chameleon_elastic.plugins import get_backend
 from chameleon_elastic.plugins.cuda import CudaBackend
 from chameleon_elastic.runtime.errors import DeviceContextLost
-from chameleon_elastic.runtime.recovery import in_place
 from chameleon_elastic.runtime.recovery.in_place import Recovery
+from chameleon_elastic.runtime.world import abort as abort_module
 from chameleon_elastic.runtime.world import groups as groups_module
+from chameleon_elastic.runtime.world.abort import Freeing
 from chameleon_elastic.runtime.world.groups import GroupTable, init_world
 
 pytestmark = pytest.mark.timeout(60)
@@ -71,7 +72,7 @@ def _recovery(backend, plan_groups) -> Recovery:
                               groups=table, tp_groups=None, save_group=None)
     recovery = Recovery.__new__(Recovery)
     recovery.trainer, recovery.backend, recovery.watchdog = trainer, backend, None
-    recovery._freeing = []
+    recovery._freeing = Freeing()
     recovery.link = SimpleNamespace(device=3)
     return recovery
 
@@ -86,7 +87,7 @@ def _freed(monkeypatch) -> list[list[object]]:
         thread.start()
         return thread
 
-    monkeypatch.setattr(in_place, "free_later", record)
+    monkeypatch.setattr(abort_module, "free_later", record)
     return freed
 
 

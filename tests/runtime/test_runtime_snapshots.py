@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import re
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -201,6 +202,28 @@ def test_a_slow_exchange_that_ends_is_kept_and_named(caplog, monkeypatch):
     assert 12 in snapshots.slots
     assert re.search(r"snapshot 12: took \d+\.\d s to end after the failure \(Connection "
                      r"closed by peer\)", caplog.text)
+
+
+class _SlowToFree:
+    """Stands in for a gloo group, whose destructor waits for its device loop (20-30 ms)."""
+
+    def __init__(self, freed: threading.Event) -> None:
+        self._freed = freed
+
+    def __del__(self) -> None:
+        time.sleep(0.3)
+        self._freed.set()
+
+
+def test_closing_frees_the_snapshot_group_before_it_returns():
+    """Entering a plan frees the snapshot group on a thread of its own; closing must wait for
+    that thread, since a process that ends while it is inside a group's destructor dies by
+    SIGABRT (a CI run: "terminate called without an active exception" after a rejoin)."""
+    snapshots, freed = Snapshots(4), threading.Event()
+    snapshots._group = _SlowToFree(freed)
+    snapshots.close(30)
+    assert freed.is_set(), "close returned with the group still being freed"
+    assert not [t for t in threading.enumerate() if t.name == "chameleon-free-groups"]
 
 
 def test_a_packed_copy_lives_in_host_memory_and_unpacks_to_the_state():

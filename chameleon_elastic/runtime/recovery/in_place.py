@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 from dataclasses import replace
 from datetime import timedelta
@@ -71,7 +70,7 @@ from chameleon_elastic.retries import DEFAULT_CAP, FailureStreak
 
 from ..errors import DeviceContextLost, PipelineRuntimeError, keep_message_only
 from ..state.commit import StateLost
-from ..world.abort import Watchdog, free_later, world_sockets
+from ..world.abort import Freeing, Watchdog, world_sockets
 from ..world.join import join_generation, read_plan, waited_s
 from ..world.link import WorkerLink
 from .deadlines import RecoveryClock, transfer_bytes
@@ -84,8 +83,6 @@ log = logging.getLogger("chameleon_elastic.runtime.recovery.in_place")
 #: how long the watchdog's wait for a generation lasts before it is renewed (a generation
 #: may be hours away)
 WATCH_WAIT = timedelta(hours=1)
-#: seconds a closing worker waits for the groups being freed in the background
-FREE_WAIT = 5.0
 
 
 class GaveUp(PipelineRuntimeError):
@@ -108,7 +105,7 @@ class Recovery:
         self.registered = False
         self.watchdog: Watchdog | None = None
         self._entering = time.time()   # the trainer enters its first plan next
-        self._freeing: list[threading.Thread] = []   # threads freeing aborted groups
+        self._freeing = Freeing()   # the aborted groups
         self.clock = RecoveryClock(
             backend.unblock, lambda: trainer.group_sockets | trainer.unit_sockets
             | world_sockets(), trainer.phases.allow, spare_port=link.port)
@@ -140,7 +137,7 @@ class Recovery:
         if dist.is_initialized():
             groups.append(dist.group.WORLD)
         self.backend.abort_process_groups()
-        self._freeing = [t for t in self._freeing if t.is_alive()] + [free_later(groups)]
+        self._freeing.later(groups)
 
     def check_device(self, cause: str) -> None:
         """Raise :class:`~.errors.DeviceContextLost` when ``cause`` says this process's device
@@ -276,8 +273,7 @@ class Recovery:
         if self.watchdog is not None:
             self.watchdog.stop()
         self.link.stop_beats()
-        for thread in self._freeing:   # groups freed in the background (abort)
-            thread.join(FREE_WAIT)
+        self._freeing.join()
 
     def step_committed(self, step_s: float) -> None:
         """A step committed here in ``step_s``: the end of a recovery's first step, if one

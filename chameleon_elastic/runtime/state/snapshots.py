@@ -53,7 +53,7 @@ from chameleon_elastic.planning.snapshots import partners
 
 from ..errors import PeerLost, PipelineRuntimeError
 from ..topology import RankMap
-from ..world.abort import free_later
+from ..world.abort import Freeing
 from ..world.groups import side_group
 from .layer_state import Packed, pack_layer, packed_bytes, recv_packed, send_packed, unpack
 from .migrate import Move, move_states, stage_layers
@@ -212,6 +212,7 @@ class Snapshots:
         self.slots: dict[int, Slot] = {}
         self.stats = Stats()
         self._group: Any = None
+        self._freeing = Freeing()
         self._thread: threading.Thread | None = None
         self._run: _Run | None = None   # what the thread is doing
         self._fenced: int | None = None    # taken and fenced; sealed when its vote passes
@@ -265,8 +266,14 @@ class Snapshots:
                 dist.destroy_process_group(self._group)
             except (RuntimeError, ValueError):
                 pass   # taken out of torch's books by an abort already
-            free_later([self._group])
+            self._freeing.later([self._group])
             self._group = None
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """When the trainer closes: settled, and the plan's group freed before the process
+        may end (:class:`.abort.Freeing`)."""
+        self.settle(timeout_s)
+        self._freeing.join()
 
     def _wait_for_thread(self, timeout_s: float | None) -> None:
         """For the copy (at most ``timeout_s``), then ``EXCHANGE_GRACE_S`` for the exchange;

@@ -53,13 +53,14 @@ import logging
 import os
 import socket
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator
 
 import torch.distributed as dist
 
-__all__ = ["GroupSockets", "Sockets", "Watchdog", "free_later", "new_sockets", "open_sockets",
-           "shut_down", "world_sockets"]
+__all__ = ["Freeing", "GroupSockets", "Sockets", "Watchdog", "free_later", "new_sockets",
+           "open_sockets", "shut_down", "world_sockets"]
 
 log = logging.getLogger("chameleon_elastic.runtime.world.abort")
 
@@ -107,6 +108,8 @@ def world_sockets() -> Sockets:
 #: how long a cut keeps its sockets: the peers' loops fail their pairs within milliseconds of
 #: their own watchdog's cut; closing ours before could reset a send of theirs
 _LINGER_S = 30.0
+#: seconds a closing worker waits for the groups being freed in the background
+FREE_WAIT_S = 5.0
 
 
 def shut_down(sockets: Sockets) -> None:
@@ -157,10 +160,31 @@ def free_later(groups: list[object]) -> threading.Thread:
     their last references (take them out of torch's books first). A gloo group's destructor
     waits for its device loop, which wakes every 10 ms, twice: 20-30 ms per group with the
     GIL released, measured, and a survivor's recovery (bucket groups, the world) need not
-    wait for it. Their sockets are cut already, so nothing of ours waits for it either."""
+    wait for it. Their sockets are cut already, so nothing of ours waits for it either. The
+    thread must be joined before the process ends (:class:`Freeing`): a daemon thread still
+    inside a group's destructor as the interpreter finalises cannot take the GIL back, and
+    the process dies by SIGABRT ("terminate called without an active exception")."""
     thread = threading.Thread(target=groups.clear, name="chameleon-free-groups", daemon=True)
     thread.start()
     return thread
+
+
+class Freeing:
+    """The threads freeing this process's groups in the background (:func:`free_later`),
+    joined when the trainer closes, so that none is left inside a destructor at exit."""
+
+    def __init__(self) -> None:
+        self._threads: list[threading.Thread] = []
+
+    def later(self, groups: list[object]) -> None:
+        self._threads = [t for t in self._threads if t.is_alive()] + [free_later(groups)]
+
+    def join(self, timeout_s: float = FREE_WAIT_S) -> None:
+        """Wait for the frees under way, at most ``timeout_s`` in all."""
+        until = time.monotonic() + timeout_s
+        for thread in self._threads:
+            thread.join(max(0.0, until - time.monotonic()))
+        self._threads = [t for t in self._threads if t.is_alive()]
 
 
 class Watchdog:
