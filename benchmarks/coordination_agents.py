@@ -146,8 +146,31 @@ def share_local_work(local: dict[str, float]) -> None:
     JobSession.adopt = adopt   # type: ignore[method-assign]
 
 
-def note_reports() -> dict[int, float]:
-    """When each agent's report was written (``protocol.report``), by node."""
+class Gate:
+    """At most ``n`` agents of a host between the start of their recovery and their report
+    (0: no bound), the others queued: a host's thousand agents all runnable at once on one
+    interpreter lock and two cores spent more CPU switching between them than running them
+    (``--active``). Production's agents each have their own node: none waits here."""
+
+    def __init__(self, n: int) -> None:
+        self._slots = threading.Semaphore(n) if n > 0 else None
+        self._held = threading.local()
+
+    def enter(self) -> None:
+        if self._slots is not None:
+            self._slots.acquire()
+            self._held.on = True
+
+    def leave(self) -> None:
+        if getattr(self._held, "on", False):
+            self._held.on = False
+            assert self._slots is not None
+            self._slots.release()
+
+
+def note_reports(gate: Gate | None = None) -> dict[int, float]:
+    """When each agent's report was written (``protocol.report``), by node; the writer
+    leaves ``gate``."""
     from chameleon_elastic.launcher.coordination import agreement as protocol
 
     at: dict[int, float] = {}
@@ -156,6 +179,8 @@ def note_reports() -> dict[int, float]:
     def report(store: Any, scope: str, key: int, mine: Any) -> None:
         inner(store, scope, key, mine)
         at[key] = time.monotonic()
+        if gate is not None:
+            gate.leave()
 
     protocol.report = report
     return at
@@ -215,6 +240,7 @@ class Agent:
         self.rounds._last_info, self.rounds.nodes = SimpleNamespace(store=self.store), \
             tuple(range(nodes))
         self.decider_nice: int | None = None   # see --decider-nice
+        self.gate = Gate(0)   # the host's (--active)
         self._go = threading.Event()
         self.thread = threading.Thread(target=self._recover_when_told, daemon=True,
                                        name=f"agent-{node}")
@@ -284,6 +310,7 @@ class Agent:
         from chameleon_elastic.launcher.coordination import messages
 
         self.out["tid"] = threading.get_native_id()   # for --cpu-profile's accounting
+        self.gate.enter()
         try:
             _, members = self.rounds.quick(self.node, self.alive)
             if members.decides and self.decider_nice is not None:
@@ -303,6 +330,8 @@ class Agent:
             self.out["agreed"] = None if change is None else change.agreed
         except Exception as exc:  # noqa: BLE001 - reported to the parent, which fails the run
             self.out["error"] = f"{type(exc).__name__}: {exc}"
+        finally:
+            self.gate.leave()   # an agent that failed before its report
 
 
 def host_desk() -> Any:

@@ -24,6 +24,7 @@ from coordination_agents import (
     RUN_ID,
     Agent,
     Clock,
+    Gate,
     HostView,
     host_desk,
     note_reports,
@@ -104,7 +105,7 @@ def _refresh(client: Any, due: list[tuple[int, int]], ttl: int,
 
 def host_main(first: int, last: int, nodes: int, victim: int, endpoints: str, ttl: int,
           channels: int, plan_dir: str, ready: Any, orders: Any, results: Any,
-          decider_nice: int | None = None) -> None:
+          decider_nice: int | None = None, active: int = 0) -> None:
     """One process hosting agents ``first..last-1`` on ``channels`` shared etcd clients (each
     with its watch-dispatch thread) and a keep-alive process."""
     import faulthandler
@@ -127,11 +128,14 @@ def host_main(first: int, last: int, nodes: int, victim: int, endpoints: str, tt
     for name in ("collect", "decide", "commit_record", "publish"):
         clock.wrap(protocol, name)
     clock.wrap(messages.Decision, "encode")   # the record's bytes: the decider's only
-    reported = note_reports()
+    gate = Gate(active)
+    reported = note_reports(gate)
     if not connected.wait(300):
         raise RuntimeError("the keep-alive process did not reach etcd within 300 s")
     agents, clients, session = _register(first, last, nodes, endpoints, ttl, channels, plan_dir,
                                          ready, inbox, local, decider_nice)
+    for agent in agents:
+        agent.gate = gate
     if first == 0:   # the decider's planning step, timed (the followers' are copies before)
         clock.wrap(session, "step")
     orders.get()   # every agent of every host has registered: list once, watch each

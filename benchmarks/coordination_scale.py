@@ -133,6 +133,7 @@ def _unspoiled(said: tuple[str, Any]) -> None:
 
 def _simulate(cluster: Any, nodes: int, procs: int, channels: int, ttl: int, revoke: bool,
               steady: float, plan_dir: str, say: Any, decider_nice: int | None = None,
+              active: int = 0,
               sampler: Any = None,
               trouble: Any = None) -> tuple[list[dict[str, Any]], list[Any]]:
     """Start the hosts, register and watch, measure the steady state, kill one node and
@@ -145,7 +146,7 @@ def _simulate(cluster: Any, nodes: int, procs: int, channels: int, ttl: int, rev
     orders = [ctx.Queue() for _ in bounds]
     hosts = [ctx.Process(target=host_main,   # not daemonic: each starts its keep-alive process
                          args=(lo, hi, nodes, victim, cluster.endpoints, ttl, channels,
-                               plan_dir, ready, orders[i], results, decider_nice))
+                               plan_dir, ready, orders[i], results, decider_nice, active))
              for i, (lo, hi) in enumerate(bounds)]
     t0 = time.monotonic()
     for h in hosts:
@@ -230,7 +231,7 @@ def _drive(cluster: Any, nodes: int, ttl: int, revoke: bool, steady: float, say:
 
 def run(nodes: int, members: int, procs: int, ttl: int, revoke: bool, channels: int = 4,
         steady: float = 10.0, say: Any = print, etcd_dir: str | None = None,
-        decider_nice: int | None = None, cpu_profile: bool = False,
+        decider_nice: int | None = None, cpu_profile: bool = False, active: int = 0,
         leader_change: str | None = None, leader_change_at: float = 0.5) -> dict[str, Any]:
     from chameleon_elastic.rendezvous.config import EtcdSettings
     from chameleon_elastic.rendezvous.local_cluster import LocalEtcdCluster
@@ -260,7 +261,7 @@ def run(nodes: int, members: int, procs: int, ttl: int, revoke: bool, channels: 
                                    on_restart=lambda member: favour_pid(member.pid))
         try:
             got, windows = _simulate(cluster, nodes, procs, channels, ttl, revoke, steady,
-                                     plan_dir, say, decider_nice, sampler, trouble)
+                                     plan_dir, say, decider_nice, active, sampler, trouble)
         except Exception:
             for member in cluster.members:
                 if not member.is_running():
@@ -280,7 +281,8 @@ def run(nodes: int, members: int, procs: int, ttl: int, revoke: bool, channels: 
         row["cpu_windows"] = _cpu_windows(sampler, got, nodes // 2)
     row.update({"nodes": nodes, "devices": nodes * DEVICES_PER_NODE, "etcd_members": members,
                 "procs": procs, "channels_per_proc": channels, "ttl_s": ttl,
-                "kill": "revoke" if revoke else "expiry", "decider_nice": decider_nice})
+                "kill": "revoke" if revoke else "expiry", "decider_nice": decider_nice,
+                "active_per_proc": active})
     return row
 
 
@@ -420,6 +422,10 @@ def main(argv: list[str] | None = None) -> int:
                              "(move) or kill and restart it (restart); needs --members >= 2")
     parser.add_argument("--leader-change-at", type=float, default=0.5,
                         help="seconds after the lost node's key went (default 0.5)")
+    parser.add_argument("--active", type=int, default=0,
+                        help="agents of a process recovering at once, from the loss seen to "
+                             "their report (default 0: all; the others queue: a thousand "
+                             "runnable threads on one interpreter lock thrash)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
     try:
@@ -437,8 +443,8 @@ def main(argv: list[str] | None = None) -> int:
     say = (lambda s: print(s, file=sys.stderr, flush=True))
     rows = [run(n, args.members, min(args.procs, n), args.ttl, args.kill == "revoke",
                 max(1, min(args.channels, n // min(args.procs, n))), args.steady, say,
-                args.etcd_dir, args.decider_nice, args.cpu_profile, args.leader_change,
-                args.leader_change_at)
+                args.etcd_dir, args.decider_nice, args.cpu_profile, leader_change=args.leader_change,
+                leader_change_at=args.leader_change_at, active=args.active)
             for n in scales]
     if args.json:
         json.dump({"benchmark": "coordination_scale", "rows": rows}, sys.stdout, indent=2)
