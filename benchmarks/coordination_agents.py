@@ -198,6 +198,7 @@ class HostView:
         self.live = NodeLiveness(client, client.settings.run_prefix(RUN_ID), "host-view",
                                  register_self=False)
         self._applied: set[tuple[int, bytes]] = set()
+        self._keys: tuple[int, ...] = ()
         self._lock = threading.Lock()
 
     def listing(self, nodes: dict[str, dict[str, Any]], revision: int) -> None:
@@ -216,6 +217,12 @@ class HostView:
 
     def numbers(self) -> frozenset[int]:
         return self.live.numbers()
+
+    def keys(self, nodes: int) -> tuple[int, ...]:
+        """Every node's number, one tuple for the host's agents."""
+        if len(self._keys) != nodes:
+            self._keys = tuple(range(nodes))
+        return self._keys
 
 
 class Agent:
@@ -237,8 +244,9 @@ class Agent:
                                  info={"node": node}, ttl=client.settings.lease_ttl)
         self.store, self.etcd_store = stores_of(client)
         self.rounds = Rounds(SimpleNamespace(backend="etcd-v3", max_nodes=nodes), None, None, None)
+        # the last agreement's nodes: one tuple per host (16384 of them per agent: 0.5 GB a host)
         self.rounds._last_info, self.rounds.nodes = SimpleNamespace(store=self.store), \
-            tuple(range(nodes))
+            view.keys(nodes)
         self.decider_nice: int | None = None   # see --decider-nice
         self.gate = Gate(0)   # the host's (--active)
         self._go = threading.Event()
