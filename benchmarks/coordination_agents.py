@@ -146,6 +146,12 @@ def share_local_work(local: dict[str, float]) -> None:
     JobSession.adopt = adopt   # type: ignore[method-assign]
 
 
+def round_limit_s(nodes: int) -> float:
+    """The quick round's limit here (15 s in production): 120 s, or a second per 30 nodes
+    above 3600, since two cores take the reports of thousands of agents one after the other."""
+    return max(120.0, nodes / 30)
+
+
 class Gate:
     """At most ``n`` agents of a host between the start of their recovery and their report
     (0: no bound), the others queued: a host's thousand agents all runnable at once on one
@@ -330,7 +336,8 @@ class Agent:
             mine = messages.NodeReport(self.node, (), devices, True)
             decision, change, _ = protocol.agree(self.store, self.rounds.scope(), members,
                                                   mine, self.session, True, DEVICES_PER_NODE,
-                                                  120.0, quick=True, desk=self.desk)
+                                                  round_limit_s(self.nodes), quick=True,
+                                                  desk=self.desk)
             self.out["adopted"] = time.monotonic()
             self.out["generation"] = decision.plan.generation if decision.plan else None
             self.out["excluded"] = len(decision.excluded)

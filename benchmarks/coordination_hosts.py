@@ -29,6 +29,7 @@ from coordination_agents import (
     host_desk,
     note_reports,
     params_for,
+    round_limit_s,
     share_local_work,
     spec_for,
 )
@@ -144,7 +145,7 @@ def host_main(first: int, last: int, nodes: int, victim: int, endpoints: str, tt
     for agent in agents:
         agent.watch(revision)
     ready.put(("watching", first))
-    protocol.QUICK_S = 120.0   # see the module docstring: the agents share two cores
+    protocol.QUICK_S = round_limit_s(nodes)   # see the module docstring: two cores
     # a follower wakes once per slice to check its decider's lease: one wake-up a second per
     # node in production (each on its own CPU), 4096 a second here on two cores at 4096 nodes;
     # at most about 1000 a second in all here (what a slice costs: see the docs)
@@ -217,16 +218,16 @@ def _close(agents: list[Agent], clients: list[Any], victim: int,
         if agent.node != victim and not agent.out:
             agent.out["error"] = "never saw the lost node"
         elif agent.node != victim and "adopted" not in agent.out:
-            agent.out.setdefault("error", "no decision adopted within 240 s")
+            agent.out.setdefault("error", "no decision adopted in time")
         if agent.node in reported:
             agent.out["reported"] = reported[agent.node]
 
 
 def _await(agents: list[Agent], victim: int, spoiled: Any, reported: dict[int, float]) -> None:
-    """Until every agent of the host adopted or failed (240 s at most), saying every 10 s how
-    far a slow round got; a lease expired before the kill spoils the run: return at once."""
+    """Until every agent of the host adopted or failed (twice the round's limit at most),
+    saying every 10 s how far a slow round got; a lease expired before the kill spoils the run: return at once."""
     start = time.monotonic()
-    deadline, said = start + 240, start
+    deadline, said = start + 2 * round_limit_s(agents[0].nodes), start
     for agent in agents:
         while agent.node != victim and "adopted" not in agent.out and not spoiled.is_set() \
                 and "error" not in agent.out and time.monotonic() < deadline:
