@@ -11,7 +11,7 @@ every other agent, on its own thread, runs the real recovery path: ``Rounds.quic
 ``JobSession`` on the Llama-2-7B spec of ``planner_latency.py`` scaled to 8 devices per node;
 cold, no plan cache: the worst case).
 
-What is lighter than production, so that 1024 agents fit on two cores (a thread set per agent
+What is lighter than production, so that thousands of agents fit on two cores (a thread set per agent
 made 1300 threads at 256 agents and took etcd down), and why it does not change what is
 measured (etcd's requests, watchers and bytes are those of production):
 
@@ -29,8 +29,8 @@ measured (etcd's requests, watchers and bytes are those of production):
 - one process replays each planning step once for its agents (every agent reads the agreement
   and checks its own digest); that per-agent CPU (parallel on real nodes) is measured and
   reported beside the adoption;
-- ``rpc_timeout`` is 60 s and the quick round's limit 120 s: requests queue behind a thousand
-  agents' on two cores;
+- ``rpc_timeout`` is 60 s and the quick round's limit 120 s (a second per 30 nodes above 3600):
+  requests queue behind thousands of agents' on two cores;
 - above 1000 nodes the followers' wait slices (a wake-up to check the decider's lease, 1 s in
   production) grow to nodes / 1000 s, so that all of them together wake about 1000 times a
   second, as at 1000 nodes; the keep-alive processes run at the members' priority (-10, as
@@ -39,7 +39,7 @@ measured (etcd's requests, watchers and bytes are those of production):
 Reported: kill -> every agent adopted, split into detection (the lease's deletion seen by the
 agents' watches), reports (the last agent seeing the loss -> the decider holding every report),
 decision (the planning step), publication (fenced record, the whole decision offered in the
-decider's worker store, the agreement under ``decision`` and the ``decided`` key; both
+decider's worker store, the agreement under ``decision``; both
 also as the deciding thread's own CPU time, so that wall less CPU is the wait on the run queue
 and on etcd) and adoption (published -> the last agent adopted); etcd's load over the steady state and the
 round (requests per second, bytes sent, summed over the members' ``/metrics``, and the
