@@ -238,8 +238,8 @@ def _await(agents: list[Agent], victim: int, spoiled: Any, reported: dict[int, f
                       f"after the kill: {sum('detected' in a.out for a in agents)} saw the "
                       f"loss, {sum(a.node in reported for a in agents)} reported, "
                       f"{sum('adopted' in a.out for a in agents)} adopted, "
-                      f"{sum('error' in a.out for a in agents)} failed", file=sys.stderr,
-                      flush=True)
+                      f"{sum('error' in a.out for a in agents)} failed"
+                      f"{_first_error(agents)}", file=sys.stderr, flush=True)
 
 
 def favour_pid(pid: int) -> None:
@@ -249,3 +249,12 @@ def favour_pid(pid: int) -> None:
         pass
 
 
+
+
+def _first_error(agents: list[Agent]) -> str:
+    """The first failed agent's error, for the progress line (a long round's failures are
+    seen as they come, not only at its end)."""
+    for agent in agents:
+        if "error" in agent.out:
+            return f" (node {agent.node}: {str(agent.out['error'])[:300]})"
+    return ""

@@ -77,7 +77,14 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))   # the modules beside it
 
-from coordination_agents import DEVICES_PER_NODE, RUN_ID, params_for, spec_for, stores_of
+from coordination_agents import (
+    DEVICES_PER_NODE,
+    RUN_ID,
+    params_for,
+    round_limit_s,
+    spec_for,
+    stores_of,
+)
 from coordination_hosts import favour_pid, host_main
 
 
@@ -229,7 +236,7 @@ def _drive(cluster: Any, nodes: int, ttl: int, revoke: bool, steady: float, say:
     if trouble is not None:
         trouble.killed_at = time.monotonic()
         trouble.start()
-    got = [_next(results, hosts, 300) for _ in hosts]
+    got = [_next(results, hosts, 2 * round_limit_s(nodes) + 60) for _ in hosts]
     if trouble is not None:   # a restarted member answers /metrics once it is back
         trouble.wait()
     m2, s2 = etcd_metrics(cluster), time.monotonic()
