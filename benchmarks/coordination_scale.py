@@ -465,6 +465,11 @@ def main(argv: list[str] | None = None) -> int:
         json.dump({"benchmark": "coordination_scale", "rows": rows}, sys.stdout, indent=2)
         print()
         return 0
+    _print_table(rows, bool(args.leader_change))
+    return 0
+
+def _print_table(rows: list[dict[str, Any]], leader_change: bool) -> None:
+    """The rows as a table, then each row's CPU windows (``--cpu-profile``)."""
     cols = [("nodes", "nodes", "{}"), ("detect (last)", "detect_last_s", "{:.2f} s"),
             ("reports", "reports_s", "{:.3f} s"), ("decision", "decision_s", "{:.3f} s"),
             ("(CPU)", "decision_cpu_s", "{:.3f} s"),
@@ -479,7 +484,7 @@ def main(argv: list[str] | None = None) -> int:
             ("etcd CPU round", "round_etcd_cpu_s", "{:.1f} s"),
             ("agents' CPU round", "round_agents_cpu_s", "{:.1f} s"),
             ("watchers", "watchers", "{:.0f}")]
-    if args.leader_change:
+    if leader_change:
         cols += [("leader change after loss", "leader_change_after_loss_s", "{} s"),
                  ("leaders", "leader_pair", "{}"), ("terms", "term_pair", "{}")]
         for r in rows:
@@ -495,7 +500,6 @@ def main(argv: list[str] | None = None) -> int:
             for k, v in sorted(used.items(), key=lambda kv: -kv[1]):
                 if k != "wall" and abs(v) >= 0.005:
                     print(f"  {k}: {v:.3f}")
-    return 0
 
 
 if __name__ == "__main__":
