@@ -1,16 +1,17 @@
-"""The agents' quick-round coordination at 256-1024 simulated nodes, on a real etcd cluster.
+"""The agents' quick-round coordination at 256-16384 simulated nodes, on a real etcd cluster.
 
 Each simulated node holds what a production agent holds on etcd: its own lease and node key
-(granted by ``NodeLiveness``), its own watch on the run's nodes (events applied by
-``NodeLiveness``'s bookkeeping), and the round's store (``EtcdStore`` under torch's
-``PrefixStore``). Workers are faked: each node reports 8 live devices. One node is killed (its
+(granted by ``NodeLiveness``), its own watch on the run's nodes, and the round's store
+(``EtcdStore`` under torch's ``PrefixStore``); ``coordination_agents.py`` (the agents) and
+``coordination_hosts.py`` (the processes that host them) beside this driver. Workers are faked:
+each node reports 8 live devices. One node is killed (its
 keep-alive stops, so its lease expires after the TTL; ``--kill revoke`` revokes it instead) and
 every other agent, on its own thread, runs the real recovery path: ``Rounds.quick`` then
 ``protocol.agree(quick=True)``, the lowest node deciding with the real planner (a
 ``JobSession`` on the Llama-2-7B spec of ``planner_latency.py`` scaled to 8 devices per node;
 cold, no plan cache: the worst case).
 
-What is lighter than production, so that 1024 agents fit on two cores (a thread set per agent
+What is lighter than production, so that thousands of agents fit on two cores (a thread set per agent
 made 1300 threads at 256 agents and took etcd down), and why it does not change what is
 measured (etcd's requests, watchers and bytes are those of production):
 
@@ -19,11 +20,17 @@ measured (etcd's requests, watchers and bytes are those of production):
 - one keep-alive process per host refreshes every lease of its agents at ttl / 3, the requests
   production makes, instead of a thread per agent (behind hundreds of agent threads on one GIL
   a refresh outlived the TTL); the self-fencing expiry check is not on the measured path;
+- the agents of a host keep one view of the live nodes (each agent's watch still delivers every
+  event; a copy per agent is nodes^2 entries, more than this machine's memory at 16384), and
+  each agent's recovery thread is started idle with it, woken by its watch's event;
+- ``--active N`` lets at most N agents of a host run from the loss seen to their report at
+  once (the others queue): a thousand runnable threads on one interpreter lock spent more CPU
+  switching than working (42 against 26 s of the agents' CPU per round at 4096 nodes);
 - one process replays each planning step once for its agents (every agent reads the agreement
   and checks its own digest); that per-agent CPU (parallel on real nodes) is measured and
   reported beside the adoption;
-- ``rpc_timeout`` is 60 s and the quick round's limit 120 s: requests queue behind a thousand
-  agents' on two cores;
+- ``rpc_timeout`` is 60 s and the quick round's limit 120 s (a second per 30 nodes above 3600):
+  requests queue behind thousands of agents' on two cores;
 - above 1000 nodes the followers' wait slices (a wake-up to check the decider's lease, 1 s in
   production) grow to nodes / 1000 s, so that all of them together wake about 1000 times a
   second, as at 1000 nodes; the keep-alive processes run at the members' priority (-10, as
@@ -32,7 +39,7 @@ measured (etcd's requests, watchers and bytes are those of production):
 Reported: kill -> every agent adopted, split into detection (the lease's deletion seen by the
 agents' watches), reports (the last agent seeing the loss -> the decider holding every report),
 decision (the planning step), publication (fenced record, the whole decision offered in the
-decider's worker store, the agreement under ``decision`` and the ``decided`` key; both
+decider's worker store, the agreement under ``decision``; both
 also as the deciding thread's own CPU time, so that wall less CPU is the wait on the run queue
 and on etcd) and adoption (published -> the last agent adopted); etcd's load over the steady state and the
 round (requests per second, bytes sent, summed over the members' ``/metrics``, and the
@@ -49,6 +56,7 @@ when the change came, which members led before and after, and the raft terms. Wi
 
     python benchmarks/coordination_scale.py [--nodes 256,1024] [--members 3] [--procs 4]
         [--channels 16] [--ttl 5] [--steady 10] [--kill expiry|revoke] [--decider-nice N]
+        [--active N]
         [--cpu-profile] [--leader-change move|restart] [--leader-change-at S] [--json]
 """
 
@@ -62,447 +70,22 @@ import queue
 import statistics
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
-DEVICES_PER_NODE = 8
-RUN_ID = "scale"
-
-
-def spec_for(nodes: int) -> Any:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from planner_latency import spec_for as scaled
-
-    return scaled(nodes * DEVICES_PER_NODE)
-
-
-def _params(endpoints: str, nodes: int, ttl: int) -> Any:
-    """The agents' rendezvous parameters. ``rpc_timeout`` 60 s (5 s in production): a request
-    queued behind a thousand agents' on two cores outlives 5 s, and etcd 3.5.1 (the one
-    bundled here) panics when a read-only transaction's deadline passes while it runs
-    ("unexpected error during txn"), which takes a member down."""
-    from torch.distributed.elastic.rendezvous import RendezvousParameters
-
-    return RendezvousParameters(backend="etcd-v3", endpoint=endpoints, run_id=RUN_ID,
-                                min_nodes=1, max_nodes=nodes, lease_ttl=str(ttl),
-                                rpc_timeout="60")
-
-
-def _stores(client: Any) -> tuple[Any, Any]:
-    """(the round's store as torch hands it to agents: a PrefixStore on EtcdStore, and the
-    EtcdStore, which the caller keeps referenced: torch's bridge forwards its extended calls
-    such as compare_set only while the Python object lives, as the handler's does)."""
-    import torch.distributed as dist
-
-    from chameleon_elastic.rendezvous.store import EtcdStore
-
-    etcd_store = EtcdStore(client, client.settings.run_prefix(RUN_ID))
-    return dist.PrefixStore(f"torch.rendezvous.{RUN_ID}.0", etcd_store), etcd_store
-
-
-class Clock:
-    """Timestamps (monotonic: one clock for every process of the host) of named moments, and
-    the calling thread's CPU time in each (wall less CPU: the run queue and etcd's answers)."""
-
-    def __init__(self) -> None:
-        self.marks: dict[str, float] = {}
-        self.lock = threading.Lock()
-
-    def wrap(self, module: Any, name: str) -> None:
-        inner = getattr(module, name)
-
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            start, cpu = time.monotonic(), time.thread_time()
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                with self.lock:
-                    self.marks[f"{name}_start"] = start
-                    self.marks[f"{name}_end"] = time.monotonic()
-                    self.marks[f"{name}_cpu"] = time.thread_time() - cpu
-
-        setattr(module, name, timed)
-
-
-def _share_local_work(local: dict[str, float]) -> None:
-    """Within one host process, take each planning step once and adopt each plan once.
-
-    On real nodes every agent replays the decider's step (``JobSession.step``: the planner,
-    or a lookup in its plan cache, and the plan file) on its own cores, in parallel; here a
-    thousand of them would queue on two cores (the benchmark's sessions have no plan cache:
-    a cold planner run each, 0.1-0.4 s of CPU at 8192 devices), which measures this machine,
-    not the protocol. So the first agent of a process to take a step from a digest does the
-    real work, its thread's CPU time is kept in ``local`` (the per-agent cost reported beside
-    the adoption), and the others of the process get the same state. Every agent still reads
-    the agreement from etcd and checks its own digest, which is what etcd's load and the
-    adoption's wire time are made of."""
-    from chameleon_elastic.launcher.session import JobSession
-
-    stepped: dict[Any, Any] = {}
-    adopted: dict[Any, Any] = {}
-    real_step, real_adopt = JobSession.step, JobSession.adopt
-    lock = threading.Lock()
-
-    def keep(self: Any) -> tuple[Any, ...]:
-        return (self.plan, set(self.excluded), dict(self.speeds), self._plan_hash,
-                self.plan_file)
-
-    def restore(self: Any, state: tuple[Any, ...]) -> None:
-        plan, excluded, speeds, plan_hash, plan_file = state
-        self.plan, self.excluded, self.speeds = plan, set(excluded), dict(speeds)
-        self._plan_hash, self.plan_file = plan_hash, plan_file
-
-    def step(self: Any, lost: Any, joined: Any, speeds: Any, renew: bool,
-             quiet: bool = False) -> Any:
-        key = (self.digest, tuple(sorted(lost)), tuple(sorted(joined)),
-               tuple(sorted(speeds.items())), renew, quiet)
-        with lock:
-            if key not in stepped:
-                start = time.thread_time()
-                change = real_step(self, lost, joined, speeds, renew, quiet)
-                local["step_cpu_s"] = max(local.get("step_cpu_s", 0.0),
-                                          time.thread_time() - start)
-                stepped[key] = (change, keep(self))
-                return change
-            change, state = stepped[key]
-        restore(self, state)
-        return change
-
-    def adopt(self: Any, plan: Any, excluded: Any, speeds: Any = None) -> Any:
-        key = (plan.generation, tuple(sorted(excluded)))
-        with lock:
-            if key not in adopted:
-                start = time.thread_time()
-                adopted[key] = (real_adopt(self, plan, excluded, speeds), keep(self))
-                local["adopt_cpu_s"] = time.thread_time() - start
-                return adopted[key][0]
-        restore(self, adopted[key][1])
-        return adopted[key][0]
-
-    JobSession.step = step   # type: ignore[method-assign]
-    JobSession.adopt = adopt   # type: ignore[method-assign]
-
-
-def _note_reports() -> dict[int, float]:
-    """When each agent's report was written (``protocol.report``), by node."""
-    from chameleon_elastic.launcher.coordination import agreement as protocol
-
-    at: dict[int, float] = {}
-    inner = protocol.report
-
-    def report(store: Any, scope: str, key: int, mine: Any) -> None:
-        inner(store, scope, key, mine)
-        at[key] = time.monotonic()
-
-    protocol.report = report
-    return at
-
-
-class Agent:
-    """One simulated node: its lease and node key (``NodeLiveness``, registered, not started:
-    its three threads are replaced by the host's shared keep-alive and watch dispatch), its
-    own watch on the run's nodes, its store, and on another node's loss the quick round."""
-
-    def __init__(self, node: int, nodes: int, client: Any, params: Any, session: Any,
-                 desk: Any = None) -> None:
-        from chameleon_elastic.launcher.coordination.rounds import Rounds
-        from chameleon_elastic.rendezvous.liveness import NodeLiveness
-
-        self.node, self.nodes, self.client, self.session = node, nodes, client, session
-        self.desk = desk
-        self.out: dict[str, Any] = {}
-        self.thread: threading.Thread | None = None
-        self.closing = False
-        self.live = NodeLiveness(client, client.settings.run_prefix(RUN_ID), f"node-{node}",
-                                 info={"node": node}, ttl=client.settings.lease_ttl,
-                                 on_event=self._on_event)
-        self.store, self.etcd_store = _stores(client)
-        self.rounds = Rounds(SimpleNamespace(backend="etcd-v3", max_nodes=nodes), None, None, None)
-        self.rounds._last_info, self.rounds.nodes = SimpleNamespace(store=self.store), \
-            tuple(range(nodes))
-        self.params = params
-        self.decider_nice: int | None = None   # see --decider-nice
-
-    def alive(self) -> set[int]:
-        """``NodeWatch.alive``: the nodes this agent's watch last saw holding their lease."""
-        return self.live.numbers()
-
-    def watch(self, listing: dict[str, dict[str, Any]], revision: int) -> None:
-        """This agent's own etcd watch on the nodes prefix, from the revision of ``listing``:
-        events go to ``NodeLiveness._apply_event`` (the real bookkeeping), on the shared
-        client's watch-dispatch thread."""
-        self.live._apply_listing(listing, revision)
-        self._watch_from(revision)
-
-    def _watch_from(self, revision: int) -> None:
-        """The watch, from ``revision`` on; a stream that breaks (its member restarted:
-        ``--leader-change restart``) is watched again from the last revision seen, on a
-        thread of its own (the callback runs on the stream's), as ``NodeLiveness`` does."""
-        seen = [revision]
-
-        def on_response(response: Any) -> None:
-            if getattr(response, "events", None) is None:   # the stream broke
-                if not self.closing:   # not the host's own close at the end
-                    self.out["watch_breaks"] = self.out.get("watch_breaks", 0) + 1
-                    threading.Thread(target=self._rewatch, args=(seen[0], response),
-                                     daemon=True).start()
-                return
-            seen[0] = max(seen[0], int(response.header.revision))
-            for event in response.events:
-                self.live._apply_event(event, int(response.header.revision))
-
-        prefix = self.live._prefix
-        self.client.call("watch nodes", lambda c: c.add_watch_prefix_callback(
-            prefix, on_response, start_revision=seen[0] + 1))
-
-    def _rewatch(self, revision: int, why: Any) -> None:
-        try:
-            self._watch_from(revision)
-        except Exception as exc:  # noqa: BLE001 - reported to the parent, which fails the run
-            self.out.setdefault("error", f"node watch broke ({why}) and could not be "
-                                         f"watched again: {exc}")
-
-    def _on_event(self, event: Any) -> None:
-        """A node left: note when, and run the recovery on the agent's own thread (the
-        production agent's monitor loop does the same on its own)."""
-        if event.kind != "left" or event.node_id == self.live.node_id or self.thread:
-            return
-        self.out["detected"], self.out["trigger"] = time.monotonic(), event.node_id
-        self.thread = threading.Thread(target=self.recover, daemon=True,
-                                       name=f"agent-{self.node}")
-        self.thread.start()
-
-    def recover(self) -> None:
-        from chameleon_elastic.launcher.coordination import agreement as protocol
-        from chameleon_elastic.launcher.coordination import messages
-
-        self.out["tid"] = threading.get_native_id()   # for --cpu-profile's accounting
-        try:
-            _, members = self.rounds.quick(self.node, self.alive)
-            if members.decides and self.decider_nice is not None:
-                # this thread only (Linux nice is per thread): a real node's agent has its
-                # node's CPU, not a 2-core machine shared with a thousand agents
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.decider_nice)
-            devices = tuple(range(self.node * DEVICES_PER_NODE,
-                                  (self.node + 1) * DEVICES_PER_NODE))
-            mine = messages.NodeReport(self.node, (), devices, True)
-            decision, change, _ = protocol.agree(self.store, self.rounds.scope(), members,
-                                                  mine, self.session, True, DEVICES_PER_NODE,
-                                                  120.0, quick=True, desk=self.desk)
-            self.out["adopted"] = time.monotonic()
-            self.out["generation"] = decision.plan.generation if decision.plan else None
-            self.out["excluded"] = len(decision.excluded)
-            self.out["digest"] = self.session.digest
-            self.out["agreed"] = None if change is None else change.agreed
-        except Exception as exc:  # noqa: BLE001 - reported to the parent, which fails the run
-            self.out["error"] = f"{type(exc).__name__}: {exc}"
-
-
-_KEEP_TICK_S = 0.5   # the keep-alive process refreshes the leases due in each tick at once
-
-
-def _keeper(endpoints: str, ttl: int, connected: Any, inbox: Any, victim: int, killed: Any,
-            stop: Any, spoiled: Any, ready: Any) -> None:
-    """Refresh each lease every ttl / 3, spread evenly over that interval: the production
-    keep-alive's requests (one ``LeaseKeepAliveRequest`` per lease per ttl / 3), from one
-    process per host instead of a thread per agent. The leases due in one tick go as the
-    messages of one ``LeaseKeepAlive`` stream (one stream per refresh, as pyetcd opens it,
-    fell behind the TTL at 1024 leases a process on the loaded 2-core machine: etcd's
-    messages are the same, its streams fewer). Its own process: in the host, behind a few
-    hundred agent threads taking turns on the GIL during the round, a refresh could wait
-    longer than the TTL. A lease found expired (the victim's after ``killed`` aside) spoils the
-    run: say so to the parent and stop. It sets ``connected`` once it can reach etcd (the host
-    grants no lease before), then receives the host's (node, lease) pairs on ``inbox`` as the
-    host grants them (at 4096 nodes a host's registrations outlast a 30 s TTL)."""
-    from chameleon_elastic.rendezvous.client import ETCD_FAILURES, EtcdClient
-    from chameleon_elastic.rendezvous.config import EtcdSettings
-
-    params = _params(endpoints, 2, ttl)
-    client = EtcdClient(EtcdSettings.from_config(params.endpoint, dict(params.config)))
-    connected.set()
-    leases: list[tuple[int, int]] = []
-    interval = ttl / 3.0
-    ticks = max(1, int(interval / _KEEP_TICK_S))
-    while not stop.is_set():
-        start = time.monotonic()
-        for tick in range(ticks):
-            if stop.wait(max(0.0, start + tick * interval / ticks - time.monotonic())):
-                return
-            while not inbox.empty():   # a lease keeps its tick: the list only grows
-                leases.append(inbox.get())
-            due = [(n, lid) for n, lid in leases[tick::ticks]
-                   if not (n == victim and killed.is_set())]
-            why = _refresh(client, due, ttl, ETCD_FAILURES)
-            if why and not stop.is_set() and not (why[0] == victim and killed.is_set()):
-                spoiled.set()
-                ready.put(("spoiled", f"node {why[0]}'s {why[1]} before every agent adopted"))
-                return
-        stop.wait(max(0.0, start + interval - time.monotonic()))
-
-
-def _refresh(client: Any, due: list[tuple[int, int]], ttl: int,
-             failures: Any) -> tuple[int, str] | None:
-    """Refresh ``due``'s leases on one stream; (node, what went wrong) for the first that
-    did not refresh, else None."""
-    from pyetcd import etcdrpc
-
-    if not due:
-        return None
-
-    def batch(c: Any) -> dict[int, int]:
-        requests = [etcdrpc.LeaseKeepAliveRequest(ID=lid) for _, lid in due]
-        return {int(r.ID): int(r.TTL) for r in c.leasestub.LeaseKeepAlive(
-            iter(requests), ttl, credentials=c.call_credentials, metadata=c.metadata)}
-
-    try:
-        answers = client.call("lease keep-alive", batch, timeout=ttl)
-    except failures as exc:
-        return due[0][0], f"keep-alive failed ({exc})"
-    for node, lid in due:
-        if answers.get(lid, 0) <= 0:
-            return node, "lease expired"
-    return None
-
-
-def _host(first: int, last: int, nodes: int, victim: int, endpoints: str, ttl: int,
-          channels: int, plan_dir: str, ready: Any, orders: Any, results: Any,
-          decider_nice: int | None = None) -> None:
-    """One process hosting agents ``first..last-1`` on ``channels`` shared etcd clients,
-    one keep-alive thread per client and each client's one watch-dispatch thread."""
-    import copy
-    import faulthandler
-
-    from chameleon_elastic.launcher.coordination import agreement as protocol
-    from chameleon_elastic.launcher.coordination import messages
-    from chameleon_elastic.launcher.session import JobSession
-    from chameleon_elastic.rendezvous.client import EtcdClient
-    from chameleon_elastic.rendezvous.config import EtcdSettings
-    from chameleon_elastic.rendezvous.liveness import list_nodes
-
-    faulthandler.enable(all_threads=False)   # a host that crashes says where
-    ctx = mp.get_context("fork")   # before this process opens any gRPC channel: no new start
-    stop, killed, spoiled, connected = (ctx.Event() for _ in range(4))
-    inbox = ctx.Queue()
-    keeper = ctx.Process(target=_keeper, daemon=True,
-                         args=(endpoints, ttl, connected, inbox, victim, killed, stop, spoiled,
-                               ready))
-    keeper.start()
-    _favour_pid(keeper.pid)   # as the members: a node's keep-alive has its node's CPU
-    clock, local = Clock(), {}
-    for name in ("collect", "decide", "commit_record", "publish"):
-        clock.wrap(protocol, name)
-    clock.wrap(messages.Decision, "encode")   # the record's bytes: the decider's only
-    reported = _note_reports()
-    session = JobSession(spec_for(nodes), "auto", Path(plan_dir) / "decider", cache_depth=0)
-    _share_local_work(local)
-    desk = _desk()
-    params = _params(endpoints, nodes, ttl)
-    settings = EtcdSettings.from_config(params.endpoint, dict(params.config))
-    clients = [EtcdClient(settings) for _ in range(channels)]
-    agents = []
-    if not connected.wait(300):
-        raise RuntimeError("the keep-alive process did not reach etcd within 300 s")
-    for n in range(first, last):
-        own = session if n == 0 else copy.copy(session)   # followers: own plan dir
-        if n != 0:
-            own.plan_dir, own.excluded, own.speeds = Path(plan_dir) / f"node{n}", set(), {}
-        agent = Agent(n, nodes, clients[n % channels], params, own, desk)
-        agent.decider_nice = decider_nice
-        agent.live._register()   # the real lease grant and node key
-        inbox.put((n, agent.live.lease_id))
-        agents.append(agent)
-        ready.put(("registered", n))
-    if first == 0:   # the decider's planning step, timed (the followers' are copies before)
-        clock.wrap(session, "step")
-    orders.get()   # every agent of every host has registered: list once, watch each
-    listing, revision = list_nodes(clients[0], settings.run_prefix(RUN_ID))
-    for agent in agents:
-        agent.watch(listing, revision)
-    ready.put(("watching", first))
-    protocol.QUICK_S = 120.0   # see the module docstring: the agents share two cores
-    # a follower wakes once per slice to check its decider's lease: one wake-up a second per
-    # node in production (each on its own CPU), 4096 a second here on two cores at 4096 nodes;
-    # at most about 1000 a second in all here (what a slice costs: see the docs)
-    protocol._WAIT_S = max(protocol._WAIT_S, nodes / 1000)
-    order = orders.get()
-    cpu = time.process_time()
-    if order is not None:   # this host holds the victim
-        (victim_agent,) = [a for a in agents if a.node == victim]
-        victim_agent.out["killed"] = time.monotonic()
-        killed.set()
-        if order:
-            victim_agent.live.stop(revoke=True)
-    _await(agents, victim, spoiled, reported)
-    cpu = time.process_time() - cpu
-    stop.set()
-    keeper.join(timeout=ttl + 1)
-    _close(agents, clients, victim, reported)
-    results.put(copy.deepcopy({"outs": {a.node: a.out for a in agents}, "marks": clock.marks,
-                               "local": local, "spoiled": spoiled.is_set(), "cpu_s": cpu}))
-    results.close()
-    results.join_thread()
-    os._exit(0)   # gRPC's and the agents' daemon threads need no orderly exit
-
-
-def _close(agents: list[Agent], clients: list[Any], victim: int,
-           reported: dict[int, float]) -> None:
-    """The host's clients closed (only once its agents are done: gRPC crashes an agent still
-    running on a closed channel), and each agent's outcome completed."""
-    for agent in agents:
-        agent.closing = True
-    if all(a.node == victim or "adopted" in a.out or "error" in a.out for a in agents):
-        for c in clients:
-            c.close()
-    for agent in agents:
-        if agent.node != victim and not agent.out:
-            agent.out["error"] = "never saw the lost node"
-        elif agent.node != victim and "adopted" not in agent.out:
-            agent.out.setdefault("error", "no decision adopted within 240 s")
-        if agent.node in reported:
-            agent.out["reported"] = reported[agent.node]
-
-
-def _await(agents: list[Agent], victim: int, spoiled: Any, reported: dict[int, float]) -> None:
-    """Until every agent of the host adopted or failed (240 s at most), saying every 10 s how
-    far a slow round got; a lease expired before the kill spoils the run: return at once."""
-    start = time.monotonic()
-    deadline, said = start + 240, start
-    for agent in agents:
-        while agent.node != victim and "adopted" not in agent.out and not spoiled.is_set() \
-                and "error" not in agent.out and time.monotonic() < deadline:
-            time.sleep(0.05)
-            if time.monotonic() - said > 10:
-                said = time.monotonic()
-                print(f"  host of nodes {agents[0].node}-{agents[-1].node}, {said - start:.0f} s "
-                      f"after the kill: {sum('detected' in a.out for a in agents)} saw the "
-                      f"loss, {sum(a.node in reported for a in agents)} reported, "
-                      f"{sum('adopted' in a.out for a in agents)} adopted, "
-                      f"{sum('error' in a.out for a in agents)} failed", file=sys.stderr,
-                      flush=True)
-
-
-def _desk() -> Any:
-    """The host's desk (launcher/coordination/rounds.py's): the worker store the deciding agent hosts,
-    opened when it first offers its decision, from which an agent whose replay differs
-    fetches it (none should: every agent starts from the same digest)."""
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    from chameleon_elastic.launcher.coordination.rounds import WorkerStoreDesk
-
-    opened: list[Any] = []
-
-    def serve() -> tuple[str, Any]:
-        if not opened:
-            opened.append(dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False))
-        return "127.0.0.1", opened[0]
-
-    return WorkerStoreDesk(serve, timedelta(seconds=60))
+sys.path.insert(0, str(Path(__file__).resolve().parent))   # the modules beside it
+
+from coordination_agents import (
+    DEVICES_PER_NODE,
+    RUN_ID,
+    params_for,
+    round_limit_s,
+    spec_for,
+    stores_of,
+)
+from coordination_hosts import favour_pid, host_main
 
 
 def etcd_metrics(cluster: Any) -> dict[str, float]:
@@ -529,14 +112,7 @@ def _favour(cluster: Any) -> None:
     leader misses its heartbeats, elections follow and every lease expires at once, which a
     production etcd on its own cores does not do."""
     for member in cluster.members:
-        _favour_pid(member.pid)
-
-
-def _favour_pid(pid: int) -> None:
-    try:
-        os.setpriority(os.PRIO_PROCESS, pid, -10)
-    except (OSError, TypeError):   # not root: run as is
-        pass
+        favour_pid(member.pid)
 
 
 def _rate(a: dict[str, float], b: dict[str, float], seconds: float,
@@ -552,9 +128,9 @@ def _seed(endpoints: str, nodes: int, ttl: int, plan_dir: str) -> None:
     from chameleon_elastic.rendezvous.client import EtcdClient
     from chameleon_elastic.rendezvous.config import EtcdSettings
 
-    params = _params(endpoints, nodes, ttl)
+    params = params_for(endpoints, nodes, ttl)
     client = EtcdClient(EtcdSettings.from_config(params.endpoint, dict(params.config)))
-    store, _etcd_store = _stores(client)
+    store, _etcd_store = stores_of(client)
     session = JobSession(spec_for(nodes), "auto", Path(plan_dir) / "seed", cache_depth=0)
     first = messages.Decision(session.plan, (), tuple(session.plan.working_devices),
                                   True, nodes=tuple(range(nodes)))
@@ -572,6 +148,7 @@ def _unspoiled(said: tuple[str, Any]) -> None:
 
 def _simulate(cluster: Any, nodes: int, procs: int, channels: int, ttl: int, revoke: bool,
               steady: float, plan_dir: str, say: Any, decider_nice: int | None = None,
+              active: int = 0,
               sampler: Any = None,
               trouble: Any = None) -> tuple[list[dict[str, Any]], list[Any]]:
     """Start the hosts, register and watch, measure the steady state, kill one node and
@@ -582,9 +159,9 @@ def _simulate(cluster: Any, nodes: int, procs: int, channels: int, ttl: int, rev
     ready, results = ctx.Queue(), ctx.Queue()
     bounds = [(i * nodes // procs, (i + 1) * nodes // procs) for i in range(procs)]
     orders = [ctx.Queue() for _ in bounds]
-    hosts = [ctx.Process(target=_host,   # not daemonic: each starts its keep-alive process
+    hosts = [ctx.Process(target=host_main,   # not daemonic: each starts its keep-alive process
                          args=(lo, hi, nodes, victim, cluster.endpoints, ttl, channels,
-                               plan_dir, ready, orders[i], results, decider_nice))
+                               plan_dir, ready, orders[i], results, decider_nice, active))
              for i, (lo, hi) in enumerate(bounds)]
     t0 = time.monotonic()
     for h in hosts:
@@ -659,7 +236,7 @@ def _drive(cluster: Any, nodes: int, ttl: int, revoke: bool, steady: float, say:
     if trouble is not None:
         trouble.killed_at = time.monotonic()
         trouble.start()
-    got = [_next(results, hosts, 300) for _ in hosts]
+    got = [_next(results, hosts, 2 * round_limit_s(nodes) + 60) for _ in hosts]
     if trouble is not None:   # a restarted member answers /metrics once it is back
         trouble.wait()
     m2, s2 = etcd_metrics(cluster), time.monotonic()
@@ -669,7 +246,7 @@ def _drive(cluster: Any, nodes: int, ttl: int, revoke: bool, steady: float, say:
 
 def run(nodes: int, members: int, procs: int, ttl: int, revoke: bool, channels: int = 4,
         steady: float = 10.0, say: Any = print, etcd_dir: str | None = None,
-        decider_nice: int | None = None, cpu_profile: bool = False,
+        decider_nice: int | None = None, cpu_profile: bool = False, active: int = 0,
         leader_change: str | None = None, leader_change_at: float = 0.5) -> dict[str, Any]:
     from chameleon_elastic.rendezvous.config import EtcdSettings
     from chameleon_elastic.rendezvous.local_cluster import LocalEtcdCluster
@@ -696,10 +273,10 @@ def run(nodes: int, members: int, procs: int, ttl: int, revoke: bool, channels: 
             trouble = LeaderChange(cluster, leader_change,
                                    f"{settings.run_prefix(RUN_ID)}nodes/node-{nodes // 2}",
                                    leader_change_at,
-                                   on_restart=lambda member: _favour_pid(member.pid))
+                                   on_restart=lambda member: favour_pid(member.pid))
         try:
             got, windows = _simulate(cluster, nodes, procs, channels, ttl, revoke, steady,
-                                     plan_dir, say, decider_nice, sampler, trouble)
+                                     plan_dir, say, decider_nice, active, sampler, trouble)
         except Exception:
             for member in cluster.members:
                 if not member.is_running():
@@ -719,7 +296,8 @@ def run(nodes: int, members: int, procs: int, ttl: int, revoke: bool, channels: 
         row["cpu_windows"] = _cpu_windows(sampler, got, nodes // 2)
     row.update({"nodes": nodes, "devices": nodes * DEVICES_PER_NODE, "etcd_members": members,
                 "procs": procs, "channels_per_proc": channels, "ttl_s": ttl,
-                "kill": "revoke" if revoke else "expiry", "decider_nice": decider_nice})
+                "kill": "revoke" if revoke else "expiry", "decider_nice": decider_nice,
+                "active_per_proc": active})
     return row
 
 
@@ -859,6 +437,10 @@ def main(argv: list[str] | None = None) -> int:
                              "(move) or kill and restart it (restart); needs --members >= 2")
     parser.add_argument("--leader-change-at", type=float, default=0.5,
                         help="seconds after the lost node's key went (default 0.5)")
+    parser.add_argument("--active", type=int, default=0,
+                        help="agents of a process recovering at once, from the loss seen to "
+                             "their report (default 0: all; the others queue: a thousand "
+                             "runnable threads on one interpreter lock thrash)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
     try:
@@ -876,13 +458,18 @@ def main(argv: list[str] | None = None) -> int:
     say = (lambda s: print(s, file=sys.stderr, flush=True))
     rows = [run(n, args.members, min(args.procs, n), args.ttl, args.kill == "revoke",
                 max(1, min(args.channels, n // min(args.procs, n))), args.steady, say,
-                args.etcd_dir, args.decider_nice, args.cpu_profile, args.leader_change,
-                args.leader_change_at)
+                args.etcd_dir, args.decider_nice, args.cpu_profile, leader_change=args.leader_change,
+                leader_change_at=args.leader_change_at, active=args.active)
             for n in scales]
     if args.json:
         json.dump({"benchmark": "coordination_scale", "rows": rows}, sys.stdout, indent=2)
         print()
         return 0
+    _print_table(rows, bool(args.leader_change))
+    return 0
+
+def _print_table(rows: list[dict[str, Any]], leader_change: bool) -> None:
+    """The rows as a table, then each row's CPU windows (``--cpu-profile``)."""
     cols = [("nodes", "nodes", "{}"), ("detect (last)", "detect_last_s", "{:.2f} s"),
             ("reports", "reports_s", "{:.3f} s"), ("decision", "decision_s", "{:.3f} s"),
             ("(CPU)", "decision_cpu_s", "{:.3f} s"),
@@ -897,7 +484,7 @@ def main(argv: list[str] | None = None) -> int:
             ("etcd CPU round", "round_etcd_cpu_s", "{:.1f} s"),
             ("agents' CPU round", "round_agents_cpu_s", "{:.1f} s"),
             ("watchers", "watchers", "{:.0f}")]
-    if args.leader_change:
+    if leader_change:
         cols += [("leader change after loss", "leader_change_after_loss_s", "{} s"),
                  ("leaders", "leader_pair", "{}"), ("terms", "term_pair", "{}")]
         for r in rows:
@@ -913,7 +500,6 @@ def main(argv: list[str] | None = None) -> int:
             for k, v in sorted(used.items(), key=lambda kv: -kv[1]):
                 if k != "wall" and abs(v) >= 0.005:
                     print(f"  {k}: {v:.3f}")
-    return 0
 
 
 if __name__ == "__main__":

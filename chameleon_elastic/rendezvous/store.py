@@ -20,7 +20,10 @@ Keys live under ``<key_prefix>/<run_id>/store/``; values are raw bytes. The oper
   requests a second at 1024 agents. No event on the kept watch means the key is still
   missing, so the next slice skips the read; a wait for anything else cancels it. A watch
   whose last event put the one key waited for ends the wait without a read (the event says
-  the key is there);
+  the key is there), and a ``get`` of that key right after (the same thread's next call on the
+  store) returns the value the event carried, without a request: a quick round's followers
+  wait for the agreement and read it, one read per follower saved (4096 per round at 4096
+  nodes; the value crossed the wire once either way);
 - ``check``, ``delete_key``, ``num_keys`` (keys of this store), ``append``;
 - every request retries etcd's transient failures (``client.classify``) for ``retry_timeout``,
   or until the deadline of the round it is made in (:meth:`EtcdStore.retrying_until`): a leader
@@ -106,6 +109,8 @@ class EtcdStore(dist.Store):
         self.set_timeout(timeout)
         self._kept: _Watch | None = None   # a timed-out wait's watch, for the next slice
         self._kept_lock = threading.Lock()
+        #: per thread: (full key, value) a wait's watch just delivered, for the next get
+        self._waited = threading.local()
 
     @property
     def prefix(self) -> str:
@@ -119,7 +124,16 @@ class EtcdStore(dist.Store):
         return self._client.retrying_until(deadline)
 
     def _key(self, key: str) -> str:
+        """The full key. Every call on the store but ``num_keys`` names its keys here first,
+        which ends what a wait left for the next ``get`` (``_take_waited``): only a get that
+        comes right after the wait may read the watch's value instead of etcd."""
+        self._waited.value = None
         return self._prefix + key
+
+    def _take_waited(self, key: str) -> bytes | None:
+        """The value the watch of this thread's last call, a wait for ``key``, delivered."""
+        seen, self._waited.value = getattr(self._waited, "value", None), None
+        return seen[1] if seen is not None and seen[0] == self._prefix + key else None
 
     def set(self, key: str, value: str | bytes) -> None:
         data, full = _to_bytes(value), self._key(key)
@@ -135,7 +149,8 @@ class EtcdStore(dist.Store):
             self._client.call("store multi_set", lambda c, ops=chunk: c.transaction([], ops, []))
 
     def get(self, key: str) -> bytes:
-        return self.multi_get([key])[0]
+        seen = self._take_waited(key)
+        return seen if seen is not None else self.multi_get([key])[0]
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
         """Read first, wait only for what is missing: a key usually exists when it is read
@@ -311,6 +326,7 @@ class EtcdStore(dist.Store):
             if watch is not None and watch.fired.is_set():   # written between two slices
                 watch.cancel()
                 if watch.written:
+                    self._waited.value = (watch.key, watch.value)
                     return
                 watch = None
             if watch is not None:
@@ -328,6 +344,7 @@ class EtcdStore(dist.Store):
             if remaining > 0 and watch.fired.wait(remaining):
                 watch.cancel()
                 if watch.written and full == [watch.key]:   # the one key waited for is there
+                    self._waited.value = (watch.key, watch.value)
                     return
                 continue   # another key may still be missing, or the watch broke: read again
             if watch is not None:
@@ -359,12 +376,13 @@ class EtcdStore(dist.Store):
         """A watch on ``key`` from ``start_revision``; None when etcd refused it for a reason
         a new read settles (a compacted revision)."""
         fired = threading.Event()
-        seen = {"written": False}
+        seen: dict[str, Any] = {"written": False, "value": None}
 
         def on_event(response: object) -> None:
             events = getattr(response, "events", None)
             if events:   # the key's last event: a put (it is there) or a delete
                 seen["written"] = isinstance(events[-1], etcd_events.PutEvent)
+                seen["value"] = bytes(events[-1].value) if seen["written"] else None
             fired.set()  # an event or an error: either way, the wait is over or reads again
 
         def create(client: Any) -> Any:
@@ -387,13 +405,18 @@ class _Watch:
     spared a transaction per waiting agent, 4096 per quick round at 4096 nodes)."""
 
     def __init__(self, key: str, fired: threading.Event, handle: Any,
-                 seen: dict[str, bool]) -> None:
+                 seen: dict[str, Any]) -> None:
         self.key, self.fired, self._handle = key, fired, handle
         self._seen = seen
 
     @property
     def written(self) -> bool:
         return self._seen["written"]
+
+    @property
+    def value(self) -> bytes | None:
+        """The value the last put carried (when ``written``)."""
+        return self._seen["value"]
 
     def cancel(self) -> None:
         """Cancel on the stream that holds the watch (pyetcd_compat.add_watch): after a

@@ -247,6 +247,24 @@ def test_a_watched_put_ends_the_wait_without_a_read(etcd_server, store) -> None:
     _slice(store, "flicker")   # and the kept watch saw nothing since
 
 
+def test_a_get_right_after_a_wait_takes_the_watched_value(etcd_server, store) -> None:
+    """A quick round's followers wait for the agreement and read it: the watch event that
+    ended the wait carried the value, and the read right after takes it without a request
+    (one transaction per follower, 4096 per round at 4096 nodes). Only the next call may:
+    a get after any other call reads etcd."""
+    _slice(store, "agreement")
+    store.set("agreement", "first")
+    store.wait(["agreement"], timedelta(seconds=20))
+    before = _requests(etcd_server)
+    assert store.get("agreement") == b"first"
+    assert _requests(etcd_server) == before, "the get read etcd"
+    _slice(store, "next")
+    store.set("next", "1")
+    store.wait(["next"], timedelta(seconds=20))
+    store.set("next", "2")   # another call between the wait and the get
+    assert store.get("next") == b"2"
+
+
 def test_kept_watch_wakes_on_a_put_during_a_slice(etcd_settings, run_prefix, store) -> None:
     _slice(store, "late")
     with EtcdClient(etcd_settings) as setter_client:
