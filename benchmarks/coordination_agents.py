@@ -153,8 +153,8 @@ def round_limit_s(nodes: int) -> float:
 
 
 class Gate:
-    """At most ``n`` agents of a host between the start of their recovery and their report
-    (0: no bound), the others queued: a host's thousand agents all runnable at once on one
+    """At most ``n`` agents of a host between the start of their recovery and their wait for
+    the decision (0: no bound), the others queued: a host's thousand agents all runnable at once on one
     interpreter lock and two cores spent more CPU switching between them than running them
     (``--active``). Production's agents each have their own node: none waits here."""
 
@@ -174,9 +174,8 @@ class Gate:
             self._slots.release()
 
 
-def note_reports(gate: Gate | None = None) -> dict[int, float]:
-    """When each agent's report was written (``protocol.report``), by node; the writer
-    leaves ``gate``."""
+def note_reports() -> dict[int, float]:
+    """When each agent's report was written (``protocol.report``), by node."""
     from chameleon_elastic.launcher.coordination import agreement as protocol
 
     at: dict[int, float] = {}
@@ -185,12 +184,29 @@ def note_reports(gate: Gate | None = None) -> dict[int, float]:
     def report(store: Any, scope: str, key: int, mine: Any) -> None:
         inner(store, scope, key, mine)
         at[key] = time.monotonic()
-        if gate is not None:
-            gate.leave()
 
     protocol.report = report
     return at
 
+
+def leave_gate_when_waiting(gate: Gate) -> None:
+    """An agent leaves ``gate`` once its wait for the decision holds its watch: from then on
+    it makes no request until the decision wakes it. Left at the report before, the wait's
+    read and watch creation ran outside the gate, and at 16384 nodes (1024 agents a process)
+    the threads in gRPC calls at once took the machine down with them: gRPC's blocking calls
+    wake every 0.1 s while they wait (``grpc._common.MAXIMUM_WAIT_TIMEOUT``), so a slow etcd
+    made a thousand threads wake ten times a second, which slowed etcd further."""
+    from chameleon_elastic.rendezvous.store import EtcdStore
+
+    inner = EtcdStore._watch
+
+    def watch(self: Any, key: str, start_revision: int) -> Any:
+        try:
+            return inner(self, key, start_revision)
+        finally:
+            gate.leave()
+
+    EtcdStore._watch = watch   # type: ignore[method-assign]
 
 
 class HostView:
@@ -274,6 +290,8 @@ class Agent:
         ``--leader-change restart``) is watched again from the last revision seen, on a
         thread of its own (the callback runs on the stream's), as ``NodeLiveness`` does."""
         seen = [revision]
+        from chameleon_elastic.rendezvous.pyetcd_compat import add_watch
+
         own = self.live.key.encode()
 
         def on_response(response: Any) -> None:
@@ -291,8 +309,8 @@ class Agent:
                     self._lost(bytes(event.key).decode()[len(self.live._prefix):])
 
         prefix = self.live._prefix
-        self.client.call("watch nodes", lambda c: c.add_watch_prefix_callback(
-            prefix, on_response, start_revision=seen[0] + 1))
+        self.client.call("watch nodes", lambda c: add_watch(
+            c, prefix, on_response, prefix=True, start_revision=seen[0] + 1))
 
     def _rewatch(self, revision: int, why: Any) -> None:
         try:

@@ -11,6 +11,7 @@ tick on one stream as a host's would be.
 from __future__ import annotations
 
 import copy
+import gc
 import multiprocessing as mp
 import os
 import sys
@@ -27,6 +28,7 @@ from coordination_agents import (
     Gate,
     HostView,
     host_desk,
+    leave_gate_when_waiting,
     note_reports,
     params_for,
     round_limit_s,
@@ -130,7 +132,8 @@ def host_main(first: int, last: int, nodes: int, victim: int, endpoints: str, tt
         clock.wrap(protocol, name)
     clock.wrap(messages.Decision, "encode")   # the record's bytes: the decider's only
     gate = Gate(active)
-    reported = note_reports(gate)
+    reported = note_reports()
+    leave_gate_when_waiting(gate)
     if not connected.wait(300):
         raise RuntimeError("the keep-alive process did not reach etcd within 300 s")
     agents, clients, session = _register(first, last, nodes, endpoints, ttl, channels, plan_dir,
@@ -145,6 +148,10 @@ def host_main(first: int, last: int, nodes: int, victim: int, endpoints: str, tt
     for agent in agents:
         agent.watch(revision)
     ready.put(("watching", first))
+    # the host's objects so far (its agents, sessions, the view: millions at 16384 nodes) out
+    # of the collector's reach: its passes over them were 8% of the machine's CPU in a round
+    # there (perf), a cost of a thousand agents in one process, not of an agent
+    gc.freeze()
     protocol.QUICK_S = round_limit_s(nodes)   # see the module docstring: two cores
     # a follower wakes once per slice to check its decider's lease: one wake-up a second per
     # node in production (each on its own CPU), 4096 a second here on two cores at 4096 nodes;

@@ -23,8 +23,8 @@ measured (etcd's requests, watchers and bytes are those of production):
 - the agents of a host keep one view of the live nodes (each agent's watch still delivers every
   event; a copy per agent is nodes^2 entries, more than this machine's memory at 16384), and
   each agent's recovery thread is started idle with it, woken by its watch's event;
-- ``--active N`` lets at most N agents of a host run from the loss seen to their report at
-  once (the others queue): a thousand runnable threads on one interpreter lock spent more CPU
+- ``--active N`` lets at most N agents of a host run from the loss seen to their wait for
+  the decision (its watch held) at once (the others queue): a thousand runnable threads on one interpreter lock spent more CPU
   switching than working (42 against 26 s of the agents' CPU per round at 4096 nodes);
 - one process replays each planning step once for its agents (every agent reads the agreement
   and checks its own digest); that per-agent CPU (parallel on real nodes) is measured and
@@ -439,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds after the lost node's key went (default 0.5)")
     parser.add_argument("--active", type=int, default=0,
                         help="agents of a process recovering at once, from the loss seen to "
-                             "their report (default 0: all; the others queue: a thousand "
+                             "their wait for the decision (default 0: all; the others queue: a thousand "
                              "runnable threads on one interpreter lock thrash)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)

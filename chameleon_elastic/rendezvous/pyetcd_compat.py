@@ -5,10 +5,12 @@ API beyond its public methods, so whatever this package needs from its insides l
 with the reason, and ``tests/rendezvous/test_rdzv_pyetcd_compat.py`` fails at once if an upgrade
 removes or changes it. Everything else in this package uses pyetcd's public API only
 (``get``/``put``/``transaction``/``lease``/watch methods, the ``kvstub``/``leasestub``/
-``maintenancestub`` properties, the public attributes ``endpoints``/``endpoint_in_use``/
-``timeout``/``metadata``/``call_credentials``, ``Endpoint.fail``/``is_failed``, the
-``watcher`` property with ``Watcher.add_callback``/``cancel``, ``pyetcd.utils``, the generated
-``pyetcd.etcdrpc`` messages).
+``maintenancestub`` properties, the public attributes ``channel``/``endpoints``/
+``endpoint_in_use``/``timeout``/``metadata``/``call_credentials``, ``Endpoint.fail``/
+``is_failed``, ``pyetcd.utils``, the generated ``pyetcd.etcdrpc`` messages, and for the watch
+callbacks' contract ``pyetcd.watch.WatchResponse`` and ``pyetcd.events.new_event``).
+Watches do not use pyetcd's ``Watcher``: it creates one watch at a time per stream and wakes
+every waiting caller on each creation (``watch_stream.py`` says why that mattered).
 
 What is used, and why:
 
@@ -22,9 +24,9 @@ What is used, and why:
   (issue 48). The override re-raises the gRPC error untouched: which failures move to another
   member is decided once, by ``client.classify``.
 - ``MultiEndpointEtcd3Client._stubs`` (private dict): pyetcd caches one gRPC stub per
-  service (and the watcher, one watch stream) bound to the channel of the endpoint it first
-  used, and only re-picks an endpoint when its private label changes. After we mark an
-  endpoint failed (``Endpoint.fail``, public) the cached stubs would still talk to the dead
+  service bound to the channel of the endpoint it first used, and only re-picks an endpoint
+  when its private label changes; our watch stream is cached there beside them. After we mark
+  an endpoint failed (``Endpoint.fail``, public) the cached stubs would still talk to the dead
   member. :func:`drop_cached_stubs` empties the cache, so the next stub access evaluates
   ``client.channel``, which skips failed endpoints. Unlike pyetcd's ``_clear_old_stubs`` it
   does not half-close the watch stream: the watches on it go on (a dead member ends them with
@@ -34,23 +36,24 @@ What is used, and why:
   raises a bare ``ValueError`` when every attempt lands on an endpoint still marked failed;
   the text is the only way to tell it (transient: retry) from a genuine ``ValueError``.
 
-Why :func:`add_watch` returns its own cancel: etcd numbers watches per stream, from 0. pyetcd's
-``client.cancel_watch(id)`` goes to the client's *current* watcher, so after a fail-over the
-cancel of a watch made on the old stream cancelled whichever watch had the same number on the
-new one (another waiter's, on a shared client) and left the old one running (measured: after
-one fail-over, the cancel of watch 0 on key A silenced watch 0 on key B).
+Why :func:`add_watch` returns its own cancel: etcd numbers watches per stream, from 0. A
+cancel sent to the client's *current* stream (pyetcd's ``client.cancel_watch(id)``), after a
+fail-over, cancelled whichever watch had the same number on the new one (another waiter's, on
+a shared client) and left the old one running (measured: after one fail-over, the cancel of
+watch 0 on key A silenced watch 0 on key B).
 """
 
 from __future__ import annotations
 
-import queue
 from collections.abc import Callable
 from typing import Any
 
 import grpc
 import pyetcd
-from pyetcd import exceptions as etcd_exceptions
+from pyetcd import etcdrpc
 from pyetcd import utils as etcd_utils
+
+from chameleon_elastic.rendezvous.watch_stream import WatchStream
 
 __all__ = [
     "CHECKED_VERSION",
@@ -73,6 +76,9 @@ OVERRIDDEN_CLIENT_METHODS: dict[str, tuple[str, ...]] = {"_manage_grpc_errors": 
 #: private attributes of a ``pyetcd.MultiEndpointEtcd3Client`` this module reads (for the test)
 PRIVATE_CLIENT_ATTRIBUTES: tuple[str, ...] = ("_stubs",)
 
+#: the key of a client's :class:`WatchStream` in its stub cache, dropped with its stubs
+_STREAM = "chameleon_watch_stream"
+
 #: part of the message of the ``ValueError`` pyetcd's ``Endpoint.use()`` raises
 FAILED_NODE_TEXT = "failed node"
 
@@ -84,6 +90,13 @@ class Etcd3Client(pyetcd.MultiEndpointEtcd3Client):
 
     def _manage_grpc_errors(self, exc: grpc.RpcError) -> None:
         raise exc
+
+    def close(self) -> None:
+        """Half-close our watch stream first, as pyetcd does its own watcher's."""
+        stream = self._stubs.get(_STREAM)
+        if stream is not None:
+            stream.close()
+        super().close()
 
 
 def drop_cached_stubs(client: Any) -> None:
@@ -112,12 +125,12 @@ def add_watch(client: Any, key: str, callback: Callable[[Any], None], *, prefix:
     extra: dict[str, Any] = {}
     if prefix:
         extra["range_end"] = etcd_utils.prefix_range_end(etcd_utils.to_bytes(key))
-    watcher = client.watcher
-    try:
-        watch_id = watcher.add_callback(key, callback, start_revision=start_revision, **extra)
-    except queue.Empty:   # what pyetcd's own add_watch_callback turns into WatchTimedOut
-        raise etcd_exceptions.WatchTimedOut() from None
-    return _WatchHandle(watcher, watch_id)
+    stream = client._stubs.get(_STREAM)
+    if stream is None:
+        stream = client._stubs[_STREAM] = WatchStream(client)
+    create = etcdrpc.WatchCreateRequest(key=etcd_utils.to_bytes(key),
+                                        start_revision=start_revision or 0, **extra)
+    return _WatchHandle(stream, stream.add(create, callback))
 
 
 def is_failed_node_error(exc: BaseException) -> bool:

@@ -10,7 +10,9 @@ Keys live under ``<key_prefix>/<run_id>/store/``; values are raw bytes. The oper
   (``append`` too: :meth:`EtcdStore._once`);
 - ``compare_set(key, expected, desired)``: one transaction; writes ``desired`` when the value
   equals ``expected`` (or the key is absent and ``expected`` is empty) and returns the value
-  now stored, else returns the current value (``expected`` when the key is absent);
+  now stored, else returns the current value (``expected`` when the key is absent). Against
+  a large value the store read, the revision is compared (the value stays out of etcd's
+  size-limited request);
 - ``wait``: reads the missing keys at revision R, then watches the first missing key from
   R + 1, so a put that races with the read is never missed; a broken watch (etcd restart) just
   re-reads and re-watches. Timeout -> :class:`EtcdStoreTimeoutError` (a ``DistStoreError``).
@@ -53,6 +55,7 @@ on the ``EtcdStore`` directly.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import threading
 import time
@@ -74,11 +77,17 @@ __all__ = ["EtcdStore"]
 log = logging.getLogger("chameleon_elastic.rendezvous.store")
 
 _DEFAULT_TIMEOUT = timedelta(seconds=300)
+#: a value at least this long, read by the store, is compared by its revision (compare_set)
+_BY_REVISION = 64 * 1024
 MAX_TXN_OPS = 128   # etcd's default --max-txn-ops
 
 
 def _chunks(items: Sequence[Any]) -> list[Sequence[Any]]:
     return [items[i:i + MAX_TXN_OPS] for i in range(0, len(items), MAX_TXN_OPS)] or [items]
+
+
+def _digest(value: bytes) -> bytes:
+    return hashlib.blake2b(value, digest_size=16).digest()
 
 
 def _to_bytes(value: str | bytes | bytearray | Sequence[int]) -> bytes:
@@ -111,6 +120,8 @@ class EtcdStore(dist.Store):
         self._kept_lock = threading.Lock()
         #: per thread: (full key, value) a wait's watch just delivered, for the next get
         self._waited = threading.local()
+        #: full key -> (digest, mod revision) of a large value this store read (compare_set)
+        self._read: dict[str, tuple[bytes, int]] = {}
 
     @property
     def prefix(self) -> str:
@@ -161,12 +172,19 @@ class EtcdStore(dist.Store):
         deadline = self._deadline(None)
         gets = [transactions.Get(k) for k in full]
         while True:
-            values = [found[0][0] if found else None for chunk in _chunks(gets)
-                      for found in self._client.call(
-                          "store get", lambda c, ops=chunk: c.transaction([], ops, []))[1]]
-            if all(v is not None for v in values):
-                return [bytes(v) for v in values]  # type: ignore[arg-type]
-            self._wait_full([k for k, v in zip(full, values) if v is None], deadline)
+            found = [kvs[0] if kvs else None for chunk in _chunks(gets)
+                     for kvs in self._client.call(
+                         "store get", lambda c, ops=chunk: c.transaction([], ops, []))[1]]
+            if all(f is not None for f in found):
+                for key, (value, meta) in zip(full, found):   # type: ignore[misc]
+                    self._note_read(key, value, meta.mod_revision)
+                return [bytes(value) for value, _ in found]  # type: ignore[misc]
+            self._wait_full([k for k, f in zip(full, found) if f is None], deadline)
+
+    def _note_read(self, full: str, value: bytes, revision: int) -> None:
+        """Remember a large value's revision, for a compare-and-set against it."""
+        if len(value) >= _BY_REVISION:
+            self._read[full] = (_digest(value), revision)
 
     def add(self, key: str, amount: int) -> int:
         full = self._key(key)
@@ -235,19 +253,31 @@ class EtcdStore(dist.Store):
         return result
 
     def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
+        """TCPStore's compare-and-set. Against a large value this store read, etcd compares
+        the key's revision instead of the value: the value then stays out of the request,
+        which etcd limits (1.5 MiB by default, ``--max-request-bytes``): the plan record at
+        131072 devices is 1.1 MB, sent twice by a value compare."""
         full, want, new = self._key(key), _to_bytes(expected), _to_bytes(desired)
 
         def cas(client: Any) -> bytes | None:
+            known = self._read.get(full)
+            by_revision = known is not None and known[0] == _digest(want)
             ok, responses = client.transaction(
-                [transactions.Value(full) == want],
+                [transactions.Mod(full) == known[1] if by_revision  # type: ignore[index]
+                 else transactions.Value(full) == want],
                 [transactions.Put(full, new)],
                 [transactions.Get(full)],
             )
             if ok:
+                self._read.pop(full, None)
                 return new
             found = responses[0] if responses else []
             if found:
-                return bytes(found[0][0])
+                value, meta = bytes(found[0][0]), found[0][1]
+                if by_revision and value == want:   # rewritten with the same bytes: again
+                    self._note_read(full, value, meta.mod_revision)
+                    return None
+                return value
             if want:
                 return want  # absent key, non-empty expectation: TCPStore returns expected
             ok, responses = client.transaction(

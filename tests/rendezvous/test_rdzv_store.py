@@ -113,6 +113,27 @@ def test_compare_set_follows_tcpstore(store) -> None:
     assert not store.check(["absent"])
 
 
+def test_compare_set_of_a_large_value_it_read_fits_etcds_request_limit(
+        store, etcd_client, run_prefix) -> None:
+    """The plan record is 1.1 MB at 131072 devices: compared by value it crosses the wire
+    twice in one request, over etcd's default 1.5 MiB limit (the commit failed). A large
+    value this store read is compared by its revision instead, with the value semantics kept:
+    a change by another store since the read is seen, a rewrite of the same bytes is not."""
+    old, new, other = (bytes([n]) * (900 * 1024) for n in (1, 2, 3))
+    store.set("record", old)
+    with pytest.raises(Exception, match="too large"):   # a value compare: 1.8 MB in one request
+        store.compare_set("record", old, new)
+    assert store.get("record") == old
+    assert store.compare_set("record", old, new) == new
+    elsewhere = EtcdStore(etcd_client, run_prefix, timeout=timedelta(seconds=10))
+    assert store.get("record") == new
+    elsewhere.set("record", other)   # changed after this store's read
+    assert store.compare_set("record", new, old) == other
+    assert store.get("record") == other
+    elsewhere.set("record", other)   # the same bytes again, at a newer revision
+    assert store.compare_set("record", other, new) == new
+
+
 def test_check_delete_num_keys(store) -> None:
     store.multi_set(["x", "y"], ["1", "2"])
     assert store.check(["x", "y"]) and not store.check(["x", "z"])

@@ -171,7 +171,7 @@ def _quick_decision(store: Any, scope: str, members: Members,
     Returns ``(agreement, members)``, or ``(None, members)`` when this agent is the decider now
     (``members`` less the nodes whose lease is gone: they fence themselves)."""
     while True:
-        decider = min(members.keys)
+        decider = members.decider
         deadline = time.monotonic() + timeout_s
         while True:
             try:
