@@ -152,26 +152,56 @@ def round_limit_s(nodes: int) -> float:
     return max(120.0, nodes / 30)
 
 
-class Gate:
-    """At most ``n`` agents of a host between the start of their recovery and their wait for
-    the decision (0: no bound), the others queued: a host's thousand agents all runnable at once on one
-    interpreter lock and two cores spent more CPU switching between them than running them
-    (``--active``). Production's agents each have their own node: none waits here."""
+class Waker:
+    """At most ``n`` agents of a host awake at once (0: no bound; ``--active``). An agent is
+    woken through :meth:`wake` (by its watch's news of the loss, then by the decision's
+    event), marks itself :meth:`awake` when it runs, and :meth:`asleep` once it blocks again
+    (its wait for the decision holds its watch) or is done; the next queued wake-up goes then.
+    Production's agents each have their own node: none waits here.
+
+    Why the wake-ups themselves are metered: a host's thousands of agent threads woken at
+    once (each watch callback setting its agent's event) all wait for one interpreter lock,
+    and each waiter wakes every 5 ms to ask for it. At 16384 nodes (4096 agents a process) the
+    decision's publication took the load average from 30 to 2400 and no agent adopted within
+    minutes; a gate the woken threads queue at comes too late, since each must run to reach
+    it. Before the decision, gRPC adds its own: a thread blocked in a call wakes every 0.1 s
+    (``grpc._common.MAXIMUM_WAIT_TIMEOUT``), so the agents between the loss and their watch
+    are kept to ``n`` as well."""
 
     def __init__(self, n: int) -> None:
-        self._slots = threading.Semaphore(n) if n > 0 else None
-        self._held = threading.local()
+        self.n = n
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._room = threading.Condition()
+        self._awake = 0
+        self._mine = threading.local()
+        if n > 0:
+            threading.Thread(target=self._run, daemon=True, name="waker").start()
 
-    def enter(self) -> None:
-        if self._slots is not None:
-            self._slots.acquire()
-            self._held.on = True
+    def wake(self, wake_up: Any) -> None:
+        """Call ``wake_up`` (it wakes one agent) when fewer than ``n`` are awake."""
+        if self.n > 0:
+            self._queue.put(wake_up)
+        else:
+            wake_up()
 
-    def leave(self) -> None:
-        if getattr(self._held, "on", False):
-            self._held.on = False
-            assert self._slots is not None
-            self._slots.release()
+    def awake(self) -> None:
+        self._mine.on = True
+
+    def asleep(self) -> None:
+        if getattr(self._mine, "on", False):
+            self._mine.on = False
+            with self._room:
+                self._awake = max(0, self._awake - 1)
+                self._room.notify()
+
+    def _run(self) -> None:
+        while True:
+            wake_up = self._queue.get()
+            with self._room:
+                while self._awake >= self.n:
+                    self._room.wait()
+                self._awake += 1
+            wake_up()
 
 
 def note_reports() -> dict[int, float]:
@@ -189,24 +219,33 @@ def note_reports() -> dict[int, float]:
     return at
 
 
-def leave_gate_when_waiting(gate: Gate) -> None:
-    """An agent leaves ``gate`` once its wait for the decision holds its watch: from then on
-    it makes no request until the decision wakes it. Left at the report before, the wait's
-    read and watch creation ran outside the gate, and at 16384 nodes (1024 agents a process)
-    the threads in gRPC calls at once took the machine down with them: gRPC's blocking calls
-    wake every 0.1 s while they wait (``grpc._common.MAXIMUM_WAIT_TIMEOUT``), so a slow etcd
-    made a thousand threads wake ten times a second, which slowed etcd further."""
-    from chameleon_elastic.rendezvous.store import EtcdStore
+def meter_agents(waker: Waker) -> None:
+    """The agents' store waits woken through ``waker`` (see :class:`Waker`): an agent falls
+    asleep once its wait for the decision holds its watch (from then on it makes no request
+    until the decision wakes it), and the event that wakes it waits its turn."""
+    from chameleon_elastic.launcher.coordination import agreement as protocol
+    from chameleon_elastic.rendezvous import store as store_module
 
-    inner = EtcdStore._watch
+    inner_watch, inner_read = store_module.EtcdStore._watch, protocol.read_agreement
+    inner_add = store_module.add_watch
+
+    def add_watch(client: Any, key: str, callback: Any, **kwargs: Any) -> Any:
+        return inner_add(client, key, lambda response: waker.wake(lambda: callback(response)),
+                         **kwargs)
 
     def watch(self: Any, key: str, start_revision: int) -> Any:
         try:
-            return inner(self, key, start_revision)
+            return inner_watch(self, key, start_revision)
         finally:
-            gate.leave()
+            waker.asleep()
 
-    EtcdStore._watch = watch   # type: ignore[method-assign]
+    def read_agreement(store: Any, scope: str, timeout_s: float | None = None) -> Any:
+        waker.awake()   # woken by the decision (or it was there at the first read)
+        return inner_read(store, scope, timeout_s)
+
+    store_module.add_watch = add_watch
+    store_module.EtcdStore._watch = watch   # type: ignore[method-assign]
+    protocol.read_agreement = read_agreement
 
 
 class HostView:
@@ -270,7 +309,7 @@ class Agent:
         self.rounds._last_info, self.rounds.nodes = SimpleNamespace(store=self.store), \
             view.keys(nodes)
         self.decider_nice: int | None = None   # see --decider-nice
-        self.gate = Gate(0)   # the host's (--active)
+        self.waker = Waker(0)   # the host's (--active)
         self._go = threading.Event()
         self.thread = threading.Thread(target=self._recover_when_told, daemon=True,
                                        name=f"agent-{node}")
@@ -321,16 +360,20 @@ class Agent:
 
     def _lost(self, node_id: str) -> None:
         """A node left: note when, and wake the agent's recovery thread (the production
-        agent's monitor loop does the same on its own)."""
-        if self._go.is_set():
+        agent's monitor loop does the same on its own; here the host's waker lets it run)."""
+        if "detected" in self.out:
             return
         self.out["detected"], self.out["trigger"] = time.monotonic(), node_id
-        self._go.set()
+        self.waker.wake(self._go.set)
 
     def _recover_when_told(self) -> None:
         self._go.wait()
-        if not self.closing:
-            self.recover()
+        self.waker.awake()
+        try:
+            if not self.closing:
+                self.recover()
+        finally:
+            self.waker.asleep()
 
     def stop(self) -> None:
         """Let an idle recovery thread end (the host is done)."""
@@ -342,7 +385,6 @@ class Agent:
         from chameleon_elastic.launcher.coordination import messages
 
         self.out["tid"] = threading.get_native_id()   # for --cpu-profile's accounting
-        self.gate.enter()
         try:
             _, members = self.rounds.quick(self.node, self.alive)
             if members.decides and self.decider_nice is not None:
@@ -363,8 +405,6 @@ class Agent:
             self.out["agreed"] = None if change is None else change.agreed
         except Exception as exc:  # noqa: BLE001 - reported to the parent, which fails the run
             self.out["error"] = f"{type(exc).__name__}: {exc}"
-        finally:
-            self.gate.leave()   # an agent that failed before its report
 
 
 def host_desk() -> Any:

@@ -14,6 +14,7 @@ import copy
 import gc
 import multiprocessing as mp
 import os
+import signal
 import sys
 import threading
 import time
@@ -25,10 +26,10 @@ from coordination_agents import (
     RUN_ID,
     Agent,
     Clock,
-    Gate,
     HostView,
+    Waker,
     host_desk,
-    leave_gate_when_waiting,
+    meter_agents,
     note_reports,
     params_for,
     round_limit_s,
@@ -118,6 +119,9 @@ def host_main(first: int, last: int, nodes: int, victim: int, endpoints: str, tt
     from chameleon_elastic.rendezvous.liveness import list_nodes
 
     faulthandler.enable(all_threads=False)   # a host that crashes says where
+    # `kill -USR1 <host pid>`: every thread's stack on the host's stderr (py-spy cannot
+    # read a process of 4096 threads: 12 000 memory maps)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     threading.stack_size(_STACK)
     ctx = mp.get_context("fork")   # before this process opens any gRPC channel: no new start
     stop, killed, spoiled, connected = (ctx.Event() for _ in range(4))
@@ -131,15 +135,15 @@ def host_main(first: int, last: int, nodes: int, victim: int, endpoints: str, tt
     for name in ("collect", "decide", "commit_record", "publish"):
         clock.wrap(protocol, name)
     clock.wrap(messages.Decision, "encode")   # the record's bytes: the decider's only
-    gate = Gate(active)
+    waker = Waker(active)
     reported = note_reports()
-    leave_gate_when_waiting(gate)
+    meter_agents(waker)
     if not connected.wait(300):
         raise RuntimeError("the keep-alive process did not reach etcd within 300 s")
     agents, clients, session = _register(first, last, nodes, endpoints, ttl, channels, plan_dir,
                                          ready, inbox, local, decider_nice)
     for agent in agents:
-        agent.gate = gate
+        agent.waker = waker
     if first == 0:   # the decider's planning step, timed (the followers' are copies before)
         clock.wrap(session, "step")
     orders.get()   # every agent of every host has registered: list once, watch each
@@ -154,9 +158,12 @@ def host_main(first: int, last: int, nodes: int, victim: int, endpoints: str, tt
     gc.freeze()
     protocol.QUICK_S = round_limit_s(nodes)   # see the module docstring: two cores
     # a follower wakes once per slice to check its decider's lease: one wake-up a second per
-    # node in production (each on its own CPU), 4096 a second here on two cores at 4096 nodes;
-    # at most about 1000 a second in all here (what a slice costs: see the docs)
-    protocol._WAIT_S = max(protocol._WAIT_S, nodes / 1000)
+    # node in production, each on its own CPU. Here the followers sleep until the decision
+    # (the decider is never lost): at 16384 nodes their slices' wake-ups, 250 a second per
+    # host at nodes / 1000 s, queued for the interpreter lock behind the decider's planning,
+    # and each waiting thread wakes every 5 ms to ask for it: the load average went from 30 to
+    # 2000 and no decision was adopted (the publication was metered already)
+    protocol._slice_s = lambda members: round_limit_s(nodes)
     order = orders.get()
     cpu = time.process_time()
     if order is not None:   # this host holds the victim

@@ -31,9 +31,10 @@ measured (etcd's requests, watchers and bytes are those of production):
   reported beside the adoption;
 - ``rpc_timeout`` is 60 s and the quick round's limit 120 s (a second per 30 nodes above 3600):
   requests queue behind thousands of agents' on two cores;
-- above 1000 nodes the followers' wait slices (a wake-up to check the decider's lease, 1 s in
-  production) grow to nodes / 1000 s, so that all of them together wake about 1000 times a
-  second, as at 1000 nodes; the keep-alive processes run at the members' priority (-10, as
+- the followers' wait slices (a wake-up to check the decider's lease, 1 s in production,
+  each on its own CPU) last the whole round: the decider is never lost here, and thousands of
+  slices ending on two cores queued for the interpreter lock behind the decider's planning
+  (a collapse at 16384 nodes); the keep-alive processes run at the members' priority (-10, as
   root), each standing in for keep-alive threads that have their nodes' CPUs.
 
 Reported: kill -> every agent adopted, split into detection (the lease's deletion seen by the
