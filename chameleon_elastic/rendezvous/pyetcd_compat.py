@@ -92,7 +92,8 @@ class Etcd3Client(pyetcd.MultiEndpointEtcd3Client):
         raise exc
 
     def close(self) -> None:
-        """Half-close our watch stream first, as pyetcd does its own watcher's."""
+        """End our watch stream before the channels close (its watches' callbacks get
+        ``None``, not a cancelled call's error), as pyetcd closes its own watcher first."""
         stream = self._stubs.get(_STREAM)
         if stream is not None:
             stream.close()
@@ -126,7 +127,7 @@ def add_watch(client: Any, key: str, callback: Callable[[Any], None], *, prefix:
     if prefix:
         extra["range_end"] = etcd_utils.prefix_range_end(etcd_utils.to_bytes(key))
     stream = client._stubs.get(_STREAM)
-    if stream is None:
+    if stream is None or stream.ended:   # a broken stream's watches were told; start anew
         stream = client._stubs[_STREAM] = WatchStream(client)
     create = etcdrpc.WatchCreateRequest(key=etcd_utils.to_bytes(key),
                                         start_revision=start_revision or 0, **extra)

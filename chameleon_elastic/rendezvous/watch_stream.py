@@ -71,6 +71,11 @@ class WatchStream:
         self._call: Any = None      # the gRPC call, to cancel at close
         self._closing = False
 
+    @property
+    def ended(self) -> bool:
+        """The stream ended (closed, or etcd broke it): a new watch needs a new stream."""
+        return self._ended is not None
+
     def add(self, create: Any, callback: Callback) -> int:
         """Send ``create`` (a ``WatchCreateRequest``) and return the new watch's id once etcd
         confirms it. Raises pyetcd's ``WatchTimedOut`` past the client's timeout, the

@@ -78,3 +78,18 @@ def test_a_closed_stream_ends_its_watches_and_refuses_new_ones(etcd_client) -> N
     assert all(getattr(r, "events", None) is None for r in received)
     with pytest.raises(etcd_exceptions.Etcd3Exception, match="closed"):
         stream.add(etcdrpc.WatchCreateRequest(key=b"/ws/c"), ends.put)
+
+
+def test_a_watch_after_the_stream_ended_opens_a_new_stream(etcd_client) -> None:
+    """A stream etcd or the client ended (a member restarted) stays ended; the next watch on
+    that client opens a new one and receives its events (pyetcd's watcher restarted too)."""
+    client = etcd_client.client()
+    ends: queue.SimpleQueue = queue.SimpleQueue()
+    first = add_watch(client, "/ws/before", ends.put)
+    first._watcher.close()
+    assert getattr(ends.get(timeout=20), "events", None) is None
+    got: queue.SimpleQueue = queue.SimpleQueue()
+    add_watch(client, "/ws/after", lambda r: [got.put(bytes(e.key)) for e in
+                                              getattr(r, "events", None) or ()])
+    client.put("/ws/after", b"v")
+    assert got.get(timeout=20) == b"/ws/after"
