@@ -23,9 +23,10 @@ measured (etcd's requests, watchers and bytes are those of production):
 - the agents of a host keep one view of the live nodes (each agent's watch still delivers every
   event; a copy per agent is nodes^2 entries, more than this machine's memory at 16384), and
   each agent's recovery thread is started idle with it, woken by its watch's event;
-- ``--active N`` lets at most N agents of a host run from the loss seen to their wait for
-  the decision (its watch held) at once (the others queue): a thousand runnable threads on one interpreter lock spent more CPU
-  switching than working (42 against 26 s of the agents' CPU per round at 4096 nodes);
+- ``--active N`` lets at most N agents of a host be awake at once, woken in turn by the loss
+  and by the decision (``coordination_agents.Waker``): a thousand runnable threads on one
+  interpreter lock spent more CPU switching than working (42 against 26 s of the agents' CPU
+  per round at 4096 nodes), and at 16384 nodes took the machine down;
 - one process replays each planning step once for its agents (every agent reads the agreement
   and checks its own digest); that per-agent CPU (parallel on real nodes) is measured and
   reported beside the adoption;
@@ -439,9 +440,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--leader-change-at", type=float, default=0.5,
                         help="seconds after the lost node's key went (default 0.5)")
     parser.add_argument("--active", type=int, default=0,
-                        help="agents of a process recovering at once, from the loss seen to "
-                             "their wait for the decision (default 0: all; the others queue: a thousand "
-                             "runnable threads on one interpreter lock thrash)")
+                        help="agents of a process awake at once, woken in turn by the loss "
+                             "and by the decision (default 0: all; a thousand runnable "
+                             "threads on one interpreter lock thrash)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
     try:
