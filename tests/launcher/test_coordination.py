@@ -412,6 +412,40 @@ def test_trouble_keeps_the_newest_generation_whoever_writes_last():
     assert channel.read_int(store, channel.TROUBLE) == 3
 
 
+def test_a_read_racing_a_delete_sees_the_value_or_nothing_and_never_waits():
+    """A worker deletes its slow-stretch key while its agent reads it: the agent must get the
+    value or None. A check then a get returned empty bytes here (CI: an agent failed on a JSON
+    error) or waited out the store's timeout; a missing key is not created by reading it."""
+    import threading
+    from datetime import timedelta
+
+    from chameleon_elastic import channel
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=10))
+    writer = dist.TCPStore("127.0.0.1", store.port, is_master=False,
+                           timeout=timedelta(seconds=10))
+    stop, seen = threading.Event(), set()
+
+    def flip() -> None:
+        while not stop.is_set():
+            channel.write(writer, "slow/0", {"deadline_s": 3.0})
+            writer.delete_key("slow/0")
+
+    thread = threading.Thread(target=flip, daemon=True)
+    thread.start()
+    try:
+        for _ in range(3000):
+            found = channel.read(store, "slow/0")
+            seen.add(None if found is None else found["deadline_s"])
+    finally:
+        stop.set()
+        thread.join(timeout=10)
+    assert seen <= {None, 3.0}
+    assert channel.read(store, "never/written") is None
+    assert not store.check(["never/written"])
+
+
 def test_a_stored_decision_is_compressed_checked_and_an_older_plain_record_still_read(session):
     """The decision and the fenced record are stored compressed (every agent of a quick round
     reads the plan); a record an older agent wrote as plain JSON is still read and fenced over,
