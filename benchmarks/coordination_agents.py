@@ -211,8 +211,8 @@ def note_reports() -> dict[int, float]:
     at: dict[int, float] = {}
     inner = protocol.report
 
-    def report(store: Any, scope: str, key: int, mine: Any) -> None:
-        inner(store, scope, key, mine)
+    def report(store: Any, scope: str, key: int, mine: Any, opens: bool = False) -> None:
+        inner(store, scope, key, mine, opens)
         at[key] = time.monotonic()
 
     protocol.report = report

@@ -412,6 +412,41 @@ def test_trouble_keeps_the_newest_generation_whoever_writes_last():
     assert channel.read_int(store, channel.TROUBLE) == 3
 
 
+def test_a_quick_rounds_report_opens_it_for_the_agents_that_have_not_seen_its_cause():
+    """The key that wakes the other agents comes with the first report, in the same write:
+    opening the round writes nothing by itself, and one report is enough."""
+    from types import SimpleNamespace
+
+    from chameleon_elastic.launcher.coordination.rounds import Rounds
+    from chameleon_elastic.launcher.observe import StatusLine
+    from chameleon_elastic.timeouts import Timeouts
+
+    class Counting(dist.HashStore):
+        writes = 0
+
+        def set(self, *args):
+            Counting.writes += 1
+            return super().set(*args)
+
+        def multi_set(self, *args):
+            Counting.writes += 1
+            return super().multi_set(*args)
+
+    store = Counting()
+    agents = []
+    for node in (0, 1):
+        rounds = Rounds(SimpleNamespace(backend="etcd-v3", max_nodes=2), Timeouts(store_s=2),
+                        StatusLine(enabled=False), lambda *a, **k: None)
+        rounds._last_info, rounds.nodes = SimpleNamespace(store=store), (0, 1)
+        agents.append(rounds)
+    assert not agents[1].quick_called()
+    _, members = agents[0].quick(0, None)
+    assert Counting.writes == 0 and not agents[1].quick_called()
+    protocol.report(store, agents[0].scope(), members.me, NodeReport(0, (), (0, 1), True),
+                    opens=True)
+    assert Counting.writes == 1 and agents[1].quick_called()
+
+
 def test_a_read_racing_a_delete_sees_the_value_or_nothing_and_never_waits():
     """A worker deletes its slow-stretch key while its agent reads it: the agent must get the
     value or None. A check then a get returned empty bytes here (CI: an agent failed on a JSON

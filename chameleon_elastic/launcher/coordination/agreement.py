@@ -84,6 +84,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 from ..session import JobSession, LauncherPlanningError, NoPlanError, PlanChange
 from .decide import decide, inplace_possible, losses, quiet_loss, reasons, speeds_of
 from .messages import (
+    OPENED,
     Agreement,
     Decision,
     Fenced,
@@ -105,8 +106,17 @@ _WAIT_S = 1.0    # the others wait for the decision in slices up to this long (s
 QUICK_S = 15.0
 
 
-def report(store: Any, scope: str, group_rank: int, mine: NodeReport) -> None:
-    store.set(f"{scope}node/{group_rank}", json.dumps(asdict(mine)))
+def report(store: Any, scope: str, group_rank: int, mine: NodeReport,
+           opens: bool = False) -> None:
+    """``opens``: a quick round's report also opens the round for the agents that have not
+    seen its cause (``messages.OPENED``), in the same write: a separate put of that key by
+    every agent was a fifth of a quick round's etcd requests, and most of its writes
+    (benchmarks/coordination_scale.py)."""
+    key, value = f"{scope}node/{group_rank}", json.dumps(asdict(mine))
+    if opens:
+        store.multi_set([key, scope + OPENED], [value, str(mine.node)])
+    else:
+        store.set(key, value)
 
 
 def collect(store: Any, scope: str, keys: Sequence[int]) -> list[NodeReport]:
@@ -331,7 +341,7 @@ def _agree_in_round(store: Any, scope: str, members: Members, mine: NodeReport,
         seen, launched = _catch_up(fence, session)
     if quick and members.alive is not None:
         _still_in(members)
-    report(store, scope, members.me, mine)
+    report(store, scope, members.me, mine, opens=quick)
     published = False
     try:
         agreement = None

@@ -22,8 +22,12 @@ from chameleon_elastic.plan import ExecutionPlan
 
 from ..session import LauncherPlanningError
 
-__all__ = ["Agreement", "Decision", "Fenced", "Members", "NodeReport", "PlanDesk",
+__all__ = ["OPENED", "Agreement", "Decision", "Fenced", "Members", "NodeReport", "PlanDesk",
            "PlanUnreachable", "QuickRoundFailed", "world_of"]
+
+#: the key (under a quick round's scope) that opens the round for an agent that has not seen
+#: its cause yet; written with each report (``agreement.report``), read by ``Rounds.quick_called``
+OPENED = "open"
 
 
 class Fenced(RuntimeError):

@@ -6,8 +6,9 @@ One round per transition (launch or recovery). Three things make them differ fro
   rendezvous round: membership can only shrink, and who is left is known (the last agreement's
   nodes, less those whose etcd lease is gone). torch's round would cost a second or more of
   polling, plus, for a lost node, its keep-alive expiry and ``last_call_timeout``. A quick round
-  reuses the last round's store under a fresh scope (``q<epoch>/``); its first agent writes
-  ``q<epoch>/open``, which wakes the others at their next tick (:meth:`Rounds.quick_called`).
+  reuses the last round's store under a fresh scope (``q<epoch>/``); every report in it comes
+  with ``q<epoch>/open`` (one write, agreement.report), which wakes the others at their next
+  tick (:meth:`Rounds.quick_called`).
   A node that wants to join still makes a full round. With ``--nnodes 1`` every recovery is
   quick: no other agent can join or leave.
 - **Failover.** When the rendezvous store is unreachable (its host agent died), the handler is
@@ -46,7 +47,7 @@ from chameleon_elastic.rendezvous.handler import handler_for
 from chameleon_elastic.timeouts import Timeouts
 
 from ..observe import Event, StatusLine
-from .messages import Members
+from .messages import OPENED, Members
 from .waiting import RendezvousWait
 
 __all__ = ["CLOSED", "FINISHED_AWAY", "STORE_LOST", "Rounds", "WorkerStoreDesk"]
@@ -106,7 +107,6 @@ class Rounds:
         """Open the next quick round: (the last round's info, this round's members)."""
         self.attempt += 1
         self.epoch += 1
-        self._last_info.store.set(self.scope() + "open", str(node))
         keys = self.nodes or (node,)
         if alive is None:
             return self._last_info, Members(node, keys, alive)
@@ -124,7 +124,7 @@ class Rounds:
         if not self.can_quick or self.params.max_nodes == 1:
             return False
         try:
-            return self._last_info.store.check([self._scope(self.epoch + 1) + "open"])
+            return self._last_info.store.check([self._scope(self.epoch + 1) + OPENED])
         except STORE_LOST:
             return False   # nodes_waiting() fails over
 
