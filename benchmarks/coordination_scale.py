@@ -401,6 +401,10 @@ def _summary(got: list[dict[str, Any]], windows: list[Any], victim: int) -> dict
         "round_requests_per_s": extra["requests"] / max(adopted - detected[0], 1e-9),
         "round_sent_mb": extra["sent_bytes"] / 1e6,
         "round_etcd_cpu_s": m2["cpu_s"] - m1["cpu_s"],
+        # what the steady state (keep-alives, watch progress) costs the members over the same
+        # window: part of the round's figure above, not of the round's own work
+        "steady_etcd_cpu_s": _rate(m0, m1, s1 - s0, "cpu_s") * (s2 - s1),
+        "round_window_s": s2 - s1,
         "round_agents_cpu_s": sum(g["cpu_s"] for g in got),
         "watchers": m1["watchers"], "watch_streams": m1["watch_streams"],
     }
