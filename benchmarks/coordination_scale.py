@@ -446,7 +446,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--active", type=int, default=0,
                         help="agents of a process awake at once, woken in turn by the loss "
                              "and by the decision (default 0: all; a thousand runnable "
-                             "threads on one interpreter lock thrash)")
+                             "threads on one interpreter lock thrash; at least 2: the "
+                             "deciding agent holds one while it collects the reports)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
     try:
@@ -459,6 +460,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.decider_nice is not None and args.decider_nice < os.nice(0) and os.geteuid() != 0:
         parser.error(f"--decider-nice {args.decider_nice} is below this process's nice value "
                      f"({os.nice(0)}), which only root may set; leave it out or run as root")
+    if args.active == 1 or args.active < 0:
+        parser.error(f"--active {args.active}: use 0 (every agent awake) or 2 or more; the "
+                     "deciding agent stays awake while it collects the reports, so with 1 the "
+                     "other agents of its process never report")
     if args.leader_change and args.members < 2:
         parser.error("--leader-change needs --members 2 or more (3: a majority survives)")
     say = (lambda s: print(s, file=sys.stderr, flush=True))

@@ -108,7 +108,9 @@ _MEMBER_CODES = {
     grpc.StatusCode.CANCELLED,
     grpc.StatusCode.INTERNAL,
 }
-_MEMBER_DETAILS = ("no leader", "timed out")   # under UNKNOWN, which etcd uses for raft's errors
+# under UNKNOWN, which etcd uses for raft's errors; "context deadline exceeded": the member's
+# own deadline for a linearizable read ran out waiting for a leader (a majority lost)
+_MEMBER_DETAILS = ("no leader", "timed out", "context deadline exceeded")
 _MEMBER_PYETCD = (
     etcd_exceptions.ConnectionFailedError,
     etcd_exceptions.ConnectionTimeoutError,

@@ -322,17 +322,23 @@ class EtcdStore(dist.Store):
         seconds = span.total_seconds()
         return time.monotonic() + (seconds if seconds > 0 else float("inf"))
 
-    def _missing(self, full: list[str]) -> tuple[list[str], int]:
-        """The keys absent, and a revision at or before which each was seen absent (the
-        earliest chunk's: a watch from there misses no put, at worst wakes once for nothing)."""
-        answers = [self._missing_chunk(list(chunk)) for chunk in _chunks(full)]
-        return ([k for missing, _ in answers for k in missing],
-                min(revision for _, revision in answers))
+    def _missing(self, full: list[str], serializable: bool = False,
+                 values: bool = False) -> tuple[list[str], int, dict[str, bytes]]:
+        """The keys absent, a revision at or before which each was seen absent (the earliest
+        chunk's: a watch from there misses no put, at worst wakes once for nothing), and with
+        ``values`` the values of those present. ``serializable``: answered by the member the
+        client talks to, without asking the leader (see ``_wait_full``)."""
+        answers = [self._missing_chunk(list(chunk), serializable, values)
+                   for chunk in _chunks(full)]
+        return ([k for missing, _, _ in answers for k in missing],
+                min(revision for _, revision, _ in answers),
+                {k: v for _, _, found in answers for k, v in found.items()})
 
-    def _missing_chunk(self, full: list[str]) -> tuple[list[str], int]:
-        request = _count_request(full)
+    def _missing_chunk(self, full: list[str], serializable: bool,
+                       values: bool) -> tuple[list[str], int, dict[str, bytes]]:
+        request = _count_request(full, serializable, values)
 
-        def read(client: Any) -> tuple[list[str], int]:
+        def read(client: Any) -> tuple[list[str], int, dict[str, bytes]]:
             # A txn answers all reads at one revision. pyetcd's public ``transaction`` drops
             # the response header (the revision the watch must start after), hence the stub.
             response = client.kvstub.Txn(
@@ -341,12 +347,11 @@ class EtcdStore(dist.Store):
                 credentials=client.call_credentials,
                 metadata=client.metadata,
             )
-            missing = [
-                key
-                for key, answer in zip(full, response.responses)
-                if answer.response_range.count == 0
-            ]
-            return missing, int(response.header.revision)
+            answers = [answer.response_range for answer in response.responses]
+            missing = [key for key, answer in zip(full, answers) if answer.count == 0]
+            found = {key: bytes(answer.kvs[0].value) for key, answer in zip(full, answers)
+                     if values and answer.kvs}
+            return missing, int(response.header.revision), found
 
         return self._client.call("store check", read)
 
@@ -362,8 +367,17 @@ class EtcdStore(dist.Store):
             if watch is not None:
                 missing = [watch.key]
             else:
-                missing, revision = self._missing(full)
+                # serializable: a member behind the leader may call a key absent that is
+                # there, and the watch from its revision then delivers that put; a
+                # linearizable read cost etcd as much as a put (a leader round per read:
+                # 0.7 against 0.24 ms of the members' CPU, benchmarks/coordination_scale.py)
+                # a single key's value comes with the read: the get that follows a wait (the
+                # decision, read by every follower) then needs neither a request nor a leader
+                missing, revision, found = self._missing(full, serializable=True,
+                                                         values=len(full) == 1)
                 if not missing:
+                    if found:
+                        self._waited.value = next(iter(found.items()))
                     return
             remaining = deadline - time.monotonic()
             if remaining > 0 and watch is None:
@@ -457,13 +471,16 @@ class _Watch:
             log.debug("cancelling a store watch failed", exc_info=True)
 
 
-def _count_request(keys: list[str]) -> Any:
-    """One unconditional txn that counts each key (count_only: no values travel), built from
-    pyetcd's public protobuf messages rather than its private request builders."""
+def _count_request(keys: list[str], serializable: bool = False, values: bool = False) -> Any:
+    """One unconditional txn that counts each key (count_only unless ``values``: no values
+    travel), built from pyetcd's public protobuf messages rather than its private request
+    builders. etcd serves a txn of serializable ranges from the member asked, without the
+    leader."""
     from pyetcd import etcdrpc
 
     ranges = [
-        etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(key=k.encode(), count_only=True))
+        etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(
+            key=k.encode(), count_only=not values, serializable=serializable))
         for k in keys
     ]
     return etcdrpc.TxnRequest(compare=[], success=ranges, failure=[])
