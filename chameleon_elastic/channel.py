@@ -355,34 +355,27 @@ def write_once(store: Any, key: str, value: Any) -> None:
 
 def write_max(store: Any, key: str, value: int) -> None:
     """Store ``value`` under ``key`` unless a larger one is there (several writers, each
-    raising it: the last writer's stale value must not hide a newer one)."""
-    mine = json.dumps(value)
-    found = _peek(store, key)
-    seen = "" if found is None else found.decode()
-    while not seen or json.loads(seen) < value:
+    raising it: the last writer's stale value must not hide a newer one). The first
+    compare-and-set expects nothing: it creates the key, or returns what is there."""
+    mine, seen = json.dumps(value), ""
+    while True:
         seen = store.compare_set(key, seen, mine).decode()
-        if seen == mine:
+        if seen == mine or json.loads(seen) >= value:
             return
 
 
 _ABSENT = "\x00absent"   # never a JSON text: a compare against it only reads
 
 
-def _peek(store: Any, key: str) -> bytes | None:
-    """The bytes under ``key`` or None, in one request that never waits. A compare-and-set
-    expecting a value no writer writes returns what is there, and for an absent key returns
-    the expectation without setting it. A check then a get raced a delete between them (a
-    worker leaving its slow stretch, a new process's keys cleared): the get then waited out the
-    store's timeout, or (TCPStore's libuv server) returned empty bytes, which failed an agent
-    in CI with a JSON error."""
-    found = bytes(store.compare_set(key, _ABSENT, _ABSENT))
-    return None if found == _ABSENT.encode() else found
-
-
 def read(store: Any, key: str) -> Any | None:
-    """The JSON value under ``key``, or None when it is not there yet (never blocks)."""
-    found = _peek(store, key)
-    return None if found is None else json.loads(found)
+    """The JSON value under ``key``, or None when it is not there yet, in one request that
+    never waits: a compare-and-set expecting a value no writer writes returns what is there,
+    and for an absent key returns the expectation without setting it. A check then a get
+    raced a delete between them (a worker leaving its slow stretch, a new process's keys
+    cleared): the get then waited out the store's timeout, or (TCPStore's libuv server)
+    returned empty bytes, which failed an agent in CI with a JSON error."""
+    found = bytes(store.compare_set(key, _ABSENT, _ABSENT))
+    return None if found == _ABSENT.encode() else json.loads(found)
 
 
 def read_int(store: Any, key: str) -> int | None:

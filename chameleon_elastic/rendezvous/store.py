@@ -336,7 +336,7 @@ class EtcdStore(dist.Store):
 
     def _missing_chunk(self, full: list[str], serializable: bool,
                        values: bool) -> tuple[list[str], int, dict[str, bytes]]:
-        request = _count_request(full, serializable, values)
+        request = _presence_request(full, serializable, values)
 
         def read(client: Any) -> tuple[list[str], int, dict[str, bytes]]:
             # A txn answers all reads at one revision. pyetcd's public ``transaction`` drops
@@ -471,11 +471,11 @@ class _Watch:
             log.debug("cancelling a store watch failed", exc_info=True)
 
 
-def _count_request(keys: list[str], serializable: bool = False, values: bool = False) -> Any:
-    """One unconditional txn that counts each key (count_only unless ``values``: no values
-    travel), built from pyetcd's public protobuf messages rather than its private request
-    builders. etcd serves a txn of serializable ranges from the member asked, without the
-    leader."""
+def _presence_request(keys: list[str], serializable: bool = False, values: bool = False) -> Any:
+    """One unconditional txn that says whether each key is there (count_only unless
+    ``values``: then the values travel too), built from pyetcd's public protobuf messages
+    rather than its private request builders. etcd serves a txn of serializable ranges from
+    the member asked, without the leader."""
     from pyetcd import etcdrpc
 
     ranges = [
