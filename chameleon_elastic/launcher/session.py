@@ -47,8 +47,9 @@ class LauncherPlanningError(RuntimeError):
 
 
 class NoPlanError(LauncherPlanningError):
-    """No plan can run the job on the devices left (the planner's sentence is included): a
-    rerun on the same allocation fails the same way."""
+    """No plan can run the job on the devices left (the planner's sentence is included), or
+    state was lost that no checkpoint holds: a rerun on the same allocation fails the same
+    way, or starts over from step 0."""
 
     status = ExitStatus.DO_NOT_REQUEUE
 

@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 import torch.distributed as dist
 
+from chameleon_elastic.exit_status import ExitStatus
 from chameleon_elastic.launcher.coordination import agreement as protocol
 from chameleon_elastic.launcher.coordination import decide as deciding
 from chameleon_elastic.launcher.coordination import messages
@@ -330,6 +331,37 @@ class _Reads:
             return method(*args, **kwargs)
 
         return noted
+
+
+def test_state_lost_without_a_checkpoint_ends_every_agent_with_do_not_requeue(tmp_path):
+    """Devices 1 and 3 held layers 4-7 and nothing else did (no snapshots, no checkpoint). The
+    decider ended the job with exit 1 while the workers, had they seen it first, said 93: a CI
+    run got 1. Both agents now end with 93 (a requeue would start over from step 0)."""
+    import threading
+
+    spec = JobSpec.preset("tiny-cpu").with_snapshot_every(0)
+    sessions = [JobSession(spec, "auto", tmp_path / f"s{n}", warm_cache=False) for n in (0, 1)]
+    store = dist.HashStore()
+    reports = [NodeReport(0, (1,), (0,), True, reported=3), NodeReport(1, (3,), (2,), True,
+                                                                        reported=3)]
+    raised: dict[int, BaseException] = {}
+
+    def agent(node: int) -> None:
+        try:
+            protocol.agree(store, "r1/", messages.Members(node, (0, 1)), reports[node],
+                           sessions[node], True, 2, timeout_s=30)
+        except LauncherPlanningError as exc:
+            raised[node] = exc
+
+    thread = threading.Thread(target=agent, args=(1,))
+    thread.start()
+    agent(0)
+    thread.join(30)
+    assert not thread.is_alive(), "the follower never read the decider's error"
+    assert sorted(raised) == [0, 1]
+    for exc in raised.values():
+        assert "layers 4-7 were lost with every device that held them" in str(exc)
+        assert exc.status == ExitStatus.DO_NOT_REQUEUE
 
 
 def test_only_the_decider_of_a_quick_round_reads_the_plan_record(session, tmp_path):

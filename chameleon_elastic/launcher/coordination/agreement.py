@@ -367,7 +367,7 @@ def _agree_in_round(store: Any, scope: str, members: Members, mine: NodeReport,
                 raise QuickRoundFailed("the other nodes decided without this one")
             decision, change = adopt(agreement, session, desk)
         if decision.error:
-            raise LauncherPlanningError(decision.error)
+            raise (NoPlanError if decision.no_plan else LauncherPlanningError)(decision.error)
     except Fenced as exc:
         if quick:   # two deciders (one replaced while frozen): the full round settles it
             raise QuickRoundFailed(str(exc)) from exc

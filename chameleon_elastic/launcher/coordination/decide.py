@@ -69,7 +69,8 @@ def decide(plan: ExecutionPlan, excluded: Collection[int], reports: Sequence[Nod
     In place, a plan that sources layers from a checkpoint when no worker has one cannot go
     on in place: a job that checkpoints (but lost them before its first checkpoint) is
     relaunched, so every worker starts again from step 0 and says so; a job that never
-    checkpoints ends with a sentence, since starting over would redo everything.
+    checkpoints ends with a sentence and exit 93 (``no_plan``), since a requeue would start
+    over from step 0 and redo everything.
     ``launched``: the last decision's ``launches`` (-1: none yet, this is the first launch).
     ``quiet``: only standbys were lost; the workers go on as they are (nothing starts)."""
     live = {d for r in reports for d in r.live}
@@ -96,4 +97,4 @@ def decide(plan: ExecutionPlan, excluded: Collection[int], reports: Sequence[Nod
                                                   else 1)
     return Decision(plan, tuple(sorted(excluded)), world_of(plan, live, inplace), inplace,
                     reported, error, why, tuple(sorted(r.node for r in reports)), speeds,
-                    starting=starting, launches=launches, quiet=quiet)
+                    no_plan=error is not None, starting=starting, launches=launches, quiet=quiet)

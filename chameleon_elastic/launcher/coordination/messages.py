@@ -121,7 +121,9 @@ class Decision:
     why: tuple[tuple[int, str], ...] = ()   # each device lost in this decision, and how
     nodes: tuple[int, ...] = ()             # the nodes that reported: the next quick round's
     speeds: tuple[tuple[int, float], ...] = ()   # the slow devices the plan was made for
-    no_plan: bool = False                   # the error is the planner's: no layout fits
+    #: the error ends the job for good (exit 93, exit_status.py): no layout fits, or state
+    #: was lost that only starting over from step 0 would make again
+    no_plan: bool = False
     starting: tuple[int, ...] = ()          # working devices without a live worker: restarts
     #: TORCHELASTIC_RESTART_COUNT of the workers it starts: decisions so far that started
     #: processes, job-wide (0: the first launch), so that every rank of a world scopes torch's
