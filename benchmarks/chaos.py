@@ -443,7 +443,9 @@ def print_table(report: dict) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--trials", type=int, default=50, help="runs per launcher")
+    parser.add_argument("--trials", type=int, default=50,
+                        help="runs per launcher (0 with --journal: only the failure-free "
+                             "reference run, kept for trials that --resume)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--launchers", default=",".join(LAUNCHERS))
     parser.add_argument("--steps", type=int, default=80)
@@ -473,8 +475,9 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(report, indent=2, default=str)) if args.json else print_table(report)
         return
     launchers = [x for x in args.launchers.split(",") if x]
-    if set(launchers) - set(LAUNCHERS) or args.trials < 1:
-        parser.error(f"--launchers takes {', '.join(LAUNCHERS)}; --trials must be >= 1.")
+    if set(launchers) - set(LAUNCHERS) or args.trials < (0 if args.journal else 1):
+        parser.error(f"--launchers takes {', '.join(LAUNCHERS)}; --trials must be >= 1 "
+                     "(0 with --journal: the reference run alone, for later --resume).")
     netns = not args.no_netns
     if netns:
         from chameleon_elastic.rendezvous.local_hosts import unavailable
@@ -510,6 +513,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.journal:   # rewritten whole: a trial cut off by the stop is dropped
         args.journal.write_text("".join(json.dumps(x, default=str) + "\n"
                                         for x in [header, *results]))
+    if not plans:   # --trials 0: the journal holds the reference, for trials to --resume
+        print(f"  reference of {len(ref)} steps written to {args.journal}", file=sys.stderr)
+        return
     done = len(results) // len(launchers)
     for i, faults in enumerate(plans):
         if i < done:

@@ -15,11 +15,22 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
+STEPS = "14"
+
+
 @pytest.fixture(scope="module")
 def journal(tmp_path_factory) -> Path:
-    """The module's chaos.py --journal: the failure-free reference run that every trial is
-    compared with is made once, by the first trial, and kept there for the next (--resume)."""
-    return tmp_path_factory.mktemp("chaos") / "journal.jsonl"
+    """The module's chaos.py --journal, holding the failure-free reference run that every
+    trial is compared with (``--trials 0``): made once, before the first trial, so that no
+    test carries it (the first one took 60 s with it)."""
+    path = tmp_path_factory.mktemp("chaos") / "journal.jsonl"
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "chaos.py"), "--trials", "0",
+         "--launchers", "chameleon", "--steps", STEPS, "--no-netns", "--journal", str(path)],
+        capture_output=True, text=True, timeout=90, cwd=path.parent, check=False)
+    assert run.returncode == 0 and path.exists(), (
+        f"the failure-free reference run failed: {run.stderr[-3000:]}")
+    return path
 
 
 def _one_trial(tmp_path: Path, journal: Path, faults: str, deadline: int) -> dict:
@@ -27,14 +38,13 @@ def _one_trial(tmp_path: Path, journal: Path, faults: str, deadline: int) -> dic
     trials already in ``journal`` (whose reference it reuses). A trial that did not finish
     carries the tails of its launchers' output and events under ``logs`` (for the assertion's
     message: a hang here once left nothing to read)."""
-    done = len(journal.read_text().splitlines()) - 1 if journal.exists() else 0
+    done = len(journal.read_text().splitlines()) - 1
     logs = tmp_path / "logs"
     run = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "chaos.py"), "--trials", str(done + 1),
-         "--launchers", "chameleon", "--faults", faults, "--steps", "14",
+         "--launchers", "chameleon", "--faults", faults, "--steps", STEPS,
          "--stall", "45", "--deadline", str(deadline), "--no-netns", "--json",
-         "--journal", str(journal), "--logs", str(logs),
-         *(["--resume"] if journal.exists() else [])],
+         "--journal", str(journal), "--logs", str(logs), "--resume"],
         capture_output=True, text=True, timeout=140, cwd=tmp_path, check=False)
     assert run.returncode == 0, run.stderr[-3000:]
     results = json.loads(run.stdout)["results"]

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SLOWED_UNTIL, AFTER = 18, 8
+SLOWED_UNTIL, AFTER = 18, 12   # after: room to see it back at full speed on a loaded machine
 
 
 def _benchmark():
