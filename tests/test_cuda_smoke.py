@@ -48,7 +48,10 @@ def test_the_cpu_dry_run_of_the_multi_process_mode_passes(tmp_path):
     assert fig["recovered"]["mode"] == "inplace" and fig["recovered"]["source"] == "snapshot"
     assert fig["kill_to_next_step_s"] is not None
     assert sorted(m["device"] for m in fig["memory"]) == [0, 1, 3]   # device 2 was killed
-    assert all(m["before_kill"]["step"] <= 10 for m in fig["memory"])
+    # a figure from before the kill, which is struck when step 10's line is read: every
+    # survivor had trained step 9 by then (step 10 needs it), and on a loaded machine may have
+    # trained steps past 10 before the signal lands (an upper bound failed under load)
+    assert all(m["before_kill"]["step"] >= 9 for m in fig["memory"])
     assert {"used", "total"} <= set(fig["device_memory"]["after_job"])
     assert rep["exit_status"] == 0 and fig["exit_code"] == 0
     assert "kill -9 -> next new step" in run.stdout and "recovery phases" in run.stdout
