@@ -102,7 +102,10 @@ def test_lost_node_under_job_is_planned_around_without_spending_a_restart(tmp_pa
     assert sorted(r["env"]["CHAMELEON_DEVICE"] for r in after) == ["0", "1"]
     assert sorted(r["env"]["RANK"] for r in after) == ["0", "1"]
     assert {r["env"]["WORLD_SIZE"] for r in after} == {"2"}
-    assert {r["env"]["TORCHELASTIC_RESTART_COUNT"] for r in after} == {"1"}  # a relaunch
+    # a relaunch: one more than the full world's (0, or 1 when the first agent started alone,
+    # as it does when the second is slow to start on a loaded machine)
+    counted = int(full[0]["env"]["TORCHELASTIC_RESTART_COUNT"])
+    assert {r["env"]["TORCHELASTIC_RESTART_COUNT"] for r in after} == {str(counted + 1)}
     events = [json.loads(x) for x in (tmp_path / "a" / "events.jsonl").read_text().splitlines()]
     chosen = [e for e in events if e["event"] == "plan_chosen"]
     assert chosen[-1]["lost"] == [2, 3] and chosen[-1]["decided_here"]
