@@ -13,9 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-STEPS = "14"
+STEPS = "14"   # each run's, the reference's too: a trial is compared step by step
 
 
 @pytest.fixture(scope="module")

@@ -328,6 +328,12 @@ def agree(store: Any, scope: str, members: Members, mine: NodeReport, session: J
             "instead") from exc
 
 
+def _failure(decision: Decision, fallback: str = "") -> LauncherPlanningError:
+    """The error that ends the job on ``decision``: with exit 93 when it is for good."""
+    error = NoPlanError if decision.no_plan else LauncherPlanningError
+    return error(decision.error or fallback)
+
+
 def _agree_in_round(store: Any, scope: str, members: Members, mine: NodeReport,
                     session: JobSession, inplace_wanted: bool, units_per_node: int,
                     timeout_s: float, quick: bool,
@@ -361,13 +367,12 @@ def _agree_in_round(store: Any, scope: str, members: Members, mine: NodeReport,
         else:
             assert agreement is not None
             if agreement.decision.error or agreement.generation is None:
-                error = NoPlanError if agreement.decision.no_plan else LauncherPlanningError
-                raise error(agreement.decision.error or "no plan was published")
+                raise _failure(agreement.decision, "no plan was published")
             if quick and members.me not in agreement.decision.nodes:   # our lease lapsed
                 raise QuickRoundFailed("the other nodes decided without this one")
             decision, change = adopt(agreement, session, desk)
         if decision.error:
-            raise (NoPlanError if decision.no_plan else LauncherPlanningError)(decision.error)
+            raise _failure(decision)
     except Fenced as exc:
         if quick:   # two deciders (one replaced while frozen): the full round settles it
             raise QuickRoundFailed(str(exc)) from exc
