@@ -109,9 +109,10 @@ def _refresh(client: Any, due: list[tuple[int, int]], ttl: int,
 
 def host_main(first: int, last: int, nodes: int, victim: int, endpoints: str, ttl: int,
           channels: int, plan_dir: str, ready: Any, orders: Any, results: Any,
-          decider_nice: int | None = None, active: int = 0) -> None:
+          decider_nice: int | None = None, active: int = 0, cpu: int | None = None) -> None:
     """One process hosting agents ``first..last-1`` on ``channels`` shared etcd clients (each
-    with its watch-dispatch thread) and a keep-alive process."""
+    with its watch-dispatch thread) and a keep-alive process; on CPU ``cpu`` alone when it is
+    given (``--pin``)."""
     import faulthandler
 
     from chameleon_elastic.launcher.coordination import agreement as protocol
@@ -123,6 +124,8 @@ def host_main(first: int, last: int, nodes: int, victim: int, endpoints: str, tt
     # read a process of 4096 threads: 12 000 memory maps)
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     threading.stack_size(_STACK)
+    if cpu is not None:
+        pin_process(cpu)
     ctx = mp.get_context("fork")   # before this process opens any gRPC channel: no new start
     stop, killed, spoiled, connected = (ctx.Event() for _ in range(4))
     inbox = ctx.Queue()
@@ -254,6 +257,20 @@ def _await(agents: list[Agent], victim: int, spoiled: Any, reported: dict[int, f
                       f"{sum('adopted' in a.out for a in agents)} adopted, "
                       f"{sum('error' in a.out for a in agents)} failed"
                       f"{_first_error(agents)}", file=sys.stderr, flush=True)
+
+
+def pin_process(cpu: int) -> None:
+    """Every thread of this process, and those it starts later (they inherit it), on ``cpu``.
+
+    A host is a thousand threads handing one interpreter lock and gRPC's completions to each
+    other: spread over both CPUs, half of those hand-offs wake a thread on the other CPU, and on
+    this virtual machine a cross-CPU wake-up is an interrupt to the hypervisor. Pinned, they stay
+    on one CPU (a host stands for a thousand nodes that would each have their own)."""
+    for tid in os.listdir("/proc/self/task"):   # sched_setaffinity is per thread on Linux
+        try:
+            os.sched_setaffinity(int(tid), {cpu})
+        except (ProcessLookupError, PermissionError):   # a thread that ended meanwhile
+            pass
 
 
 def favour_pid(pid: int) -> None:

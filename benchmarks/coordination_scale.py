@@ -150,7 +150,7 @@ def _unspoiled(said: tuple[str, Any]) -> None:
 
 def _simulate(cluster: Any, nodes: int, procs: int, channels: int, ttl: int, revoke: bool,
               steady: float, plan_dir: str, say: Any, decider_nice: int | None = None,
-              active: int = 0,
+              active: int = 0, pin: bool = True,
               sampler: Any = None,
               trouble: Any = None) -> tuple[list[dict[str, Any]], list[Any]]:
     """Start the hosts, register and watch, measure the steady state, kill one node and
@@ -161,9 +161,11 @@ def _simulate(cluster: Any, nodes: int, procs: int, channels: int, ttl: int, rev
     ready, results = ctx.Queue(), ctx.Queue()
     bounds = [(i * nodes // procs, (i + 1) * nodes // procs) for i in range(procs)]
     orders = [ctx.Queue() for _ in bounds]
+    cpus = sorted(os.sched_getaffinity(0))
     hosts = [ctx.Process(target=host_main,   # not daemonic: each starts its keep-alive process
                          args=(lo, hi, nodes, victim, cluster.endpoints, ttl, channels,
-                               plan_dir, ready, orders[i], results, decider_nice, active))
+                               plan_dir, ready, orders[i], results, decider_nice, active,
+                               cpus[i % len(cpus)] if pin else None))
              for i, (lo, hi) in enumerate(bounds)]
     t0 = time.monotonic()
     for h in hosts:
@@ -249,7 +251,8 @@ def _drive(cluster: Any, nodes: int, ttl: int, revoke: bool, steady: float, say:
 def run(nodes: int, members: int, procs: int, ttl: int, revoke: bool, channels: int = 4,
         steady: float = 10.0, say: Any = print, etcd_dir: str | None = None,
         decider_nice: int | None = None, cpu_profile: bool = False, active: int = 0,
-        leader_change: str | None = None, leader_change_at: float = 0.5) -> dict[str, Any]:
+        leader_change: str | None = None, leader_change_at: float = 0.5,
+        pin: bool = True) -> dict[str, Any]:
     from chameleon_elastic.rendezvous.config import EtcdSettings
     from chameleon_elastic.rendezvous.local_cluster import LocalEtcdCluster
 
@@ -278,7 +281,8 @@ def run(nodes: int, members: int, procs: int, ttl: int, revoke: bool, channels: 
                                    on_restart=lambda member: favour_pid(member.pid))
         try:
             got, windows = _simulate(cluster, nodes, procs, channels, ttl, revoke, steady,
-                                     plan_dir, say, decider_nice, active, sampler, trouble)
+                                     plan_dir, say, decider_nice, active, pin, sampler,
+                                     trouble)
         except Exception:
             for member in cluster.members:
                 if not member.is_running():
@@ -293,6 +297,7 @@ def run(nodes: int, members: int, procs: int, ttl: int, revoke: bool, channels: 
         say(f"  {nodes} nodes: leader change: {changed}")
     row = _summary(got, windows, nodes // 2)
     row.update(changed)
+    row["pinned_hosts"] = pin
     row["watch_breaks"] = sum(o.get("watch_breaks", 0) for g in got for o in g["outs"].values())
     if sampler is not None:
         row["cpu_windows"] = _cpu_windows(sampler, got, nodes // 2)
@@ -448,6 +453,12 @@ def main(argv: list[str] | None = None) -> int:
                              "and by the decision (default 0: all; a thousand runnable "
                              "threads on one interpreter lock thrash; at least 2: the "
                              "deciding agent holds one while it collects the reports)")
+    parser.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
+                        help="each host process (its agents' threads, its gRPC threads, its "
+                             "keep-alive process) on one CPU, the hosts dealt round-robin over "
+                             "the CPUs this process may use (default: on; --no-pin lets the "
+                             "kernel spread every thread over every CPU, as before: on this "
+                             "virtual machine the cross-CPU wake-ups doubled the round's CPU)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
     try:
@@ -470,7 +481,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [run(n, args.members, min(args.procs, n), args.ttl, args.kill == "revoke",
                 max(1, min(args.channels, n // min(args.procs, n))), args.steady, say,
                 args.etcd_dir, args.decider_nice, args.cpu_profile, leader_change=args.leader_change,
-                leader_change_at=args.leader_change_at, active=args.active)
+                leader_change_at=args.leader_change_at, active=args.active, pin=args.pin)
             for n in scales]
     if args.json:
         json.dump({"benchmark": "coordination_scale", "rows": rows}, sys.stdout, indent=2)
