@@ -27,6 +27,10 @@ measured (etcd's requests, watchers and bytes are those of production):
   and by the decision (``coordination_agents.Waker``): a thousand runnable threads on one
   interpreter lock spent more CPU switching than working (42 against 26 s of the agents' CPU
   per round at 4096 nodes), and at 16384 nodes took the machine down;
+- each host process runs on one CPU (``--pin``, the default): its thousand threads hand the
+  interpreter lock and gRPC's completions to each other, and spread over both CPUs half of
+  those wake-ups crossed CPUs, an interrupt through the hypervisor each on this virtual
+  machine (3x the rescheduling interrupts; the round's CPU, etcd's included, doubled);
 - one process replays each planning step once for its agents (every agent reads the agreement
   and checks its own digest); that per-agent CPU (parallel on real nodes) is measured and
   reported beside the adoption;
@@ -58,7 +62,7 @@ when the change came, which members led before and after, and the raft terms. Wi
 
     python benchmarks/coordination_scale.py [--nodes 256,1024] [--members 3] [--procs 4]
         [--channels 16] [--ttl 5] [--steady 10] [--kill expiry|revoke] [--decider-nice N]
-        [--active N]
+        [--active N] [--no-pin]
         [--cpu-profile] [--leader-change move|restart] [--leader-change-at S] [--json]
 """
 
@@ -69,6 +73,7 @@ import json
 import multiprocessing as mp
 import os
 import queue
+import signal
 import statistics
 import sys
 import tempfile
@@ -256,7 +261,9 @@ def run(nodes: int, members: int, procs: int, ttl: int, revoke: bool, channels: 
     from chameleon_elastic.rendezvous.config import EtcdSettings
     from chameleon_elastic.rendezvous.local_cluster import LocalEtcdCluster
 
-    with tempfile.TemporaryDirectory(prefix="coordination-scale-", dir=etcd_dir) as data, \
+    _sweep_stale(etcd_dir)
+    with tempfile.TemporaryDirectory(prefix=f"coordination-scale-{os.getpid()}-",
+                                     dir=etcd_dir) as data, \
             LocalEtcdCluster(members=members, work_dir=data) as cluster, \
             tempfile.TemporaryDirectory(prefix="coordination-scale-") as plan_dir:
         _favour(cluster)
@@ -478,6 +485,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.leader_change and args.members < 2:
         parser.error("--leader-change needs --members 2 or more (3: a majority survives)")
     say = (lambda s: print(s, file=sys.stderr, flush=True))
+    # SIGTERM (timeout, a batch system) unwinds as Ctrl-C does: the hosts are killed and etcd's
+    # members stopped, their data directories removed (by default it ended the process at once)
+    signal.signal(signal.SIGTERM, _terminated)
     rows = [run(n, args.members, min(args.procs, n), args.ttl, args.kill == "revoke",
                 max(1, min(args.channels, n // min(args.procs, n))), args.steady, say,
                 args.etcd_dir, args.decider_nice, args.cpu_profile, leader_change=args.leader_change,
@@ -489,6 +499,24 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     _print_table(rows, bool(args.leader_change))
     return 0
+
+def _terminated(signum: int, frame: Any) -> None:
+    print("coordination_scale: stopped by SIGTERM; stopping the hosts and etcd's members and "
+          "removing their data", file=sys.stderr, flush=True)
+    raise SystemExit(128 + signum)
+
+
+def _sweep_stale(etcd_dir: str | None) -> None:
+    """Remove the etcd data left by runs that were SIGKILLed (nothing else can remove it: in
+    /dev/shm it holds memory until the next boot): each directory is named by its run's pid,
+    and one whose run is gone is stale."""
+    import shutil
+
+    for path in Path(etcd_dir or tempfile.gettempdir()).glob("coordination-scale-*-*"):
+        pid = path.name.split("-")[2]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(path, ignore_errors=True)
+
 
 def _print_table(rows: list[dict[str, Any]], leader_change: bool) -> None:
     """The rows as a table, then each row's CPU windows (``--cpu-profile``)."""
