@@ -500,6 +500,7 @@ def main(argv: list[str] | None = None) -> int:
     _print_table(rows, bool(args.leader_change))
     return 0
 
+
 def _terminated(signum: int, frame: Any) -> None:
     print("coordination_scale: stopped by SIGTERM; stopping the hosts and etcd's members and "
           "removing their data", file=sys.stderr, flush=True)

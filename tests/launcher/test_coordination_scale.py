@@ -5,7 +5,9 @@ excludes exactly that node's devices, through the real quick round and planner."
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -59,3 +61,50 @@ def test_eight_simulated_nodes_adopt_through_a_leader_change_inside_the_round(tm
     if how == "move":   # a restarted leader may win the election that follows
         assert row["leader_before"] != row["leader_after"], row
     assert row["leader_change_after_loss_s"] >= 0
+
+
+@pytest.mark.timeout(120)   # about 10 s on 2 quiet cores
+def test_a_run_stopped_by_sigterm_leaves_no_process_and_no_etcd_data(tmp_path):
+    """SIGTERM (``timeout``, a batch system) in the steady state: the run says it stops, ends
+    with 128 + 15, and leaves no host, keep-alive or etcd process and no etcd data (before,
+    the hosts waited for orders for good and the data stayed in /dev/shm)."""
+    import signal
+
+    import psutil
+
+    data = tmp_path / "etcd"
+    data.mkdir()
+    run = subprocess.Popen(
+        [sys.executable, str(ROOT / "benchmarks" / "coordination_scale.py"), "--nodes", "4",
+         "--members", "1", "--procs", "1", "--ttl", "10", "--steady", "60", "--kill", "revoke",
+         "--etcd-dir", str(data)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    started: list = []
+    try:
+        said = []
+        for line in run.stderr:   # the pytest timeout bounds this read
+            said.append(line)
+            if "every agent watches" in line:
+                break
+        assert any("every agent watches" in line for line in said), \
+            f"the run never reached its steady state: {''.join(said)[-2000:]}"
+        started = psutil.Process(run.pid).children(recursive=True)
+        assert any(p.name().startswith("etcd") for p in started), started
+        run.send_signal(signal.SIGTERM)
+        code = run.wait(timeout=60)
+        # what it said since, without waiting for an end of file that a process left behind
+        # holding the pipe would never give
+        os.set_blocking(run.stderr.fileno(), False)
+        try:
+            rest = os.read(run.stderr.fileno(), 1 << 16).decode(errors="replace")
+        except BlockingIOError:
+            rest = ""
+        _, alive = psutil.wait_procs(started, timeout=10)
+    finally:
+        for proc in [run, *started]:
+            with contextlib.suppress(psutil.Error, ProcessLookupError):
+                proc.kill()
+    assert code == 128 + signal.SIGTERM, (code, rest)
+    assert "stopped by SIGTERM" in rest, rest
+    assert not alive, f"left running after SIGTERM: {alive}"
+    assert not list(data.iterdir()), f"etcd data left behind: {list(data.iterdir())}"
