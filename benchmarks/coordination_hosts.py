@@ -59,7 +59,7 @@ def _keeper(endpoints: str, ttl: int, connected: Any, inbox: Any, victim: int, k
     from chameleon_elastic.rendezvous.client import ETCD_FAILURES, EtcdClient
     from chameleon_elastic.rendezvous.config import EtcdSettings
 
-    die_with_parent()
+    tied_to_parent()
     params = params_for(endpoints, 2, ttl)
     client = EtcdClient(EtcdSettings.from_config(params.endpoint, dict(params.config)))
     connected.set()
@@ -120,7 +120,7 @@ def host_main(first: int, last: int, nodes: int, victim: int, endpoints: str, tt
     from chameleon_elastic.launcher.coordination import messages
     from chameleon_elastic.rendezvous.liveness import list_nodes
 
-    die_with_parent()
+    tied_to_parent()
     faulthandler.enable(all_threads=False)   # a host that crashes says where
     # `kill -USR1 <host pid>`: every thread's stack on the host's stderr (py-spy cannot
     # read a process of 4096 threads: 12 000 memory maps)
@@ -261,12 +261,15 @@ def _await(agents: list[Agent], victim: int, spoiled: Any, reported: dict[int, f
                       f"{_first_error(agents)}", file=sys.stderr, flush=True)
 
 
-def die_with_parent() -> None:
-    """SIGKILL this process when the one that started it dies (Linux ``PR_SET_PDEATHSIG``): a
-    host waits on its parent's orders, and a keep-alive process refreshes leases until its
-    host says stop, so either outlived a parent stopped by a signal, for good."""
+def tied_to_parent() -> None:
+    """SIGKILL this process when the one that started it dies (Linux ``PR_SET_PDEATHSIG``), and
+    leave Ctrl-C to the run's parent: a host waits on its parent's orders, and a keep-alive
+    process refreshes leases until its host says stop, so either outlived a parent stopped by a
+    signal, for good; and Ctrl-C, sent to every process of the terminal's group, printed a
+    traceback from each of them."""
     import ctypes
 
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)
     if os.getppid() == 1:   # the parent was gone before the call
         os._exit(1)

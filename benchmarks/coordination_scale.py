@@ -554,4 +554,9 @@ def _print_table(rows: list[dict[str, Any]], leader_change: bool) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:   # Ctrl-C: the hosts and members are stopped by now
+        print("coordination_scale: interrupted; the hosts and etcd's members are stopped and "
+              "their data removed", file=sys.stderr)
+        sys.exit(130)
