@@ -12,8 +12,8 @@ the process closed its trainer at the end (STEP: the run's steps). ACTION:
 ``reported`` only) - it SIGKILLs its agent, then itself (a node lost); ``lose-vote`` - this rank acts as
 if its vote had failed although the vote completed elsewhere (what a rank sees when a dying
 peer's last message of the all-reduce never arrives): it abandons the step before applying;
-``kill-saved`` - as ``kill``, once the checkpoint being written in the background has ended
-(a loss after the checkpoint is on disk, as a save that took no time would have it);
+``kill-saved`` - as ``kill``, once the checkpoint being written in the background has been
+committed (a loss after the checkpoint is on disk, as a save that took no time would have it);
 ``raise`` - a bug: the script raises (only in the first process of the device, so the process
 that replaces it trains on); ``spin`` - a hang that keeps a core busy; ``spin-S`` - busy for
 S seconds, then on (slow work, not a hang); ``sleep`` - a hang
@@ -82,6 +82,20 @@ FEATURED = {"layers": 8, "groups": True, "dropout": 0.1}   # featured_model's ar
 EVAL_SAMPLES, EVAL_SEED = 13, 5
 
 
+def _until_committed(saving) -> None:
+    """Until the save in flight is committed (rank 0 moved ``latest`` to its step), or 30 s.
+    This rank's save ending is not enough: rank 0 commits only once its own save has ended,
+    and a loss in between (a relaunch kills rank 0 too) leaves the previous checkpoint in
+    force: the relaunch then resumed from the checkpoint before (a loaded machine trained
+    steps 2-4 again where the test expects step 4 only)."""
+    from chameleon_elastic.runtime.state.checkpoint import latest_step
+
+    saving.settle()
+    deadline = time.monotonic() + 30
+    while (latest_step(saving.directory) or -1) < saving.step and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
 def main() -> None:
     args = sys.argv[1:]
     featured, sharded = "--featured" in args, "--tp-model" in args
@@ -129,7 +143,7 @@ def main() -> None:
         if action != "dist-error":
             mine.pop((step, phase), None)
         if action == "kill-saved" and trainers[0].saving is not None:
-            trainers[0].saving.settle()
+            _until_committed(trainers[0].saving)
         if action in ("kill", "kill-saved"):
             os.kill(os.getpid(), signal.SIGKILL)
         elif action == "lose-vote":
