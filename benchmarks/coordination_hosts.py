@@ -267,11 +267,13 @@ def tied_to_parent() -> None:
     process refreshes leases until its host says stop, so either outlived a parent stopped by a
     signal, for good; and Ctrl-C, sent to every process of the terminal's group, printed a
     traceback from each of them."""
-    import ctypes
+    from chameleon_elastic.rendezvous.local_etcd import _parent_death_signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)
-    if os.getppid() == 1:   # the parent was gone before the call
+    parent, hook = os.getppid(), _parent_death_signal()   # the hook etcd's members start with
+    if hook is not None:
+        hook()
+    if os.getppid() != parent:   # the parent was gone before the call
         os._exit(1)
 
 
