@@ -53,6 +53,10 @@ def _child(rank: int, world_size: int, store_path: str, timeout_s: float, fn: Ca
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout_s))
+        # gloo's connect can return on one rank before its peer has read the handshake: a rank
+        # whose fn ends at once would then close the pair under a peer still connecting, and
+        # the peer's error would hide the real one. The barrier holds until every pair is up.
+        dist.barrier()
         try:
             value = fn(rank, world_size, *args)
         finally:
