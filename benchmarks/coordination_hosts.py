@@ -267,10 +267,10 @@ def tied_to_parent() -> None:
     process refreshes leases until its host says stop, so either outlived a parent stopped by a
     signal, for good; and Ctrl-C, sent to every process of the terminal's group, printed a
     traceback from each of them."""
-    from chameleon_elastic.rendezvous.local_etcd import _parent_death_signal
+    from chameleon_elastic.rendezvous.local_etcd import parent_death_signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    parent, hook = os.getppid(), _parent_death_signal()   # the hook etcd's members start with
+    parent, hook = os.getppid(), parent_death_signal()   # the hook etcd's members start with
     if hook is not None:
         hook()
     if os.getppid() != parent:   # the parent was gone before the call

@@ -73,6 +73,7 @@ import json
 import multiprocessing as mp
 import os
 import queue
+import shutil
 import signal
 import statistics
 import sys
@@ -511,8 +512,6 @@ def _sweep_stale(etcd_dir: str | None) -> None:
     """Remove the etcd data left by runs that were SIGKILLed (nothing else can remove it: in
     /dev/shm it holds memory until the next boot): each directory is named by its run's pid,
     and one whose run is gone is stale."""
-    import shutil
-
     for path in Path(etcd_dir or tempfile.gettempdir()).glob("coordination-scale-*-*"):
         pid = path.name.split("-")[2]
         if pid.isdigit() and not Path(f"/proc/{pid}").exists():

@@ -42,7 +42,7 @@ from types import TracebackType
 
 from chameleon_elastic.rendezvous.errors import EtcdServerError
 
-__all__ = ["LocalEtcd", "LocalEtcdTls", "find_etcd_binary", "free_port"]
+__all__ = ["LocalEtcd", "LocalEtcdTls", "find_etcd_binary", "free_port", "parent_death_signal"]
 
 _HEALTH_POLL_S = 0.05
 _PR_SET_PDEATHSIG = 1
@@ -92,7 +92,7 @@ class LocalEtcdTls:
     health_key: str | None = None
 
 
-def _parent_death_signal() -> Callable[[], None] | None:
+def parent_death_signal() -> Callable[[], None] | None:
     """A pre-exec hook that makes the child SIGKILLed when its parent dies (Linux), else None.
 
     libc is loaded here, in the parent, so the hook run in the child only makes one call.
@@ -251,7 +251,7 @@ class LocalEtcd:
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
                 # the hook is one prctl() call through a libc handle loaded in the parent
-                preexec_fn=_parent_death_signal(),  # noqa: PLW1509 - no orphan etcd
+                preexec_fn=parent_death_signal(),  # noqa: PLW1509 - no orphan etcd
             )
 
     def wait_healthy(self, timeout: float | None = None) -> None:
