@@ -91,8 +91,7 @@ class LeaderChange:
                     return
         gone = time.monotonic()
         self._stop.wait(max(0.0, gone + self.at_s - time.monotonic()))
-        old = self.cluster.leader()
-        term = self.cluster.term(old)
+        old, term = self.cluster.leader_claim()
         began = time.monotonic()
         if self.how == "move":
             _, new = self.cluster.move_leader()

@@ -140,11 +140,19 @@ class LocalEtcdCluster:
         return int(self.status(index, timeout).raftTerm)
 
     def leader(self, timeout: float = 10.0) -> int:
-        """Index of the member that reports itself leader, polled until ``timeout`` seconds.
+        """Index of the member that reports itself leader, polled until ``timeout`` seconds."""
+        return self.leader_claim(timeout)[0]
 
-        A leader whose followers all died still claims the role until it steps down, about an
-        election timeout later (etcd's check-quorum). Raises EtcdServerError if no running
-        member is leader by then (no majority runs).
+    def leader_claim(self, timeout: float = 10.0) -> tuple[int, int]:
+        """The leader's index and the term it claims to lead, from one status answer.
+
+        A term read apart, after ``leader()``, may already be the next one's: a busy machine
+        misses a heartbeat, the members elect again, and the index read before is a follower
+        in that new term (a CI run: the leader killed next was no longer leader, and the
+        survivor's term equalled the "old" one). A leader whose followers all died still
+        claims the role until it steps down, about an election timeout later (etcd's
+        check-quorum). Raises EtcdServerError if no running member is leader by then (no
+        majority runs).
         """
         deadline = time.monotonic() + timeout
         last_error = "no member answered"
@@ -159,7 +167,7 @@ class LocalEtcdCluster:
                 if status.leader and status.leader == status.header.member_id:
                     claims[index] = int(status.raftTerm)
             if claims:  # a deposed leader that missed the election claims an older term
-                return max(claims, key=claims.__getitem__)
+                return max(claims.items(), key=lambda claim: claim[1])
             if time.monotonic() >= deadline:
                 raise EtcdServerError(
                     f"No member of the local etcd cluster ({self.endpoints}) reported itself "

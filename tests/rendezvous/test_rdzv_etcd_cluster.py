@@ -59,8 +59,8 @@ def test_cluster_replaces_a_killed_leader_and_takes_a_member_back(etcd_cluster) 
     assert len(etcd_cluster.endpoints.split(",")) == 3
     with client_for(etcd_cluster.endpoints) as client:
         EtcdStore(client, "/chameleon/rdzv/cluster/").set("k", "before")
-        old = etcd_cluster.leader()
-        old_id, old_term = etcd_cluster.member_id(old), etcd_cluster.term(old)
+        old, old_term = etcd_cluster.leader_claim()
+        old_id = etcd_cluster.member_id(old)
         etcd_cluster.kill(old)
         assert etcd_cluster.running() == [i for i in range(3) if i != old]
         new = etcd_cluster.leader(timeout=15)
@@ -192,8 +192,7 @@ def test_job_survives_the_etcd_leader_being_killed(etcd_cluster, agents, tmp_pat
     pids = {r["pid"] for r in agents.wait_until(
         "a group of 2 nodes x 2 workers", lambda: live_reports(out, 4, 3), 40)}
     with client_for(etcd_cluster.endpoints) as client:
-        old = etcd_cluster.leader()
-        old_term = etcd_cluster.term(old)
+        old, old_term = etcd_cluster.leader_claim()
         step_at_kill = min(r["step"] for r in progress(out))
         killed_at = time.monotonic()
         etcd_cluster.kill(old)
