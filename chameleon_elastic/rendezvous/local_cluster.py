@@ -148,8 +148,8 @@ class LocalEtcdCluster:
 
         A term read apart, after ``leader()``, may already be the next one's: a busy machine
         misses a heartbeat, the members elect again, and the index read before is a follower
-        in that new term (a CI run: the leader killed next was no longer leader, and the
-        survivor's term equalled the "old" one). A leader whose followers all died still
+        in that new term (a full test run: the member killed next was no longer leader, and
+        the survivor's term equalled the "old" one). A leader whose followers all died still
         claims the role until it steps down, about an election timeout later (etcd's
         check-quorum). Raises EtcdServerError if no running member is leader by then (no
         majority runs).
