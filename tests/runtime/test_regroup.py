@@ -170,6 +170,11 @@ _SURVIVOR = textwrap.dedent("""
     for work in dist.batch_isend_irecv(ops):
         work.wait()
     said.update(neighbour=int(got.item()), gen2_pairs_after=pairs())
+    # no survivor exits before every survivor counted: an exited peer's pair fails, and gloo
+    # closes its end of it at once (CI: a recorded descriptor gone under the count, EBADF)
+    if store.add("counted", 1) == 4:
+        store.set("all counted", "1")
+    store.wait(["all counted"])
     print(json.dumps(said), flush=True)
     os._exit(0)
 """)
